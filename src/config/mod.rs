@@ -1,0 +1,223 @@
+//! Loading the config file: TOML → [`Config`] → problems reported as
+//! `PATH:LINE:COLUMN: key.path: what is wrong`.
+//!
+//! Parsing is done by `toml` + serde (unknown keys and bad durations are serde errors);
+//! semantic checks are made while the runtime snapshot is built
+//! ([`crate::snapshot::Snapshot::build`]), which records each problem against a key path
+//! such as `routes[1].limits[0]`. [`locate`] maps key paths and byte spans back to lines
+//! and columns with `toml_edit`, which keeps the span of every key.
+
+pub mod duration;
+mod locate;
+pub mod schema;
+
+pub use duration::Dur;
+pub use schema::*;
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+/// One thing wrong (or worth a warning) in a config file, tied to a key path.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Problem {
+    /// Dotted key path with indices, e.g. `routes[1].limits[0]`; empty for the whole file.
+    pub path: String,
+    /// What is wrong, for a human.
+    pub message: String,
+    /// Byte span in the file when known directly (parse errors); otherwise located by `path`.
+    pub span: Option<std::ops::Range<usize>>,
+}
+
+/// Errors and warnings gathered while validating a config.
+#[derive(Debug, Clone, Default)]
+pub struct Problems {
+    /// Problems that make the config unusable.
+    pub errors: Vec<Problem>,
+    /// Problems worth telling the operator about that do not stop the config.
+    pub warnings: Vec<Problem>,
+}
+
+impl Problems {
+    /// Record an error at `path`.
+    pub fn error(&mut self, path: impl Into<String>, message: impl Into<String>) {
+        self.errors.push(Problem {
+            path: path.into(),
+            message: message.into(),
+            span: None,
+        });
+    }
+
+    /// Record a warning at `path`.
+    pub fn warn(&mut self, path: impl Into<String>, message: impl Into<String>) {
+        self.warnings.push(Problem {
+            path: path.into(),
+            message: message.into(),
+            span: None,
+        });
+    }
+
+    /// True when no error was recorded.
+    pub fn is_ok(&self) -> bool {
+        self.errors.is_empty()
+    }
+}
+
+/// A config file as read from disk: its path, its text and the parsed [`Config`].
+#[derive(Debug, Clone)]
+pub struct ConfigFile {
+    /// Where it was read from (as given).
+    pub path: PathBuf,
+    /// The file's text, kept to locate problems.
+    pub text: String,
+    /// The parsed config.
+    pub config: Config,
+}
+
+/// A config file that could not be used, with every problem found.
+#[derive(Debug, Clone)]
+pub struct ConfigReport {
+    /// The file's path, printed at the start of every line.
+    pub path: PathBuf,
+    /// The file's text ("" when it could not be read).
+    pub text: String,
+    /// Errors and warnings.
+    pub problems: Problems,
+}
+
+impl ConfigReport {
+    /// A report about a file that was never parsed (e.g. unreadable).
+    pub fn whole_file(path: &Path, message: String) -> Self {
+        let mut problems = Problems::default();
+        problems.error("", message);
+        Self {
+            path: path.to_path_buf(),
+            text: String::new(),
+            problems,
+        }
+    }
+
+    /// Render one problem as `PATH:LINE:COLUMN: key.path: message`.
+    pub fn render(&self, p: &Problem) -> String {
+        let (line, col) = locate::line_col(&self.text, p, &self.path);
+        let key = if p.path.is_empty() { "(file)" } else { &p.path };
+        format!(
+            "{}:{}:{}: {}: {}",
+            self.path.display(),
+            line,
+            col,
+            key,
+            p.message
+        )
+    }
+
+    /// Every error, one rendered line each.
+    pub fn error_lines(&self) -> Vec<String> {
+        self.problems
+            .errors
+            .iter()
+            .map(|p| self.render(p))
+            .collect()
+    }
+
+    /// Every warning, one rendered line each (prefixed `warning: `).
+    pub fn warning_lines(&self) -> Vec<String> {
+        self.problems
+            .warnings
+            .iter()
+            .map(|p| format!("warning: {}", self.render(p)))
+            .collect()
+    }
+}
+
+impl fmt::Display for ConfigReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for line in self.error_lines() {
+            writeln!(f, "{line}")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for ConfigReport {}
+
+/// Parse `text` (read from `path`) into a [`Config`], or a report of every syntax or
+/// schema error (serde stops at the first one).
+pub fn parse(path: &Path, text: String) -> Result<ConfigFile, ConfigReport> {
+    match toml::from_str::<Config>(&text) {
+        Ok(config) => Ok(ConfigFile {
+            path: path.to_path_buf(),
+            text,
+            config,
+        }),
+        Err(e) => {
+            let span = e.span();
+            let key_path = span
+                .as_ref()
+                .map(|s| locate::path_at(&text, s.start))
+                .unwrap_or_default();
+            let mut problems = Problems::default();
+            problems.errors.push(Problem {
+                path: key_path,
+                message: e.message().trim().to_string(),
+                span,
+            });
+            Err(ConfigReport {
+                path: path.to_path_buf(),
+                text,
+                problems,
+            })
+        }
+    }
+}
+
+/// Read and parse the file at `path`.
+pub fn read(path: &Path) -> Result<ConfigFile, ConfigReport> {
+    match std::fs::read_to_string(path) {
+        Ok(text) => parse(path, text),
+        Err(e) => Err(ConfigReport::whole_file(
+            path,
+            format!("cannot read config file: {e}"),
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report(text: &str) -> Vec<String> {
+        parse(Path::new("t.toml"), text.into())
+            .unwrap_err()
+            .error_lines()
+    }
+
+    #[test]
+    fn unknown_key_names_line_column_and_path() {
+        let lines = report("[server]\nlisten = \"127.0.0.1:1\"\nlisten_port = 3\n");
+        assert_eq!(lines.len(), 1);
+        assert!(
+            lines[0].starts_with("t.toml:3:1: server.listen_port: unknown field `listen_port`"),
+            "{}",
+            lines[0]
+        );
+    }
+
+    #[test]
+    fn bad_duration_points_at_the_value() {
+        let lines = report(
+            "[[limits]]\nname = \"core\"\nwindow = \"5 parsecs\"\nquota = { anonymous = 1 }\n",
+        );
+        assert!(lines[0].starts_with("t.toml:3:"), "{}", lines[0]);
+        assert!(
+            lines[0].contains("limits[0].window: invalid duration"),
+            "{}",
+            lines[0]
+        );
+    }
+
+    #[test]
+    fn syntax_error_has_a_location() {
+        let lines = report("[server\nlisten = 1\n");
+        assert!(lines[0].starts_with("t.toml:1:"), "{}", lines[0]);
+    }
+}

@@ -1,0 +1,303 @@
+//! The TOML schema: plain serde types, one per section of the contract, with their defaults.
+//!
+//! Unknown keys are errors everywhere (`deny_unknown_fields`). Semantic checks (names that
+//! must exist, numbers that must be positive) live in [`super::validate`].
+
+use super::duration::Dur;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// The whole config file.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// `[server]`: listeners and shutdown.
+    #[serde(default)]
+    pub server: ServerConfig,
+    /// `[log]`: level and format of the logs on stderr.
+    #[serde(default)]
+    pub log: LogConfig,
+    /// `[store]`: where windows are kept.
+    #[serde(default)]
+    pub store: StoreConfig,
+    /// `[identity]`: API keys, tiers, trusted proxies.
+    #[serde(default)]
+    pub identity: IdentityConfig,
+    /// `[[upstreams]]`: named pools of targets.
+    #[serde(default)]
+    pub upstreams: Vec<UpstreamConfig>,
+    /// `[[limits]]`: named quotas.
+    #[serde(default)]
+    pub limits: Vec<LimitConfig>,
+    /// `[[routes]]`: host and path prefix → upstream and limits.
+    #[serde(default)]
+    pub routes: Vec<RouteConfig>,
+}
+
+/// `[server]`.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerConfig {
+    /// The proxy listener, `HOST:PORT`. Default `127.0.0.1:8080`.
+    pub listen: String,
+    /// Optional admin listener (`GET /healthz`). Default: none.
+    pub admin_listen: Option<String>,
+    /// How long in-flight requests may run after SIGTERM/SIGINT. Default 30 s.
+    pub shutdown_grace: Dur,
+    /// An HTTP/1 client must send its request headers within this time. Default 10 s.
+    pub header_read_timeout: Dur,
+    /// TLS on the listener (not supported yet).
+    pub tls: Option<TlsConfig>,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            listen: "127.0.0.1:8080".into(),
+            admin_listen: None,
+            shutdown_grace: Dur::from_secs(30),
+            header_read_timeout: Dur::from_secs(10),
+            tls: None,
+        }
+    }
+}
+
+/// `[server.tls]` (reserved: rejected as "not supported yet").
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsConfig {
+    /// PEM certificate chain.
+    pub cert: String,
+    /// PEM private key.
+    pub key: String,
+}
+
+/// `[log]`.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LogConfig {
+    /// A `tracing` filter such as `"info"` or `"tollgate=debug"`; `RUST_LOG` overrides it.
+    pub level: String,
+    /// `"text"` (default) or `"json"`.
+    pub format: LogFormat,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        Self {
+            level: "info".into(),
+            format: LogFormat::Text,
+        }
+    }
+}
+
+/// The log line format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// `[store]`.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct StoreConfig {
+    /// `"memory"` (this process only, the default) or `"redis"`.
+    pub backend: Backend,
+    /// Budget for one store call; past it the call counts as failed. Default 50 ms.
+    pub timeout: Dur,
+    /// What to do when the store fails or is slow: fail open or fail closed.
+    pub on_error: OnError,
+    /// Prefix of every Redis key. Default `"tollgate:"`.
+    pub key_prefix: String,
+    /// Secret for the keyed hash of caller identities (Redis keys and shard choice).
+    /// Every gateway of a fleet must use the same value. Default: none (the hash is
+    /// keyed with the key prefix only).
+    pub hash_key: Option<String>,
+    /// Where CHECKs go: only `"primary"` is supported yet.
+    pub read_from: Option<String>,
+    /// How often the memory store drops expired windows. Default 5 s.
+    pub sweep_interval: Dur,
+    /// `[[store.shards]]`: one entry per Redis primary/replica group.
+    pub shards: Vec<ShardConfig>,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        Self {
+            backend: Backend::Memory,
+            timeout: Dur::from_millis(50),
+            on_error: OnError::Allow,
+            key_prefix: "tollgate:".into(),
+            hash_key: None,
+            read_from: None,
+            sweep_interval: Dur::from_secs(5),
+            shards: Vec::new(),
+        }
+    }
+}
+
+/// The kind of store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    /// Windows held in this process only.
+    Memory,
+    /// Windows held in (sharded) Redis, shared by a fleet of gateways.
+    Redis,
+}
+
+/// Behaviour when the store cannot answer within `store.timeout`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnError {
+    /// Fail open: forward the request without limiting it, log a rate-limited warning.
+    Allow,
+    /// Fail closed: answer 503.
+    Deny,
+}
+
+/// `[[store.shards]]`: one Redis primary and its replicas.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ShardConfig {
+    /// `redis://HOST:PORT[/DB]` of the primary; CHARGEs (and for now CHECKs) go here.
+    pub primary: String,
+    /// Replica URLs; accepted but not used for reads yet.
+    #[serde(default)]
+    pub replicas: Vec<String>,
+}
+
+/// `[identity]`.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct IdentityConfig {
+    /// Header that carries the API key. For `authorization`, the value is `Bearer KEY` or
+    /// `token KEY`; for any other header the whole value is the key.
+    pub api_key_header: String,
+    /// CIDRs of proxies whose `X-Forwarded-For` is believed.
+    pub trusted_proxies: Vec<String>,
+    /// Tier of callers that present no key.
+    pub anonymous_tier: String,
+    /// `[[identity.clients]]`: known API keys.
+    pub clients: Vec<ClientConfig>,
+}
+
+impl Default for IdentityConfig {
+    fn default() -> Self {
+        Self {
+            api_key_header: "authorization".into(),
+            trusted_proxies: Vec::new(),
+            anonymous_tier: "anonymous".into(),
+            clients: Vec::new(),
+        }
+    }
+}
+
+/// `[[identity.clients]]`: one API key.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClientConfig {
+    /// Caller id, used in limit keys (hashed), logs and error messages.
+    pub id: String,
+    /// SHA-256 of the API key, 64 hex characters.
+    pub key_sha256: String,
+    /// The client's tier. Default `"default"`.
+    #[serde(default = "default_tier")]
+    pub tier: String,
+}
+
+fn default_tier() -> String {
+    "default".into()
+}
+
+/// `[[upstreams]]`.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct UpstreamConfig {
+    /// Name that routes refer to.
+    pub name: String,
+    /// `http://HOST:PORT[/BASE]` targets, used round robin.
+    pub targets: Vec<String>,
+    /// TCP connect budget. Default 2 s; past it the caller gets 504.
+    #[serde(default = "default_connect_timeout")]
+    pub connect_timeout: Dur,
+    /// Budget from sending the request until the response headers arrive. Default 60 s;
+    /// past it the caller gets 504.
+    #[serde(default = "default_response_timeout")]
+    pub response_timeout: Dur,
+}
+
+fn default_connect_timeout() -> Dur {
+    Dur::from_secs(2)
+}
+
+fn default_response_timeout() -> Dur {
+    Dur::from_secs(60)
+}
+
+/// `[[limits]]`.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitConfig {
+    /// Name, reported as `X-RateLimit-Resource`.
+    pub name: String,
+    /// Only `"fixed_window"` is supported yet.
+    #[serde(default = "default_algorithm")]
+    pub algorithm: String,
+    /// Window length.
+    pub window: Dur,
+    /// Cost units per window, by tier.
+    pub quota: BTreeMap<String, u64>,
+    /// What a window counts: `"caller"`, `"ip"`, `"global"` or `"header:NAME"`.
+    #[serde(default = "default_by")]
+    pub by: String,
+}
+
+fn default_algorithm() -> String {
+    "fixed_window".into()
+}
+
+fn default_by() -> String {
+    "caller".into()
+}
+
+/// `[[routes]]`.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteConfig {
+    /// Optional host (without port) this route is for; matched case-insensitively.
+    #[serde(default)]
+    pub host: Option<String>,
+    /// Path prefix; the longest matching prefix wins.
+    pub path_prefix: String,
+    /// Name of an `[[upstreams]]` entry.
+    pub upstream: String,
+    /// Names of `[[limits]]` entries; every one must admit the request.
+    #[serde(default)]
+    pub limits: Vec<String>,
+    /// Units charged per request. Default 1.
+    #[serde(default = "default_cost")]
+    pub cost: u64,
+    /// Responses with these statuses are not charged. Default `[304]`.
+    #[serde(default = "default_uncharged")]
+    pub uncharged_statuses: Vec<u16>,
+    /// `"after_response"` (default); `"on_request"` is not supported yet.
+    #[serde(default = "default_charge")]
+    pub charge: String,
+}
+
+fn default_cost() -> u64 {
+    1
+}
+
+fn default_uncharged() -> Vec<u16> {
+    vec![304]
+}
+
+fn default_charge() -> String {
+    "after_response".into()
+}

@@ -1,0 +1,302 @@
+//! Step 1 of the request path: who is calling.
+//!
+//! An API key (in `identity.api_key_header`) maps to a client id and tier; no key means
+//! an anonymous caller known by client IP; a key that matches no client is a 401.
+
+mod client_ip;
+
+pub use client_ip::client_ip;
+
+use crate::config::{IdentityConfig, Problems};
+use http::{HeaderMap, HeaderName};
+use ipnet::IpNet;
+use sha2::{Digest, Sha256};
+use std::collections::{BTreeSet, HashMap};
+use std::net::IpAddr;
+use std::sync::Arc;
+use subtle::ConstantTimeEq;
+
+/// A known API client.
+#[derive(Debug)]
+pub struct Client {
+    /// Caller id (from config).
+    pub id: Arc<str>,
+    /// Tier, which selects the quota of each limit.
+    pub tier: Arc<str>,
+    key_sha256: [u8; 32],
+}
+
+/// The caller of one request.
+#[derive(Debug, Clone)]
+pub struct Caller {
+    /// The client, when a valid API key was presented; `None` for anonymous callers.
+    pub client: Option<Arc<Client>>,
+    /// Tier for quota lookups: the client's, or `identity.anonymous_tier`.
+    pub tier: Arc<str>,
+    /// Client IP: the socket peer, or the right-most untrusted `X-Forwarded-For` hop when
+    /// the peer is a trusted proxy.
+    pub ip: IpAddr,
+}
+
+impl Caller {
+    /// The id to show in logs and messages: the client id, else the client IP.
+    pub fn label(&self) -> String {
+        match &self.client {
+            Some(c) => c.id.to_string(),
+            None => self.ip.to_string(),
+        }
+    }
+}
+
+/// Why a caller could not be identified.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum IdentityError {
+    /// An API key was presented but matches no client (HTTP 401).
+    #[error("Bad credentials")]
+    BadCredentials,
+}
+
+/// The identity part of a config snapshot.
+#[derive(Debug)]
+pub struct Identities {
+    header: HeaderName,
+    scheme_prefixed: bool,
+    by_digest: HashMap<[u8; 32], Arc<Client>>,
+    trusted_proxies: Vec<IpNet>,
+    anonymous_tier: Arc<str>,
+}
+
+impl Identities {
+    /// Build from `[identity]`, recording problems under `identity.*`.
+    pub fn build(cfg: &IdentityConfig, problems: &mut Problems) -> Self {
+        let header =
+            match HeaderName::from_bytes(cfg.api_key_header.to_ascii_lowercase().as_bytes()) {
+                Ok(h) => h,
+                Err(_) => {
+                    problems.error(
+                        "identity.api_key_header",
+                        format!("{:?} is not a valid header name", cfg.api_key_header),
+                    );
+                    http::header::AUTHORIZATION
+                }
+            };
+        let scheme_prefixed = header == http::header::AUTHORIZATION;
+        if cfg.anonymous_tier.trim().is_empty() {
+            problems.error("identity.anonymous_tier", "must not be empty");
+        }
+
+        let mut trusted_proxies = Vec::new();
+        for (i, cidr) in cfg.trusted_proxies.iter().enumerate() {
+            match parse_cidr(cidr) {
+                Some(net) => trusted_proxies.push(net),
+                None => problems.error(
+                    format!("identity.trusted_proxies[{i}]"),
+                    format!("{cidr:?} is not a CIDR (e.g. \"10.0.0.0/8\") or an IP address"),
+                ),
+            }
+        }
+
+        let mut by_digest = HashMap::new();
+        let mut ids = BTreeSet::new();
+        for (i, c) in cfg.clients.iter().enumerate() {
+            let at = format!("identity.clients[{i}]");
+            if c.id.trim().is_empty() {
+                problems.error(format!("{at}.id"), "must not be empty");
+            } else if !ids.insert(c.id.as_str()) {
+                problems.error(
+                    format!("{at}.id"),
+                    format!("duplicate client id {:?}", c.id),
+                );
+            }
+            if c.tier.trim().is_empty() {
+                problems.error(format!("{at}.tier"), "must not be empty");
+            }
+            let Some(digest) = parse_sha256(&c.key_sha256) else {
+                problems.error(
+                    format!("{at}.key_sha256"),
+                    "must be 64 hex characters (the SHA-256 of the API key)",
+                );
+                continue;
+            };
+            let client = Arc::new(Client {
+                id: c.id.as_str().into(),
+                tier: c.tier.as_str().into(),
+                key_sha256: digest,
+            });
+            if by_digest.insert(digest, client).is_some() {
+                problems.error(
+                    format!("{at}.key_sha256"),
+                    "the same key is already given to another client",
+                );
+            }
+        }
+
+        Self {
+            header,
+            scheme_prefixed,
+            by_digest,
+            trusted_proxies,
+            anonymous_tier: cfg.anonymous_tier.as_str().into(),
+        }
+    }
+
+    /// Every tier a caller can have: the anonymous tier and each client's tier.
+    pub fn tiers(&self) -> BTreeSet<Arc<str>> {
+        let mut t: BTreeSet<Arc<str>> = self.by_digest.values().map(|c| c.tier.clone()).collect();
+        t.insert(self.anonymous_tier.clone());
+        t
+    }
+
+    /// Whether `ip` is a trusted proxy (its `X-Forwarded-*` headers are believed).
+    pub fn trusts(&self, ip: IpAddr) -> bool {
+        client_ip::is_trusted(client_ip::canonical(ip), &self.trusted_proxies)
+    }
+
+    /// Identify the caller of a request from its headers and socket peer.
+    ///
+    /// Errors: [`IdentityError::BadCredentials`] when a key is presented and unknown.
+    pub fn identify(&self, headers: &HeaderMap, peer: IpAddr) -> Result<Caller, IdentityError> {
+        let ip = client_ip(headers, peer, &self.trusted_proxies);
+        match self.presented_key(headers) {
+            None => Ok(Caller {
+                client: None,
+                tier: self.anonymous_tier.clone(),
+                ip,
+            }),
+            Some(key) => {
+                let client = self.lookup(key).ok_or(IdentityError::BadCredentials)?;
+                Ok(Caller {
+                    tier: client.tier.clone(),
+                    client: Some(client),
+                    ip,
+                })
+            }
+        }
+    }
+
+    /// The raw key bytes a request presents, if any.
+    ///
+    /// For `authorization`: `Bearer KEY` or `token KEY` (scheme case-insensitive); other
+    /// schemes (e.g. `Basic`) are not API keys and leave the caller anonymous. For any other
+    /// header, the whole (trimmed) value is the key.
+    fn presented_key<'a>(&self, headers: &'a HeaderMap) -> Option<&'a [u8]> {
+        let value = headers.get(&self.header)?.as_bytes();
+        if !self.scheme_prefixed {
+            return Some(value.trim_ascii());
+        }
+        let value = value.trim_ascii();
+        let split = value.iter().position(|b| *b == b' ').unwrap_or(value.len());
+        let (scheme, rest) = value.split_at(split);
+        if scheme.eq_ignore_ascii_case(b"bearer") || scheme.eq_ignore_ascii_case(b"token") {
+            Some(rest.trim_ascii())
+        } else {
+            None
+        }
+    }
+
+    /// Find the client whose `key_sha256` is the SHA-256 of `key`.
+    ///
+    /// The digest selects a candidate through a hash map; the final comparison of the
+    /// full 32 bytes is constant-time (`subtle`). Timing can reveal nothing about the raw
+    /// key: an attacker controls only the key, not its digest.
+    fn lookup(&self, key: &[u8]) -> Option<Arc<Client>> {
+        if key.is_empty() {
+            return None;
+        }
+        let digest: [u8; 32] = Sha256::digest(key).into();
+        let candidate = self.by_digest.get(&digest)?;
+        bool::from(candidate.key_sha256.ct_eq(&digest)).then(|| candidate.clone())
+    }
+}
+
+fn parse_sha256(s: &str) -> Option<[u8; 32]> {
+    let bytes = hex::decode(s.trim()).ok()?;
+    bytes.try_into().ok()
+}
+
+fn parse_cidr(s: &str) -> Option<IpNet> {
+    let s = s.trim();
+    s.parse::<IpNet>()
+        .ok()
+        .or_else(|| s.parse::<IpAddr>().ok().map(IpNet::from))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ClientConfig;
+
+    fn ids() -> Identities {
+        let cfg = IdentityConfig {
+            clients: vec![ClientConfig {
+                id: "acme".into(),
+                key_sha256: hex::encode(Sha256::digest(b"sekrit")),
+                tier: "gold".into(),
+            }],
+            ..Default::default()
+        };
+        let mut p = Problems::default();
+        let ids = Identities::build(&cfg, &mut p);
+        assert!(p.is_ok());
+        ids
+    }
+
+    fn headers(auth: &str) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert("authorization", auth.parse().unwrap());
+        h
+    }
+
+    #[test]
+    fn bearer_and_token_schemes_find_the_client() {
+        let ids = ids();
+        let peer: IpAddr = "10.1.2.3".parse().unwrap();
+        for v in ["Bearer sekrit", "token sekrit", "bearer  sekrit "] {
+            let c = ids.identify(&headers(v), peer).unwrap();
+            assert_eq!(c.label(), "acme");
+            assert_eq!(&*c.tier, "gold");
+        }
+    }
+
+    #[test]
+    fn unknown_key_is_bad_credentials_and_no_key_is_anonymous() {
+        let ids = ids();
+        let peer: IpAddr = "10.1.2.3".parse().unwrap();
+        assert_eq!(
+            ids.identify(&headers("Bearer nope"), peer).unwrap_err(),
+            IdentityError::BadCredentials
+        );
+        assert_eq!(
+            ids.identify(&headers("Bearer "), peer).unwrap_err(),
+            IdentityError::BadCredentials
+        );
+        let anon = ids.identify(&HeaderMap::new(), peer).unwrap();
+        assert_eq!(anon.label(), "10.1.2.3");
+        assert_eq!(&*anon.tier, "anonymous");
+        let basic = ids.identify(&headers("Basic dXNlcjpwYXNz"), peer).unwrap();
+        assert!(basic.client.is_none());
+    }
+
+    #[test]
+    fn bad_entries_are_reported() {
+        let cfg = IdentityConfig {
+            trusted_proxies: vec!["10.0.0.0/33".into()],
+            clients: vec![ClientConfig {
+                id: "a".into(),
+                key_sha256: "xyz".into(),
+                tier: "t".into(),
+            }],
+            ..Default::default()
+        };
+        let mut p = Problems::default();
+        Identities::build(&cfg, &mut p);
+        let paths: Vec<_> = p.errors.iter().map(|e| e.path.as_str()).collect();
+        assert_eq!(
+            paths,
+            [
+                "identity.trusted_proxies[0]",
+                "identity.clients[0].key_sha256"
+            ]
+        );
+    }
+}

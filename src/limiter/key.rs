@@ -1,0 +1,151 @@
+//! Storage keys and shard choice for a limited subject.
+//!
+//! A subject (a client id, an IP, a header value, or the whole route for `global`) is
+//! hashed with HMAC-SHA256 keyed by `store.hash_key` (or, without one, by
+//! `store.key_prefix`), so no raw key, id or IP ever reaches Redis. The Redis key is
+//! `{key_prefix}{limit name}:{first 16 bytes of the digest, hex}` and the shard is
+//! `jump_consistent_hash(first 8 bytes of the digest, shard count)`: all limits of one
+//! subject live on the same shard, and every gateway of a fleet with the same shard list
+//! and hash key picks the same shard.
+
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+
+/// Where one limit's window for one subject is stored.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct LimitKey {
+    /// The full storage key, e.g. `tollgate:core:3f1c…` (32 hex digits).
+    pub key: String,
+    /// 64 bits of the subject's digest; selects the shard.
+    pub shard_hash: u64,
+}
+
+/// Derives [`LimitKey`]s; one per config snapshot.
+#[derive(Clone)]
+pub struct KeyScheme {
+    prefix: String,
+    mac: Hmac<Sha256>,
+}
+
+impl std::fmt::Debug for KeyScheme {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KeyScheme")
+            .field("prefix", &self.prefix)
+            .finish_non_exhaustive()
+    }
+}
+
+impl KeyScheme {
+    /// A scheme with the given key prefix and optional hash key.
+    pub fn new(prefix: &str, hash_key: Option<&str>) -> Self {
+        let secret = hash_key.unwrap_or(prefix).as_bytes();
+        // HMAC accepts keys of any length, so this cannot fail.
+        let mac = Hmac::<Sha256>::new_from_slice(secret).expect("HMAC takes any key length");
+        Self {
+            prefix: prefix.to_string(),
+            mac,
+        }
+    }
+
+    /// The key of `limit`'s window for `subject` (e.g. `"client:acme"`, `"ip:1.2.3.4"`).
+    pub fn key(&self, limit: &str, subject: &str) -> LimitKey {
+        let mut mac = self.mac.clone();
+        mac.update(subject.as_bytes());
+        let digest = mac.finalize().into_bytes();
+        let mut head = [0u8; 8];
+        head.copy_from_slice(&digest[..8]);
+        LimitKey {
+            key: format!("{}{}:{}", self.prefix, limit, hex::encode(&digest[..16])),
+            shard_hash: u64::from_be_bytes(head),
+        }
+    }
+}
+
+/// Jump consistent hash: the bucket in `0..buckets` for `key`.
+///
+/// Source: John Lamping and Eric Veach, "A Fast, Minimal Memory, Consistent Hash
+/// Algorithm" (2014), arXiv:1406.2294. Going from N to N+1 buckets moves about 1/(N+1)
+/// of keys, all of them into the new bucket. `buckets == 0` returns 0.
+pub fn jump_consistent_hash(mut key: u64, buckets: u32) -> u32 {
+    let mut b: i64 = -1;
+    let mut j: i64 = 0;
+    while j < i64::from(buckets) {
+        b = j;
+        key = key.wrapping_mul(2_862_933_555_777_941_757).wrapping_add(1);
+        j = ((b + 1) as f64 * ((1u64 << 31) as f64 / ((key >> 33) + 1) as f64)) as i64;
+    }
+    b.max(0) as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hashes(n: usize) -> Vec<u64> {
+        let s = KeyScheme::new("tollgate:", None);
+        (0..n)
+            .map(|i| {
+                s.key("core", &format!("ip:10.0.{}.{}", i / 256, i % 256))
+                    .shard_hash
+            })
+            .collect()
+    }
+
+    #[test]
+    fn keys_hide_the_subject_and_are_stable() {
+        let s = KeyScheme::new("tollgate:", None);
+        let k = s.key("core", "ip:192.168.1.20");
+        assert!(k.key.starts_with("tollgate:core:"));
+        assert!(!k.key.contains("192.168"));
+        assert_eq!(k.key.len(), "tollgate:core:".len() + 32);
+        assert_eq!(k, s.key("core", "ip:192.168.1.20"));
+        let other = KeyScheme::new("tollgate:", Some("fleet-secret"));
+        assert_ne!(other.key("core", "ip:192.168.1.20").key, k.key);
+    }
+
+    #[test]
+    fn spread_over_shards_is_even() {
+        let n = 20_000;
+        for shards in [2u32, 3, 5, 8] {
+            let mut counts = vec![0usize; shards as usize];
+            for h in hashes(n) {
+                counts[jump_consistent_hash(h, shards) as usize] += 1;
+            }
+            let expected = n / shards as usize;
+            for c in counts {
+                assert!(
+                    (c as f64 - expected as f64).abs() < expected as f64 * 0.1,
+                    "{shards} shards: {c} vs {expected}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn adding_a_shard_moves_about_one_in_n() {
+        let n = 20_000;
+        for shards in [2u32, 3, 4, 9] {
+            let hs = hashes(n);
+            let moved = hs
+                .iter()
+                .filter(|h| {
+                    jump_consistent_hash(**h, shards) != jump_consistent_hash(**h, shards + 1)
+                })
+                .count();
+            let expected = n as f64 / (shards + 1) as f64;
+            assert!(
+                (moved as f64 - expected).abs() < expected * 0.1,
+                "{shards}->{}: moved {moved}, expected {expected}",
+                shards + 1
+            );
+            // Every key that moves, moves to the new shard.
+            assert!(hs.iter().all(|h| {
+                let (a, b) = (
+                    jump_consistent_hash(*h, shards),
+                    jump_consistent_hash(*h, shards + 1),
+                );
+                a == b || b == shards
+            }));
+        }
+    }
+}

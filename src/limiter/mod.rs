@@ -1,0 +1,418 @@
+//! Steps 3 and 5 of the request path: CHECK the limits of a route before forwarding,
+//! CHARGE them after the response.
+//!
+//! The algorithm is the fixed window of GitHub's API limiter ("How we scaled the GitHub
+//! API with a sharded, replicated rate limiter in Redis", 2021): a window starts at the
+//! caller's first charge and ends at a stored `reset_at`. A rejection (429) is built from
+//! the very CHECK that found the caller over the limit, never from a second store call.
+
+pub mod key;
+pub mod store;
+
+use crate::config::{LimitConfig, OnError, Problems};
+use crate::identity::Caller;
+use futures_util::future::join_all;
+use http::{HeaderMap, HeaderName};
+use key::{KeyScheme, LimitKey};
+use std::collections::{BTreeSet, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use store::{AnyStore, Store, StoreError, WindowState};
+
+/// What a limit's windows count.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum By {
+    /// The client id for callers with a key, else the client IP.
+    Caller,
+    /// The client IP, key or no key.
+    Ip,
+    /// One window shared by every caller.
+    Global,
+    /// The value of a request header; callers without it count as `Caller`.
+    Header(HeaderName),
+}
+
+/// A `[[limits]]` entry, ready to use.
+#[derive(Debug)]
+pub struct Limit {
+    /// Name, reported as `X-RateLimit-Resource`.
+    pub name: Arc<str>,
+    /// Window length in milliseconds.
+    pub window_ms: u64,
+    /// Quota (cost units per window) by tier; a tier absent here is not limited by this limit.
+    pub quota: HashMap<Arc<str>, u64>,
+    /// What the windows count.
+    pub by: By,
+}
+
+impl Limit {
+    /// Build from config, recording problems under `limits[index]`. `tiers` are the tiers
+    /// a caller can have (quota keys must name one of them).
+    pub fn build(
+        index: usize,
+        cfg: &LimitConfig,
+        tiers: &BTreeSet<Arc<str>>,
+        problems: &mut Problems,
+    ) -> Option<Self> {
+        let at = format!("limits[{index}]");
+        let before = problems.errors.len();
+        if cfg.name.trim().is_empty() {
+            problems.error(format!("{at}.name"), "must not be empty");
+        }
+        match cfg.algorithm.as_str() {
+            "fixed_window" => {}
+            "sliding_window" | "sliding_log" | "gcra" => problems.error(
+                format!("{at}.algorithm"),
+                format!("algorithm {:?} is not supported yet (only \"fixed_window\")", cfg.algorithm),
+            ),
+            other => problems.error(
+                format!("{at}.algorithm"),
+                format!("unknown algorithm {other:?}; expected \"fixed_window\", \"sliding_window\", \"sliding_log\" or \"gcra\""),
+            ),
+        }
+        let window_ms = cfg.window.as_millis();
+        if window_ms < 1_000 {
+            problems.error(format!("{at}.window"), "must be at least 1s");
+        }
+        if cfg.quota.is_empty() {
+            problems.error(
+                format!("{at}.quota"),
+                "is empty: give a quota for at least one tier, e.g. { anonymous = 60 }",
+            );
+        }
+        let mut quota = HashMap::new();
+        for (tier, n) in &cfg.quota {
+            if !tiers.contains(tier.as_str()) {
+                let known: Vec<&str> = tiers.iter().map(|t| &**t).collect();
+                problems.error(
+                    format!("{at}.quota.{tier}"),
+                    format!("unknown tier {tier:?}; known tiers: {}", known.join(", ")),
+                );
+            }
+            if *n == 0 {
+                problems.error(format!("{at}.quota.{tier}"), "must be at least 1");
+            }
+            quota.insert(Arc::from(tier.as_str()), *n);
+        }
+        for tier in tiers {
+            if !cfg.quota.is_empty() && !cfg.quota.contains_key(&**tier) {
+                problems.warn(
+                    format!("{at}.quota"),
+                    format!(
+                        "tier {tier:?} has no quota here: its callers are not limited by {:?}",
+                        cfg.name
+                    ),
+                );
+            }
+        }
+        let by = match cfg.by.as_str() {
+            "caller" => By::Caller,
+            "ip" => By::Ip,
+            "global" => By::Global,
+            other => {
+                match other
+                    .strip_prefix("header:")
+                    .map(|h| HeaderName::from_bytes(h.trim().to_ascii_lowercase().as_bytes()))
+                {
+                    Some(Ok(h)) => By::Header(h),
+                    _ => {
+                        problems.error(format!("{at}.by"), format!("{other:?}: expected \"caller\", \"ip\", \"global\" or \"header:NAME\""));
+                        By::Caller
+                    }
+                }
+            }
+        };
+        (problems.errors.len() == before).then(|| Self {
+            name: cfg.name.as_str().into(),
+            window_ms,
+            quota,
+            by,
+        })
+    }
+
+    /// The subject this limit counts for a caller (hashed before it reaches a store).
+    fn subject(&self, caller: &Caller, headers: &HeaderMap) -> String {
+        let by_caller = || match &caller.client {
+            Some(c) => format!("client:{}", c.id),
+            None => format!("ip:{}", caller.ip),
+        };
+        match &self.by {
+            By::Caller => by_caller(),
+            By::Ip => format!("ip:{}", caller.ip),
+            By::Global => "global".to_string(),
+            By::Header(h) => match headers.get(h) {
+                Some(v) => format!("header:{}:{}", h, String::from_utf8_lossy(v.as_bytes())),
+                None => by_caller(),
+            },
+        }
+    }
+}
+
+/// The state of one limit for one caller, as reported in `X-RateLimit-*` headers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Usage {
+    /// The limit's name (`X-RateLimit-Resource`).
+    pub resource: Arc<str>,
+    /// The quota for the caller's tier (`X-RateLimit-Limit`).
+    pub quota: u64,
+    /// Units charged in the current window (`X-RateLimit-Used`).
+    pub used: u64,
+    /// End of the current window, milliseconds since the Unix epoch.
+    pub reset_at_ms: u64,
+}
+
+impl Usage {
+    /// `quota − used`, never below 0 (`X-RateLimit-Remaining`).
+    pub fn remaining(&self) -> u64 {
+        self.quota.saturating_sub(self.used)
+    }
+
+    /// End of the window in UTC epoch seconds, rounded up (`X-RateLimit-Reset`).
+    pub fn reset_epoch_s(&self) -> u64 {
+        self.reset_at_ms.div_ceil(1000)
+    }
+
+    /// Whole seconds from `now_ms` until the reset, at least 1 (`Retry-After`).
+    pub fn retry_after_s(&self, now_ms: u64) -> u64 {
+        self.reset_at_ms
+            .saturating_sub(now_ms)
+            .div_ceil(1000)
+            .max(1)
+    }
+}
+
+/// One limit applied to one request: where its window is and what quota applies.
+#[derive(Debug, Clone)]
+pub struct Applied {
+    limit: Arc<Limit>,
+    key: LimitKey,
+    quota: u64,
+}
+
+impl Applied {
+    /// The storage key of this limit's window for this caller.
+    pub fn key(&self) -> &LimitKey {
+        &self.key
+    }
+
+    fn usage(&self, w: WindowState, now_ms: u64) -> Usage {
+        let reset_at_ms = if w.is_empty() {
+            now_ms + self.limit.window_ms
+        } else {
+            w.reset_at_ms
+        };
+        Usage {
+            resource: self.limit.name.clone(),
+            quota: self.quota,
+            used: w.used,
+            reset_at_ms,
+        }
+    }
+}
+
+/// Why a CHECK did not admit a request.
+#[derive(Debug)]
+pub enum Refusal {
+    /// Over the limit: answer 429 with this usage (from the CHECK itself).
+    OverLimit(Usage),
+    /// The store failed and `store.on_error = "deny"`: answer 503.
+    StoreDenied(StoreError),
+}
+
+/// The limits part of a snapshot: the store, the key scheme and the failure policy.
+#[derive(Debug)]
+pub struct Limiter {
+    store: Arc<AnyStore>,
+    keys: KeyScheme,
+    on_error: OnError,
+    warn_gate: Arc<WarnGate>,
+}
+
+impl Limiter {
+    /// A limiter over `store`.
+    pub fn new(store: Arc<AnyStore>, keys: KeyScheme, on_error: OnError) -> Self {
+        Self {
+            store,
+            keys,
+            on_error,
+            warn_gate: Arc::new(WarnGate::default()),
+        }
+    }
+
+    /// The store this limiter uses.
+    pub fn store(&self) -> &Arc<AnyStore> {
+        &self.store
+    }
+
+    /// The limits among `limits` that apply to `caller` (those with a quota for its tier).
+    pub fn applicable(
+        &self,
+        limits: &[Arc<Limit>],
+        caller: &Caller,
+        headers: &HeaderMap,
+    ) -> Vec<Applied> {
+        limits
+            .iter()
+            .filter_map(|limit| {
+                let quota = *limit.quota.get(&caller.tier)?;
+                let key = self.keys.key(&limit.name, &limit.subject(caller, headers));
+                Some(Applied {
+                    limit: limit.clone(),
+                    key,
+                    quota,
+                })
+            })
+            .collect()
+    }
+
+    /// CHECK every applied limit (concurrently). Admits when each limit has room for
+    /// `cost`; returns the usage of each limit that answered (`None` where the store failed
+    /// and `on_error = "allow"`).
+    ///
+    /// Errors: [`Refusal::OverLimit`] with the usage of the limit that rejected (the one
+    /// with the latest reset when several do); [`Refusal::StoreDenied`] when the store
+    /// failed and `on_error = "deny"`.
+    pub async fn check(
+        &self,
+        applied: &[Applied],
+        cost: u64,
+        now_ms: u64,
+    ) -> Result<Vec<Option<Usage>>, Refusal> {
+        let results = join_all(applied.iter().map(|a| self.store.check(&a.key, now_ms))).await;
+        let mut usages = Vec::with_capacity(applied.len());
+        let mut over: Option<Usage> = None;
+        for (a, result) in applied.iter().zip(results) {
+            match result {
+                Ok(w) => {
+                    let u = a.usage(w, now_ms);
+                    if u.used.saturating_add(cost) > u.quota
+                        && over.as_ref().is_none_or(|o| u.reset_at_ms > o.reset_at_ms)
+                    {
+                        over = Some(u.clone());
+                    }
+                    usages.push(Some(u));
+                }
+                Err(e) => {
+                    if self.on_error == OnError::Deny {
+                        self.warn_gate
+                            .warn(&e, "denying request (store.on_error = \"deny\")");
+                        return Err(Refusal::StoreDenied(e));
+                    }
+                    self.warn_gate.warn(
+                        &e,
+                        "forwarding without limiting (store.on_error = \"allow\")",
+                    );
+                    usages.push(None);
+                }
+            }
+        }
+        match over {
+            Some(u) => Err(Refusal::OverLimit(u)),
+            None => Ok(usages),
+        }
+    }
+
+    /// CHARGE `cost` to every applied limit (concurrently) and return the usage after the
+    /// charge; where a charge fails, the usage from the CHECK (`checked`) stands.
+    pub async fn charge(
+        &self,
+        applied: &[Applied],
+        cost: u64,
+        now_ms: u64,
+        checked: Vec<Option<Usage>>,
+    ) -> Vec<Option<Usage>> {
+        let results = join_all(
+            applied
+                .iter()
+                .map(|a| self.store.charge(&a.key, cost, a.limit.window_ms, now_ms)),
+        )
+        .await;
+        applied
+            .iter()
+            .zip(results)
+            .zip(checked)
+            .map(|((a, result), checked)| match result {
+                Ok(w) => Some(a.usage(w, now_ms)),
+                Err(e) => {
+                    self.warn_gate
+                        .warn(&e, "charge failed; the request was not counted");
+                    checked
+                }
+            })
+            .collect()
+    }
+}
+
+/// The usage to report when several limits apply: the fewest remaining units
+/// (ties: the later reset).
+pub fn most_constrained(usages: &[Option<Usage>]) -> Option<&Usage> {
+    usages.iter().flatten().min_by(|a, b| {
+        a.remaining()
+            .cmp(&b.remaining())
+            .then(b.reset_at_ms.cmp(&a.reset_at_ms))
+    })
+}
+
+/// Logs store failures at most once per 10 s, with the number suppressed since.
+#[derive(Debug, Default)]
+struct WarnGate {
+    last_ms: AtomicU64,
+    suppressed: AtomicU64,
+}
+
+impl WarnGate {
+    fn warn(&self, error: &StoreError, what: &str) {
+        let now = crate::clock::Clock::now_ms(&crate::clock::SystemClock);
+        let last = self.last_ms.load(Ordering::Relaxed);
+        if now.saturating_sub(last) >= 10_000
+            && self
+                .last_ms
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            let suppressed = self.suppressed.swap(0, Ordering::Relaxed);
+            tracing::warn!(error = %error, suppressed, "store failure: {what}");
+        } else {
+            self.suppressed.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn usage_headers_arithmetic() {
+        let u = Usage {
+            resource: "core".into(),
+            quota: 10,
+            used: 12,
+            reset_at_ms: 5_001,
+        };
+        assert_eq!(u.remaining(), 0);
+        assert_eq!(u.reset_epoch_s(), 6);
+        assert_eq!(u.retry_after_s(5_000), 1);
+        assert_eq!(u.retry_after_s(9_000), 1);
+        assert_eq!(u.retry_after_s(1_000), 5);
+    }
+
+    #[test]
+    fn most_constrained_picks_fewest_remaining() {
+        let a = Usage {
+            resource: "a".into(),
+            quota: 10,
+            used: 2,
+            reset_at_ms: 1,
+        };
+        let b = Usage {
+            resource: "b".into(),
+            quota: 5,
+            used: 2,
+            reset_at_ms: 1,
+        };
+        let all = vec![Some(a), None, Some(b.clone())];
+        assert_eq!(most_constrained(&all), Some(&b));
+        assert_eq!(most_constrained(&[None]), None);
+    }
+}

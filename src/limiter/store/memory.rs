@@ -1,0 +1,168 @@
+//! The embedded memory store: windows in this process only, same semantics as Redis.
+//!
+//! Windows live in 64 mutex-guarded hash maps (the key's hash picks one) so concurrent
+//! callers rarely contend. [`MemoryStore::sweep`] drops windows past their reset; the
+//! gateway runs it every `store.sweep_interval`, so memory stays bounded by the callers
+//! active within one window, however many distinct callers come and go.
+
+use super::{Store, StoreError, WindowState};
+use crate::limiter::key::LimitKey;
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+const SHARDS: usize = 64;
+
+/// Fixed windows held in process memory.
+#[derive(Debug)]
+pub struct MemoryStore {
+    shards: Box<[Mutex<HashMap<String, WindowState>>]>,
+}
+
+impl Default for MemoryStore {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl MemoryStore {
+    /// An empty store.
+    pub fn new() -> Self {
+        Self {
+            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+        }
+    }
+
+    fn shard(&self, key: &LimitKey) -> &Mutex<HashMap<String, WindowState>> {
+        // The low bits of the key's digest are uniform; shard_hash is already a hash.
+        &self.shards[(key.shard_hash.rotate_right(17) as usize) % SHARDS]
+    }
+
+    /// Read a window (same rules as `lua/check.lua`).
+    pub fn check_now(&self, key: &LimitKey, now_ms: u64) -> WindowState {
+        let map = self.shard(key).lock().unwrap_or_else(|e| e.into_inner());
+        match map.get(&key.key) {
+            Some(w) if w.reset_at_ms > now_ms => *w,
+            _ => WindowState::default(),
+        }
+    }
+
+    /// Charge a window (same rules as `lua/charge.lua`).
+    pub fn charge_now(
+        &self,
+        key: &LimitKey,
+        cost: u64,
+        window_ms: u64,
+        now_ms: u64,
+    ) -> WindowState {
+        let mut map = self.shard(key).lock().unwrap_or_else(|e| e.into_inner());
+        let w = map.entry(key.key.clone()).or_default();
+        if w.reset_at_ms <= now_ms {
+            *w = WindowState {
+                used: cost,
+                reset_at_ms: now_ms + window_ms,
+            };
+        } else {
+            w.used = w.used.saturating_add(cost);
+        }
+        *w
+    }
+
+    /// Drop every window whose reset is at or before `now_ms`; returns how many were dropped.
+    pub fn sweep(&self, now_ms: u64) -> usize {
+        let mut dropped = 0;
+        for shard in self.shards.iter() {
+            let mut map = shard.lock().unwrap_or_else(|e| e.into_inner());
+            let before = map.len();
+            map.retain(|_, w| w.reset_at_ms > now_ms);
+            dropped += before - map.len();
+        }
+        dropped
+    }
+
+    /// Number of windows held (live or not yet swept).
+    pub fn len(&self) -> usize {
+        self.shards
+            .iter()
+            .map(|s| s.lock().unwrap_or_else(|e| e.into_inner()).len())
+            .sum()
+    }
+
+    /// True when no window is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl Store for MemoryStore {
+    async fn check(&self, key: &LimitKey, now_ms: u64) -> Result<WindowState, StoreError> {
+        Ok(self.check_now(key, now_ms))
+    }
+
+    async fn charge(
+        &self,
+        key: &LimitKey,
+        cost: u64,
+        window_ms: u64,
+        now_ms: u64,
+    ) -> Result<WindowState, StoreError> {
+        Ok(self.charge_now(key, cost, window_ms, now_ms))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limiter::key::KeyScheme;
+
+    #[test]
+    fn window_starts_at_first_charge_and_resets() {
+        let s = MemoryStore::new();
+        let k = KeyScheme::new("t:", None).key("core", "ip:1.2.3.4");
+        assert!(s.check_now(&k, 1_000).is_empty());
+        assert_eq!(
+            s.charge_now(&k, 1, 60_000, 1_000),
+            WindowState {
+                used: 1,
+                reset_at_ms: 61_000
+            }
+        );
+        assert_eq!(
+            s.charge_now(&k, 2, 60_000, 30_000),
+            WindowState {
+                used: 3,
+                reset_at_ms: 61_000
+            }
+        );
+        assert_eq!(
+            s.check_now(&k, 60_999),
+            WindowState {
+                used: 3,
+                reset_at_ms: 61_000
+            }
+        );
+        // At reset_at the old window is over: reads empty, the next charge starts anew.
+        assert!(s.check_now(&k, 61_000).is_empty());
+        assert_eq!(
+            s.charge_now(&k, 1, 60_000, 61_000),
+            WindowState {
+                used: 1,
+                reset_at_ms: 121_000
+            }
+        );
+    }
+
+    #[test]
+    fn sweep_keeps_memory_bounded() {
+        let s = MemoryStore::new();
+        let scheme = KeyScheme::new("t:", None);
+        for i in 0..10_000 {
+            s.charge_now(&scheme.key("core", &format!("ip:{i}")), 1, 1_000, 0);
+        }
+        s.charge_now(&scheme.key("core", "late"), 1, 1_000, 500);
+        assert_eq!(s.len(), 10_001);
+        assert_eq!(s.sweep(1_000), 10_000);
+        assert_eq!(s.len(), 1);
+        assert_eq!(s.sweep(1_500), 1);
+        assert!(s.is_empty());
+    }
+}

@@ -1,0 +1,101 @@
+//! Every way the gateway itself answers a request, with its status and JSON body.
+
+use super::headers::put_usage;
+use super::Body;
+use crate::limiter::Usage;
+use bytes::Bytes;
+use http::{header, HeaderValue, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+
+/// A request the gateway answers itself instead of (or after failing at) forwarding.
+#[derive(Debug, thiserror::Error)]
+pub enum ProxyError {
+    /// An API key was presented and matches no client: 401.
+    #[error("Bad credentials")]
+    BadCredentials,
+    /// No route matches the host and path: 404.
+    #[error("no route for this host and path")]
+    NoRoute,
+    /// Over a limit: 429 with the headers of the CHECK that found it.
+    #[error("API rate limit exceeded for {caller}.")]
+    OverLimit {
+        /// The usage of the limit that rejected the request.
+        usage: Usage,
+        /// Whole seconds until the reset, at least 1.
+        retry_after_s: u64,
+        /// Caller id or client IP.
+        caller: String,
+    },
+    /// The store failed and `store.on_error = "deny"`: 503.
+    #[error("rate limit store unavailable")]
+    StoreUnavailable,
+    /// The upstream refused, reset or could not be reached: 502.
+    #[error("upstream {0:?} unreachable")]
+    UpstreamUnreachable(String, String),
+    /// The upstream took too long to connect or to send response headers: 504.
+    #[error("upstream {0:?} timed out")]
+    UpstreamTimeout(String),
+    /// The request cannot be forwarded as sent: 400.
+    #[error("bad request: {0}")]
+    BadRequest(String),
+}
+
+impl ProxyError {
+    /// The HTTP status the caller sees.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ProxyError::BadCredentials => StatusCode::UNAUTHORIZED,
+            ProxyError::NoRoute => StatusCode::NOT_FOUND,
+            ProxyError::OverLimit { .. } => StatusCode::TOO_MANY_REQUESTS,
+            ProxyError::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+            ProxyError::UpstreamUnreachable(..) => StatusCode::BAD_GATEWAY,
+            ProxyError::UpstreamTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
+            ProxyError::BadRequest(_) => StatusCode::BAD_REQUEST,
+        }
+    }
+
+    /// The JSON response: `{"message": ...}` plus, for 429, `limit`, `remaining`, `reset`,
+    /// `resource` and `retry_after`, with `Retry-After` and `X-RateLimit-*` headers.
+    pub fn into_response(self) -> Response<Body> {
+        let status = self.status();
+        let message = self.to_string();
+        let mut body = serde_json::json!({ "message": message });
+        if let ProxyError::OverLimit {
+            usage,
+            retry_after_s,
+            ..
+        } = &self
+        {
+            body["limit"] = usage.quota.into();
+            body["remaining"] = 0.into();
+            body["reset"] = usage.reset_epoch_s().into();
+            body["resource"] = usage.resource.as_ref().into();
+            body["retry_after"] = (*retry_after_s).into();
+        }
+        let mut response = json_response(status, &body);
+        if let ProxyError::OverLimit {
+            usage,
+            retry_after_s,
+            ..
+        } = &self
+        {
+            put_usage(response.headers_mut(), usage);
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(*retry_after_s));
+        }
+        response
+    }
+}
+
+/// A response with a JSON body and `Content-Type: application/json`.
+pub fn json_response(status: StatusCode, body: &serde_json::Value) -> Response<Body> {
+    let bytes = Bytes::from(body.to_string());
+    let mut r = Response::new(Full::new(bytes).map_err(|never| match never {}).boxed());
+    *r.status_mut() = status;
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    r
+}

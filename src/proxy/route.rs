@@ -1,0 +1,183 @@
+//! Step 2 of the request path: host and longest path prefix → route.
+
+use crate::config::{Problems, RouteConfig};
+use crate::limiter::Limit;
+use crate::proxy::forward::Upstream;
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+/// A `[[routes]]` entry, ready to use.
+#[derive(Debug)]
+pub struct Route {
+    /// Host this route is for (lowercase, no port); `None` matches any host.
+    pub host: Option<String>,
+    /// Path prefix; the longest matching prefix wins.
+    pub path_prefix: String,
+    /// Where matching requests go.
+    pub upstream: Arc<Upstream>,
+    /// Limits that must all admit a request.
+    pub limits: Vec<Arc<Limit>>,
+    /// Units charged per request.
+    pub cost: u64,
+    /// Response statuses that are not charged.
+    pub uncharged_statuses: Vec<u16>,
+}
+
+impl Route {
+    /// Whether a response with `status` is charged.
+    pub fn charges(&self, status: http::StatusCode) -> bool {
+        !self.uncharged_statuses.contains(&status.as_u16())
+    }
+
+    /// Build from config, recording problems under `routes[index]`. `declared` holds the
+    /// names of every upstream and limit in the file, valid or not, so that a route does
+    /// not repeat an error already reported for them.
+    pub fn build(
+        index: usize,
+        cfg: &RouteConfig,
+        upstreams: &HashMap<String, Arc<Upstream>>,
+        limits: &HashMap<String, Arc<Limit>>,
+        declared: &HashSet<&str>,
+        problems: &mut Problems,
+    ) -> Option<Self> {
+        let at = format!("routes[{index}]");
+        let before = problems.errors.len();
+        if !cfg.path_prefix.starts_with('/') {
+            problems.error(
+                format!("{at}.path_prefix"),
+                format!("{:?} must start with \"/\"", cfg.path_prefix),
+            );
+        }
+        let host = cfg.host.as_ref().map(|h| h.trim().to_ascii_lowercase());
+        if host.as_deref() == Some("") {
+            problems.error(
+                format!("{at}.host"),
+                "must not be empty (leave it out to match any host)",
+            );
+        }
+        let upstream = upstreams.get(&cfg.upstream).cloned();
+        if upstream.is_none() && !declared.contains(cfg.upstream.as_str()) {
+            problems.error(
+                format!("{at}.upstream"),
+                format!("no [[upstreams]] entry is named {:?}", cfg.upstream),
+            );
+        }
+        let mut route_limits = Vec::new();
+        let mut seen = HashSet::new();
+        for (j, name) in cfg.limits.iter().enumerate() {
+            match limits.get(name) {
+                Some(l) if seen.insert(name) => route_limits.push(l.clone()),
+                Some(_) => problems.error(
+                    format!("{at}.limits[{j}]"),
+                    format!("limit {name:?} is listed twice"),
+                ),
+                // A declared but invalid limit has its own error already.
+                None if declared.contains(name.as_str()) => problems.error(
+                    format!("{at}.limits[{j}]"),
+                    format!("limit {name:?} is invalid (see its errors)"),
+                ),
+                None => problems.error(
+                    format!("{at}.limits[{j}]"),
+                    format!("no [[limits]] entry is named {name:?}"),
+                ),
+            }
+        }
+        if cfg.cost == 0 {
+            problems.error(format!("{at}.cost"), "must be at least 1");
+        }
+        for (j, s) in cfg.uncharged_statuses.iter().enumerate() {
+            if !(100..=599).contains(s) {
+                problems.error(
+                    format!("{at}.uncharged_statuses[{j}]"),
+                    format!("{s} is not an HTTP status (100-599)"),
+                );
+            }
+        }
+        match cfg.charge.as_str() {
+            "after_response" => {}
+            "on_request" => problems.error(
+                format!("{at}.charge"),
+                "charge = \"on_request\" is not supported yet (only \"after_response\")",
+            ),
+            other => problems.error(
+                format!("{at}.charge"),
+                format!("{other:?}: expected \"after_response\" or \"on_request\""),
+            ),
+        }
+        if problems.errors.len() != before {
+            return None;
+        }
+        Some(Self {
+            host,
+            path_prefix: cfg.path_prefix.clone(),
+            upstream: upstream?,
+            limits: route_limits,
+            cost: cfg.cost,
+            uncharged_statuses: cfg.uncharged_statuses.clone(),
+        })
+    }
+}
+
+/// All routes of a snapshot, ordered for matching.
+#[derive(Debug, Default)]
+pub struct Router {
+    routes: Vec<Arc<Route>>,
+}
+
+impl Router {
+    /// A router over `routes`: longer prefixes first, and for equal prefixes host-specific
+    /// routes before host-less ones.
+    pub fn new(mut routes: Vec<Arc<Route>>) -> Self {
+        routes.sort_by(|a, b| {
+            b.path_prefix
+                .len()
+                .cmp(&a.path_prefix.len())
+                .then(b.host.is_some().cmp(&a.host.is_some()))
+        });
+        Self { routes }
+    }
+
+    /// The route for a request to `host` (any case, port ignored) and `path`.
+    pub fn find(&self, host: Option<&str>, path: &str) -> Option<&Arc<Route>> {
+        let host = host.map(strip_port);
+        self.routes.iter().find(|r| {
+            path.starts_with(&r.path_prefix)
+                && r.host
+                    .as_deref()
+                    .is_none_or(|h| host.is_some_and(|req| req.eq_ignore_ascii_case(h)))
+        })
+    }
+
+    /// Number of routes.
+    pub fn len(&self) -> usize {
+        self.routes.len()
+    }
+
+    /// True when there are no routes.
+    pub fn is_empty(&self) -> bool {
+        self.routes.is_empty()
+    }
+}
+
+/// `example.com:8080` → `example.com`; `[::1]:80` → `[::1]`.
+fn strip_port(host: &str) -> &str {
+    if host.starts_with('[') {
+        return host.split_inclusive(']').next().unwrap_or(host);
+    }
+    match host.rsplit_once(':') {
+        Some((h, port)) if port.bytes().all(|b| b.is_ascii_digit()) => h,
+        _ => host,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strips_ports() {
+        assert_eq!(strip_port("api.example.com:8080"), "api.example.com");
+        assert_eq!(strip_port("api.example.com"), "api.example.com");
+        assert_eq!(strip_port("[::1]:80"), "[::1]");
+    }
+}

@@ -1,0 +1,227 @@
+//! A config snapshot: everything one request needs, built from a [`Config`] in one go.
+//!
+//! Building is validation: each part records its problems against key paths, and a
+//! snapshot exists only when there are none. Building does no I/O (Redis connections
+//! are opened by [`crate::server::Gateway`] when a new store is first used), so
+//! `tollgate check` builds exactly what the gateway would run. A request holds the
+//! `Arc<Snapshot>` it started with; a reload swaps in a whole new one.
+
+use crate::config::{Backend, Config, ConfigFile, ConfigReport, Problems, StoreConfig};
+use crate::identity::Identities;
+use crate::limiter::key::KeyScheme;
+use crate::limiter::store::memory::MemoryStore;
+use crate::limiter::store::redis::RedisStore;
+use crate::limiter::store::AnyStore;
+use crate::limiter::{Limit, Limiter};
+use crate::proxy::forward::Upstream;
+use crate::proxy::route::{Route, Router};
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+/// The runtime form of one config file.
+#[derive(Debug)]
+pub struct Snapshot {
+    /// The config it was built from.
+    pub config: Config,
+    /// Step 1: API keys, tiers, trusted proxies.
+    pub identities: Identities,
+    /// Step 2: routes.
+    pub router: Router,
+    /// Steps 3 and 5: the store and its policy.
+    pub limiter: Limiter,
+    /// `server.listen`, parsed.
+    pub listen: SocketAddr,
+    /// `server.admin_listen`, parsed.
+    pub admin_listen: Option<SocketAddr>,
+    /// Warnings found while building (already rendered).
+    pub warnings: Vec<String>,
+}
+
+impl Snapshot {
+    /// Build and validate a snapshot from `file`. When `previous` runs with the same
+    /// `[store]`, its store (and its Redis connections) is reused; otherwise a new store
+    /// is built, not yet started.
+    ///
+    /// Errors: a [`ConfigReport`] with every problem found, each tied to a key path.
+    pub fn build(file: &ConfigFile, previous: Option<&Snapshot>) -> Result<Snapshot, ConfigReport> {
+        let cfg = &file.config;
+        let mut problems = Problems::default();
+
+        let listen = parse_addr("server.listen", &cfg.server.listen, &mut problems);
+        let admin_listen = cfg
+            .server
+            .admin_listen
+            .as_ref()
+            .and_then(|a| parse_addr("server.admin_listen", a, &mut problems));
+        if cfg.server.admin_listen.is_some() {
+            problems.warn(
+                "server.admin_listen",
+                "the admin listener is not supported yet and is not opened",
+            );
+        }
+        if cfg.server.tls.is_some() {
+            problems.error("server.tls", "TLS is not supported yet");
+        }
+        if cfg.server.header_read_timeout.0.is_zero() {
+            problems.error("server.header_read_timeout", "must be more than 0");
+        }
+        if !["trace", "debug", "info", "warn", "error", "off"].contains(&cfg.log.level.as_str())
+            && tracing_subscriber::EnvFilter::try_new(&cfg.log.level).is_err()
+        {
+            problems.error(
+                "log.level",
+                format!(
+                    "{:?} is not a level (trace, debug, info, warn, error) or a filter",
+                    cfg.log.level
+                ),
+            );
+        }
+
+        let identities = Identities::build(&cfg.identity, &mut problems);
+        let tiers = identities.tiers();
+
+        let mut upstreams = HashMap::new();
+        for (i, u) in cfg.upstreams.iter().enumerate() {
+            if upstreams.contains_key(&u.name) {
+                problems.error(
+                    format!("upstreams[{i}].name"),
+                    format!("duplicate upstream name {:?}", u.name),
+                );
+            } else if let Some(up) = Upstream::build(i, u, &mut problems) {
+                upstreams.insert(u.name.clone(), Arc::new(up));
+            }
+        }
+
+        let mut limits = HashMap::new();
+        for (i, l) in cfg.limits.iter().enumerate() {
+            if limits.contains_key(&l.name) {
+                problems.error(
+                    format!("limits[{i}].name"),
+                    format!("duplicate limit name {:?}", l.name),
+                );
+            } else if let Some(limit) = Limit::build(i, l, &tiers, &mut problems) {
+                limits.insert(l.name.clone(), Arc::new(limit));
+            }
+        }
+
+        let declared: HashSet<&str> = cfg
+            .upstreams
+            .iter()
+            .map(|u| u.name.as_str())
+            .chain(cfg.limits.iter().map(|l| l.name.as_str()))
+            .collect();
+        let mut routes = Vec::new();
+        let mut seen = HashMap::new();
+        for (i, r) in cfg.routes.iter().enumerate() {
+            let id = (
+                r.host.as_ref().map(|h| h.to_ascii_lowercase()),
+                r.path_prefix.clone(),
+            );
+            if let Some(first) = seen.insert(id, i) {
+                problems.error(
+                    format!("routes[{i}].path_prefix"),
+                    format!("routes[{first}] already has this host and path_prefix"),
+                );
+                continue;
+            }
+            if let Some(route) = Route::build(i, r, &upstreams, &limits, &declared, &mut problems) {
+                routes.push(Arc::new(route));
+            }
+        }
+        if cfg.routes.is_empty() {
+            problems.warn("routes", "no [[routes]]: every request will get 404");
+        }
+
+        let store = match previous {
+            Some(prev) if prev.config.store == cfg.store => Some(prev.limiter.store().clone()),
+            _ => build_store(&cfg.store, &mut problems).map(Arc::new),
+        };
+
+        let report = ConfigReport {
+            path: file.path.clone(),
+            text: file.text.clone(),
+            problems,
+        };
+        if !report.problems.is_ok() {
+            return Err(report);
+        }
+        let (Some(listen), Some(store)) = (listen, store) else {
+            return Err(report);
+        };
+        let keys = KeyScheme::new(&cfg.store.key_prefix, cfg.store.hash_key.as_deref());
+        Ok(Snapshot {
+            config: cfg.clone(),
+            identities,
+            router: Router::new(routes),
+            limiter: Limiter::new(store, keys, cfg.store.on_error),
+            listen,
+            admin_listen,
+            warnings: report.warning_lines(),
+        })
+    }
+
+    /// A one-line summary, as printed by `tollgate check`.
+    pub fn summary(&self) -> String {
+        let c = &self.config;
+        let store = match c.store.backend {
+            Backend::Memory => "memory store".to_string(),
+            Backend::Redis => format!("redis store with {} shard(s)", c.store.shards.len()),
+        };
+        format!(
+            "ok: listen {}, {} route(s), {} upstream(s), {} limit(s), {} client(s), {}",
+            self.listen,
+            self.router.len(),
+            c.upstreams.len(),
+            c.limits.len(),
+            c.identity.clients.len(),
+            store
+        )
+    }
+}
+
+fn parse_addr(path: &str, value: &str, problems: &mut Problems) -> Option<SocketAddr> {
+    match value.parse() {
+        Ok(a) => Some(a),
+        Err(_) => {
+            problems.error(
+                path,
+                format!("{value:?} is not an address like \"127.0.0.1:8080\""),
+            );
+            None
+        }
+    }
+}
+
+/// Validate `[store]` and build the store it describes (no I/O).
+fn build_store(cfg: &StoreConfig, problems: &mut Problems) -> Option<AnyStore> {
+    if cfg.timeout.0.is_zero() {
+        problems.error("store.timeout", "must be more than 0");
+    }
+    if cfg.key_prefix.contains(char::is_whitespace) {
+        problems.error("store.key_prefix", "must not contain white space");
+    }
+    if cfg.sweep_interval.0.is_zero() {
+        problems.error("store.sweep_interval", "must be more than 0");
+    }
+    match cfg.read_from.as_deref() {
+        None | Some("primary") => {}
+        Some("replica") => problems.error(
+            "store.read_from",
+            "reads from replicas are not supported yet (only \"primary\")",
+        ),
+        Some(other) => problems.error(
+            "store.read_from",
+            format!("{other:?}: expected \"primary\" or \"replica\""),
+        ),
+    }
+    match cfg.backend {
+        Backend::Memory => {
+            if !cfg.shards.is_empty() {
+                problems.warn("store.shards", "ignored: backend is \"memory\"");
+            }
+            Some(AnyStore::Memory(MemoryStore::new()))
+        }
+        Backend::Redis => RedisStore::from_config(cfg, problems).map(AnyStore::Redis),
+    }
+}

@@ -1,0 +1,132 @@
+//! A real HTTP upstream for the tests.
+//!
+//! - `/status/NNN`: answers with status NNN (e.g. 304).
+//! - `/echo...`: JSON `{method, path, headers}` of what it received.
+//! - `/download/N`: streams N bytes in 64 KiB chunks.
+//! - `/upload`: reads the body as it streams, answers `{"bytes": N}`.
+//! - `/slow/MS`: waits MS milliseconds, then answers 200.
+//! - anything else: 200 "ok".
+
+use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use http_body_util::{combinators::BoxBody, BodyExt, Full, StreamBody};
+use hyper::body::{Frame, Incoming};
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use tokio::net::TcpListener;
+
+type Body = BoxBody<Bytes, Infallible>;
+
+pub struct Upstream {
+    pub addr: SocketAddr,
+    hits: Arc<AtomicUsize>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Upstream {
+    pub async fn start() -> Upstream {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let hits = Arc::new(AtomicUsize::new(0));
+        let h = hits.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else { continue };
+                let h = h.clone();
+                tokio::spawn(async move {
+                    let svc = service_fn(move |req| {
+                        h.fetch_add(1, Ordering::SeqCst);
+                        serve(req)
+                    });
+                    let _ = auto::Builder::new(TokioExecutor::new()).serve_connection(TokioIo::new(stream), svc).await;
+                });
+            }
+        });
+        Upstream { addr, hits, task }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Requests received so far.
+    pub fn hits(&self) -> usize {
+        self.hits.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for Upstream {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+fn full(status: StatusCode, body: impl Into<Bytes>) -> Response<Body> {
+    let mut r = Response::new(Full::new(body.into()).boxed());
+    *r.status_mut() = status;
+    r
+}
+
+async fn serve(req: Request<Incoming>) -> Result<Response<Body>, Infallible> {
+    let path = req.uri().path().to_string();
+    if let Some(code) = path.strip_prefix("/status/") {
+        let status = code.parse::<u16>().ok().and_then(|c| StatusCode::from_u16(c).ok()).unwrap_or(StatusCode::BAD_REQUEST);
+        let mut r = full(status, "");
+        r.headers_mut().insert("x-ratelimit-remaining", "999".parse().unwrap());
+        return Ok(r);
+    }
+    if path.starts_with("/echo") {
+        let headers: serde_json::Map<String, serde_json::Value> = req
+            .headers()
+            .iter()
+            .map(|(k, v)| (k.to_string(), String::from_utf8_lossy(v.as_bytes()).into_owned().into()))
+            .collect();
+        let body = serde_json::json!({
+            "method": req.method().as_str(),
+            "path": req.uri().path_and_query().map(|p| p.as_str()).unwrap_or("/"),
+            "headers": headers,
+        });
+        let mut r = full(StatusCode::OK, body.to_string());
+        r.headers_mut().insert("connection", "x-upstream-private".parse().unwrap());
+        r.headers_mut().insert("x-upstream-private", "1".parse().unwrap());
+        r.headers_mut().insert("keep-alive", "timeout=5".parse().unwrap());
+        return Ok(r);
+    }
+    if let Some(n) = path.strip_prefix("/download/") {
+        let total: usize = n.parse().unwrap_or(0);
+        let chunk = Bytes::from(vec![b'x'; 64 * 1024]);
+        let stream = futures_util::stream::unfold(0usize, move |sent| {
+            let chunk = chunk.clone();
+            async move {
+                if sent >= total {
+                    return None;
+                }
+                let n = chunk.len().min(total - sent);
+                Some((Ok::<_, Infallible>(Frame::data(chunk.slice(..n))), sent + n))
+            }
+        });
+        return Ok(Response::new(StreamBody::new(stream).boxed()));
+    }
+    if path == "/upload" {
+        let mut body = req.into_body();
+        let mut n = 0usize;
+        while let Some(frame) = body.frame().await {
+            match frame {
+                Ok(f) => n += f.data_ref().map(|d| d.len()).unwrap_or(0),
+                Err(_) => return Ok(full(StatusCode::BAD_REQUEST, "body error")),
+            }
+        }
+        return Ok(full(StatusCode::OK, serde_json::json!({ "bytes": n }).to_string()));
+    }
+    if let Some(ms) = path.strip_prefix("/slow/") {
+        let ms: u64 = ms.parse().unwrap_or(0);
+        tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+        return Ok(full(StatusCode::OK, "slow ok"));
+    }
+    Ok(full(StatusCode::OK, "ok"))
+}

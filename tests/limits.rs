@@ -18,7 +18,12 @@ struct Setup {
     _redis: Option<RedisServer>,
 }
 
-fn config(backend: Backend, redis: Option<&RedisServer>, upstream: &Upstream, trusted: &str) -> String {
+fn config(
+    backend: Backend,
+    redis: Option<&RedisServer>,
+    upstream: &Upstream,
+    trusted: &str,
+) -> String {
     let shards: Vec<&RedisServer> = redis.into_iter().collect();
     format!(
         r#"
@@ -80,7 +85,11 @@ async fn setup_with(backend: Backend, trusted: &str) -> Setup {
     let upstream = Upstream::start().await;
     let redis = (backend == Backend::Redis).then(RedisServer::start);
     let gw = TestGateway::start(&config(backend, redis.as_ref(), &upstream, trusted)).await;
-    Setup { gw, upstream, _redis: redis }
+    Setup {
+        gw,
+        upstream,
+        _redis: redis,
+    }
 }
 
 async fn setup(backend: Backend) -> Setup {
@@ -132,7 +141,11 @@ async fn anonymous_and_keyed_callers_have_their_own_budgets(backend: Backend) {
         assert_eq!(keyed.num("x-ratelimit-remaining"), expected_remaining);
     }
     // `token KEY` is the same caller.
-    let token = get_with(&s.gw.url("/"), &[("authorization", &format!("token {KEY}"))]).await;
+    let token = get_with(
+        &s.gw.url("/"),
+        &[("authorization", &format!("token {KEY}"))],
+    )
+    .await;
     assert_eq!(token.num("x-ratelimit-remaining"), 2);
 
     // The anonymous budget was not touched by the keyed requests.
@@ -165,13 +178,26 @@ async fn over_the_limit_is_429_with_headers_and_body_and_is_not_charged(backend:
         assert_eq!(r.header("content-type"), "application/json");
         assert_eq!(r.header("x-ratelimit-limit"), "3");
         assert_eq!(r.header("x-ratelimit-remaining"), "0");
-        assert_eq!(r.header("x-ratelimit-used"), "3", "a rejected request is not charged");
+        assert_eq!(
+            r.header("x-ratelimit-used"),
+            "3",
+            "a rejected request is not charged"
+        );
         assert_eq!(r.header("x-ratelimit-resource"), "core");
         assert_eq!(r.num("x-ratelimit-reset"), reset);
         let retry_after = r.num("retry-after");
-        assert!((3590..=3600).contains(&retry_after), "Retry-After {retry_after}");
+        assert!(
+            (3590..=3600).contains(&retry_after),
+            "Retry-After {retry_after}"
+        );
         let body = r.json();
-        assert!(body["message"].as_str().unwrap().contains("rate limit exceeded for 127.0.0.1"), "{body}");
+        assert!(
+            body["message"]
+                .as_str()
+                .unwrap()
+                .contains("rate limit exceeded for 127.0.0.1"),
+            "{body}"
+        );
         assert_eq!(body["limit"], 3);
         assert_eq!(body["reset"], reset);
     }
@@ -188,7 +214,10 @@ async fn reset_is_the_same_on_every_response_of_a_window(backend: Backend) {
         resets.push(r.num("x-ratelimit-reset"));
         tokio::time::sleep(Duration::from_millis(230)).await;
     }
-    assert!(resets.windows(2).all(|w| w[0] == w[1]), "Reset wobbled: {resets:?}");
+    assert!(
+        resets.windows(2).all(|w| w[0] == w[1]),
+        "Reset wobbled: {resets:?}"
+    );
 }
 
 async fn a_moved_clock_starts_a_new_window(backend: Backend) {
@@ -205,7 +234,10 @@ async fn a_moved_clock_starts_a_new_window(backend: Backend) {
     assert_eq!(r.status, 200);
     assert_eq!(r.num("x-ratelimit-remaining"), 2);
     assert_eq!(r.num("x-ratelimit-used"), 1);
-    assert!(r.num("x-ratelimit-reset") >= old_reset + 3600, "new window ends an hour later");
+    assert!(
+        r.num("x-ratelimit-reset") >= old_reset + 3600,
+        "new window ends an hour later"
+    );
 }
 
 async fn a_real_one_second_window_resets(backend: Backend) {
@@ -228,7 +260,11 @@ async fn not_modified_is_not_charged(backend: Backend) {
         let r = get(&s.gw.url("/status/304")).await;
         assert_eq!(r.status, 304);
         assert_eq!(r.header("x-ratelimit-used"), "0");
-        assert_eq!(r.header("x-ratelimit-remaining"), "3", "the gateway's header replaces the upstream's");
+        assert_eq!(
+            r.header("x-ratelimit-remaining"),
+            "3",
+            "the gateway's header replaces the upstream's"
+        );
     }
     let r = get(&s.gw.url("/status/200")).await;
     assert_eq!(r.status, 200);
@@ -244,11 +280,17 @@ async fn forwarded_for_is_believed_only_from_trusted_proxies(backend: Backend) {
     for _ in 0..3 {
         let r = get_with(&s.gw.url("/echo"), &[("x-forwarded-for", "203.0.113.5")]).await;
         assert_eq!(r.status, 200);
-        assert_eq!(r.json()["headers"]["x-forwarded-for"], "203.0.113.5, 127.0.0.1");
+        assert_eq!(
+            r.json()["headers"]["x-forwarded-for"],
+            "203.0.113.5, 127.0.0.1"
+        );
     }
     let r = get_with(&s.gw.url("/"), &[("x-forwarded-for", "203.0.113.5")]).await;
     assert_eq!(r.status, 429);
-    assert!(r.json()["message"].as_str().unwrap().contains("203.0.113.5"));
+    assert!(r.json()["message"]
+        .as_str()
+        .unwrap()
+        .contains("203.0.113.5"));
     // Another client behind the same proxy has its own budget.
     let r = get_with(&s.gw.url("/"), &[("x-forwarded-for", "203.0.113.6")]).await;
     assert_eq!(r.status, 200);
@@ -256,7 +298,10 @@ async fn forwarded_for_is_believed_only_from_trusted_proxies(backend: Backend) {
 
     // Not trusted: X-Forwarded-For is ignored, everyone from 127.0.0.1 shares one budget.
     let s = setup_with(backend, "").await;
-    for (i, xff) in ["203.0.113.5", "203.0.113.6", "198.51.100.1"].iter().enumerate() {
+    for (i, xff) in ["203.0.113.5", "203.0.113.6", "198.51.100.1"]
+        .iter()
+        .enumerate()
+    {
         let r = get_with(&s.gw.url("/"), &[("x-forwarded-for", xff)]).await;
         assert_eq!(r.num("x-ratelimit-remaining"), 2 - i as u64);
     }

@@ -57,7 +57,9 @@ limits = ["core"]
 
 /// The Redis key of `core` for an anonymous caller at `ip` (as the gateway derives it).
 fn key_for_ip(ip: &str) -> String {
-    KeyScheme::new("tollgate:", None).key("core", &format!("ip:{ip}")).key
+    KeyScheme::new("tollgate:", None)
+        .key("core", &format!("ip:{ip}"))
+        .key
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -73,7 +75,11 @@ async fn the_window_is_a_hash_with_count_and_stored_reset_at() {
     let count: u64 = redis.cmd(&["HGET", &key, "count"]);
     let reset_at: u64 = redis.cmd(&["HGET", &key, "reset_at"]);
     assert_eq!(count, 1);
-    assert_eq!(r.num("x-ratelimit-reset"), reset_at.div_ceil(1000), "Reset is the stored reset_at");
+    assert_eq!(
+        r.num("x-ratelimit-reset"),
+        reset_at.div_ceil(1000),
+        "Reset is the stored reset_at"
+    );
     // Redis may clean up one second after the gateway stops trusting the window.
     let expire_at_ms: u64 = redis.cmd(&["PEXPIRETIME", &key]);
     assert_eq!(expire_at_ms, reset_at + 1000);
@@ -127,12 +133,25 @@ async fn callers_spread_over_two_shards_and_keys_hide_keys_and_ips() {
     assert_eq!(r.num("x-ratelimit-limit"), 5);
 
     let (ka, kb) = (a.keys(), b.keys());
-    assert!(!ka.is_empty() && !kb.is_empty(), "both shards hold windows: {} and {}", ka.len(), kb.len());
+    assert!(
+        !ka.is_empty() && !kb.is_empty(),
+        "both shards hold windows: {} and {}",
+        ka.len(),
+        kb.len()
+    );
     assert_eq!(ka.len() + kb.len(), 41);
     for k in ka.iter().chain(&kb) {
-        let hash = k.strip_prefix("tollgate:core:").unwrap_or_else(|| panic!("unexpected key {k}"));
-        assert!(hash.len() == 32 && hash.bytes().all(|c| c.is_ascii_hexdigit()), "{k}");
-        assert!(!k.contains("198.51") && !k.contains(KEY) && !k.contains("acme"), "{k}");
+        let hash = k
+            .strip_prefix("tollgate:core:")
+            .unwrap_or_else(|| panic!("unexpected key {k}"));
+        assert!(
+            hash.len() == 32 && hash.bytes().all(|c| c.is_ascii_hexdigit()),
+            "{k}"
+        );
+        assert!(
+            !k.contains("198.51") && !k.contains(KEY) && !k.contains("acme"),
+            "{k}"
+        );
     }
     // Each caller is on the shard the documented hash picks.
     let scheme = KeyScheme::new("tollgate:", None);
@@ -169,8 +188,16 @@ async fn redis_killed_fail_open_forwards_within_the_timeout() {
         let started = Instant::now();
         let r = get(&gw.url("/")).await;
         assert_eq!(r.status, 200, "on_error = allow forwards");
-        assert_eq!(r.header("x-ratelimit-remaining"), "", "no limit headers without a store answer");
-        assert!(started.elapsed() < Duration::from_millis(1000), "took {:?}", started.elapsed());
+        assert_eq!(
+            r.header("x-ratelimit-remaining"),
+            "",
+            "no limit headers without a store answer"
+        );
+        assert!(
+            started.elapsed() < Duration::from_millis(1000),
+            "took {:?}",
+            started.elapsed()
+        );
     }
     assert_eq!(upstream.hits(), 6);
 }
@@ -188,8 +215,15 @@ async fn redis_killed_fail_closed_answers_503_within_the_timeout() {
         let r = get(&gw.url("/")).await;
         assert_eq!(r.status, 503, "on_error = deny");
         assert_eq!(r.header("content-type"), "application/json");
-        assert!(r.json()["message"].as_str().unwrap().contains("unavailable"));
-        assert!(started.elapsed() < Duration::from_millis(1000), "took {:?}", started.elapsed());
+        assert!(r.json()["message"]
+            .as_str()
+            .unwrap()
+            .contains("unavailable"));
+        assert!(
+            started.elapsed() < Duration::from_millis(1000),
+            "took {:?}",
+            started.elapsed()
+        );
     }
     assert_eq!(upstream.hits(), 1);
 
@@ -202,7 +236,10 @@ async fn redis_killed_fail_closed_answers_503_within_the_timeout() {
             assert_eq!(r.header("x-ratelimit-used"), "1");
             break;
         }
-        assert!(Instant::now() < deadline, "limiting did not resume after Redis came back");
+        assert!(
+            Instant::now() < deadline,
+            "limiting did not resume after Redis came back"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
@@ -215,13 +252,22 @@ async fn a_frozen_redis_is_cut_off_by_the_timeout() {
     let gw = TestGateway::start(&config(&[&redis], &upstream, "deny", "150ms")).await;
     assert_eq!(get(&gw.url("/")).await.status, 200);
     let pid = redis.pid().unwrap().to_string();
-    assert!(std::process::Command::new("kill").args(["-STOP", &pid]).status().unwrap().success());
+    assert!(std::process::Command::new("kill")
+        .args(["-STOP", &pid])
+        .status()
+        .unwrap()
+        .success());
     let started = Instant::now();
     let r = get(&gw.url("/")).await;
     let took = started.elapsed();
-    let _ = std::process::Command::new("kill").args(["-CONT", &pid]).status();
+    let _ = std::process::Command::new("kill")
+        .args(["-CONT", &pid])
+        .status();
     assert_eq!(r.status, 503);
-    assert!(took >= Duration::from_millis(140) && took < Duration::from_millis(1000), "took {took:?}");
+    assert!(
+        took >= Duration::from_millis(140) && took < Duration::from_millis(1000),
+        "took {took:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -236,11 +282,17 @@ async fn script_flush_does_not_fail_a_request() {
     for used in 2..=4 {
         redis.cmd::<()>(&["SCRIPT", "FLUSH"]);
         let r = get_with(&gw.url("/"), &[("authorization", &auth)]).await;
-        assert_eq!(r.status, 200, "NOSCRIPT must be handled by reloading the script");
+        assert_eq!(
+            r.status, 200,
+            "NOSCRIPT must be handled by reloading the script"
+        );
         assert_eq!(r.num("x-ratelimit-used"), used);
     }
     // The scripts are run by SHA (EVALSHA), and were loaded again after each flush.
     let info: String = redis.cmd(&["INFO", "commandstats"]);
     assert!(info.contains("cmdstat_evalsha"), "{info}");
-    assert!(info.contains("cmdstat_script|load") || info.contains("cmdstat_script"), "{info}");
+    assert!(
+        info.contains("cmdstat_script|load") || info.contains("cmdstat_script"),
+        "{info}"
+    );
 }

@@ -17,16 +17,25 @@ pub struct Reply {
 impl Reply {
     /// A header as a string ("" when absent).
     pub fn header(&self, name: &str) -> &str {
-        self.headers.get(name).and_then(|v| v.to_str().ok()).unwrap_or("")
+        self.headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
     }
 
     /// A header as a number; panics when absent.
     pub fn num(&self, name: &str) -> u64 {
-        self.header(name).parse().unwrap_or_else(|_| panic!("header {name} missing or not a number in {:?}", self.headers))
+        self.header(name).parse().unwrap_or_else(|_| {
+            panic!(
+                "header {name} missing or not a number in {:?}",
+                self.headers
+            )
+        })
     }
 
     pub fn json(&self) -> serde_json::Value {
-        serde_json::from_slice(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", self.body))
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", self.body))
     }
 
     pub fn text(&self) -> String {
@@ -45,8 +54,15 @@ pub async fn get_with(url: &str, headers: &[(&str, &str)]) -> Reply {
     for (k, v) in headers {
         req = req.header(*k, *v);
     }
-    let resp = client.request(req.body(Full::new(Bytes::new())).unwrap()).await.expect("request to gateway");
+    let resp = client
+        .request(req.body(Full::new(Bytes::new())).unwrap())
+        .await
+        .expect("request to gateway");
     let (parts, body) = resp.into_parts();
     let body = body.collect().await.expect("response body").to_bytes();
-    Reply { status: parts.status, headers: parts.headers, body }
+    Reply {
+        status: parts.status,
+        headers: parts.headers,
+        body,
+    }
 }

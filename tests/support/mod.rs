@@ -1,13 +1,13 @@
 //! Real parts for the integration tests: `redis-server` processes on free loopback
 //! ports, a real HTTP upstream, the gateway itself, and a small HTTP client.
-#![allow(dead_code, missing_docs, unreachable_pub)]
+#![allow(dead_code, unused_imports, missing_docs, unreachable_pub)]
 
 pub mod client;
 pub mod redis;
 pub mod upstream;
 
-pub use client::{get, get_with};
 pub use self::redis::RedisServer;
+pub use client::{get, get_with};
 pub use upstream::Upstream;
 
 use std::path::PathBuf;
@@ -33,9 +33,17 @@ impl TestGateway {
         std::fs::write(&path, toml).unwrap();
         let file = tollgate::config::read(&path).unwrap_or_else(|r| panic!("config:\n{r}"));
         let clock = ManualClock::new();
-        let gateway = Gateway::start(&file, clock.clone()).await.unwrap_or_else(|e| panic!("start: {e}"));
+        let gateway = Gateway::start(&file, clock.clone())
+            .await
+            .unwrap_or_else(|e| panic!("start: {e}"));
         let addr = gateway.local_addr();
-        TestGateway { gateway, clock, addr, _dir: dir, path }
+        TestGateway {
+            gateway,
+            clock,
+            addr,
+            _dir: dir,
+            path,
+        }
     }
 
     /// Reload from new TOML text.
@@ -51,7 +59,10 @@ impl TestGateway {
 }
 
 pub fn init_logs() {
-    let _ = tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).with_test_writer().try_init();
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
 }
 
 /// SHA-256 of an API key, hex, for `key_sha256`.
@@ -68,9 +79,16 @@ pub enum Backend {
 }
 
 /// `[store]` TOML for a backend; for Redis, the shards' primaries.
-pub fn store_toml(backend: Backend, shards: &[&RedisServer], on_error: &str, timeout: &str) -> String {
+pub fn store_toml(
+    backend: Backend,
+    shards: &[&RedisServer],
+    on_error: &str,
+    timeout: &str,
+) -> String {
     match backend {
-        Backend::Memory => format!("[store]\nbackend = \"memory\"\non_error = \"{on_error}\"\ntimeout = \"{timeout}\"\n"),
+        Backend::Memory => format!(
+            "[store]\nbackend = \"memory\"\non_error = \"{on_error}\"\ntimeout = \"{timeout}\"\n"
+        ),
         Backend::Redis => {
             let mut s = format!("[store]\nbackend = \"redis\"\non_error = \"{on_error}\"\ntimeout = \"{timeout}\"\n");
             for r in shards {

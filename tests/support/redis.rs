@@ -9,7 +9,11 @@ pub fn redis_server_bin() -> String {
     if let Ok(p) = std::env::var("REDIS_SERVER") {
         return p;
     }
-    for dir in std::env::var("PATH").unwrap_or_default().split(':').chain(["/usr/bin", "/usr/sbin", "/usr/local/bin"]) {
+    for dir in std::env::var("PATH").unwrap_or_default().split(':').chain([
+        "/usr/bin",
+        "/usr/sbin",
+        "/usr/local/bin",
+    ]) {
         let p = std::path::Path::new(dir).join("redis-server");
         if p.is_file() {
             return p.display().to_string();
@@ -19,7 +23,11 @@ pub fn redis_server_bin() -> String {
 }
 
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 /// One `redis-server` on 127.0.0.1, killed when dropped.
@@ -35,18 +43,38 @@ impl RedisServer {
     }
 
     pub fn start_with(extra: &[&str]) -> RedisServer {
-        let mut s = RedisServer { port: free_port(), child: None, extra: extra.iter().map(|s| s.to_string()).collect() };
+        let mut s = RedisServer {
+            port: free_port(),
+            child: None,
+            extra: extra.iter().map(|s| s.to_string()).collect(),
+        };
         s.spawn();
         s
     }
 
     fn spawn(&mut self) {
         let mut cmd = Command::new(redis_server_bin());
-        cmd.args(["--port", &self.port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
-            .args(["--daemonize", "no", "--protected-mode", "no", "--loglevel", "warning"])
-            .args(&self.extra)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
+        cmd.args([
+            "--port",
+            &self.port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ])
+        .args([
+            "--daemonize",
+            "no",
+            "--protected-mode",
+            "no",
+            "--loglevel",
+            "warning",
+        ])
+        .args(&self.extra)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
         self.child = Some(cmd.spawn().expect("spawn redis-server"));
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
@@ -55,7 +83,11 @@ impl RedisServer {
                     return;
                 }
             }
-            assert!(Instant::now() < deadline, "redis-server on port {} did not start", self.port);
+            assert!(
+                Instant::now() < deadline,
+                "redis-server on port {} did not start",
+                self.port
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -81,7 +113,8 @@ impl RedisServer {
         for a in &args[1..] {
             cmd.arg(*a);
         }
-        cmd.query(&mut c).unwrap_or_else(|e| panic!("{args:?}: {e}"))
+        cmd.query(&mut c)
+            .unwrap_or_else(|e| panic!("{args:?}: {e}"))
     }
 
     /// Every key, via SCAN.

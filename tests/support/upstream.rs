@@ -36,14 +36,18 @@ impl Upstream {
         let h = hits.clone();
         let task = tokio::spawn(async move {
             loop {
-                let Ok((stream, _)) = listener.accept().await else { continue };
+                let Ok((stream, _)) = listener.accept().await else {
+                    continue;
+                };
                 let h = h.clone();
                 tokio::spawn(async move {
                     let svc = service_fn(move |req| {
                         h.fetch_add(1, Ordering::SeqCst);
                         serve(req)
                     });
-                    let _ = auto::Builder::new(TokioExecutor::new()).serve_connection(TokioIo::new(stream), svc).await;
+                    let _ = auto::Builder::new(TokioExecutor::new())
+                        .serve_connection(TokioIo::new(stream), svc)
+                        .await;
                 });
             }
         });
@@ -75,16 +79,26 @@ fn full(status: StatusCode, body: impl Into<Bytes>) -> Response<Body> {
 async fn serve(req: Request<Incoming>) -> Result<Response<Body>, Infallible> {
     let path = req.uri().path().to_string();
     if let Some(code) = path.strip_prefix("/status/") {
-        let status = code.parse::<u16>().ok().and_then(|c| StatusCode::from_u16(c).ok()).unwrap_or(StatusCode::BAD_REQUEST);
+        let status = code
+            .parse::<u16>()
+            .ok()
+            .and_then(|c| StatusCode::from_u16(c).ok())
+            .unwrap_or(StatusCode::BAD_REQUEST);
         let mut r = full(status, "");
-        r.headers_mut().insert("x-ratelimit-remaining", "999".parse().unwrap());
+        r.headers_mut()
+            .insert("x-ratelimit-remaining", "999".parse().unwrap());
         return Ok(r);
     }
     if path.starts_with("/echo") {
         let headers: serde_json::Map<String, serde_json::Value> = req
             .headers()
             .iter()
-            .map(|(k, v)| (k.to_string(), String::from_utf8_lossy(v.as_bytes()).into_owned().into()))
+            .map(|(k, v)| {
+                (
+                    k.to_string(),
+                    String::from_utf8_lossy(v.as_bytes()).into_owned().into(),
+                )
+            })
             .collect();
         let body = serde_json::json!({
             "method": req.method().as_str(),
@@ -92,9 +106,12 @@ async fn serve(req: Request<Incoming>) -> Result<Response<Body>, Infallible> {
             "headers": headers,
         });
         let mut r = full(StatusCode::OK, body.to_string());
-        r.headers_mut().insert("connection", "x-upstream-private".parse().unwrap());
-        r.headers_mut().insert("x-upstream-private", "1".parse().unwrap());
-        r.headers_mut().insert("keep-alive", "timeout=5".parse().unwrap());
+        r.headers_mut()
+            .insert("connection", "x-upstream-private".parse().unwrap());
+        r.headers_mut()
+            .insert("x-upstream-private", "1".parse().unwrap());
+        r.headers_mut()
+            .insert("keep-alive", "timeout=5".parse().unwrap());
         return Ok(r);
     }
     if let Some(n) = path.strip_prefix("/download/") {
@@ -121,7 +138,10 @@ async fn serve(req: Request<Incoming>) -> Result<Response<Body>, Infallible> {
                 Err(_) => return Ok(full(StatusCode::BAD_REQUEST, "body error")),
             }
         }
-        return Ok(full(StatusCode::OK, serde_json::json!({ "bytes": n }).to_string()));
+        return Ok(full(
+            StatusCode::OK,
+            serde_json::json!({ "bytes": n }).to_string(),
+        ));
     }
     if let Some(ms) = path.strip_prefix("/slow/") {
         let ms: u64 = ms.parse().unwrap_or(0);

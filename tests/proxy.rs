@@ -1,0 +1,254 @@
+//! The proxy path against a real upstream: headers, errors, streaming, HTTP/2, timeouts,
+//! graceful shutdown.
+
+mod support;
+
+use bytes::Bytes;
+use http::Request;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use std::time::{Duration, Instant};
+use support::{get, get_with, TestGateway, Upstream};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+fn config(targets: &[String], extra_server: &str) -> String {
+    let targets: Vec<String> = targets.iter().map(|t| format!("\"{t}\"")).collect();
+    format!(
+        r#"
+[server]
+listen = "127.0.0.1:0"
+shutdown_grace = "5s"
+{extra_server}
+
+[[upstreams]]
+name = "api"
+targets = [{targets}]
+connect_timeout = "500ms"
+response_timeout = "400ms"
+
+[[limits]]
+name = "core"
+window = "1h"
+quota = {{ anonymous = 1000 }}
+
+[[routes]]
+path_prefix = "/"
+upstream = "api"
+limits = ["core"]
+
+[[routes]]
+host = "other.example"
+path_prefix = "/only-other"
+upstream = "api"
+"#,
+        targets = targets.join(", ")
+    )
+}
+
+async fn gateway(upstream: &Upstream) -> TestGateway {
+    TestGateway::start(&config(&[upstream.url()], "")).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hop_by_hop_headers_are_stripped_and_forwarding_headers_set() {
+    let upstream = Upstream::start().await;
+    let gw = gateway(&upstream).await;
+    let r = get_with(
+        &gw.url("/echo?q=1"),
+        &[
+            ("connection", "keep-alive, x-drop-me"),
+            ("x-drop-me", "1"),
+            ("keep-alive", "timeout=5"),
+            ("proxy-authorization", "Basic Zm9vOmJhcg=="),
+            ("te", "trailers"),
+            ("x-kept", "yes"),
+            ("x-forwarded-for", "192.0.2.1"),
+        ],
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    let echo = r.json();
+    let h = &echo["headers"];
+    assert_eq!(echo["path"], "/echo?q=1");
+    for dropped in ["x-drop-me", "keep-alive", "proxy-authorization", "te"] {
+        assert!(h.get(dropped).is_none(), "{dropped} was forwarded: {h}");
+    }
+    assert_eq!(h["x-kept"], "yes");
+    // No trusted proxies here: the client's X-Forwarded-For is kept and the peer appended.
+    assert_eq!(h["x-forwarded-for"], "192.0.2.1, 127.0.0.1");
+    assert_eq!(h["x-forwarded-proto"], "http");
+    assert_eq!(h["host"], gw.addr.to_string(), "Host is kept");
+    assert_eq!(h["x-forwarded-host"], gw.addr.to_string());
+    // Hop-by-hop headers of the response are stripped too.
+    assert_eq!(r.header("x-upstream-private"), "");
+    assert_eq!(r.header("keep-alive"), "");
+    assert_eq!(r.header("x-ratelimit-limit"), "1000");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_route_is_404_json() {
+    let upstream = Upstream::start().await;
+    let gw = gateway(&upstream).await;
+    // Only "other.example" has /only-other, but "/" catches everything else; a request for
+    // another host still matches "/".
+    let r = get_with(&gw.url("/only-other"), &[("host", "other.example:8080")]).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(
+        r.header("x-ratelimit-limit"),
+        "",
+        "the host route has no limits"
+    );
+
+    let only_host = r#"
+[server]
+listen = "127.0.0.1:0"
+[[upstreams]]
+name = "api"
+targets = ["UP"]
+[[routes]]
+host = "api.example"
+path_prefix = "/v1/"
+upstream = "api"
+"#
+    .replace("UP", &upstream.url());
+    let gw = TestGateway::start(&only_host).await;
+    let r = get(&gw.url("/v2/x")).await;
+    assert_eq!(r.status, 404);
+    assert_eq!(r.header("content-type"), "application/json");
+    assert!(r.json()["message"].is_string());
+    let r = get_with(&gw.url("/v1/x"), &[("host", "elsewhere.example")]).await;
+    assert_eq!(r.status, 404);
+    let r = get_with(&gw.url("/v1/x"), &[("host", "API.example")]).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(upstream.hits(), 2, "one from the first gateway, one here");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_upstream_is_502_and_slow_upstream_is_504() {
+    let upstream = Upstream::start().await;
+    let closed_port = support::redis::free_port();
+    let gw = TestGateway::start(&config(&[format!("http://127.0.0.1:{closed_port}")], "")).await;
+    let r = get(&gw.url("/")).await;
+    assert_eq!(r.status, 502);
+    assert_eq!(r.header("content-type"), "application/json");
+    assert!(r.json()["message"]
+        .as_str()
+        .unwrap()
+        .contains("unreachable"));
+
+    let gw = gateway(&upstream).await;
+    let started = Instant::now();
+    let r = get(&gw.url("/slow/3000")).await;
+    assert_eq!(r.status, 504);
+    assert!(started.elapsed() < Duration::from_millis(2000));
+    assert!(r.json()["message"].as_str().unwrap().contains("timed out"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn targets_are_used_round_robin() {
+    let (a, b) = (Upstream::start().await, Upstream::start().await);
+    let gw = TestGateway::start(&config(&[a.url(), b.url()], "")).await;
+    for _ in 0..10 {
+        assert_eq!(get(&gw.url("/")).await.status, 200);
+    }
+    assert_eq!((a.hits(), b.hits()), (5, 5));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cleartext_http2_is_served_on_the_same_listener() {
+    let upstream = Upstream::start().await;
+    let gw = gateway(&upstream).await;
+    let client = Client::builder(TokioExecutor::new())
+        .http2_only(true)
+        .build_http::<Full<Bytes>>();
+    let resp = client
+        .request(
+            Request::get(gw.url("/echo"))
+                .body(Full::new(Bytes::new()))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.version(), http::Version::HTTP_2);
+    assert_eq!(resp.headers()["x-ratelimit-remaining"], "999");
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    let echo: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(
+        echo["headers"]["host"],
+        gw.addr.to_string(),
+        "HTTP/2 authority becomes Host"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_dribbles_headers_is_cut_off() {
+    let upstream = Upstream::start().await;
+    let gw = TestGateway::start(&config(
+        &[upstream.url()],
+        "header_read_timeout = \"500ms\"",
+    ))
+    .await;
+    let mut s = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n").await.unwrap();
+    let started = Instant::now();
+    let mut closed = false;
+    for _ in 0..40 {
+        if s.write_all(b"X-Slow: 1\r\n").await.is_err() {
+            closed = true;
+            break;
+        }
+        let mut buf = [0u8; 256];
+        match tokio::time::timeout(Duration::from_millis(100), s.read(&mut buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => {
+                closed = true;
+                break;
+            }
+            Ok(Ok(_)) => {
+                // hyper may answer 408 before closing.
+                closed = true;
+                break;
+            }
+            Err(_) => {}
+        }
+    }
+    assert!(
+        closed,
+        "connection still open after {:?}",
+        started.elapsed()
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "cut off after {:?}",
+        started.elapsed()
+    );
+    assert_eq!(upstream.hits(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn graceful_shutdown_finishes_in_flight_requests() {
+    let upstream = Upstream::start().await;
+    let gw = TestGateway::start(
+        &config(&[upstream.url()], "")
+            .replace("response_timeout = \"400ms\"", "response_timeout = \"10s\""),
+    )
+    .await;
+    let url = gw.url("/slow/800");
+    let in_flight = tokio::spawn(async move { get(&url).await });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let addr = gw.addr;
+    gw.gateway.shutdown();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // No new connections once shutdown has begun.
+    assert!(
+        tokio::net::TcpStream::connect(addr).await.is_err(),
+        "listener still accepting"
+    );
+    let r = in_flight.await.unwrap();
+    assert_eq!(r.status, 200);
+    assert_eq!(r.text(), "slow ok");
+    tokio::time::timeout(Duration::from_secs(3), gw.gateway.wait())
+        .await
+        .expect("gateway stopped after draining");
+}

@@ -1,0 +1,104 @@
+//! Large bodies stream through the gateway in flat memory. Alone in its own test binary
+//! so that the process's memory reading is not disturbed by other tests.
+
+mod support;
+
+use bytes::Bytes;
+use http::{Request, StatusCode};
+use http_body_util::{BodyExt, Full, StreamBody};
+use hyper::body::Frame;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use std::convert::Infallible;
+use std::time::Duration;
+use support::{TestGateway, Upstream};
+
+const CONFIG: &str = r#"
+[server]
+listen = "127.0.0.1:0"
+
+[[upstreams]]
+name = "api"
+targets = ["UPSTREAM"]
+response_timeout = "60s"
+
+[[limits]]
+name = "core"
+window = "1h"
+quota = { anonymous = 1000 }
+
+[[routes]]
+path_prefix = "/"
+upstream = "api"
+limits = ["core"]
+"#;
+
+fn rss_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
+    line.split_whitespace()
+        .nth(1)
+        .unwrap()
+        .parse::<u64>()
+        .unwrap()
+        * 1024
+}
+
+/// 200 MB up and 200 MB down through the gateway; the process (gateway, upstream and
+/// client all live in it) never holds more than a small fraction of that.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_bodies_stream_both_ways_in_flat_memory() {
+    const SIZE: usize = 200 * 1024 * 1024;
+    let upstream = Upstream::start().await;
+    let gw = TestGateway::start(&CONFIG.replace("UPSTREAM", &upstream.url())).await;
+    let baseline = rss_bytes();
+    let peak = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(baseline));
+    let sampler = {
+        let peak = peak.clone();
+        tokio::spawn(async move {
+            loop {
+                peak.fetch_max(rss_bytes(), std::sync::atomic::Ordering::Relaxed);
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+    };
+
+    // Download.
+    let client = Client::builder(TokioExecutor::new())
+        .build_http::<http_body_util::combinators::BoxBody<Bytes, Infallible>>();
+    let req = Request::get(gw.url(&format!("/download/{SIZE}")))
+        .body(Full::new(Bytes::new()).boxed())
+        .unwrap();
+    let resp = client.request(req).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    let mut body = resp.into_body();
+    let mut received = 0usize;
+    while let Some(frame) = body.frame().await {
+        received += frame.unwrap().data_ref().map(|d| d.len()).unwrap_or(0);
+    }
+    assert_eq!(received, SIZE);
+
+    // Upload, generated as it is sent.
+    let chunk = Bytes::from(vec![b'u'; 64 * 1024]);
+    let stream = futures_util::stream::iter(
+        (0..SIZE / chunk.len()).map(move |_| Ok::<_, Infallible>(Frame::data(chunk.clone()))),
+    );
+    let req = Request::post(gw.url("/upload"))
+        .body(StreamBody::new(stream).boxed())
+        .unwrap();
+    let resp = client.request(req).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    let reply: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(reply["bytes"], SIZE);
+
+    sampler.abort();
+    let grew = peak
+        .load(std::sync::atomic::Ordering::Relaxed)
+        .saturating_sub(baseline);
+    assert!(
+        grew < 64 * 1024 * 1024,
+        "memory grew by {} MiB while streaming 2×200 MiB",
+        grew >> 20
+    );
+}

@@ -1,0 +1,300 @@
+//! The `tollgate` binary as an operator runs it: `check`, `--version`, SIGTERM, SIGHUP.
+
+mod support;
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+use support::{get, sha256_hex, Upstream};
+
+fn tollgate() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_tollgate"));
+    c.env_remove("TOLLGATE_CONFIG").env_remove("RUST_LOG");
+    c
+}
+
+fn check(path: &Path) -> (i32, String, String) {
+    let out = tollgate()
+        .args(["check", "--config"])
+        .arg(path)
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn write(dir: &Path, name: &str, text: &str) -> std::path::PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+#[test]
+fn version_prints_and_exits_zero() {
+    let out = tollgate().arg("--version").output().unwrap();
+    assert!(out.status.success());
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        format!("tollgate {}", env!("CARGO_PKG_VERSION"))
+    );
+}
+
+#[test]
+fn check_accepts_the_shipped_configs() {
+    for file in ["config/tollgate.toml", "config/redis-sharded.toml"] {
+        let (code, stdout, stderr) = check(Path::new(file));
+        assert_eq!(code, 0, "{file}: {stderr}");
+        assert!(
+            stdout.starts_with(&format!("{file}: ok: listen 127.0.0.1:8080")),
+            "{stdout}"
+        );
+        assert_eq!(stdout.lines().count(), 1, "one-line summary: {stdout}");
+    }
+}
+
+#[test]
+fn check_reports_every_error_with_path_line_column_and_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad = write(
+        dir.path(),
+        "bad.toml",
+        r#"[server]
+listen = "127.0.0.1:8080"
+
+[identity]
+anonymous_tier = "anonymous"
+
+[[upstreams]]
+name = "api"
+targets = ["http://127.0.0.1:9000"]
+
+[[upstreams]]
+name = "api"
+targets = ["http://127.0.0.1:9001"]
+
+[[limits]]
+name = "core"
+window = "1h"
+quota = { anonymous = 60, gold = 10 }
+
+[[limits]]
+name = "empty"
+window = "1m"
+quota = {}
+
+[[routes]]
+path_prefix = "/"
+upstream = "nowhere"
+limits = ["core", "missing"]
+"#,
+    );
+    let (code, stdout, stderr) = check(&bad);
+    assert_eq!(code, 1);
+    assert_eq!(stdout, "");
+    let p = bad.display().to_string();
+    for expected in [
+        format!("{p}:12:1: upstreams[1].name: duplicate upstream name \"api\""),
+        format!("{p}:18:27: limits[0].quota.gold: unknown tier \"gold\""),
+        format!("{p}:23:1: limits[1].quota: is empty"),
+        format!("{p}:27:1: routes[0].upstream: no [[upstreams]] entry is named \"nowhere\""),
+        format!("{p}:28:19: routes[0].limits[1]: no [[limits]] entry is named \"missing\""),
+    ] {
+        assert!(
+            stderr.lines().any(|l| l.starts_with(&expected)),
+            "missing {expected:?} in:\n{stderr}"
+        );
+    }
+}
+
+#[test]
+fn check_rejects_syntax_unknown_keys_bad_durations_and_unsupported_features() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases = [
+        ("[server]\nlisten = \"127.0.0.1:1\"\nlisen = 3\n", ":3:1: server.lisen: unknown field `lisen`"),
+        ("[store]\ntimeout = \"fast\"\n", ":2:11: store.timeout: invalid duration \"fast\""),
+        ("[server\n", ":1:"),
+        ("[[limits]]\nname = \"x\"\nalgorithm = \"gcra\"\nwindow = \"1m\"\nquota = { anonymous = 1 }\n", "limits[0].algorithm: algorithm \"gcra\" is not supported yet"),
+        (
+            "[[upstreams]]\nname = \"a\"\ntargets = [\"http://x:1\"]\n[[routes]]\npath_prefix = \"/\"\nupstream = \"a\"\ncharge = \"on_request\"\n",
+            "routes[0].charge: charge = \"on_request\" is not supported yet",
+        ),
+        ("[store]\nread_from = \"replica\"\n", "store.read_from: reads from replicas are not supported yet"),
+        ("[server.tls]\ncert = \"a.pem\"\nkey = \"a.key\"\n", "server.tls: TLS is not supported yet"),
+        ("[[upstreams]]\nname = \"a\"\ntargets = [\"https://x:1\"]\n", "upstreams[0].targets[0]: \"https://x:1\": https upstreams are not supported yet"),
+        ("[store]\nbackend = \"redis\"\n", "store.shards: backend \"redis\" needs at least one"),
+    ];
+    for (i, (text, expected)) in cases.iter().enumerate() {
+        let path = write(dir.path(), &format!("case{i}.toml"), text);
+        let (code, _, stderr) = check(&path);
+        assert_eq!(code, 1, "case {i} should fail: {text}");
+        let line = stderr
+            .lines()
+            .find(|l| !l.starts_with("warning:"))
+            .unwrap_or("");
+        assert!(
+            line.starts_with(&path.display().to_string()),
+            "case {i}: {stderr}"
+        );
+        assert!(
+            stderr.contains(expected),
+            "case {i}: expected {expected:?} in:\n{stderr}"
+        );
+    }
+}
+
+#[test]
+fn check_without_a_file_says_so() {
+    let (code, _, stderr) = check(Path::new("/nonexistent/tollgate.toml"));
+    assert_eq!(code, 1);
+    assert!(
+        stderr.contains("/nonexistent/tollgate.toml:1:1: (file): cannot read config file"),
+        "{stderr}"
+    );
+}
+
+/// A gateway process on a free port; killed if the test fails before it exits.
+struct Running {
+    child: Child,
+    addr: String,
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn run_config(upstream: &str, port: u16, quota: u64) -> String {
+    format!(
+        r#"
+[server]
+listen = "127.0.0.1:{port}"
+shutdown_grace = "5s"
+
+[log]
+format = "json"
+
+[[identity.clients]]
+id = "acme"
+key_sha256 = "{key}"
+
+[[upstreams]]
+name = "api"
+targets = ["{upstream}"]
+
+[[limits]]
+name = "core"
+window = "1h"
+quota = {{ anonymous = {quota}, default = 100 }}
+
+[[routes]]
+path_prefix = "/"
+upstream = "api"
+limits = ["core"]
+"#,
+        key = sha256_hex("k")
+    )
+}
+
+fn spawn(config: &Path, port: u16) -> Running {
+    let child = tollgate()
+        .arg("--config")
+        .arg(config)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let addr = format!("127.0.0.1:{port}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(&addr).is_err() {
+        assert!(Instant::now() < deadline, "gateway did not start listening");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Running { child, addr }
+}
+
+fn signal(child: &Child, sig: &str) {
+    assert!(Command::new("kill")
+        .args([sig, &child.id().to_string()])
+        .status()
+        .unwrap()
+        .success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_lets_the_in_flight_request_finish_and_exits_zero() {
+    let upstream = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let port = support::redis::free_port();
+    let config = write(dir.path(), "t.toml", &run_config(&upstream.url(), port, 10));
+    let mut gw = spawn(&config, port);
+
+    let url = format!("http://{}/slow/1000", gw.addr);
+    let in_flight = tokio::spawn(async move { get(&url).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    signal(&gw.child, "-TERM");
+
+    let r = in_flight.await.unwrap();
+    assert_eq!(r.status, 200, "the in-flight request completes");
+    assert_eq!(r.text(), "slow ok");
+    let status = tokio::task::spawn_blocking(move || {
+        let s = gw.child.wait().unwrap();
+        let mut logs = String::new();
+        for line in BufReader::new(gw.child.stderr.take().unwrap()).lines() {
+            logs.push_str(&line.unwrap());
+            logs.push('\n');
+        }
+        (s, logs)
+    })
+    .await
+    .unwrap();
+    assert_eq!(status.0.code(), Some(0), "logs:\n{}", status.1);
+    // log.format = "json": every line is a JSON object.
+    for line in status.1.lines() {
+        let v: serde_json::Value =
+            serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
+        assert!(v.get("level").is_some());
+    }
+    assert!(status.1.contains("SIGTERM received"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_reloads_a_valid_file_and_keeps_running_on_an_invalid_one() {
+    let upstream = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let port = support::redis::free_port();
+    let config = write(dir.path(), "t.toml", &run_config(&upstream.url(), port, 10));
+    let gw = spawn(&config, port);
+    let url = format!("http://{}/", gw.addr);
+    assert_eq!(get(&url).await.header("x-ratelimit-limit"), "10");
+
+    // A valid change: the new quota shows in the headers, the window carries on.
+    write(dir.path(), "t.toml", &run_config(&upstream.url(), port, 20));
+    signal(&gw.child, "-HUP");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let r = get(&url).await;
+        if r.header("x-ratelimit-limit") == "20" {
+            assert!(
+                r.num("x-ratelimit-used") >= 2,
+                "the window survives a reload"
+            );
+            break;
+        }
+        assert!(Instant::now() < deadline, "reload not applied");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    // An invalid file: logged, and the running config stays.
+    write(dir.path(), "t.toml", "[server]\nlisten = 3\n");
+    signal(&gw.child, "-HUP");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let r = get(&url).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("x-ratelimit-limit"), "20");
+}

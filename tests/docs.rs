@@ -1,0 +1,120 @@
+//! Every config key has an entry in docs/configuration.md.
+
+use std::collections::BTreeSet;
+use tollgate::config::*;
+
+/// A config with every optional key present, written as a struct literal without
+/// `..Default::default()`: a new field fails to compile here until it is listed.
+fn full_config() -> Config {
+    Config {
+        server: ServerConfig {
+            listen: "127.0.0.1:8080".into(),
+            admin_listen: Some("127.0.0.1:9901".into()),
+            shutdown_grace: Dur::from_secs(30),
+            header_read_timeout: Dur::from_secs(10),
+            tls: Some(TlsConfig {
+                cert: "c.pem".into(),
+                key: "k.pem".into(),
+            }),
+        },
+        log: LogConfig {
+            level: "info".into(),
+            format: LogFormat::Text,
+        },
+        store: StoreConfig {
+            backend: Backend::Redis,
+            timeout: Dur::from_millis(50),
+            on_error: OnError::Allow,
+            key_prefix: "tollgate:".into(),
+            hash_key: Some("s".into()),
+            read_from: Some("primary".into()),
+            sweep_interval: Dur::from_secs(5),
+            shards: vec![ShardConfig {
+                primary: "redis://a".into(),
+                replicas: vec!["redis://b".into()],
+            }],
+        },
+        identity: IdentityConfig {
+            api_key_header: "authorization".into(),
+            trusted_proxies: vec!["10.0.0.0/8".into()],
+            anonymous_tier: "anonymous".into(),
+            clients: vec![ClientConfig {
+                id: "a".into(),
+                key_sha256: "0".repeat(64),
+                tier: "default".into(),
+            }],
+        },
+        upstreams: vec![UpstreamConfig {
+            name: "api".into(),
+            targets: vec!["http://127.0.0.1:9000".into()],
+            connect_timeout: Dur::from_secs(2),
+            response_timeout: Dur::from_secs(60),
+        }],
+        limits: vec![LimitConfig {
+            name: "core".into(),
+            algorithm: "fixed_window".into(),
+            window: Dur::from_secs(3600),
+            quota: [("anonymous".to_string(), 60)].into(),
+            by: "caller".into(),
+        }],
+        routes: vec![RouteConfig {
+            host: Some("api.example.com".into()),
+            path_prefix: "/".into(),
+            upstream: "api".into(),
+            limits: vec!["core".into()],
+            cost: 1,
+            uncharged_statuses: vec![304],
+            charge: "after_response".into(),
+        }],
+    }
+}
+
+fn keys(prefix: &str, v: &toml::Value, out: &mut BTreeSet<String>) {
+    match v {
+        toml::Value::Table(t) => {
+            for (k, v) in t {
+                // Quota keys are tier names chosen by the operator, not config keys.
+                if prefix == "limits.quota" {
+                    continue;
+                }
+                let path = if prefix.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{prefix}.{k}")
+                };
+                out.insert(path.clone());
+                keys(&path, v, out);
+            }
+        }
+        toml::Value::Array(items) => {
+            for item in items {
+                keys(prefix, item, out);
+            }
+        }
+        _ => {}
+    }
+}
+
+#[test]
+fn every_config_key_is_documented() {
+    let value = toml::Value::try_from(full_config()).unwrap();
+    let mut all = BTreeSet::new();
+    keys("", &value, &mut all);
+    assert!(all.contains("store.shards.primary") && all.contains("routes.uncharged_statuses"));
+    let doc = std::fs::read_to_string("docs/configuration.md").unwrap();
+    let missing: Vec<_> = all
+        .iter()
+        .filter(|k| !doc.contains(&format!("`{k}`")))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "keys without an entry in docs/configuration.md: {missing:?}"
+    );
+}
+
+#[test]
+fn the_full_config_is_valid_toml_for_the_parser() {
+    let text = toml::to_string(&full_config()).unwrap();
+    let parsed: Config = toml::from_str(&text).unwrap();
+    assert_eq!(parsed, full_config());
+}

@@ -8,12 +8,15 @@
 
 #![forbid(unsafe_code)]
 
+pub mod admin;
 pub mod clock;
 pub mod config;
 pub mod identity;
 pub mod limiter;
 pub mod logging;
+pub mod metrics;
 pub mod proxy;
+pub mod reload;
 pub mod server;
 pub mod snapshot;
 

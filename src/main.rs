@@ -1,11 +1,15 @@
-//! The `tollgate` command line: run the gateway, or check a config file.
+//! The `tollgate` command line: run the gateway, check a config file, or probe a running
+//! gateway's health (for container HEALTHCHECKs).
 
 use clap::{Parser, Subcommand};
+use sd_notify::NotifyState;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::time::Duration;
 use tollgate::clock::SystemClock;
 use tollgate::config;
-use tollgate::snapshot::Snapshot;
+use tollgate::reload::{notify_systemd, reload_on_sighup, watch_file};
+use tollgate::snapshot::{reshard_warning, Snapshot};
 use tollgate::Gateway;
 
 #[derive(Parser)]
@@ -28,7 +32,25 @@ enum Command {
     /// Run the gateway in the foreground (the default).
     Run,
     /// Parse and validate the config, touch nothing; exit 1 on any error.
-    Check,
+    Check {
+        /// The config running now: warn about what a reload to --config would change
+        /// that callers notice (e.g. a changed shard list).
+        #[arg(long, value_name = "PATH")]
+        against: Option<PathBuf>,
+    },
+    /// Exit 0 when the gateway's admin listener answers GET /healthz with 200, else 1.
+    Healthcheck {
+        /// The URL to probe. Default: /healthz on the config's `server.admin_listen`.
+        #[arg(long)]
+        url: Option<String>,
+        /// How long to wait for the answer.
+        #[arg(long, default_value = "2s", value_parser = parse_duration)]
+        timeout: Duration,
+    },
+}
+
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    config::duration::parse_duration(s)
 }
 
 fn main() -> ExitCode {
@@ -45,18 +67,31 @@ fn main() -> ExitCode {
         }
     };
     match cli.command.unwrap_or(Command::Run) {
-        Command::Check => runtime.block_on(check(&cli.config)),
+        Command::Check { against } => runtime.block_on(check(&cli.config, against.as_deref())),
         Command::Run => runtime.block_on(run(&cli.config)),
+        Command::Healthcheck { url, timeout } => {
+            runtime.block_on(healthcheck(&cli.config, url, timeout))
+        }
     }
 }
 
 /// `tollgate check`: every error as `PATH:LINE:COLUMN: key.path: message`.
-async fn check(path: &Path) -> ExitCode {
+async fn check(path: &Path, against: Option<&Path>) -> ExitCode {
     let built = config::read(path).and_then(|file| Snapshot::build(&file, None));
     match built {
         Ok(snap) => {
             for w in &snap.warnings {
                 eprintln!("{w}");
+            }
+            if let Some(old) = against {
+                match config::read(old) {
+                    Ok(old) => {
+                        if let Some(w) = reshard_warning(&old.config.store, &snap.config.store) {
+                            eprintln!("warning: {}: store.shards: {w}", path.display());
+                        }
+                    }
+                    Err(report) => eprint!("{report}"),
+                }
             }
             println!("{}: {}", path.display(), snap.summary());
             ExitCode::SUCCESS
@@ -89,44 +124,108 @@ async fn run(path: &Path) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    wait_for_signals(&gateway, path).await;
+    if let Err(e) = reload_on_sighup(gateway.reloader(), path.to_path_buf()) {
+        tracing::error!(error = %e, "cannot handle SIGHUP; reload by file change only");
+    }
+    let _watcher = if file.config.server.watch_config {
+        match watch_file(gateway.reloader(), path.to_path_buf()) {
+            Ok(w) => Some(w),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot watch the config file; reload with SIGHUP");
+                None
+            }
+        }
+    } else {
+        None
+    };
+    // Listeners are bound and the config is loaded.
+    notify_systemd(&[NotifyState::Ready]);
+    spawn_watchdog();
+
+    wait_for_shutdown_signal().await;
+    notify_systemd(&[NotifyState::Stopping]);
     gateway.shutdown();
     gateway.wait().await;
     tracing::info!("stopped");
     ExitCode::SUCCESS
 }
 
-/// Reload on SIGHUP; return on SIGTERM or SIGINT.
-async fn wait_for_signals(gateway: &Gateway, path: &Path) {
+/// With `WATCHDOG_USEC` set (systemd `WatchdogSec=`), ping the watchdog at half its period.
+fn spawn_watchdog() {
+    if let Some(period) = sd_notify::watchdog_enabled() {
+        tracing::info!(?period, "systemd watchdog enabled");
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(period / 2);
+            loop {
+                tick.tick().await;
+                notify_systemd(&[NotifyState::Watchdog]);
+            }
+        });
+    }
+}
+
+/// Return on SIGTERM or SIGINT.
+async fn wait_for_shutdown_signal() {
     use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut term), Ok(mut int), Ok(mut hup)) = (
+    let (Ok(mut term), Ok(mut int)) = (
         signal(SignalKind::terminate()),
         signal(SignalKind::interrupt()),
-        signal(SignalKind::hangup()),
     ) else {
         tracing::error!("cannot install signal handlers; stopping");
         return;
     };
-    loop {
-        tokio::select! {
-            _ = term.recv() => { tracing::info!("SIGTERM received"); return; }
-            _ = int.recv() => { tracing::info!("SIGINT received"); return; }
-            _ = hup.recv() => {
-                match config::read(path).and_then(|file| gateway.reload(&file).map(|w| (w, file))) {
-                    Ok((warnings, _)) => {
-                        for w in warnings {
-                            tracing::warn!("{w}");
-                        }
-                        tracing::info!(config = %path.display(), "config reloaded");
-                    }
-                    Err(report) => {
-                        for line in report.error_lines() {
-                            tracing::error!("{line}");
-                        }
-                        tracing::error!(config = %path.display(), "reload rejected; the running config stays");
-                    }
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM received"),
+        _ = int.recv() => tracing::info!("SIGINT received"),
+    }
+}
+
+/// `tollgate healthcheck`: GET /healthz on the admin listener.
+async fn healthcheck(path: &Path, url: Option<String>, timeout: Duration) -> ExitCode {
+    let url = match url {
+        Some(u) => u,
+        None => match config::read(path) {
+            Ok(file) => match file.config.server.admin_listen {
+                Some(addr) => format!("http://{addr}/healthz"),
+                None => {
+                    eprintln!(
+                        "tollgate healthcheck: {}: server.admin_listen is not set; pass --url",
+                        path.display()
+                    );
+                    return ExitCode::FAILURE;
                 }
+            },
+            Err(report) => {
+                eprint!("{report}");
+                return ExitCode::FAILURE;
             }
+        },
+    };
+    let uri: http::Uri = match url.parse() {
+        Ok(u) => u,
+        Err(e) => {
+            eprintln!("tollgate healthcheck: {url:?}: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<http_body_util::Empty<bytes::Bytes>>();
+    match tokio::time::timeout(timeout, client.get(uri)).await {
+        Ok(Ok(resp)) if resp.status().is_success() => {
+            println!("ok: {url} answered {}", resp.status());
+            ExitCode::SUCCESS
+        }
+        Ok(Ok(resp)) => {
+            eprintln!("unhealthy: {url} answered {}", resp.status());
+            ExitCode::FAILURE
+        }
+        Ok(Err(e)) => {
+            eprintln!("unhealthy: {url}: {e}");
+            ExitCode::FAILURE
+        }
+        Err(_) => {
+            eprintln!("unhealthy: {url}: no answer within {timeout:?}");
+            ExitCode::FAILURE
         }
     }
 }

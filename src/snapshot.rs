@@ -8,6 +8,7 @@
 
 use crate::config::{Backend, Config, ConfigFile, ConfigReport, Problems, StoreConfig};
 use crate::identity::Identities;
+use crate::limiter::cache::OverLimitCache;
 use crate::limiter::key::KeyScheme;
 use crate::limiter::store::memory::MemoryStore;
 use crate::limiter::store::redis::RedisStore;
@@ -36,6 +37,11 @@ pub struct Snapshot {
     pub admin_listen: Option<SocketAddr>,
     /// Warnings found while building (already rendered).
     pub warnings: Vec<String>,
+    /// SHA-256 of the file's text, hex: tells whether a file really changed.
+    pub content_hash: String,
+    /// 1 for the config the gateway started with, +1 per successful reload (set by the
+    /// gateway when it swaps the snapshot in).
+    pub generation: u64,
 }
 
 impl Snapshot {
@@ -54,12 +60,6 @@ impl Snapshot {
             .admin_listen
             .as_ref()
             .and_then(|a| parse_addr("server.admin_listen", a, &mut problems));
-        if cfg.server.admin_listen.is_some() {
-            problems.warn(
-                "server.admin_listen",
-                "the admin listener is not supported yet and is not opened",
-            );
-        }
         if cfg.server.tls.is_some() {
             problems.error("server.tls", "TLS is not supported yet");
         }
@@ -133,10 +133,28 @@ impl Snapshot {
             problems.warn("routes", "no [[routes]]: every request will get 404");
         }
 
-        let store = match previous {
-            Some(prev) if prev.config.store == cfg.store => Some(prev.limiter.store().clone()),
-            _ => build_store(&cfg.store, &mut problems).map(Arc::new),
+        // Keep the store (and its connections) and the over-limit cache when [store] is
+        // unchanged; drop cached rejections of limits whose definition changed.
+        let (store, cache) = match previous {
+            Some(prev) if prev.config.store == cfg.store => {
+                let cache = prev.limiter.cache().clone();
+                for old in &prev.config.limits {
+                    if !cfg.limits.contains(old) {
+                        cache.forget_limit(&old.name);
+                    }
+                }
+                (Some(prev.limiter.store().clone()), cache)
+            }
+            _ => (
+                build_store(&cfg.store, &mut problems).map(Arc::new),
+                Arc::new(OverLimitCache::new(cfg.store.local_cache_size)),
+            ),
         };
+        if let Some(prev) = previous {
+            if let Some(warning) = reshard_warning(&prev.config.store, &cfg.store) {
+                problems.warn("store.shards", warning);
+            }
+        }
 
         let report = ConfigReport {
             path: file.path.clone(),
@@ -154,10 +172,12 @@ impl Snapshot {
             config: cfg.clone(),
             identities,
             router: Router::new(routes),
-            limiter: Limiter::new(store, keys, cfg.store.on_error),
+            limiter: Limiter::new(store, cache, keys, cfg.store.on_error),
             listen,
             admin_listen,
             warnings: report.warning_lines(),
+            content_hash: content_hash(&file.text),
+            generation: 0,
         })
     }
 
@@ -166,6 +186,12 @@ impl Snapshot {
         let c = &self.config;
         let store = match c.store.backend {
             Backend::Memory => "memory store".to_string(),
+            Backend::Redis if c.store.mode == crate::config::StoreMode::Cluster => {
+                format!(
+                    "redis cluster store with {} seed node(s)",
+                    c.store.nodes.len()
+                )
+            }
             Backend::Redis => format!("redis store with {} shard(s)", c.store.shards.len()),
         };
         format!(
@@ -178,6 +204,12 @@ impl Snapshot {
             store
         )
     }
+}
+
+/// SHA-256 of a config file's text, hex.
+pub fn content_hash(text: &str) -> String {
+    use sha2::Digest;
+    hex::encode(sha2::Sha256::digest(text.as_bytes()))
 }
 
 fn parse_addr(path: &str, value: &str, problems: &mut Problems) -> Option<SocketAddr> {
@@ -198,22 +230,14 @@ fn build_store(cfg: &StoreConfig, problems: &mut Problems) -> Option<AnyStore> {
     if cfg.timeout.0.is_zero() {
         problems.error("store.timeout", "must be more than 0");
     }
-    if cfg.key_prefix.contains(char::is_whitespace) {
-        problems.error("store.key_prefix", "must not contain white space");
+    if cfg.key_prefix.contains(char::is_whitespace) || cfg.key_prefix.contains(['{', '}']) {
+        problems.error(
+            "store.key_prefix",
+            "must not contain white space or braces (braces mark the Redis Cluster hash tag)",
+        );
     }
     if cfg.sweep_interval.0.is_zero() {
         problems.error("store.sweep_interval", "must be more than 0");
-    }
-    match cfg.read_from.as_deref() {
-        None | Some("primary") => {}
-        Some("replica") => problems.error(
-            "store.read_from",
-            "reads from replicas are not supported yet (only \"primary\")",
-        ),
-        Some(other) => problems.error(
-            "store.read_from",
-            format!("{other:?}: expected \"primary\" or \"replica\""),
-        ),
     }
     match cfg.backend {
         Backend::Memory => {
@@ -223,5 +247,80 @@ fn build_store(cfg: &StoreConfig, problems: &mut Problems) -> Option<AnyStore> {
             Some(AnyStore::Memory(MemoryStore::new()))
         }
         Backend::Redis => RedisStore::from_config(cfg, problems).map(AnyStore::Redis),
+    }
+}
+
+/// A warning when a reload moves callers to other shards or other keys, where they start
+/// a fresh window: the shard list (its primaries or Sentinel masters, in order) changed,
+/// or `mode`, `key_prefix` or `hash_key` did. Replica changes move nobody.
+pub fn reshard_warning(old: &StoreConfig, new: &StoreConfig) -> Option<String> {
+    if old.backend != Backend::Redis || new.backend != Backend::Redis {
+        return None;
+    }
+    if old.mode != new.mode || old.key_prefix != new.key_prefix || old.hash_key != new.hash_key {
+        return Some(
+            "store.mode, store.key_prefix or store.hash_key changed: every caller gets new keys and starts a fresh window"
+                .to_string(),
+        );
+    }
+    let identity = |c: &StoreConfig| -> Vec<String> {
+        c.shards
+            .iter()
+            .map(|s| match (&s.primary, &s.sentinel) {
+                (Some(p), _) => p.clone(),
+                (None, Some(sen)) => format!("sentinel:{}", sen.master),
+                (None, None) => String::new(),
+            })
+            .collect()
+    };
+    let (old_ids, new_ids) = (identity(old), identity(new));
+    if old_ids == new_ids {
+        return None;
+    }
+    let (n, m) = (old_ids.len(), new_ids.len());
+    let moved = if m > n && new_ids.starts_with(&old_ids) {
+        format!("about {:.0}% of callers", 100.0 * (m - n) as f64 / m as f64)
+    } else if n > m && old_ids.starts_with(&new_ids) {
+        format!("about {:.0}% of callers", 100.0 * (n - m) as f64 / n as f64)
+    } else {
+        "callers of every changed or reordered shard (possibly most callers)".to_string()
+    };
+    Some(format!(
+        "the shard list changed ({n} -> {m} shards): {moved} move to another shard and start a fresh window there; add or remove shards only at the end of the list"
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ShardConfig;
+
+    fn redis(n: usize) -> StoreConfig {
+        StoreConfig {
+            backend: Backend::Redis,
+            shards: (0..n)
+                .map(|i| ShardConfig {
+                    primary: Some(format!("redis://10.0.0.{i}:6379")),
+                    replicas: vec![],
+                    sentinel: None,
+                })
+                .collect(),
+            ..StoreConfig::default()
+        }
+    }
+
+    #[test]
+    fn reshard_warning_says_how_many_callers_move() {
+        assert_eq!(reshard_warning(&redis(2), &redis(2)), None);
+        let w = reshard_warning(&redis(3), &redis(4)).unwrap();
+        assert!(
+            w.contains("3 -> 4 shards") && w.contains("about 25% of callers"),
+            "{w}"
+        );
+        let mut reordered = redis(3);
+        reordered.shards.swap(0, 2);
+        assert!(reshard_warning(&redis(3), &reordered)
+            .unwrap()
+            .contains("possibly most callers"));
     }
 }

@@ -122,7 +122,11 @@ fn check_rejects_syntax_unknown_keys_bad_durations_and_unsupported_features() {
             "[[upstreams]]\nname = \"a\"\ntargets = [\"http://x:1\"]\n[[routes]]\npath_prefix = \"/\"\nupstream = \"a\"\ncharge = \"on_request\"\n",
             "routes[0].charge: charge = \"on_request\" is not supported yet",
         ),
-        ("[store]\nread_from = \"replica\"\n", "store.read_from: reads from replicas are not supported yet"),
+        ("[store]\nbackend = \"redis\"\nmode = \"cluster\"\n", "store.nodes: mode \"cluster\" needs at least one seed node"),
+        (
+            "[store]\nbackend = \"redis\"\n[[store.shards]]\nreplicas = [\"redis://127.0.0.1:1\"]\n",
+            "store.shards[0]: needs `primary = \"redis://HOST:PORT\"` or `sentinel",
+        ),
         ("[server.tls]\ncert = \"a.pem\"\nkey = \"a.key\"\n", "server.tls: TLS is not supported yet"),
         ("[[upstreams]]\nname = \"a\"\ntargets = [\"https://x:1\"]\n", "upstreams[0].targets[0]: \"https://x:1\": https upstreams are not supported yet"),
         ("[store]\nbackend = \"redis\"\n", "store.shards: backend \"redis\" needs at least one"),
@@ -297,4 +301,44 @@ async fn sighup_reloads_a_valid_file_and_keeps_running_on_an_invalid_one() {
     let r = get(&url).await;
     assert_eq!(r.status, 200);
     assert_eq!(r.header("x-ratelimit-limit"), "20");
+}
+
+#[test]
+fn check_against_the_running_config_warns_when_the_shard_list_changes() {
+    let dir = tempfile::tempdir().unwrap();
+    let shards = |n: usize| {
+        let mut s = String::from("[store]\nbackend = \"redis\"\n");
+        for i in 0..n {
+            s.push_str(&format!(
+                "[[store.shards]]\nprimary = \"redis://127.0.0.1:{}\"\n",
+                7000 + i
+            ));
+        }
+        s
+    };
+    let old = write(dir.path(), "old.toml", &shards(2));
+    let new = write(dir.path(), "new.toml", &shards(3));
+    let out = tollgate()
+        .args(["check", "--config"])
+        .arg(&new)
+        .arg("--against")
+        .arg(&old)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(
+            "store.shards: the shard list changed (2 -> 3 shards): about 33% of callers move"
+        ),
+        "{stderr}"
+    );
+    let out = tollgate()
+        .args(["check", "--config"])
+        .arg(&old)
+        .arg("--against")
+        .arg(&old)
+        .output()
+        .unwrap();
+    assert!(!String::from_utf8_lossy(&out.stderr).contains("shard list changed"));
 }

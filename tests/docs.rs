@@ -12,6 +12,7 @@ fn full_config() -> Config {
             admin_listen: Some("127.0.0.1:9901".into()),
             shutdown_grace: Dur::from_secs(30),
             header_read_timeout: Dur::from_secs(10),
+            watch_config: true,
             tls: Some(TlsConfig {
                 cert: "c.pem".into(),
                 key: "k.pem".into(),
@@ -27,12 +28,21 @@ fn full_config() -> Config {
             on_error: OnError::Allow,
             key_prefix: "tollgate:".into(),
             hash_key: Some("s".into()),
-            read_from: Some("primary".into()),
+            read_from: Some(ReadFrom::Primary),
             sweep_interval: Dur::from_secs(5),
+            mode: StoreMode::Sharded,
+            breaker_failures: 3,
+            breaker_cooloff: Dur::from_secs(1),
+            local_cache_size: 10_000,
             shards: vec![ShardConfig {
-                primary: "redis://a".into(),
+                primary: Some("redis://a".into()),
                 replicas: vec!["redis://b".into()],
+                sentinel: Some(SentinelConfig {
+                    master: "m".into(),
+                    nodes: vec!["redis://s:26379".into()],
+                }),
             }],
+            nodes: vec!["redis://c:7000".into()],
         },
         identity: IdentityConfig {
             api_key_header: "authorization".into(),

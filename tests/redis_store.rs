@@ -142,7 +142,8 @@ async fn callers_spread_over_two_shards_and_keys_hide_keys_and_ips() {
     assert_eq!(ka.len() + kb.len(), 41);
     for k in ka.iter().chain(&kb) {
         let hash = k
-            .strip_prefix("tollgate:core:")
+            .strip_prefix("tollgate:core:{")
+            .and_then(|h| h.strip_suffix('}'))
             .unwrap_or_else(|| panic!("unexpected key {k}"));
         assert!(
             hash.len() == 32 && hash.bytes().all(|c| c.is_ascii_hexdigit()),

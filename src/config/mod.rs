@@ -140,6 +140,18 @@ impl fmt::Display for ConfigReport {
 
 impl std::error::Error for ConfigReport {}
 
+/// A URL fit for logs: `redis://user:secret@host` → `redis://user:<redacted>@host`.
+/// Strings without a password come back unchanged.
+pub fn redact_url(url: &str) -> String {
+    let redacted = || {
+        let (scheme, rest) = url.split_once("://")?;
+        let (userinfo, host) = rest.split_once('@')?;
+        let user = userinfo.split(':').next().unwrap_or("");
+        Some(format!("{scheme}://{user}:<redacted>@{host}"))
+    };
+    redacted().unwrap_or_else(|| url.to_string())
+}
+
 /// Parse `text` (read from `path`) into a [`Config`], or a report of every syntax or
 /// schema error (serde stops at the first one).
 pub fn parse(path: &Path, text: String) -> Result<ConfigFile, ConfigReport> {

@@ -46,6 +46,9 @@ pub struct ServerConfig {
     pub shutdown_grace: Dur,
     /// An HTTP/1 client must send its request headers within this time. Default 10 s.
     pub header_read_timeout: Dur,
+    /// Reload when the config file changes (its directory is watched, so editors'
+    /// rename-replace and Kubernetes ConfigMap symlink swaps are seen). Default true.
+    pub watch_config: bool,
     /// TLS on the listener (not supported yet).
     pub tls: Option<TlsConfig>,
 }
@@ -57,6 +60,7 @@ impl Default for ServerConfig {
             admin_listen: None,
             shutdown_grace: Dur::from_secs(30),
             header_read_timeout: Dur::from_secs(10),
+            watch_config: true,
             tls: None,
         }
     }
@@ -107,6 +111,9 @@ pub enum LogFormat {
 pub struct StoreConfig {
     /// `"memory"` (this process only, the default) or `"redis"`.
     pub backend: Backend,
+    /// With `backend = "redis"`: `"sharded"` (client-side shards, the default) or
+    /// `"cluster"` (a Redis Cluster reached through `nodes`).
+    pub mode: StoreMode,
     /// Budget for one store call; past it the call counts as failed. Default 50 ms.
     pub timeout: Dur,
     /// What to do when the store fails or is slow: fail open or fail closed.
@@ -117,25 +124,42 @@ pub struct StoreConfig {
     /// Every gateway of a fleet must use the same value. Default: none (the hash is
     /// keyed with the key prefix only).
     pub hash_key: Option<String>,
-    /// Where CHECKs go: only `"primary"` is supported yet.
-    pub read_from: Option<String>,
+    /// Where CHECKs go: `"replica"` (default when a shard lists replicas) or `"primary"`.
+    /// CHARGEs always go to the primary.
+    pub read_from: Option<ReadFrom>,
     /// How often the memory store drops expired windows. Default 5 s.
     pub sweep_interval: Dur,
-    /// `[[store.shards]]`: one entry per Redis primary/replica group.
+    /// Consecutive failures (errors or timeouts) of one Redis node that open its
+    /// circuit breaker. Default 3.
+    pub breaker_failures: u32,
+    /// How long an open breaker stays open before one probe call is let through.
+    /// Default 1 s.
+    pub breaker_cooloff: Dur,
+    /// Entries of the in-process over-limit cache (callers known to be over a limit
+    /// until their reset, answered without calling Redis). 0 turns it off. Default 10000.
+    pub local_cache_size: usize,
+    /// `[[store.shards]]`: one entry per Redis primary/replica group (`mode = "sharded"`).
     pub shards: Vec<ShardConfig>,
+    /// Seed nodes of a Redis Cluster (`mode = "cluster"`), e.g. `["redis://10.0.0.1:7000"]`.
+    pub nodes: Vec<String>,
 }
 
 impl Default for StoreConfig {
     fn default() -> Self {
         Self {
             backend: Backend::Memory,
+            mode: StoreMode::Sharded,
             timeout: Dur::from_millis(50),
             on_error: OnError::Allow,
             key_prefix: "tollgate:".into(),
             hash_key: None,
             read_from: None,
             sweep_interval: Dur::from_secs(5),
+            breaker_failures: 3,
+            breaker_cooloff: Dur::from_secs(1),
+            local_cache_size: 10_000,
             shards: Vec::new(),
+            nodes: Vec::new(),
         }
     }
 }
@@ -150,6 +174,26 @@ pub enum Backend {
     Redis,
 }
 
+/// How Redis is laid out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StoreMode {
+    /// Client-side sharding over `[[store.shards]]` (jump consistent hash).
+    Sharded,
+    /// A Redis Cluster; the cluster shards by key slot.
+    Cluster,
+}
+
+/// Where CHECKs (reads) go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ReadFrom {
+    /// A healthy replica of the caller's shard, else its primary.
+    Replica,
+    /// Always the primary.
+    Primary,
+}
+
 /// Behaviour when the store cannot answer within `store.timeout`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -160,15 +204,31 @@ pub enum OnError {
     Deny,
 }
 
-/// `[[store.shards]]`: one Redis primary and its replicas.
+/// `[[store.shards]]`: one Redis primary and its replicas, given directly or found
+/// through Sentinel.
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ShardConfig {
-    /// `redis://HOST:PORT[/DB]` of the primary; CHARGEs (and for now CHECKs) go here.
-    pub primary: String,
-    /// Replica URLs; accepted but not used for reads yet.
+    /// `redis://HOST:PORT[/DB]` of the primary; CHARGEs go here. Required unless
+    /// `sentinel` is given.
+    #[serde(default)]
+    pub primary: Option<String>,
+    /// Replica URLs; CHECKs go here when `store.read_from = "replica"`.
     #[serde(default)]
     pub replicas: Vec<String>,
+    /// Find the primary and replicas through Sentinel instead.
+    #[serde(default)]
+    pub sentinel: Option<SentinelConfig>,
+}
+
+/// `sentinel = { master = "NAME", nodes = ["redis://HOST:26379", ...] }`.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct SentinelConfig {
+    /// The master name Sentinel monitors.
+    pub master: String,
+    /// Sentinel addresses, `redis://HOST:PORT`.
+    pub nodes: Vec<String>,
 }
 
 /// `[identity]`.

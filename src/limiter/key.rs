@@ -3,7 +3,8 @@
 //! A subject (a client id, an IP, a header value, or the whole route for `global`) is
 //! hashed with HMAC-SHA256 keyed by `store.hash_key` (or, without one, by
 //! `store.key_prefix`), so no raw key, id or IP ever reaches Redis. The Redis key is
-//! `{key_prefix}{limit name}:{first 16 bytes of the digest, hex}` and the shard is
+//! `{key_prefix}{limit name}:{{first 16 bytes of the digest, hex}}` — the digest in
+//! braces is a Redis Cluster hash tag, so every key of one subject maps to one slot — and the shard is
 //! `jump_consistent_hash(first 8 bytes of the digest, shard count)`: all limits of one
 //! subject live on the same shard, and every gateway of a fleet with the same shard list
 //! and hash key picks the same shard.
@@ -14,7 +15,7 @@ use sha2::Sha256;
 /// Where one limit's window for one subject is stored.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct LimitKey {
-    /// The full storage key, e.g. `tollgate:core:3f1c…` (32 hex digits).
+    /// The full storage key, e.g. `tollgate:core:{3f1c…}` (32 hex digits in a hash tag).
     pub key: String,
     /// 64 bits of the subject's digest; selects the shard.
     pub shard_hash: u64,
@@ -55,7 +56,12 @@ impl KeyScheme {
         let mut head = [0u8; 8];
         head.copy_from_slice(&digest[..8]);
         LimitKey {
-            key: format!("{}{}:{}", self.prefix, limit, hex::encode(&digest[..16])),
+            key: format!(
+                "{}{}:{{{}}}",
+                self.prefix,
+                limit,
+                hex::encode(&digest[..16])
+            ),
             shard_hash: u64::from_be_bytes(head),
         }
     }
@@ -97,7 +103,8 @@ mod tests {
         let k = s.key("core", "ip:192.168.1.20");
         assert!(k.key.starts_with("tollgate:core:"));
         assert!(!k.key.contains("192.168"));
-        assert_eq!(k.key.len(), "tollgate:core:".len() + 32);
+        assert_eq!(k.key.len(), "tollgate:core:{}".len() + 32);
+        assert!(k.key.ends_with('}') && k.key.contains(":{"));
         assert_eq!(k, s.key("core", "ip:192.168.1.20"));
         let other = KeyScheme::new("tollgate:", Some("fleet-secret"));
         assert_ne!(other.key("core", "ip:192.168.1.20").key, k.key);

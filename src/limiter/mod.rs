@@ -6,11 +6,13 @@
 //! caller's first charge and ends at a stored `reset_at`. A rejection (429) is built from
 //! the very CHECK that found the caller over the limit, never from a second store call.
 
+pub mod cache;
 pub mod key;
 pub mod store;
 
 use crate::config::{LimitConfig, OnError, Problems};
 use crate::identity::Caller;
+use cache::OverLimitCache;
 use futures_util::future::join_all;
 use http::{HeaderMap, HeaderName};
 use key::{KeyScheme, LimitKey};
@@ -58,6 +60,11 @@ impl Limit {
         let before = problems.errors.len();
         if cfg.name.trim().is_empty() {
             problems.error(format!("{at}.name"), "must not be empty");
+        } else if cfg.name.contains(['{', '}', ':']) || cfg.name.contains(char::is_whitespace) {
+            problems.error(
+                format!("{at}.name"),
+                "must not contain white space, `:` or braces (it is part of Redis keys)",
+            );
         }
         match cfg.algorithm.as_str() {
             "fixed_window" => {}
@@ -219,20 +226,28 @@ pub enum Refusal {
     StoreDenied(StoreError),
 }
 
-/// The limits part of a snapshot: the store, the key scheme and the failure policy.
+/// The limits part of a snapshot: the store, the over-limit cache, the key scheme and
+/// the failure policy.
 #[derive(Debug)]
 pub struct Limiter {
     store: Arc<AnyStore>,
+    cache: Arc<OverLimitCache>,
     keys: KeyScheme,
     on_error: OnError,
     warn_gate: Arc<WarnGate>,
 }
 
 impl Limiter {
-    /// A limiter over `store`.
-    pub fn new(store: Arc<AnyStore>, keys: KeyScheme, on_error: OnError) -> Self {
+    /// A limiter over `store`, answering callers known to be over a limit from `cache`.
+    pub fn new(
+        store: Arc<AnyStore>,
+        cache: Arc<OverLimitCache>,
+        keys: KeyScheme,
+        on_error: OnError,
+    ) -> Self {
         Self {
             store,
+            cache,
             keys,
             on_error,
             warn_gate: Arc::new(WarnGate::default()),
@@ -242,6 +257,11 @@ impl Limiter {
     /// The store this limiter uses.
     pub fn store(&self) -> &Arc<AnyStore> {
         &self.store
+    }
+
+    /// The over-limit cache this limiter uses.
+    pub fn cache(&self) -> &Arc<OverLimitCache> {
+        &self.cache
     }
 
     /// The limits among `limits` that apply to `caller` (those with a quota for its tier).
@@ -278,6 +298,13 @@ impl Limiter {
         cost: u64,
         now_ms: u64,
     ) -> Result<Vec<Option<Usage>>, Refusal> {
+        // A caller known to be over a limit until its reset is answered without the store.
+        if let Some(usage) = applied
+            .iter()
+            .find_map(|a| self.cache.get(&a.key.key, a.quota, cost, now_ms))
+        {
+            return Err(Refusal::OverLimit(usage));
+        }
         let results = join_all(applied.iter().map(|a| self.store.check(&a.key, now_ms))).await;
         let mut usages = Vec::with_capacity(applied.len());
         let mut over: Option<Usage> = None;
@@ -285,10 +312,13 @@ impl Limiter {
             match result {
                 Ok(w) => {
                     let u = a.usage(w, now_ms);
-                    if u.used.saturating_add(cost) > u.quota
-                        && over.as_ref().is_none_or(|o| u.reset_at_ms > o.reset_at_ms)
-                    {
-                        over = Some(u.clone());
+                    if u.used.saturating_add(cost) > u.quota {
+                        if !w.is_empty() {
+                            self.cache.insert(&a.key.key, &u, now_ms);
+                        }
+                        if over.as_ref().is_none_or(|o| u.reset_at_ms > o.reset_at_ms) {
+                            over = Some(u.clone());
+                        }
                     }
                     usages.push(Some(u));
                 }

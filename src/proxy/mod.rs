@@ -9,8 +9,10 @@
 //! 5. **charge** every limit once the response status is known, unless it is uncharged.
 //! 6. **headers**: `X-RateLimit-*` of the most constrained limit ([`headers`]).
 //!
-//! [`handle`] is that list as code.
+//! [`serve`] is that list as code; [`handle`] wraps it with the request id, the metrics
+//! and the access log ([`access`]).
 
+pub mod access;
 pub mod error;
 pub mod forward;
 pub mod headers;
@@ -18,7 +20,9 @@ pub mod route;
 
 use crate::clock::Clock;
 use crate::limiter::{most_constrained, Refusal};
+use crate::metrics::Metrics;
 use crate::snapshot::Snapshot;
+use access::{AccessLog, Decision};
 use bytes::Bytes;
 use error::ProxyError;
 use forward::Downstream;
@@ -30,24 +34,57 @@ use std::net::SocketAddr;
 /// The body of every response the gateway sends: streamed from the upstream, or JSON.
 pub type Body = BoxBody<Bytes, hyper::Error>;
 
-/// Serve one request on the snapshot it started with.
+/// What the request path needs besides the snapshot: the clock and the metrics.
+#[derive(Debug)]
+pub struct Context<'a> {
+    /// Where "now" comes from.
+    pub clock: &'a dyn Clock,
+    /// Where request metrics go.
+    pub metrics: &'a Metrics,
+}
+
+/// Serve one request on the snapshot it started with: set its request id, run
+/// [`serve`], record metrics and write one access log line.
 pub async fn handle(
     snap: &Snapshot,
-    clock: &dyn Clock,
-    req: Request<Incoming>,
+    ctx: &Context<'_>,
+    mut req: Request<Incoming>,
     peer: SocketAddr,
 ) -> Response<Body> {
+    let _in_flight = access::InFlight::new(&ctx.metrics.in_flight);
+    let mut log = AccessLog::start(&mut req);
+    let mut response = serve(snap, ctx, req, peer, &mut log).await;
+    log.finish(&mut response, ctx.metrics);
+    response
+}
+
+/// The six steps of the request path.
+pub async fn serve(
+    snap: &Snapshot,
+    ctx: &Context<'_>,
+    req: Request<Incoming>,
+    peer: SocketAddr,
+    log: &mut AccessLog,
+) -> Response<Body> {
+    let clock = ctx.clock;
+
     // 1. Identify the caller.
     let caller = match snap.identities.identify(req.headers(), peer.ip()) {
         Ok(caller) => caller,
-        Err(_) => return ProxyError::BadCredentials.into_response(),
+        Err(_) => {
+            log.decision = Decision::Unauthenticated;
+            return ProxyError::BadCredentials.into_response();
+        }
     };
+    log.caller = caller.client.as_ref().map(|c| c.id.clone());
 
     // 2. Route by host and longest path prefix.
     let host = request_host(&req);
     let Some(route) = snap.router.find(host.as_deref(), req.uri().path()) else {
+        log.decision = Decision::NoRoute;
         return ProxyError::NoRoute.into_response();
     };
+    log.route = Some(route.path_prefix.clone());
 
     // 3. Check every limit of the route (a read; may be stale, never written).
     let applied = snap
@@ -60,6 +97,8 @@ pub async fn handle(
     {
         Ok(usages) => usages,
         Err(Refusal::OverLimit(usage)) => {
+            log.decision = Decision::Rejected;
+            log.usage = Some(usage.clone());
             let retry_after_s = usage.retry_after_s(clock.now_ms());
             return ProxyError::OverLimit {
                 usage,
@@ -68,8 +107,14 @@ pub async fn handle(
             }
             .into_response();
         }
-        Err(Refusal::StoreDenied(_)) => return ProxyError::StoreUnavailable.into_response(),
+        Err(Refusal::StoreDenied(_)) => {
+            log.decision = Decision::StoreErrorDenied;
+            return ProxyError::StoreUnavailable.into_response();
+        }
     };
+    if checked.iter().any(Option::is_none) {
+        log.decision = Decision::StoreErrorAllowed;
+    }
 
     // 4. Forward upstream, streaming both bodies.
     let down = Downstream {
@@ -77,13 +122,21 @@ pub async fn handle(
         peer_trusted: snap.identities.trusts(peer.ip()),
         scheme: "http",
     };
-    let mut response = match forward::forward(&route.upstream, req, down).await {
+    let forwarded = log
+        .time_upstream(
+            &route.upstream.name,
+            ctx.metrics,
+            forward::forward(&route.upstream, req, down),
+        )
+        .await;
+    let mut response = match forwarded {
         Ok(response) => response,
         Err(e) => {
             tracing::warn!(upstream = %route.upstream.name, error = ?e, "upstream failed");
             let mut response = e.into_response();
             if let Some(usage) = most_constrained(&checked) {
                 headers::put_usage(response.headers_mut(), usage);
+                log.usage = Some(usage.clone());
             }
             return response;
         }
@@ -101,6 +154,7 @@ pub async fn handle(
     // 6. Headers of the limit with the fewest remaining units.
     if let Some(usage) = most_constrained(&usages) {
         headers::put_usage(response.headers_mut(), usage);
+        log.usage = Some(usage.clone());
     }
     response
 }

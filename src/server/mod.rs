@@ -1,9 +1,11 @@
 //! The listener: accept loop, HTTP/1.1 and cleartext HTTP/2 on one port, graceful
 //! shutdown, and the running [`Gateway`] that tests and `main` drive.
 
+use crate::admin;
 use crate::clock::SharedClock;
 use crate::config::{ConfigFile, ConfigReport, StoreConfig};
 use crate::limiter::store::AnyStore;
+use crate::metrics::{Metrics, ReloadLabels};
 use crate::proxy;
 use crate::snapshot::Snapshot;
 use arc_swap::ArcSwap;
@@ -35,50 +37,95 @@ pub enum StartError {
     },
 }
 
-/// State shared by every connection: the current snapshot and the clock.
+/// State shared by every connection: the current snapshot, the clock, the metrics.
 #[derive(Debug)]
 struct Shared {
-    snapshot: ArcSwap<Snapshot>,
+    snapshot: Arc<ArcSwap<Snapshot>>,
     clock: SharedClock,
+    metrics: Arc<Metrics>,
+    /// Serializes reloads (SIGHUP and the file watcher may race).
+    reload_lock: std::sync::Mutex<()>,
 }
 
-/// A running gateway: its listener's address, its current snapshot, and its shutdown.
+/// A running gateway: its listeners' addresses, its current snapshot, and its shutdown.
 #[derive(Debug)]
 pub struct Gateway {
     local_addr: SocketAddr,
+    admin_addr: Option<SocketAddr>,
     shared: Arc<Shared>,
     shutdown: watch::Sender<bool>,
     task: JoinHandle<()>,
 }
 
+/// What a reload did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReloadOutcome {
+    /// A new snapshot is active: its generation and warnings.
+    Applied {
+        /// The new generation.
+        generation: u64,
+        /// Warnings about the new config.
+        warnings: Vec<String>,
+    },
+    /// The file's content is the one already running; nothing changed.
+    Unchanged,
+}
+
 impl Gateway {
-    /// Build the snapshot of `file`, start its store, bind `server.listen` and serve.
+    /// Build the snapshot of `file`, start its store, bind `server.listen` (and
+    /// `server.admin_listen`) and serve.
     ///
-    /// Errors: [`StartError::Config`] for an invalid file, [`StartError::Bind`] when the
+    /// Errors: [`StartError::Config`] for an invalid file, [`StartError::Bind`] when a
     /// listener cannot be bound.
     pub async fn start(file: &ConfigFile, clock: SharedClock) -> Result<Gateway, StartError> {
-        let snap = Snapshot::build(file, None)?;
+        let mut snap = Snapshot::build(file, None)?;
+        snap.generation = 1;
         for w in &snap.warnings {
             tracing::warn!("{w}");
         }
         start_store(snap.limiter.store(), &snap.config.store, clock.clone());
-        let listener = TcpListener::bind(snap.listen)
-            .await
-            .map_err(|source| StartError::Bind {
-                addr: snap.listen,
-                source,
-            })?;
-        let local_addr = listener.local_addr().map_err(|source| StartError::Bind {
-            addr: snap.listen,
-            source,
-        })?;
+        let bind = |addr: SocketAddr| async move {
+            let listener = TcpListener::bind(addr)
+                .await
+                .map_err(|source| StartError::Bind { addr, source })?;
+            let local = listener
+                .local_addr()
+                .map_err(|source| StartError::Bind { addr, source })?;
+            Ok::<_, StartError>((listener, local))
+        };
+        let (listener, local_addr) = bind(snap.listen).await?;
+        let admin = match snap.admin_listen {
+            Some(addr) => Some(bind(addr).await?),
+            None => None,
+        };
         let header_read_timeout = snap.config.server.header_read_timeout.0;
         let grace = snap.config.server.shutdown_grace.0;
+        let snapshot = Arc::new(ArcSwap::from_pointee(snap));
+        let metrics = Metrics::new(Arc::downgrade(&snapshot));
+        metrics.config_generation.set(1);
+        let _ = metrics
+            .reloads
+            .get_or_create(&ReloadLabels { result: "ok" });
+        let _ = metrics
+            .reloads
+            .get_or_create(&ReloadLabels { result: "failed" });
         let shared = Arc::new(Shared {
-            snapshot: ArcSwap::from_pointee(snap),
+            snapshot,
             clock,
+            metrics,
+            reload_lock: std::sync::Mutex::new(()),
         });
         let (shutdown, rx) = watch::channel(false);
+        let admin_addr = admin.map(|(listener, addr)| {
+            tokio::spawn(admin::serve(
+                listener,
+                shared.snapshot.clone(),
+                shared.metrics.clone(),
+                rx.clone(),
+            ));
+            tracing::info!(admin_listen = %addr, "admin endpoints listening");
+            addr
+        });
         let task = tokio::spawn(accept_loop(
             listener,
             shared.clone(),
@@ -89,6 +136,7 @@ impl Gateway {
         tracing::info!(listen = %local_addr, "tollgate listening");
         Ok(Gateway {
             local_addr,
+            admin_addr,
             shared,
             shutdown,
             task,
@@ -100,36 +148,38 @@ impl Gateway {
         self.local_addr
     }
 
+    /// The address the admin listener is bound to, when configured.
+    pub fn admin_addr(&self) -> Option<SocketAddr> {
+        self.admin_addr
+    }
+
     /// The snapshot new requests start with.
     pub fn snapshot(&self) -> Arc<Snapshot> {
         self.shared.snapshot.load_full()
     }
 
-    /// Build a new snapshot from `file` and swap it in; requests in flight finish on the
-    /// one they started with. An invalid file changes nothing. The store (and its Redis
-    /// connections) is kept when `[store]` did not change. Returns the new snapshot's
-    /// warnings.
-    ///
-    /// Errors: the [`ConfigReport`] of an invalid file.
-    pub fn reload(&self, file: &ConfigFile) -> Result<Vec<String>, ConfigReport> {
-        let current = self.shared.snapshot.load_full();
-        let snap = Snapshot::build(file, Some(&current))?;
-        if !Arc::ptr_eq(snap.limiter.store(), current.limiter.store()) {
-            start_store(
-                snap.limiter.store(),
-                &snap.config.store,
-                self.shared.clock.clone(),
-            );
-        }
-        let mut warnings = snap.warnings.clone();
-        if snap.config.server != current.config.server {
-            warnings.push(
-                "[server] changed: listen addresses and timeouts take effect after a restart"
-                    .into(),
-            );
-        }
-        self.shared.snapshot.store(Arc::new(snap));
-        Ok(warnings)
+    /// The gateway's metrics.
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.shared.metrics
+    }
+
+    /// A handle that reloads this gateway's config; it can be moved into tasks.
+    pub fn reloader(&self) -> Reloader {
+        Reloader(self.shared.clone())
+    }
+
+    /// See [`Reloader::reload`].
+    pub fn reload(&self, file: &ConfigFile) -> Result<ReloadOutcome, ConfigReport> {
+        self.reloader().reload(file)
+    }
+
+    /// See [`Reloader::reload_from`].
+    pub fn reload_from(
+        &self,
+        path: &std::path::Path,
+        skip_unchanged: bool,
+    ) -> Result<ReloadOutcome, ConfigReport> {
+        self.reloader().reload_from(path, skip_unchanged)
     }
 
     /// Stop accepting connections and let in-flight requests finish (up to
@@ -141,6 +191,128 @@ impl Gateway {
     /// Wait until the gateway has stopped (after [`Gateway::shutdown`]).
     pub async fn wait(self) {
         let _ = self.task.await;
+    }
+}
+
+/// Reloads a gateway's config; cheap to clone, usable from any task.
+#[derive(Debug, Clone)]
+pub struct Reloader(Arc<Shared>);
+
+impl Reloader {
+    /// Build a new snapshot from `file` and swap it in; requests in flight finish on the
+    /// one they started with. An invalid file changes nothing (and is counted as a failed
+    /// reload). The store (and its Redis connections) and the over-limit cache are kept
+    /// when `[store]` did not change.
+    ///
+    /// Errors: the [`ConfigReport`] of an invalid file.
+    pub fn reload(&self, file: &ConfigFile) -> Result<ReloadOutcome, ConfigReport> {
+        let _serial = self.0.reload_lock.lock().unwrap_or_else(|e| e.into_inner());
+        let current = self.0.snapshot.load_full();
+        let mut snap = match Snapshot::build(file, Some(&current)) {
+            Ok(s) => s,
+            Err(report) => {
+                self.0
+                    .metrics
+                    .reloads
+                    .get_or_create(&ReloadLabels { result: "failed" })
+                    .inc();
+                return Err(report);
+            }
+        };
+        if !Arc::ptr_eq(snap.limiter.store(), current.limiter.store()) {
+            start_store(
+                snap.limiter.store(),
+                &snap.config.store,
+                self.0.clock.clone(),
+            );
+        }
+        let mut warnings = snap.warnings.clone();
+        if snap.config.server != current.config.server {
+            warnings.push(
+                "[server] changed: listen addresses and timeouts take effect after a restart"
+                    .into(),
+            );
+        }
+        if snap.config.log != current.config.log {
+            warnings.push("[log] changed: takes effect after a restart".into());
+        }
+        snap.generation = current.generation + 1;
+        let generation = snap.generation;
+        self.0.snapshot.store(Arc::new(snap));
+        self.0
+            .metrics
+            .reloads
+            .get_or_create(&ReloadLabels { result: "ok" })
+            .inc();
+        self.0.metrics.config_generation.set(generation as i64);
+        Ok(ReloadOutcome::Applied {
+            generation,
+            warnings,
+        })
+    }
+
+    /// Read the file at `path` and [`Reloader::reload`] it, telling systemd
+    /// (`RELOADING=1` with `MONOTONIC_USEC`, then `READY=1`) when `NOTIFY_SOCKET` is set. With `skip_unchanged`, a file
+    /// whose content is the running one is left alone (file watchers see many events for
+    /// one save). Logs the outcome.
+    pub fn reload_from(
+        &self,
+        path: &std::path::Path,
+        skip_unchanged: bool,
+    ) -> Result<ReloadOutcome, ConfigReport> {
+        let result = match crate::config::read(path) {
+            Err(report) => {
+                // Unreadable or unparsable: a failed reload like any other.
+                self.0
+                    .metrics
+                    .reloads
+                    .get_or_create(&ReloadLabels { result: "failed" })
+                    .inc();
+                Err(report)
+            }
+            Ok(file)
+                if skip_unchanged
+                    && crate::snapshot::content_hash(&file.text)
+                        == self.0.snapshot.load().content_hash =>
+            {
+                Ok(ReloadOutcome::Unchanged)
+            }
+            Ok(file) => {
+                crate::reload::notify_systemd_reloading();
+                let outcome = self.reload(&file);
+                crate::reload::notify_systemd(&[sd_notify::NotifyState::Ready]);
+                outcome
+            }
+        };
+        match &result {
+            Ok(ReloadOutcome::Applied {
+                generation,
+                warnings,
+            }) => {
+                for w in warnings {
+                    tracing::warn!("{w}");
+                }
+                tracing::info!(config = %path.display(), generation, "config reloaded");
+            }
+            Ok(ReloadOutcome::Unchanged) => {
+                tracing::debug!(config = %path.display(), "config unchanged")
+            }
+            Err(report) => {
+                if report.text.is_empty() && report.problems.errors.len() == 1 {
+                    // Unreadable (e.g. mid-replace): counted like any invalid file.
+                    self.0
+                        .metrics
+                        .reloads
+                        .get_or_create(&ReloadLabels { result: "failed" })
+                        .inc();
+                }
+                for line in report.error_lines() {
+                    tracing::error!("{line}");
+                }
+                tracing::error!(config = %path.display(), "reload rejected; the running config stays");
+            }
+        }
+        result
     }
 }
 
@@ -197,20 +369,24 @@ async fn accept_loop(
                     }
                 };
                 let _ = stream.set_nodelay(true);
-                let shared = shared.clone();
+                let conn_shared = shared.clone();
                 let service = service_fn(move |req| {
-                    let shared = shared.clone();
+                    let shared = conn_shared.clone();
                     async move {
                         let snap = shared.snapshot.load_full();
-                        Ok::<_, Infallible>(proxy::handle(&snap, &*shared.clock, req, peer).await)
+                        let ctx = proxy::Context { clock: &*shared.clock, metrics: &shared.metrics };
+                        Ok::<_, Infallible>(proxy::handle(&snap, &ctx, req, peer).await)
                     }
                 });
                 let conn = builder.serve_connection(TokioIo::new(stream), service).into_owned();
                 let conn = graceful.watch(conn);
+                let open = shared.metrics.open_connections.clone();
+                open.inc();
                 tokio::spawn(async move {
                     if let Err(e) = conn.await {
                         tracing::debug!(%peer, error = %e, "connection ended with an error");
                     }
+                    open.dec();
                 });
             }
             _ = shutdown.changed() => break,

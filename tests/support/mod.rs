@@ -4,6 +4,7 @@
 
 pub mod client;
 pub mod redis;
+pub mod topology;
 pub mod upstream;
 
 pub use self::redis::RedisServer;
@@ -47,7 +48,10 @@ impl TestGateway {
     }
 
     /// Reload from new TOML text.
-    pub fn reload(&self, toml: &str) -> Result<Vec<String>, tollgate::config::ConfigReport> {
+    pub fn reload(
+        &self,
+        toml: &str,
+    ) -> Result<tollgate::server::ReloadOutcome, tollgate::config::ConfigReport> {
         std::fs::write(&self.path, toml).unwrap();
         let file: ConfigFile = tollgate::config::read(&self.path)?;
         self.gateway.reload(&file)

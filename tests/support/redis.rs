@@ -35,6 +35,8 @@ pub struct RedisServer {
     pub port: u16,
     child: Option<Child>,
     extra: Vec<String>,
+    /// Working directory: replicas write the RDB they receive here, not in the repo.
+    dir: tempfile::TempDir,
 }
 
 impl RedisServer {
@@ -47,6 +49,7 @@ impl RedisServer {
             port: free_port(),
             child: None,
             extra: extra.iter().map(|s| s.to_string()).collect(),
+            dir: tempfile::tempdir().expect("temp dir for redis-server"),
         };
         s.spawn();
         s
@@ -72,6 +75,8 @@ impl RedisServer {
             "--loglevel",
             "warning",
         ])
+        .arg("--dir")
+        .arg(self.dir.path())
         .args(&self.extra)
         .stdout(Stdio::null())
         .stderr(Stdio::null());

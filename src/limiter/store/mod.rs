@@ -40,9 +40,33 @@ pub enum StoreError {
     /// The store's connections were never opened ([`redis::RedisStore::start`]).
     #[error("store not started")]
     NotStarted,
+    /// The node has no connection (it is being re-established in the background).
+    #[error("{0}: not connected")]
+    NotConnected(String),
+    /// The node's circuit breaker is open: failing fast.
+    #[error("{0}: circuit breaker open")]
+    BreakerOpen(String),
     /// The script's reply was not `{used, reset_at_ms}`.
     #[error("unexpected reply from store: {0}")]
     BadReply(String),
+}
+
+impl StoreError {
+    /// Whether the error is what a failover looks like from the client: the connection
+    /// failed or timed out, or the node is now a read-only replica.
+    pub fn suggests_failover(&self) -> bool {
+        match self {
+            StoreError::Timeout(_) | StoreError::NotConnected(_) => true,
+            StoreError::Redis(e) => {
+                e.is_io_error()
+                    || e.is_connection_dropped()
+                    || e.is_connection_refusal()
+                    || e.is_timeout()
+                    || e.code() == Some("READONLY")
+            }
+            _ => false,
+        }
+    }
 }
 
 /// A place to keep fixed windows. All times are milliseconds since the Unix epoch, from

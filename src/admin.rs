@@ -1,0 +1,194 @@
+//! The admin listener (`server.admin_listen`):
+//!
+//! - `GET /healthz`: 200 while the process serves (liveness).
+//! - `GET /readyz`: 200 when a config is loaded and every shard's primary is reachable
+//!   (connected, breaker not open); 503 otherwise. JSON with per-shard state.
+//! - `GET /metrics`: Prometheus text format ([`crate::metrics`]).
+//! - `GET /config`: the active config as JSON, secrets and key hashes redacted, with its
+//!   generation and content hash.
+
+use crate::limiter::store::AnyStore;
+use crate::metrics::Metrics;
+use crate::proxy::error::json_response;
+use crate::proxy::Body;
+use crate::snapshot::Snapshot;
+use arc_swap::ArcSwap;
+use bytes::Bytes;
+use http::{header, HeaderValue, Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use serde_json::{json, Value};
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+/// Serve the admin endpoints on `listener` until `shutdown` fires.
+pub(crate) async fn serve(
+    listener: TcpListener,
+    snapshot: Arc<ArcSwap<Snapshot>>,
+    metrics: Arc<Metrics>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(Duration::from_secs(10));
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => {
+                let Ok((stream, _)) = accepted else {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                };
+                let (snapshot, metrics) = (snapshot.clone(), metrics.clone());
+                let service = service_fn(move |req| {
+                    let (snapshot, metrics) = (snapshot.clone(), metrics.clone());
+                    async move { Ok::<_, Infallible>(route(&req, &snapshot.load_full(), &metrics)) }
+                });
+                let conn = builder.serve_connection(TokioIo::new(stream), service).into_owned();
+                tokio::spawn(async move {
+                    let _ = conn.await;
+                });
+            }
+            _ = shutdown.changed() => return,
+        }
+    }
+}
+
+fn route(req: &Request<Incoming>, snap: &Snapshot, metrics: &Metrics) -> Response<Body> {
+    if req.method() != Method::GET && req.method() != Method::HEAD {
+        return json_response(
+            StatusCode::METHOD_NOT_ALLOWED,
+            &json!({ "message": "use GET" }),
+        );
+    }
+    match req.uri().path() {
+        "/healthz" => json_response(StatusCode::OK, &json!({ "status": "ok" })),
+        "/readyz" => readyz(snap),
+        "/metrics" => {
+            let mut r = Response::new(
+                Full::new(Bytes::from(metrics.render()))
+                    .map_err(|never| match never {})
+                    .boxed(),
+            );
+            r.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+            );
+            r
+        }
+        "/config" => json_response(StatusCode::OK, &config_view(snap)),
+        _ => json_response(
+            StatusCode::NOT_FOUND,
+            &json!({ "message": "not found; try /healthz, /readyz, /metrics, /config" }),
+        ),
+    }
+}
+
+/// Readiness and per-shard state.
+pub fn readiness(snap: &Snapshot) -> (bool, Value) {
+    let (ready, shards) = match &**snap.limiter.store() {
+        AnyStore::Memory(_) => (true, Value::Array(vec![])),
+        AnyStore::Redis(redis) => {
+            let report = redis.report();
+            let ready = !report.is_empty()
+                && report.iter().all(|s| {
+                    let p = s.primary();
+                    p.connected && p.breaker != crate::limiter::store::redis::BreakerState::Open
+                });
+            let shards = report
+                .iter()
+                .map(|s| {
+                    let nodes: Vec<Value> = s
+                        .nodes
+                        .iter()
+                        .map(|n| {
+                            json!({
+                                "role": n.role,
+                                "addr": n.addr,
+                                "connected": n.connected,
+                                "breaker": n.breaker.as_str(),
+                            })
+                        })
+                        .collect();
+                    json!({ "shard": s.index, "nodes": nodes, "replica_fallbacks": s.replica_fallbacks })
+                })
+                .collect();
+            (ready, Value::Array(shards))
+        }
+    };
+    let body = json!({
+        "ready": ready,
+        "generation": snap.generation,
+        "store": match snap.config.store.backend { crate::config::Backend::Memory => "memory", crate::config::Backend::Redis => "redis" },
+        "shards": shards,
+    });
+    (ready, body)
+}
+
+fn readyz(snap: &Snapshot) -> Response<Body> {
+    let (ready, body) = readiness(snap);
+    json_response(
+        if ready {
+            StatusCode::OK
+        } else {
+            StatusCode::SERVICE_UNAVAILABLE
+        },
+        &body,
+    )
+}
+
+/// The active config with secrets and key hashes replaced by `"<redacted>"`.
+pub fn config_view(snap: &Snapshot) -> Value {
+    let mut config = serde_json::to_value(&snap.config).unwrap_or(Value::Null);
+    redact(&mut config);
+    json!({ "generation": snap.generation, "content_hash": snap.content_hash, "config": config })
+}
+
+const REDACTED: &str = "<redacted>";
+
+fn redact(v: &mut Value) {
+    match v {
+        Value::Object(map) => {
+            for (k, v) in map.iter_mut() {
+                if k == "key_sha256" || k == "hash_key" || k == "key" {
+                    if !v.is_null() {
+                        *v = Value::String(REDACTED.into());
+                    }
+                } else {
+                    redact(v);
+                }
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(redact),
+        Value::String(s) if s.contains("://") => *s = crate::config::redact_url(s),
+        _ => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redacts_secrets() {
+        let mut v = json!({
+            "identity": { "clients": [{ "id": "a", "key_sha256": "ab" }] },
+            "store": { "hash_key": "s", "shards": [{ "primary": "redis://u:pw@h:1" }] },
+        });
+        redact(&mut v);
+        assert_eq!(v["identity"]["clients"][0]["key_sha256"], REDACTED);
+        assert_eq!(v["store"]["hash_key"], REDACTED);
+        assert_eq!(
+            v["store"]["shards"][0]["primary"],
+            "redis://u:<redacted>@h:1"
+        );
+        assert_eq!(v["identity"]["clients"][0]["id"], "a");
+    }
+}

@@ -1,0 +1,209 @@
+//! A circuit breaker for one Redis node.
+//!
+//! Closed: calls go through. After `failures` consecutive failures (errors or timeouts)
+//! it opens: calls fail at once (and `store.on_error` applies) for `cooloff`. Then it is
+//! half-open: one probe call goes through; its success closes the breaker, its failure
+//! opens it again. Every state change is logged once and counted.
+
+use super::stats::NodeStats;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// The breaker's state, as reported by `/readyz` and the logs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BreakerState {
+    /// Calls go through.
+    Closed,
+    /// Calls fail at once until the cool-off ends.
+    Open,
+    /// One probe call is allowed.
+    HalfOpen,
+}
+
+impl BreakerState {
+    /// `"closed"`, `"open"` or `"half_open"`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            BreakerState::Closed => "closed",
+            BreakerState::Open => "open",
+            BreakerState::HalfOpen => "half_open",
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Inner {
+    state: BreakerState,
+    failures: u32,
+    /// When Open: until when. When HalfOpen: when the probe started (None: no probe yet).
+    at: Option<Instant>,
+}
+
+/// See the module documentation.
+#[derive(Debug)]
+pub(super) struct Breaker {
+    label: String,
+    threshold: u32,
+    cooloff: Duration,
+    /// A probe that has not reported within this time is presumed lost (its caller went
+    /// away); another probe may start.
+    probe_timeout: Duration,
+    inner: Mutex<Inner>,
+    stats: Arc<NodeStats>,
+}
+
+impl Breaker {
+    pub(super) fn new(
+        label: String,
+        threshold: u32,
+        cooloff: Duration,
+        probe_timeout: Duration,
+        stats: Arc<NodeStats>,
+    ) -> Self {
+        Self {
+            label,
+            threshold: threshold.max(1),
+            cooloff,
+            probe_timeout,
+            inner: Mutex::new(Inner {
+                state: BreakerState::Closed,
+                failures: 0,
+                at: None,
+            }),
+            stats,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The current state.
+    pub(super) fn state(&self) -> BreakerState {
+        self.lock().state
+    }
+
+    /// May a call go through now? (Moves Open → HalfOpen when the cool-off is over.)
+    pub(super) fn allow(&self) -> bool {
+        let now = Instant::now();
+        let mut s = self.lock();
+        match s.state {
+            BreakerState::Closed => true,
+            BreakerState::Open => {
+                if s.at.is_some_and(|until| now >= until) {
+                    self.change(&mut s, BreakerState::HalfOpen);
+                    s.at = Some(now);
+                    true
+                } else {
+                    false
+                }
+            }
+            BreakerState::HalfOpen => {
+                if s.at
+                    .is_none_or(|started| now.duration_since(started) >= self.probe_timeout)
+                {
+                    s.at = Some(now);
+                    true
+                } else {
+                    false
+                }
+            }
+        }
+    }
+
+    /// Whether a call would go through, without starting a probe.
+    pub(super) fn is_available(&self) -> bool {
+        let s = self.lock();
+        match s.state {
+            BreakerState::Closed => true,
+            BreakerState::Open => s.at.is_some_and(|until| Instant::now() >= until),
+            BreakerState::HalfOpen => false,
+        }
+    }
+
+    pub(super) fn success(&self) {
+        let mut s = self.lock();
+        s.failures = 0;
+        if s.state != BreakerState::Closed {
+            self.change(&mut s, BreakerState::Closed);
+            s.at = None;
+        }
+    }
+
+    pub(super) fn failure(&self) {
+        let mut s = self.lock();
+        s.failures = s.failures.saturating_add(1);
+        let open = match s.state {
+            BreakerState::HalfOpen => true,
+            BreakerState::Closed => s.failures >= self.threshold,
+            BreakerState::Open => false,
+        };
+        if open {
+            self.change(&mut s, BreakerState::Open);
+            s.at = Some(Instant::now() + self.cooloff);
+        }
+    }
+
+    fn change(&self, s: &mut Inner, to: BreakerState) {
+        let from = s.state;
+        s.state = to;
+        self.stats
+            .breaker_changes
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        match to {
+            BreakerState::Open => {
+                tracing::warn!(node = %self.label, from = from.as_str(), failures = s.failures, cooloff = ?self.cooloff, "circuit breaker open: failing fast")
+            }
+            BreakerState::HalfOpen => {
+                tracing::info!(node = %self.label, "circuit breaker half-open: probing")
+            }
+            BreakerState::Closed => {
+                tracing::info!(node = %self.label, from = from.as_str(), "circuit breaker closed: node healthy")
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn opens_after_threshold_probes_after_cooloff_and_closes() {
+        let stats = Arc::new(NodeStats::default());
+        let b = Breaker::new(
+            "n".into(),
+            3,
+            Duration::from_millis(50),
+            Duration::from_secs(1),
+            stats.clone(),
+        );
+        assert!(b.allow());
+        b.failure();
+        b.failure();
+        assert_eq!(b.state(), BreakerState::Closed);
+        b.success();
+        b.failure();
+        b.failure();
+        assert_eq!(b.state(), BreakerState::Closed, "success resets the count");
+        b.failure();
+        assert_eq!(b.state(), BreakerState::Open);
+        assert!(!b.allow());
+        std::thread::sleep(Duration::from_millis(60));
+        assert!(b.allow(), "one probe after the cool-off");
+        assert_eq!(b.state(), BreakerState::HalfOpen);
+        assert!(!b.allow(), "only one probe at a time");
+        b.failure();
+        assert_eq!(b.state(), BreakerState::Open, "a failed probe reopens");
+        std::thread::sleep(Duration::from_millis(60));
+        assert!(b.allow());
+        b.success();
+        assert_eq!(b.state(), BreakerState::Closed);
+        assert_eq!(
+            stats
+                .breaker_changes
+                .load(std::sync::atomic::Ordering::Relaxed),
+            5
+        );
+    }
+}

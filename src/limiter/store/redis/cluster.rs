@@ -1,0 +1,141 @@
+//! `store.mode = "cluster"`: a Redis Cluster through redis-rs's cluster client, which
+//! follows the slot map and handles MOVED/ASK. Every key carries a hash tag (`{…}`), so
+//! all keys of one caller share a slot.
+
+use super::breaker::Breaker;
+use super::stats::{bump, NodeStats};
+use super::Scripts;
+use crate::limiter::store::StoreError;
+use redis::cluster::ClusterClient;
+use redis::cluster_async::ClusterConnection;
+use redis::Script;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::watch;
+
+/// A Redis Cluster seen as one store node (one breaker, one set of counters).
+pub(crate) struct ClusterNode {
+    pub(super) label: String,
+    conn: watch::Sender<Option<ClusterConnection>>,
+    breaker: Breaker,
+    pub(super) stats: Arc<NodeStats>,
+    timeout: Duration,
+}
+
+impl std::fmt::Debug for ClusterNode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClusterNode")
+            .field("label", &self.label)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ClusterNode {
+    pub(super) fn spawn(
+        client: ClusterClient,
+        label: String,
+        scripts: Arc<Scripts>,
+        timeout: Duration,
+        failures: u32,
+        cooloff: Duration,
+    ) -> Arc<Self> {
+        let stats = Arc::new(NodeStats::default());
+        let node = Arc::new(Self {
+            breaker: Breaker::new(label.clone(), failures, cooloff, timeout * 4, stats.clone()),
+            label,
+            conn: watch::channel(None).0,
+            stats,
+            timeout,
+        });
+        let weak = Arc::downgrade(&node);
+        tokio::spawn(async move {
+            let mut backoff = Duration::from_millis(50);
+            loop {
+                let connected = async {
+                    let mut conn = client.get_async_connection().await?;
+                    // Load every script on every primary (SCRIPT LOAD goes to all of them).
+                    for script in scripts.all() {
+                        script.prepare_invoke().load_async(&mut conn).await?;
+                    }
+                    Ok::<_, redis::RedisError>(conn)
+                };
+                match connected.await {
+                    Ok(conn) => {
+                        let Some(node) = weak.upgrade() else { return };
+                        bump(&node.stats.connects);
+                        node.conn.send_replace(Some(conn));
+                        tracing::info!(node = %node.label, "redis cluster connected, scripts loaded");
+                        return;
+                    }
+                    Err(e) => {
+                        if weak.strong_count() == 0 {
+                            return;
+                        }
+                        tracing::warn!(error = %e, "redis cluster unreachable; retrying");
+                        tokio::time::sleep(backoff).await;
+                        backoff = (backoff * 2).min(Duration::from_secs(2));
+                    }
+                }
+            }
+        });
+        node
+    }
+
+    pub(super) fn is_connected(&self) -> bool {
+        self.conn.borrow().is_some()
+    }
+
+    pub(super) fn breaker_state(&self) -> super::breaker::BreakerState {
+        self.breaker.state()
+    }
+
+    pub(super) async fn call(
+        &self,
+        script: &Script,
+        key: &str,
+        args: &[u64],
+    ) -> Result<Vec<i64>, StoreError> {
+        bump(&self.stats.calls);
+        if !self.breaker.allow() {
+            bump(&self.stats.rejected_by_breaker);
+            return Err(StoreError::BreakerOpen(self.label.clone()));
+        }
+        let attempt = async {
+            let mut conn = {
+                let mut rx = self.conn.subscribe();
+                let c = rx
+                    .wait_for(Option::is_some)
+                    .await
+                    .map_err(|_| StoreError::NotConnected(self.label.clone()))?;
+                c.clone()
+                    .ok_or_else(|| StoreError::NotConnected(self.label.clone()))?
+            };
+            let mut invocation = script.key(key);
+            for a in args {
+                invocation.arg(*a);
+            }
+            invocation
+                .invoke_async::<Vec<i64>>(&mut conn)
+                .await
+                .map_err(StoreError::from)
+        };
+        let started = std::time::Instant::now();
+        match tokio::time::timeout(self.timeout, attempt).await {
+            Ok(Ok(v)) => {
+                self.stats.latency.observe(started.elapsed().as_secs_f64());
+                self.breaker.success();
+                Ok(v)
+            }
+            Ok(Err(e)) => {
+                bump(&self.stats.errors);
+                self.breaker.failure();
+                Err(e)
+            }
+            Err(_) => {
+                bump(&self.stats.timeouts);
+                self.breaker.failure();
+                Err(StoreError::Timeout(self.timeout.as_millis() as u64))
+            }
+        }
+    }
+}

@@ -1,0 +1,536 @@
+//! The Redis store: windows in sharded, replicated Redis (or a Redis Cluster), shared by
+//! a fleet of gateways.
+//!
+//! - **Shards.** `[[store.shards]]` lists primary/replica groups; a key's shard is
+//!   [`jump_consistent_hash`] of its digest over the shard list (see
+//!   [`crate::limiter::key`]). A shard's primary and replicas are given directly or found
+//!   through Sentinel ([`sentinel`]).
+//! - **Reads and writes.** CHECKs go to a healthy replica when `store.read_from =
+//!   "replica"` (the default when a shard lists replicas), spread round robin; a replica
+//!   that is down, slow, loading or cut off from its primary is skipped and the primary
+//!   answers. CHARGEs always go to the primary. A stale replica can at worst admit a
+//!   request the primary would have rejected: expiry is judged by the stored `reset_at`
+//!   against the gateway's clock, and a 429 carries the numbers of the read that made it.
+//! - **Failures.** Each node has a multiplexed connection kept up in the background, a
+//!   circuit breaker and counters ([`node`], [`breaker`], [`stats`]); each call is
+//!   bounded by `store.timeout`. A sick shard costs its own callers at most
+//!   `store.timeout` per call until its breaker opens, and other shards nothing.
+//! - **Scripts.** Each operation is one Lua script in `lua/`, loaded on every new
+//!   connection and run with EVALSHA; NOSCRIPT still reloads and retries.
+
+mod breaker;
+mod cluster;
+mod node;
+mod sentinel;
+pub mod stats;
+
+pub use breaker::BreakerState;
+
+use super::{Store, StoreError, WindowState};
+use crate::config::{Problems, ReadFrom, StoreConfig, StoreMode};
+use crate::limiter::key::{jump_consistent_hash, LimitKey};
+use arc_swap::ArcSwap;
+use cluster::ClusterNode;
+use node::{Node, NodeSettings, WhenDisconnected};
+use redis::Script;
+use sentinel::SentinelWatch;
+use stats::{bump, Counts, ShardStats};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+
+/// `lua/check.lua`: read a window, treating a past one as empty.
+pub static CHECK_LUA: &str = include_str!("../../../../lua/check.lua");
+/// `lua/charge.lua`: add cost to a window, starting a new one when needed.
+pub static CHARGE_LUA: &str = include_str!("../../../../lua/charge.lua");
+
+/// Every script the store runs, loaded on each new connection.
+#[derive(Debug)]
+pub(crate) struct Scripts {
+    check: Script,
+    charge: Script,
+}
+
+impl Scripts {
+    fn new() -> Self {
+        Self {
+            check: Script::new(CHECK_LUA),
+            charge: Script::new(CHARGE_LUA),
+        }
+    }
+
+    fn all(&self) -> [&Script; 2] {
+        [&self.check, &self.charge]
+    }
+}
+
+/// One primary/replica group.
+#[derive(Debug)]
+pub(crate) struct Shard {
+    index: usize,
+    primary: Arc<Node>,
+    replicas: ArcSwap<Vec<Arc<Node>>>,
+    read_from: ReadFrom,
+    next_replica: AtomicUsize,
+    stats: ShardStats,
+    sentinel: Option<Arc<SentinelWatch>>,
+}
+
+impl Shard {
+    async fn check(
+        &self,
+        scripts: &Scripts,
+        key: &str,
+        now_ms: u64,
+    ) -> Result<Vec<i64>, StoreError> {
+        if self.read_from == ReadFrom::Replica {
+            let replicas = self.replicas.load();
+            if !replicas.is_empty() {
+                let start = self.next_replica.fetch_add(1, Ordering::Relaxed);
+                let candidate = (0..replicas.len())
+                    .map(|i| &replicas[(start + i) % replicas.len()])
+                    .find(|r| r.is_available());
+                if let Some(replica) = candidate {
+                    match replica
+                        .call(&scripts.check, key, &[now_ms], WhenDisconnected::FailFast)
+                        .await
+                    {
+                        Ok(reply) => return Ok(reply),
+                        Err(e) => {
+                            tracing::debug!(node = %replica.label, error = %e, "replica failed; asking the primary")
+                        }
+                    }
+                }
+                bump(&self.stats.replica_fallbacks);
+            }
+        }
+        self.on_primary(&scripts.check, key, &[now_ms]).await
+    }
+
+    async fn on_primary(
+        &self,
+        script: &Script,
+        key: &str,
+        args: &[u64],
+    ) -> Result<Vec<i64>, StoreError> {
+        let result = self
+            .primary
+            .call(script, key, args, WhenDisconnected::Wait)
+            .await;
+        if let (Err(e), Some(sentinel)) = (&result, &self.sentinel) {
+            if e.suggests_failover() {
+                sentinel.suspect();
+            }
+        }
+        result
+    }
+}
+
+enum Topology {
+    Sharded(Vec<Arc<Shard>>),
+    Cluster(Arc<ClusterNode>),
+}
+
+/// Fixed windows in Redis. Built without I/O by [`RedisStore::from_config`]; connections
+/// are opened by [`RedisStore::start`].
+pub struct RedisStore {
+    cfg: StoreConfig,
+    scripts: Arc<Scripts>,
+    live: OnceLock<Topology>,
+}
+
+impl std::fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("mode", &self.cfg.mode)
+            .field("shards", &self.cfg.shards.len())
+            .finish()
+    }
+}
+
+fn check_url(url: &str, at: String, problems: &mut Problems) -> bool {
+    match redis::Client::open(url) {
+        Ok(_) => true,
+        Err(e) => {
+            problems.error(at, format!("{url:?} is not a usable Redis URL: {e}"));
+            false
+        }
+    }
+}
+
+impl RedisStore {
+    /// Validate `[store]` for Redis (problems under `store.*`) and build the store.
+    pub fn from_config(cfg: &StoreConfig, problems: &mut Problems) -> Option<Self> {
+        let before = problems.errors.len();
+        if cfg.breaker_failures == 0 {
+            problems.error("store.breaker_failures", "must be at least 1");
+        }
+        if cfg.breaker_cooloff.0.is_zero() {
+            problems.error("store.breaker_cooloff", "must be more than 0");
+        }
+        match cfg.mode {
+            StoreMode::Cluster => {
+                if cfg.nodes.is_empty() {
+                    problems.error("store.nodes", "mode \"cluster\" needs at least one seed node, e.g. [\"redis://10.0.0.1:7000\"]");
+                }
+                for (i, n) in cfg.nodes.iter().enumerate() {
+                    check_url(n, format!("store.nodes[{i}]"), problems);
+                }
+                if !cfg.shards.is_empty() {
+                    problems.error(
+                        "store.shards",
+                        "mode \"cluster\" takes `nodes`, not [[store.shards]]",
+                    );
+                }
+                if cfg.read_from == Some(ReadFrom::Replica) {
+                    problems.error(
+                        "store.read_from",
+                        "replica reads are not supported in cluster mode; use \"primary\"",
+                    );
+                }
+            }
+            StoreMode::Sharded => {
+                if cfg.shards.is_empty() {
+                    problems.error(
+                        "store.shards",
+                        "backend \"redis\" needs at least one [[store.shards]] entry",
+                    );
+                }
+                if !cfg.nodes.is_empty() {
+                    problems.error(
+                        "store.nodes",
+                        "`nodes` is for mode = \"cluster\"; sharded mode uses [[store.shards]]",
+                    );
+                }
+                for (i, s) in cfg.shards.iter().enumerate() {
+                    let at = format!("store.shards[{i}]");
+                    match (&s.primary, &s.sentinel) {
+                        (Some(p), None) => {
+                            check_url(p, format!("{at}.primary"), problems);
+                        }
+                        (None, Some(sen)) => {
+                            if sen.master.trim().is_empty() {
+                                problems.error(format!("{at}.sentinel.master"), "must name the master Sentinel monitors");
+                            }
+                            if sen.nodes.is_empty() {
+                                problems.error(format!("{at}.sentinel.nodes"), "needs at least one Sentinel, e.g. [\"redis://10.0.0.1:26379\"]");
+                            }
+                            for (j, n) in sen.nodes.iter().enumerate() {
+                                check_url(n, format!("{at}.sentinel.nodes[{j}]"), problems);
+                            }
+                            if !s.replicas.is_empty() {
+                                problems.error(format!("{at}.replicas"), "with `sentinel`, replicas come from Sentinel; remove `replicas`");
+                            }
+                        }
+                        (Some(_), Some(_)) => problems.error(at.clone(), "give either `primary` or `sentinel`, not both"),
+                        (None, None) => problems.error(at.clone(), "needs `primary = \"redis://HOST:PORT\"` or `sentinel = { master = …, nodes = […] }`"),
+                    }
+                    for (j, r) in s.replicas.iter().enumerate() {
+                        check_url(r, format!("{at}.replicas[{j}]"), problems);
+                    }
+                }
+            }
+        }
+        (problems.errors.len() == before).then(|| Self {
+            cfg: cfg.clone(),
+            scripts: Arc::new(Scripts::new()),
+            live: OnceLock::new(),
+        })
+    }
+
+    fn settings(&self) -> NodeSettings {
+        NodeSettings {
+            timeout: self.cfg.timeout.0,
+            breaker_failures: self.cfg.breaker_failures,
+            breaker_cooloff: self.cfg.breaker_cooloff.0,
+        }
+    }
+
+    /// Open every node's connection in the background (scripts are loaded on each new
+    /// connection). Calling it again does nothing. Must be called inside a Tokio runtime.
+    pub fn start(&self) {
+        self.live.get_or_init(|| match self.cfg.mode {
+            StoreMode::Cluster => {
+                let client = redis::cluster::ClusterClient::builder(self.cfg.nodes.clone())
+                    .connection_timeout(
+                        self.cfg
+                            .timeout
+                            .0
+                            .max(std::time::Duration::from_millis(500)),
+                    )
+                    .response_timeout(self.cfg.timeout.0 * 4)
+                    .build();
+                let client = match client {
+                    Ok(c) => c,
+                    // Validated in from_config; an error here means no usable node.
+                    Err(e) => {
+                        tracing::error!(error = %e, "cannot build the cluster client");
+                        return Topology::Sharded(Vec::new());
+                    }
+                };
+                Topology::Cluster(ClusterNode::spawn(
+                    client,
+                    format!(
+                        "cluster {}",
+                        self.cfg
+                            .nodes
+                            .iter()
+                            .map(|n| crate::config::redact_url(n))
+                            .collect::<Vec<_>>()
+                            .join(",")
+                    ),
+                    self.scripts.clone(),
+                    self.cfg.timeout.0,
+                    self.cfg.breaker_failures,
+                    self.cfg.breaker_cooloff.0,
+                ))
+            }
+            StoreMode::Sharded => Topology::Sharded(self.start_shards()),
+        });
+    }
+
+    fn start_shards(&self) -> Vec<Arc<Shard>> {
+        let settings = self.settings();
+        let mut shards = Vec::new();
+        for (index, s) in self.cfg.shards.iter().enumerate() {
+            let read_from =
+                self.cfg
+                    .read_from
+                    .unwrap_or(if s.replicas.is_empty() && s.sentinel.is_none() {
+                        ReadFrom::Primary
+                    } else {
+                        ReadFrom::Replica
+                    });
+            let open = |url: &str| redis::Client::open(url).ok();
+            let primary_client = s.primary.as_deref().and_then(open);
+            let primary_label = match (&s.primary, &s.sentinel) {
+                (Some(p), _) => format!("shard {index} primary {}", crate::config::redact_url(p)),
+                (None, Some(sen)) => {
+                    format!("shard {index} primary (sentinel master {})", sen.master)
+                }
+                (None, None) => format!("shard {index} primary"),
+            };
+            let primary = Node::spawn(
+                primary_label,
+                primary_client,
+                self.scripts.clone(),
+                settings.clone(),
+            );
+            let replicas: Vec<Arc<Node>> = s
+                .replicas
+                .iter()
+                .filter_map(|r| {
+                    Some(Node::spawn(
+                        format!("shard {index} replica {}", crate::config::redact_url(r)),
+                        Some(open(r)?),
+                        self.scripts.clone(),
+                        settings.clone(),
+                    ))
+                })
+                .collect();
+            let sentinel = s.sentinel.as_ref().map(|sen| {
+                SentinelWatch::new(
+                    sen.master.clone(),
+                    sen.nodes.iter().filter_map(|n| open(n)).collect(),
+                )
+            });
+            let shard = Arc::new(Shard {
+                index,
+                primary,
+                replicas: ArcSwap::from_pointee(replicas),
+                read_from,
+                next_replica: AtomicUsize::new(0),
+                stats: ShardStats::default(),
+                sentinel: sentinel.clone(),
+            });
+            if let Some(sentinel) = sentinel {
+                sentinel.start(&shard, self.scripts.clone(), settings.clone());
+            }
+            shards.push(shard);
+        }
+        shards
+    }
+
+    /// The index of the shard that holds `key` (always 0 in cluster mode).
+    pub fn shard_of(&self, key: &LimitKey) -> usize {
+        match self.cfg.mode {
+            StoreMode::Cluster => 0,
+            StoreMode::Sharded => {
+                jump_consistent_hash(key.shard_hash, self.cfg.shards.len() as u32) as usize
+            }
+        }
+    }
+
+    /// Number of shards (1 in cluster mode).
+    pub fn shard_count(&self) -> usize {
+        match self.cfg.mode {
+            StoreMode::Cluster => 1,
+            StoreMode::Sharded => self.cfg.shards.len(),
+        }
+    }
+
+    async fn run(&self, key: &LimitKey, op: Op) -> Result<WindowState, StoreError> {
+        let Some(live) = self.live.get() else {
+            return Err(StoreError::NotStarted);
+        };
+        let reply = match (live, op) {
+            (Topology::Cluster(c), Op::Check { now_ms }) => {
+                c.call(&self.scripts.check, &key.key, &[now_ms]).await?
+            }
+            (
+                Topology::Cluster(c),
+                Op::Charge {
+                    cost,
+                    window_ms,
+                    now_ms,
+                },
+            ) => {
+                c.call(&self.scripts.charge, &key.key, &[cost, window_ms, now_ms])
+                    .await?
+            }
+            (Topology::Sharded(shards), op) => {
+                let Some(shard) = shards.get(self.shard_of(key)) else {
+                    return Err(StoreError::NotStarted);
+                };
+                match op {
+                    Op::Check { now_ms } => shard.check(&self.scripts, &key.key, now_ms).await?,
+                    Op::Charge {
+                        cost,
+                        window_ms,
+                        now_ms,
+                    } => {
+                        shard
+                            .on_primary(&self.scripts.charge, &key.key, &[cost, window_ms, now_ms])
+                            .await?
+                    }
+                }
+            }
+        };
+        match reply.as_slice() {
+            [used, reset_at] if *used >= 0 && *reset_at >= 0 => Ok(WindowState {
+                used: *used as u64,
+                reset_at_ms: *reset_at as u64,
+            }),
+            other => Err(StoreError::BadReply(format!("{other:?}"))),
+        }
+    }
+
+    /// The state and counters of every shard and node, for health checks and metrics.
+    pub fn report(&self) -> Vec<ShardReport> {
+        match self.live.get() {
+            None => Vec::new(),
+            Some(Topology::Cluster(c)) => vec![ShardReport {
+                index: 0,
+                replica_fallbacks: 0,
+                nodes: vec![NodeReport {
+                    role: "cluster",
+                    label: c.label.clone(),
+                    addr: self
+                        .cfg
+                        .nodes
+                        .iter()
+                        .map(|n| crate::config::redact_url(n))
+                        .collect::<Vec<_>>()
+                        .join(","),
+                    connected: c.is_connected(),
+                    breaker: c.breaker_state(),
+                    counts: c.stats.counts(),
+                    latency: c.stats.latency.clone(),
+                }],
+            }],
+            Some(Topology::Sharded(shards)) => shards
+                .iter()
+                .map(|s| {
+                    let node = |role, n: &Arc<Node>| NodeReport {
+                        role,
+                        label: n.label.clone(),
+                        addr: n.addr(),
+                        connected: n.is_connected(),
+                        breaker: n.breaker_state(),
+                        counts: n.stats.counts(),
+                        latency: n.stats.latency.clone(),
+                    };
+                    let mut nodes = vec![node("primary", &s.primary)];
+                    nodes.extend(s.replicas.load().iter().map(|r| node("replica", r)));
+                    ShardReport {
+                        index: s.index,
+                        replica_fallbacks: s.stats.replica_fallbacks.load(Ordering::Relaxed),
+                        nodes,
+                    }
+                })
+                .collect(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Op {
+    Check {
+        now_ms: u64,
+    },
+    Charge {
+        cost: u64,
+        window_ms: u64,
+        now_ms: u64,
+    },
+}
+
+/// The state of one shard.
+#[derive(Debug, Clone)]
+pub struct ShardReport {
+    /// Position in `[[store.shards]]` (0 in cluster mode).
+    pub index: usize,
+    /// CHECKs meant for a replica that the primary answered.
+    pub replica_fallbacks: u64,
+    /// The primary first, then the replicas.
+    pub nodes: Vec<NodeReport>,
+}
+
+impl ShardReport {
+    /// The shard's primary (or the cluster).
+    pub fn primary(&self) -> &NodeReport {
+        &self.nodes[0]
+    }
+}
+
+/// The state of one Redis node.
+#[derive(Debug, Clone)]
+pub struct NodeReport {
+    /// `"primary"`, `"replica"` or `"cluster"`.
+    pub role: &'static str,
+    /// Name used in logs.
+    pub label: String,
+    /// `HOST:PORT` it points at now.
+    pub addr: String,
+    /// Whether it has a live connection.
+    pub connected: bool,
+    /// Its circuit breaker.
+    pub breaker: BreakerState,
+    /// Its counters.
+    pub counts: Counts,
+    /// Its call latency histogram (shared with the node; read at scrape time).
+    pub latency: prometheus_client::metrics::histogram::Histogram,
+}
+
+impl Store for RedisStore {
+    async fn check(&self, key: &LimitKey, now_ms: u64) -> Result<WindowState, StoreError> {
+        self.run(key, Op::Check { now_ms }).await
+    }
+
+    async fn charge(
+        &self,
+        key: &LimitKey,
+        cost: u64,
+        window_ms: u64,
+        now_ms: u64,
+    ) -> Result<WindowState, StoreError> {
+        self.run(
+            key,
+            Op::Charge {
+                cost,
+                window_ms,
+                now_ms,
+            },
+        )
+        .await
+    }
+}

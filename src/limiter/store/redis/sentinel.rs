@@ -1,0 +1,197 @@
+//! Shards managed by Redis Sentinel: find the primary and replicas, follow failovers.
+//!
+//! A watcher task asks the Sentinels (in order, first answer wins)
+//! `SENTINEL get-master-addr-by-name NAME` and `SENTINEL replicas NAME`, and points the
+//! shard's primary [`Node`] at the answer. It asks again every 10 s, at once when a call
+//! to the primary fails (connection error, timeout, `READONLY`: the shard asks through
+//! [`SentinelWatch::suspect`]), and when any Sentinel publishes `+switch-master` (a
+//! subscription per Sentinel).
+
+use super::node::{Node, NodeSettings};
+use super::{Scripts, Shard};
+use futures_util::StreamExt;
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+use tokio::sync::Notify;
+
+/// Re-resolution trigger for one Sentinel-managed shard.
+#[derive(Debug)]
+pub(super) struct SentinelWatch {
+    pub master: String,
+    pub sentinels: Vec<redis::Client>,
+    trigger: Notify,
+}
+
+impl SentinelWatch {
+    pub(super) fn new(master: String, sentinels: Vec<redis::Client>) -> Arc<Self> {
+        Arc::new(Self {
+            master,
+            sentinels,
+            trigger: Notify::new(),
+        })
+    }
+
+    /// A call to the primary failed in a way a failover explains: ask Sentinel again.
+    pub(super) fn suspect(&self) {
+        self.trigger.notify_one();
+    }
+
+    /// Start the watcher and the `+switch-master` subscriptions for `shard`.
+    pub(super) fn start(
+        self: &Arc<Self>,
+        shard: &Arc<Shard>,
+        scripts: Arc<Scripts>,
+        settings: NodeSettings,
+    ) {
+        tokio::spawn(watch(
+            Arc::downgrade(shard),
+            self.clone(),
+            scripts,
+            settings,
+        ));
+        for sentinel in &self.sentinels {
+            tokio::spawn(subscribe(
+                Arc::downgrade(self),
+                sentinel.clone(),
+                self.master.clone(),
+            ));
+        }
+    }
+}
+
+/// What Sentinel says about a master.
+#[derive(Debug, PartialEq, Eq)]
+struct Resolved {
+    primary: String,
+    replicas: Vec<String>,
+}
+
+async fn resolve(watch: &SentinelWatch, timeout: Duration) -> Option<Resolved> {
+    for sentinel in &watch.sentinels {
+        let asked = async {
+            let mut conn = sentinel.get_multiplexed_async_connection().await?;
+            let (host, port): (String, u16) = redis::cmd("SENTINEL")
+                .arg("get-master-addr-by-name")
+                .arg(&watch.master)
+                .query_async(&mut conn)
+                .await?;
+            let replicas: Vec<std::collections::HashMap<String, String>> = redis::cmd("SENTINEL")
+                .arg("replicas")
+                .arg(&watch.master)
+                .query_async(&mut conn)
+                .await?;
+            let replicas = replicas
+                .into_iter()
+                .filter(|r| {
+                    let flags = r.get("flags").map(String::as_str).unwrap_or("");
+                    !flags.contains("down")
+                        && !flags.contains("disconnected")
+                        && r.get("master-link-status").is_none_or(|s| s == "ok")
+                })
+                .filter_map(|r| Some(format!("{}:{}", r.get("ip")?, r.get("port")?)))
+                .collect();
+            Ok::<_, redis::RedisError>(Resolved {
+                primary: format!("{host}:{port}"),
+                replicas,
+            })
+        };
+        match tokio::time::timeout(timeout, asked).await {
+            Ok(Ok(r)) => return Some(r),
+            Ok(Err(e)) => {
+                tracing::debug!(master = %watch.master, error = %e, "sentinel did not answer")
+            }
+            Err(_) => tracing::debug!(master = %watch.master, "sentinel timed out"),
+        }
+    }
+    None
+}
+
+fn client_for(addr: &str) -> Option<redis::Client> {
+    redis::Client::open(format!("redis://{addr}")).ok()
+}
+
+async fn watch(
+    shard: Weak<Shard>,
+    watch: Arc<SentinelWatch>,
+    scripts: Arc<Scripts>,
+    settings: NodeSettings,
+) {
+    let mut last: Option<Resolved> = None;
+    loop {
+        match resolve(&watch, Duration::from_secs(1)).await {
+            Some(resolved) if last.as_ref() != Some(&resolved) => {
+                let Some(shard) = shard.upgrade() else { return };
+                if last.as_ref().map(|l| &l.primary) != Some(&resolved.primary) {
+                    match client_for(&resolved.primary) {
+                        Some(client) => {
+                            tracing::warn!(shard = shard.index, master = %watch.master, primary = %resolved.primary, "sentinel: primary is now {}", resolved.primary);
+                            shard.primary.retarget(client);
+                        }
+                        None => {
+                            tracing::error!(primary = %resolved.primary, "sentinel gave an unusable address")
+                        }
+                    }
+                }
+                let replicas: Vec<Arc<Node>> = resolved
+                    .replicas
+                    .iter()
+                    .filter_map(|addr| {
+                        let label = format!("shard {} replica {addr}", shard.index);
+                        Some(Node::spawn(
+                            label,
+                            Some(client_for(addr)?),
+                            scripts.clone(),
+                            settings.clone(),
+                        ))
+                    })
+                    .collect();
+                shard.replicas.store(Arc::new(replicas));
+                last = Some(resolved);
+            }
+            Some(_) => {}
+            None => {
+                tracing::warn!(master = %watch.master, "no sentinel answered; keeping the last known primary")
+            }
+        }
+        if shard.strong_count() == 0 {
+            return;
+        }
+        tokio::select! {
+            _ = watch.trigger.notified() => {
+                // Let a burst of failures collapse into one question.
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            _ = tokio::time::sleep(Duration::from_secs(10)) => {}
+        }
+    }
+}
+
+/// Listen for `+switch-master` on one Sentinel and trigger re-resolution.
+async fn subscribe(watch: Weak<SentinelWatch>, sentinel: redis::Client, master: String) {
+    loop {
+        if watch.strong_count() == 0 {
+            return;
+        }
+        if let Ok(mut pubsub) = sentinel.get_async_pubsub().await {
+            if pubsub.subscribe("+switch-master").await.is_ok() {
+                let mut messages = pubsub.on_message();
+                loop {
+                    let next = tokio::time::timeout(Duration::from_secs(5), messages.next()).await;
+                    let Some(watch) = watch.upgrade() else { return };
+                    match next {
+                        Ok(Some(msg)) => {
+                            let payload: String = msg.get_payload().unwrap_or_default();
+                            if payload.split(' ').next() == Some(master.as_str()) {
+                                tracing::info!(%master, %payload, "sentinel: +switch-master");
+                                watch.suspect();
+                            }
+                        }
+                        Ok(None) => break,
+                        Err(_) => {}
+                    }
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}

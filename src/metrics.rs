@@ -1,0 +1,288 @@
+//! Prometheus metrics (`GET /metrics` on the admin listener), all named `tollgate_*`.
+//!
+//! Request-path metrics are recorded as requests pass. Store metrics (per shard and node:
+//! calls, errors, timeouts, breaker state, latency; replica fallbacks; over-limit cache
+//! hits) are read from the live store at scrape time by [`StoreCollector`], so nodes that
+//! come and go (Sentinel replicas, a reload's new store) need no registration.
+
+use crate::limiter::store::AnyStore;
+use crate::snapshot::Snapshot;
+use arc_swap::ArcSwap;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::Registry;
+use std::sync::{Arc, Weak};
+
+/// Bucket bounds in seconds: 100 µs to 1 s.
+pub const LATENCY_BUCKETS: [f64; 13] = [
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+];
+
+/// A latency histogram with [`LATENCY_BUCKETS`].
+pub fn latency_histogram() -> Histogram {
+    Histogram::new(LATENCY_BUCKETS)
+}
+
+/// Labels of `tollgate_requests_total`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RequestLabels {
+    /// The route's path prefix (`"none"` when no route matched).
+    pub route: String,
+    /// The response status.
+    pub status: u16,
+    /// `allowed`, `rejected`, `shadow_rejected`, `store_error_allowed`,
+    /// `store_error_denied`, or `unlimited` (no limit applied) / `unauthenticated` / `no_route`.
+    pub decision: &'static str,
+}
+
+/// Labels of per-upstream metrics.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct UpstreamLabels {
+    /// The upstream's name.
+    pub upstream: String,
+}
+
+/// Labels of `tollgate_reloads_total`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReloadLabels {
+    /// `ok` or `failed`.
+    pub result: &'static str,
+}
+
+/// Every metric of one gateway.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    /// Requests by route, status and decision.
+    pub requests: Family<RequestLabels, Counter>,
+    /// Time from forwarding a request until the upstream's response headers, seconds.
+    pub upstream_latency: Family<UpstreamLabels, Histogram, fn() -> Histogram>,
+    /// Config reloads by result.
+    pub reloads: Family<ReloadLabels, Counter>,
+    /// Generation of the active config (1 at start, +1 per successful reload).
+    pub config_generation: Gauge,
+    /// Requests being served now.
+    pub in_flight: Gauge,
+    /// Open client connections on the proxy listener.
+    pub open_connections: Gauge,
+}
+
+impl Metrics {
+    /// A registry with every metric registered; store metrics are read from `snapshot`.
+    pub fn new(snapshot: Weak<ArcSwap<Snapshot>>) -> Arc<Self> {
+        let mut registry = Registry::with_prefix("tollgate");
+        let requests = Family::<RequestLabels, Counter>::default();
+        registry.register(
+            "requests",
+            "Requests by route, status and limiting decision",
+            requests.clone(),
+        );
+        let upstream_latency =
+            Family::<UpstreamLabels, Histogram, fn() -> Histogram>::new_with_constructor(
+                latency_histogram,
+            );
+        registry.register(
+            "upstream_latency_seconds",
+            "Time until the upstream's response headers",
+            upstream_latency.clone(),
+        );
+        let reloads = Family::<ReloadLabels, Counter>::default();
+        registry.register("reloads", "Config reloads by result", reloads.clone());
+        let config_generation = Gauge::default();
+        registry.register(
+            "config_generation",
+            "Generation of the active config",
+            config_generation.clone(),
+        );
+        let in_flight = Gauge::default();
+        registry.register(
+            "in_flight_requests",
+            "Requests being served",
+            in_flight.clone(),
+        );
+        let open_connections = Gauge::default();
+        registry.register(
+            "open_connections",
+            "Open client connections",
+            open_connections.clone(),
+        );
+        registry.register_collector(Box::new(StoreCollector { snapshot }));
+        Arc::new(Self {
+            registry,
+            requests,
+            upstream_latency,
+            reloads,
+            config_generation,
+            in_flight,
+            open_connections,
+        })
+    }
+
+    /// The Prometheus text exposition of every metric.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        if prometheus_client::encoding::text::encode(&mut out, &self.registry).is_err() {
+            out.clear();
+        }
+        out
+    }
+}
+
+/// Reads the store's counters at scrape time.
+#[derive(Debug)]
+struct StoreCollector {
+    snapshot: Weak<ArcSwap<Snapshot>>,
+}
+
+type Labels = Vec<(&'static str, String)>;
+
+fn counter_family(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    rows: &[(Labels, u64)],
+) -> std::fmt::Result {
+    let mut me = enc.encode_descriptor(name, help, None, MetricType::Counter)?;
+    for (labels, v) in rows {
+        if labels.is_empty() {
+            // No `{}` after the name.
+            ConstCounter::new(*v).encode(me)?;
+            return Ok(());
+        }
+        ConstCounter::new(*v).encode(me.encode_family(labels)?)?;
+    }
+    Ok(())
+}
+
+fn gauge_family(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    rows: &[(Labels, i64)],
+) -> std::fmt::Result {
+    let mut me = enc.encode_descriptor(name, help, None, MetricType::Gauge)?;
+    for (labels, v) in rows {
+        ConstGauge::new(*v).encode(me.encode_family(labels)?)?;
+    }
+    Ok(())
+}
+
+impl prometheus_client::collector::Collector for StoreCollector {
+    fn encode(&self, mut enc: DescriptorEncoder) -> std::fmt::Result {
+        let Some(holder) = self.snapshot.upgrade() else {
+            return Ok(());
+        };
+        let snap = holder.load_full();
+        counter_family(
+            &mut enc,
+            "local_cache_hits",
+            "Requests answered 429 from the over-limit cache without a store call",
+            &[(vec![], snap.limiter.cache().hits())],
+        )?;
+        let AnyStore::Redis(redis) = &**snap.limiter.store() else {
+            return Ok(());
+        };
+        let report = redis.report();
+        let node_labels = |s: usize, n: &crate::limiter::store::redis::NodeReport| {
+            vec![
+                ("shard", s.to_string()),
+                ("role", n.role.to_string()),
+                ("node", n.addr.clone()),
+            ]
+        };
+        let mut calls = Vec::new();
+        let mut errors = Vec::new();
+        let mut timeouts = Vec::new();
+        let mut fast_fails = Vec::new();
+        let mut changes = Vec::new();
+        let mut state = Vec::new();
+        let mut up = Vec::new();
+        let mut fallbacks = Vec::new();
+        for shard in &report {
+            fallbacks.push((
+                vec![("shard", shard.index.to_string())],
+                shard.replica_fallbacks,
+            ));
+            for n in &shard.nodes {
+                let l = node_labels(shard.index, n);
+                calls.push((l.clone(), n.counts.calls));
+                errors.push((l.clone(), n.counts.errors));
+                timeouts.push((l.clone(), n.counts.timeouts));
+                fast_fails.push((l.clone(), n.counts.rejected_by_breaker));
+                changes.push((l.clone(), n.counts.breaker_changes));
+                let s = match n.breaker {
+                    crate::limiter::store::redis::BreakerState::Closed => 0,
+                    crate::limiter::store::redis::BreakerState::HalfOpen => 1,
+                    crate::limiter::store::redis::BreakerState::Open => 2,
+                };
+                state.push((l.clone(), s));
+                up.push((l, i64::from(n.connected)));
+            }
+        }
+        counter_family(
+            &mut enc,
+            "store_calls",
+            "Store calls per Redis node",
+            &calls,
+        )?;
+        counter_family(
+            &mut enc,
+            "store_errors",
+            "Store calls that failed with an error",
+            &errors,
+        )?;
+        counter_family(
+            &mut enc,
+            "store_timeouts",
+            "Store calls that exceeded store.timeout",
+            &timeouts,
+        )?;
+        counter_family(
+            &mut enc,
+            "store_breaker_rejections",
+            "Store calls refused by an open breaker",
+            &fast_fails,
+        )?;
+        counter_family(
+            &mut enc,
+            "store_breaker_changes",
+            "Circuit breaker state changes",
+            &changes,
+        )?;
+        counter_family(
+            &mut enc,
+            "store_replica_fallbacks",
+            "Checks meant for a replica answered by the primary",
+            &fallbacks,
+        )?;
+        gauge_family(
+            &mut enc,
+            "store_breaker_state",
+            "Circuit breaker: 0 closed, 1 half-open, 2 open",
+            &state,
+        )?;
+        gauge_family(
+            &mut enc,
+            "store_connected",
+            "1 when the node has a live connection",
+            &up,
+        )?;
+        let mut me = enc.encode_descriptor(
+            "store_latency_seconds",
+            "Store call latency per Redis node",
+            None,
+            MetricType::Histogram,
+        )?;
+        for shard in &report {
+            for n in &shard.nodes {
+                n.latency
+                    .encode(me.encode_family(&node_labels(shard.index, n))?)?;
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,167 @@
+//! The request id, the access log line and the request metrics of one request.
+//!
+//! One line per request on the `tollgate::access` target: method, route, status, caller
+//! id (or `anonymous`; never a raw key or, for anonymous callers, their IP), decision,
+//! limit, remaining, upstream ms, total ms and request id.
+
+use super::Body;
+use crate::limiter::Usage;
+use crate::metrics::{Metrics, RequestLabels, UpstreamLabels};
+use http::{HeaderValue, Method, Request, Response};
+use prometheus_client::metrics::gauge::Gauge;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// The header that carries the request id, in both directions.
+pub const REQUEST_ID: &str = "x-request-id";
+
+/// The limiting decision of a request, as logged and counted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Decision {
+    /// Every limit admitted it (or none applied).
+    Allowed,
+    /// A limit rejected it (429).
+    Rejected,
+    /// A limit would have rejected it but only reports (reserved for shadow mode).
+    ShadowRejected,
+    /// The store failed and `on_error = "allow"` let it through unlimited.
+    StoreErrorAllowed,
+    /// The store failed and `on_error = "deny"` answered 503.
+    StoreErrorDenied,
+    /// An unknown API key (401).
+    Unauthenticated,
+    /// No route matched (404).
+    NoRoute,
+}
+
+impl Decision {
+    /// The label value.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Decision::Allowed => "allowed",
+            Decision::Rejected => "rejected",
+            Decision::ShadowRejected => "shadow_rejected",
+            Decision::StoreErrorAllowed => "store_error_allowed",
+            Decision::StoreErrorDenied => "store_error_denied",
+            Decision::Unauthenticated => "unauthenticated",
+            Decision::NoRoute => "no_route",
+        }
+    }
+}
+
+/// What is known about a request as it passes; logged and counted at the end.
+#[derive(Debug)]
+pub struct AccessLog {
+    started: Instant,
+    method: Method,
+    request_id: HeaderValue,
+    /// The matched route's path prefix.
+    pub route: Option<String>,
+    /// The client id; `None` for anonymous callers.
+    pub caller: Option<Arc<str>>,
+    /// The decision.
+    pub decision: Decision,
+    /// The usage reported in the headers.
+    pub usage: Option<Usage>,
+    upstream_ms: Option<f64>,
+}
+
+impl AccessLog {
+    /// Start timing `req`; give it a request id (kept from the client when it sent a
+    /// sane one, else a new UUID) that is forwarded upstream.
+    pub fn start<B>(req: &mut Request<B>) -> Self {
+        let request_id = req
+            .headers()
+            .get(REQUEST_ID)
+            .filter(|v| {
+                !v.is_empty() && v.len() <= 200 && v.as_bytes().iter().all(|b| b.is_ascii_graphic())
+            })
+            .cloned()
+            .unwrap_or_else(|| {
+                HeaderValue::from_str(&uuid::Uuid::new_v4().to_string())
+                    .unwrap_or(HeaderValue::from_static("-"))
+            });
+        req.headers_mut().insert(REQUEST_ID, request_id.clone());
+        Self {
+            started: Instant::now(),
+            method: req.method().clone(),
+            request_id,
+            route: None,
+            caller: None,
+            decision: Decision::Allowed,
+            usage: None,
+            upstream_ms: None,
+        }
+    }
+
+    /// Run the upstream call `fut`, timing it into the upstream latency histogram.
+    pub async fn time_upstream<T>(
+        &mut self,
+        upstream: &str,
+        metrics: &Metrics,
+        fut: impl Future<Output = T>,
+    ) -> T {
+        let started = Instant::now();
+        let out = fut.await;
+        let elapsed = started.elapsed();
+        metrics
+            .upstream_latency
+            .get_or_create(&UpstreamLabels {
+                upstream: upstream.to_string(),
+            })
+            .observe(elapsed.as_secs_f64());
+        self.upstream_ms = Some(elapsed.as_secs_f64() * 1000.0);
+        out
+    }
+
+    /// Put the request id on the response, count the request, write the log line.
+    pub fn finish(self, response: &mut Response<Body>, metrics: &Metrics) {
+        response
+            .headers_mut()
+            .insert(REQUEST_ID, self.request_id.clone());
+        let status = response.status().as_u16();
+        let route = self.route.as_deref().unwrap_or("none");
+        metrics
+            .requests
+            .get_or_create(&RequestLabels {
+                route: route.to_string(),
+                status,
+                decision: self.decision.as_str(),
+            })
+            .inc();
+        let total_ms = self.started.elapsed().as_secs_f64() * 1000.0;
+        tracing::info!(
+            target: "tollgate::access",
+            method = %self.method,
+            route,
+            status,
+            caller = self.caller.as_deref().unwrap_or("anonymous"),
+            decision = self.decision.as_str(),
+            limit = self.usage.as_ref().map(|u| &*u.resource).unwrap_or("-"),
+            remaining = self.usage.as_ref().map(|u| u.remaining() as i64).unwrap_or(-1),
+            upstream_ms = self.upstream_ms.map(|m| (m * 1000.0).round() / 1000.0).unwrap_or(-1.0),
+            total_ms = (total_ms * 1000.0).round() / 1000.0,
+            request_id = self.request_id.to_str().unwrap_or("-"),
+            "request"
+        );
+    }
+}
+
+/// Counts a request in `tollgate_in_flight_requests` while it lives.
+#[derive(Debug)]
+pub struct InFlight<'a>(&'a Gauge);
+
+impl<'a> InFlight<'a> {
+    /// Increment the gauge now; decrement when dropped.
+    pub fn new(gauge: &'a Gauge) -> Self {
+        gauge.inc();
+        Self(gauge)
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}

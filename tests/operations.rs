@@ -1,0 +1,671 @@
+//! Operating tollgate: hot reload (in-process and through the binary), file watching,
+//! the admin endpoints, metrics, access logs, request ids, sd_notify, graceful shutdown.
+
+mod support;
+
+use std::io::{BufRead, BufReader};
+use std::os::unix::net::UnixDatagram;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use support::{get, get_with, sha256_hex, RedisServer, TestGateway, Upstream};
+
+const KEY: &str = "ops-key";
+
+fn config(upstream: &Upstream, quota: u64, extra_server: &str, store: &str) -> String {
+    format!(
+        r#"
+[server]
+listen = "127.0.0.1:0"
+admin_listen = "127.0.0.1:0"
+shutdown_grace = "5s"
+{extra_server}
+
+{store}
+
+[[identity.clients]]
+id = "acme"
+key_sha256 = "{key}"
+
+[[upstreams]]
+name = "api"
+targets = ["{up}"]
+response_timeout = "10s"
+
+[[limits]]
+name = "core"
+window = "1h"
+quota = {{ anonymous = {quota}, default = 100000 }}
+
+[[routes]]
+path_prefix = "/"
+upstream = "api"
+limits = ["core"]
+"#,
+        key = sha256_hex(KEY),
+        up = upstream.url()
+    )
+}
+
+fn admin(gw: &TestGateway, path: &str) -> String {
+    format!(
+        "http://{}{}",
+        gw.gateway.admin_addr().expect("admin listener"),
+        path
+    )
+}
+
+async fn wait_for_limit(url: &str, limit: &str, within: Duration) {
+    let deadline = Instant::now() + within;
+    loop {
+        let r = get(url).await;
+        if r.header("x-ratelimit-limit") == limit {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "X-RateLimit-Limit never became {limit} (is {})",
+            r.header("x-ratelimit-limit")
+        );
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_in_flight_finish_on_the_snapshot_they_started_with() {
+    let upstream = Upstream::start().await;
+    let gw = TestGateway::start(&config(&upstream, 10, "", "")).await;
+    let url = gw.url("/slow/700");
+    let in_flight = tokio::spawn(async move { get(&url).await });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    gw.reload(&config(&upstream, 20, "", "")).unwrap();
+    assert_eq!(
+        get(&gw.url("/")).await.header("x-ratelimit-limit"),
+        "20",
+        "new requests see the new config"
+    );
+    let r = in_flight.await.unwrap();
+    assert_eq!(r.status, 200);
+    assert_eq!(
+        r.header("x-ratelimit-limit"),
+        "10",
+        "the old request finished on its snapshot"
+    );
+    assert_eq!(gw.gateway.snapshot().generation, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_config_file_is_watched_through_rename_replace_and_symlink_swaps() {
+    let upstream = Upstream::start().await;
+    let gw = TestGateway::start(&config(&upstream, 10, "", "")).await;
+    let dir = gw.path.parent().unwrap().to_path_buf();
+    let _watcher = tollgate::reload::watch_file(gw.gateway.reloader(), gw.path.clone()).unwrap();
+
+    // An editor's save: write a new file, rename it over the old one.
+    let tmp = dir.join(".tollgate.toml.swp");
+    std::fs::write(&tmp, config(&upstream, 11, "", "")).unwrap();
+    std::fs::rename(&tmp, &gw.path).unwrap();
+    wait_for_limit(&gw.url("/"), "11", Duration::from_secs(5)).await;
+
+    // An invalid save is rejected and counted; the running config stays.
+    std::fs::write(&tmp, "[server\n").unwrap();
+    std::fs::rename(&tmp, &gw.path).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !get(&admin(&gw, "/metrics"))
+        .await
+        .text()
+        .contains("tollgate_reloads_total{result=\"failed\"} 1")
+    {
+        assert!(Instant::now() < deadline, "failed reload not counted");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!(get(&gw.url("/")).await.header("x-ratelimit-limit"), "11");
+
+    // A Kubernetes ConfigMap mount: the file is a symlink through `..data`, which is
+    // swapped atomically to a new directory.
+    let k8s = dir.join("k8s");
+    std::fs::create_dir(&k8s).unwrap();
+    let v1 = k8s.join("..v1");
+    std::fs::create_dir(&v1).unwrap();
+    std::fs::write(v1.join("tollgate.toml"), config(&upstream, 12, "", "")).unwrap();
+    std::os::unix::fs::symlink("..v1", k8s.join("..data")).unwrap();
+    let cm_path = k8s.join("tollgate.toml");
+    std::os::unix::fs::symlink("..data/tollgate.toml", &cm_path).unwrap();
+    let file = tollgate::config::read(&cm_path).unwrap();
+    gw.gateway.reload(&file).unwrap();
+    let _cm_watcher = tollgate::reload::watch_file(gw.gateway.reloader(), cm_path.clone()).unwrap();
+    assert_eq!(get(&gw.url("/")).await.header("x-ratelimit-limit"), "12");
+
+    let v2 = k8s.join("..v2");
+    std::fs::create_dir(&v2).unwrap();
+    std::fs::write(v2.join("tollgate.toml"), config(&upstream, 13, "", "")).unwrap();
+    std::os::unix::fs::symlink("..v2", k8s.join("..data_tmp")).unwrap();
+    std::fs::rename(k8s.join("..data_tmp"), k8s.join("..data")).unwrap();
+    wait_for_limit(&gw.url("/"), "13", Duration::from_secs(5)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_follows_the_shards_primaries() {
+    let mut redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    let store = format!(
+        "[store]\nbackend = \"redis\"\ntimeout = \"100ms\"\non_error = \"allow\"\nbreaker_failures = 2\nbreaker_cooloff = \"200ms\"\n[[store.shards]]\nprimary = \"{}\"\n",
+        redis.url()
+    );
+    let gw = TestGateway::start(&config(&upstream, 10, "", &store)).await;
+    assert_eq!(get(&admin(&gw, "/healthz")).await.status, 200);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let r = get(&admin(&gw, "/readyz")).await;
+        if r.status == 200 {
+            let body = r.json();
+            assert_eq!(body["ready"], true);
+            assert_eq!(body["shards"][0]["nodes"][0]["role"], "primary");
+            assert_eq!(body["shards"][0]["nodes"][0]["connected"], true);
+            break;
+        }
+        assert!(Instant::now() < deadline, "never ready: {}", r.text());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    redis.kill();
+    // Traffic (or the lost connection) shows the primary is gone.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        get(&gw.url("/")).await;
+        let r = get(&admin(&gw, "/readyz")).await;
+        if r.status == 503 {
+            assert_eq!(r.json()["ready"], false);
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "readyz stayed 200 with the primary dead"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        get(&admin(&gw, "/healthz")).await.status,
+        200,
+        "alive though not ready"
+    );
+
+    redis.restart();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        get(&gw.url("/")).await;
+        if get(&admin(&gw, "/readyz")).await.status == 200 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "readyz did not come back");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Parse Prometheus text: every sample line is `name{labels} value`.
+fn samples(text: &str) -> Vec<(String, f64)> {
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .map(|l| {
+            let (name, value) = l
+                .rsplit_once(' ')
+                .unwrap_or_else(|| panic!("not a sample: {l}"));
+            assert!(name.starts_with("tollgate_"), "unprefixed metric: {l}");
+            if let Some(open) = name.find('{') {
+                assert!(name.ends_with('}'), "bad labels: {l}");
+                for pair in name[open + 1..name.len() - 1]
+                    .split("\",")
+                    .filter(|p| !p.is_empty())
+                {
+                    let (k, v) = pair
+                        .split_once("=\"")
+                        .unwrap_or_else(|| panic!("bad label {pair} in {l}"));
+                    assert!(
+                        k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'),
+                        "{l}"
+                    );
+                    assert!(!v.contains('\n'));
+                }
+            }
+            (
+                name.to_string(),
+                value
+                    .parse::<f64>()
+                    .unwrap_or_else(|_| panic!("bad value in {l}")),
+            )
+        })
+        .collect()
+}
+
+fn sample(text: &str, name: &str) -> f64 {
+    samples(text)
+        .into_iter()
+        .find(|(n, _)| n == name)
+        .map(|(_, v)| v)
+        .unwrap_or(0.0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_parse_as_prometheus_text_and_move_with_traffic() {
+    let redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    let store = format!(
+        "[store]\nbackend = \"redis\"\ntimeout = \"500ms\"\n[[store.shards]]\nprimary = \"{}\"\n",
+        redis.url()
+    );
+    let gw = TestGateway::start(&config(&upstream, 3, "", &store)).await;
+    let before = get(&admin(&gw, "/metrics")).await;
+    assert_eq!(before.status, 200);
+    assert!(before.header("content-type").starts_with("text/plain"));
+    samples(&before.text());
+
+    for _ in 0..5 {
+        get(&gw.url("/")).await;
+    }
+    get_with(&gw.url("/"), &[("authorization", "Bearer wrong")]).await;
+    let text = get(&admin(&gw, "/metrics")).await.text();
+    let all = samples(&text);
+    assert_eq!(
+        sample(
+            &text,
+            "tollgate_requests_total{route=\"/\",status=\"200\",decision=\"allowed\"}"
+        ),
+        3.0
+    );
+    assert_eq!(
+        sample(
+            &text,
+            "tollgate_requests_total{route=\"/\",status=\"429\",decision=\"rejected\"}"
+        ),
+        2.0
+    );
+    assert_eq!(
+        sample(
+            &text,
+            "tollgate_requests_total{route=\"none\",status=\"401\",decision=\"unauthenticated\"}"
+        ),
+        1.0
+    );
+    assert_eq!(
+        sample(
+            &text,
+            "tollgate_upstream_latency_seconds_count{upstream=\"api\"}"
+        ),
+        3.0
+    );
+    assert_eq!(
+        sample(&text, "tollgate_local_cache_hits_total"),
+        1.0,
+        "the second 429 came from the cache"
+    );
+    assert_eq!(sample(&text, "tollgate_config_generation"), 1.0);
+    let node = format!(
+        "shard=\"0\",role=\"primary\",node=\"127.0.0.1:{}\"",
+        redis.port
+    );
+    // 3 checks + 3 charges + the first rejection's check.
+    assert_eq!(
+        sample(&text, &format!("tollgate_store_calls_total{{{node}}}")),
+        7.0
+    );
+    assert_eq!(
+        sample(
+            &text,
+            &format!("tollgate_store_latency_seconds_count{{{node}}}")
+        ),
+        7.0
+    );
+    assert_eq!(
+        sample(&text, &format!("tollgate_store_breaker_state{{{node}}}")),
+        0.0
+    );
+    assert!(all.iter().any(
+        |(n, _)| n.starts_with("tollgate_store_latency_seconds_bucket")
+            && n.contains("le=\"0.0001\"")
+    ));
+    assert!(all
+        .iter()
+        .any(|(n, _)| n.starts_with("tollgate_in_flight_requests")));
+    assert!(all
+        .iter()
+        .any(|(n, _)| n.starts_with("tollgate_open_connections")));
+
+    gw.reload(&config(&upstream, 4, "", &store)).unwrap();
+    let text = get(&admin(&gw, "/metrics")).await.text();
+    assert_eq!(sample(&text, "tollgate_reloads_total{result=\"ok\"}"), 1.0);
+    assert_eq!(sample(&text, "tollgate_config_generation"), 2.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn config_endpoint_redacts_secrets() {
+    let upstream = Upstream::start().await;
+    let store = "[store]\nhash_key = \"fleet-secret\"\n";
+    let gw = TestGateway::start(&config(&upstream, 3, "", store)).await;
+    let r = get(&admin(&gw, "/config")).await;
+    assert_eq!(r.status, 200);
+    let body = r.json();
+    assert_eq!(body["generation"], 1);
+    assert_eq!(body["content_hash"].as_str().unwrap().len(), 64);
+    assert_eq!(body["config"]["identity"]["clients"][0]["id"], "acme");
+    assert_eq!(
+        body["config"]["identity"]["clients"][0]["key_sha256"],
+        "<redacted>"
+    );
+    assert_eq!(body["config"]["store"]["hash_key"], "<redacted>");
+    assert!(!r.text().contains(&sha256_hex(KEY)) && !r.text().contains("fleet-secret"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_ids_are_generated_propagated_and_returned() {
+    let upstream = Upstream::start().await;
+    let gw = TestGateway::start(&config(&upstream, 10, "", "")).await;
+    let r = get(&gw.url("/echo")).await;
+    let id = r.header("x-request-id").to_string();
+    assert_eq!(id.len(), 36, "a UUID: {id}");
+    assert_eq!(
+        r.json()["headers"]["x-request-id"],
+        id.as_str(),
+        "sent upstream"
+    );
+    let r = get_with(&gw.url("/echo"), &[("x-request-id", "client-chosen-42")]).await;
+    assert_eq!(r.header("x-request-id"), "client-chosen-42");
+    assert_eq!(r.json()["headers"]["x-request-id"], "client-chosen-42");
+    let r = get_with(&gw.url("/nowhere"), &[("authorization", "Bearer nope")]).await;
+    assert_eq!(r.status, 401);
+    assert_eq!(
+        r.header("x-request-id").len(),
+        36,
+        "gateway answers carry one too"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn graceful_shutdown_under_load_loses_nothing() {
+    let upstream = Upstream::start().await;
+    let gw = TestGateway::start(&config(&upstream, 100000, "", "")).await;
+    let ok = Arc::new(AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    // 20 HTTP/1.1 requests and 20 HTTP/2 streams in flight when shutdown starts.
+    for i in 0..40 {
+        let url = gw.url("/slow/600");
+        let ok = ok.clone();
+        tasks.push(tokio::spawn(async move {
+            let builder =
+                hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new());
+            let client = if i % 2 == 0 {
+                builder.build_http::<http_body_util::Empty<bytes::Bytes>>()
+            } else {
+                hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+                    .http2_only(true)
+                    .build_http::<http_body_util::Empty<bytes::Bytes>>()
+            };
+            let resp = client
+                .get(url.parse().unwrap())
+                .await
+                .expect("request lost");
+            assert_eq!(resp.status(), 200);
+            let body = http_body_util::BodyExt::collect(resp.into_body())
+                .await
+                .expect("body lost")
+                .to_bytes();
+            assert_eq!(&body[..], b"slow ok");
+            ok.fetch_add(1, Ordering::SeqCst);
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    let started = Instant::now();
+    gw.gateway.shutdown();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    assert_eq!(ok.load(Ordering::SeqCst), 40);
+    tokio::time::timeout(Duration::from_secs(5), gw.gateway.wait())
+        .await
+        .expect("stopped after draining");
+    assert!(started.elapsed() < Duration::from_secs(3));
+}
+
+// ----- the binary: SIGHUP under load, sd_notify, access log, healthcheck -----
+
+struct Proc {
+    child: Child,
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn write(path: &Path, text: &str) {
+    // Write then rename, so that a reload never reads half a file.
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, text).unwrap();
+    std::fs::rename(&tmp, path).unwrap();
+}
+
+fn binary_config(upstream: &Upstream, port: u16, admin: u16, quota: u64) -> String {
+    config(
+        upstream,
+        100,
+        "watch_config = false\n[log]\nformat = \"json\"",
+        "",
+    )
+    .replace(
+        "listen = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"",
+        &format!("listen = \"127.0.0.1:{port}\"\nadmin_listen = \"127.0.0.1:{admin}\""),
+    )
+    .replace("default = 100000", &format!("default = {quota}"))
+}
+
+/// Run the binary; its logs (stderr) go to `config` with the extension `log`.
+fn spawn_binary(config: &Path, port: u16, env: &[(&str, String)]) -> Proc {
+    let log = std::fs::File::create(config.with_extension("log")).unwrap();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tollgate"));
+    cmd.arg("--config")
+        .arg(config)
+        .env_remove("RUST_LOG")
+        .stdout(Stdio::null())
+        .stderr(log);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let child = cmd.spawn().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < deadline, "gateway did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Proc { child }
+}
+
+fn kill(p: &Proc, sig: &str) {
+    assert!(Command::new("kill")
+        .args([sig, &p.child.id().to_string()])
+        .status()
+        .unwrap()
+        .success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn twenty_sighup_reloads_under_load_fail_no_request() {
+    let upstream = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tollgate.toml");
+    let (port, admin_port) = (support::redis::free_port(), support::redis::free_port());
+    write(&path, &binary_config(&upstream, port, admin_port, 1000));
+    let gw = spawn_binary(&path, port, &[]);
+    let url = format!("http://127.0.0.1:{port}/");
+    let auth = format!("Bearer {KEY}");
+
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let loader = {
+        let (url, auth, stop) = (url.clone(), auth.clone(), stop.clone());
+        tokio::spawn(async move {
+            let (mut ok, mut failed) = (0usize, Vec::new());
+            while !stop.load(Ordering::SeqCst) {
+                let r = get_with(&url, &[("authorization", &auth)]).await;
+                if r.status == 200 {
+                    ok += 1;
+                } else {
+                    failed.push(r.status);
+                }
+            }
+            (ok, failed)
+        })
+    };
+
+    let mut current = 1000;
+    for i in 0..20u64 {
+        if i % 4 == 3 {
+            write(&path, "[server]\nlisten = \"not an address\"\n");
+            kill(&gw, "-HUP");
+            tokio::time::sleep(Duration::from_millis(150)).await;
+            let r = get_with(&url, &[("authorization", &auth)]).await;
+            assert_eq!(
+                r.header("x-ratelimit-limit"),
+                current.to_string(),
+                "an invalid file leaves the previous config"
+            );
+        } else {
+            current = 2000 + i;
+            write(&path, &binary_config(&upstream, port, admin_port, current));
+            kill(&gw, "-HUP");
+            let deadline = Instant::now() + Duration::from_secs(5);
+            loop {
+                let r = get_with(&url, &[("authorization", &auth)]).await;
+                if r.header("x-ratelimit-limit") == current.to_string() {
+                    break;
+                }
+                assert!(Instant::now() < deadline, "reload {i} not visible");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    }
+    stop.store(true, Ordering::SeqCst);
+    let (ok, failed) = loader.await.unwrap();
+    assert!(
+        failed.is_empty(),
+        "failed requests during reloads: {failed:?}"
+    );
+    assert!(ok > 50, "only {ok} requests went through");
+    let metrics = get(&format!("http://127.0.0.1:{admin_port}/metrics"))
+        .await
+        .text();
+    assert_eq!(
+        sample(&metrics, "tollgate_reloads_total{result=\"ok\"}"),
+        15.0
+    );
+    assert_eq!(
+        sample(&metrics, "tollgate_reloads_total{result=\"failed\"}"),
+        5.0
+    );
+    assert_eq!(sample(&metrics, "tollgate_config_generation"), 16.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn systemd_notifications_access_log_and_healthcheck() {
+    let upstream = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tollgate.toml");
+    let (port, admin_port) = (support::redis::free_port(), support::redis::free_port());
+    write(&path, &binary_config(&upstream, port, admin_port, 1000));
+    let socket_path = dir.path().join("notify.sock");
+    let socket = UnixDatagram::bind(&socket_path).unwrap();
+    socket
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    let mut gw = spawn_binary(
+        &path,
+        port,
+        &[
+            ("NOTIFY_SOCKET", socket_path.display().to_string()),
+            ("WATCHDOG_USEC", "200000".into()),
+        ],
+    );
+    let recv = || {
+        let mut buf = [0u8; 512];
+        let n = socket.recv(&mut buf).expect("a notification");
+        String::from_utf8_lossy(&buf[..n]).into_owned()
+    };
+    let recv_until = |want: &str| {
+        let mut seen = Vec::new();
+        loop {
+            let msg = recv();
+            if msg.contains(want) {
+                return (msg, seen);
+            }
+            seen.push(msg);
+            assert!(seen.len() < 50, "never got {want}: {seen:?}");
+        }
+    };
+    assert_eq!(recv_until("READY=1").0.trim(), "READY=1");
+    assert_eq!(recv_until("WATCHDOG=1").0.trim(), "WATCHDOG=1");
+
+    // A request: access log line, request id.
+    let r = get_with(
+        &format!("http://127.0.0.1:{port}/echo"),
+        &[("authorization", &format!("Bearer {KEY}"))],
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    let request_id = r.header("x-request-id").to_string();
+
+    // Reload: RELOADING=1 with MONOTONIC_USEC, then READY=1.
+    kill(&gw, "-HUP");
+    let (reloading, _) = recv_until("RELOADING=1");
+    assert!(reloading.contains("MONOTONIC_USEC="), "{reloading}");
+    recv_until("READY=1");
+
+    // Healthcheck subcommand.
+    let ok = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args(["healthcheck", "--config"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(
+        ok.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
+    let dead = format!("http://127.0.0.1:{}/healthz", support::redis::free_port());
+    let bad = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args(["healthcheck", "--url", &dead])
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(1));
+
+    kill(&gw, "-TERM");
+    recv_until("STOPPING=1");
+    let status = gw.child.wait().unwrap();
+    assert_eq!(status.code(), Some(0));
+    let mut access = Vec::new();
+    let mut all = String::new();
+    for line in BufReader::new(std::fs::File::open(path.with_extension("log")).unwrap()).lines() {
+        let line = line.unwrap();
+        all.push_str(&line);
+        let v: serde_json::Value =
+            serde_json::from_str(&line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
+        if v["target"] == "tollgate::access" {
+            access.push(v);
+        }
+    }
+    assert_eq!(access.len(), 1, "one access line per request: {access:?}");
+    let a = &access[0];
+    assert_eq!(a["method"], "GET");
+    assert_eq!(a["route"], "/");
+    assert_eq!(a["status"], 200);
+    assert_eq!(a["caller"], "acme");
+    assert_eq!(a["decision"], "allowed");
+    assert_eq!(a["limit"], "core");
+    assert_eq!(a["remaining"], 999);
+    assert!(
+        a["upstream_ms"].as_f64().unwrap() >= 0.0
+            && a["total_ms"].as_f64().unwrap() >= a["upstream_ms"].as_f64().unwrap()
+    );
+    assert_eq!(a["request_id"], request_id.as_str());
+    assert!(!all.contains(KEY), "the raw key was logged");
+}

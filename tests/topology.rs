@@ -492,3 +492,34 @@ async fn redis_cluster_end_to_end() {
         .iter()
         .all(|k| k.starts_with("tollgate:core:{") && k.ends_with('}')));
 }
+
+/// A replica that refuses reads while cut off (`replica-serve-stale-data no` answers
+/// MASTERDOWN) is skipped: the primary answers, exactly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_answering_masterdown_is_skipped() {
+    let shard = ReplicatedShard::start(1);
+    let upstream = Upstream::start().await;
+    let store = store_header("deny", "300ms", "") + &shard_with_replicas(&shard);
+    let gw = TestGateway::start(&config(&store, &upstream)).await;
+    wait_connected(&gw).await;
+    let replica = &shard.replicas[0];
+    replica.cmd::<()>(&["CONFIG", "SET", "replica-serve-stale-data", "no"]);
+    let dead = support::redis::free_port().to_string();
+    replica.cmd::<()>(&["REPLICAOF", "127.0.0.1", &dead]);
+    let mut c = replica.conn().unwrap();
+    let err = redis::cmd("GET")
+        .arg("x")
+        .query::<Option<String>>(&mut c)
+        .unwrap_err();
+    assert_eq!(err.code(), Some("MASTERDOWN"), "{err}");
+
+    for remaining in [2, 1, 0] {
+        let r = get(&gw.url("/")).await;
+        assert_eq!(
+            (r.status.as_u16(), r.num("x-ratelimit-remaining")),
+            (200, remaining)
+        );
+    }
+    assert_eq!(get(&gw.url("/")).await.status, 429);
+    assert!(report(&gw)[0].replica_fallbacks >= 3);
+}

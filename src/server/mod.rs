@@ -199,6 +199,15 @@ impl Gateway {
 pub struct Reloader(Arc<Shared>);
 
 impl Reloader {
+    /// Count a reload in `tollgate_reloads_total{result}`.
+    fn count(&self, result: &'static str) {
+        self.0
+            .metrics
+            .reloads
+            .get_or_create(&ReloadLabels { result })
+            .inc();
+    }
+
     /// Build a new snapshot from `file` and swap it in; requests in flight finish on the
     /// one they started with. An invalid file changes nothing (and is counted as a failed
     /// reload). The store (and its Redis connections) and the over-limit cache are kept
@@ -211,11 +220,7 @@ impl Reloader {
         let mut snap = match Snapshot::build(file, Some(&current)) {
             Ok(s) => s,
             Err(report) => {
-                self.0
-                    .metrics
-                    .reloads
-                    .get_or_create(&ReloadLabels { result: "failed" })
-                    .inc();
+                self.count("failed");
                 return Err(report);
             }
         };
@@ -239,11 +244,7 @@ impl Reloader {
         snap.generation = current.generation + 1;
         let generation = snap.generation;
         self.0.snapshot.store(Arc::new(snap));
-        self.0
-            .metrics
-            .reloads
-            .get_or_create(&ReloadLabels { result: "ok" })
-            .inc();
+        self.count("ok");
         self.0.metrics.config_generation.set(generation as i64);
         Ok(ReloadOutcome::Applied {
             generation,
@@ -263,11 +264,7 @@ impl Reloader {
         let result = match crate::config::read(path) {
             Err(report) => {
                 // Unreadable or unparsable: a failed reload like any other.
-                self.0
-                    .metrics
-                    .reloads
-                    .get_or_create(&ReloadLabels { result: "failed" })
-                    .inc();
+                self.count("failed");
                 Err(report)
             }
             Ok(file)

@@ -4,22 +4,27 @@ use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// The path of the program `name`: `$env_var` when set, else the first match on `PATH`
+/// (and the usual system directories); `None` when it is nowhere.
+pub fn find_bin(name: &str, env_var: &str) -> Option<String> {
+    if let Ok(p) = std::env::var(env_var) {
+        return Some(p);
+    }
+    let path = std::env::var("PATH").unwrap_or_default();
+    let found = path
+        .split(':')
+        .chain(["/usr/bin", "/usr/sbin", "/usr/local/bin"])
+        .map(|dir| std::path::Path::new(dir).join(name))
+        .find(|p| p.is_file())
+        .map(|p| p.display().to_string());
+    found
+}
+
 /// The path of `redis-server`, or a panic that says how to get it. Tests never skip.
 pub fn redis_server_bin() -> String {
-    if let Ok(p) = std::env::var("REDIS_SERVER") {
-        return p;
-    }
-    for dir in std::env::var("PATH").unwrap_or_default().split(':').chain([
-        "/usr/bin",
-        "/usr/sbin",
-        "/usr/local/bin",
-    ]) {
-        let p = std::path::Path::new(dir).join("redis-server");
-        if p.is_file() {
-            return p.display().to_string();
-        }
-    }
-    panic!("redis-server not found on PATH: these tests need a real Redis. Install it (Debian: apt-get install redis-server) or set REDIS_SERVER=/path/to/redis-server");
+    find_bin("redis-server", "REDIS_SERVER").unwrap_or_else(|| {
+        panic!("redis-server not found on PATH: these tests need a real Redis. Install it (Debian: apt-get install redis-server) or set REDIS_SERVER=/path/to/redis-server")
+    })
 }
 
 pub fn free_port() -> u16 {

@@ -3,7 +3,7 @@
 //! stopped by PID when its owner is dropped; every wait is bounded and panics with a
 //! message that says what did not happen.
 
-use super::redis::{free_port, redis_server_bin, RedisServer};
+use super::redis::{find_bin, free_port, redis_server_bin, RedisServer};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -15,20 +15,9 @@ const POLL: Duration = Duration::from_millis(25);
 
 /// The path of `redis-cli`, or a panic that says how to get it. Tests never skip.
 pub fn redis_cli_bin() -> String {
-    if let Ok(p) = std::env::var("REDIS_CLI") {
-        return p;
-    }
-    for dir in std::env::var("PATH").unwrap_or_default().split(':').chain([
-        "/usr/bin",
-        "/usr/sbin",
-        "/usr/local/bin",
-    ]) {
-        let p = Path::new(dir).join("redis-cli");
-        if p.is_file() {
-            return p.display().to_string();
-        }
-    }
-    panic!("redis-cli not found on PATH: these tests need it to create a Redis Cluster. Install it (Debian: apt-get install redis-tools or redis-server) or set REDIS_CLI=/path/to/redis-cli");
+    find_bin("redis-cli", "REDIS_CLI").unwrap_or_else(|| {
+        panic!("redis-cli not found on PATH: these tests need it to create a Redis Cluster. Install it (Debian: apt-get install redis-tools or redis-server) or set REDIS_CLI=/path/to/redis-cli")
+    })
 }
 
 /// A synchronous connection to any port on 127.0.0.1, with short timeouts.

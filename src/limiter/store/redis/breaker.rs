@@ -5,7 +5,9 @@
 //! half-open: one probe call goes through; its success closes the breaker, its failure
 //! opens it again. Every state change is logged once and counted.
 
-use super::stats::NodeStats;
+use super::stats::{bump, NodeStats};
+use crate::limiter::store::StoreError;
+use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -76,6 +78,39 @@ impl Breaker {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Run `attempt` through this breaker: refused at once (`BreakerOpen`) while open;
+    /// bounded by `timeout`; its outcome counted in `stats` and recorded in the breaker.
+    pub(super) async fn guard<T>(
+        &self,
+        stats: &NodeStats,
+        timeout: Duration,
+        attempt: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        bump(&stats.calls);
+        if !self.allow() {
+            bump(&stats.rejected_by_breaker);
+            return Err(StoreError::BreakerOpen(self.label.clone()));
+        }
+        let started = Instant::now();
+        match tokio::time::timeout(timeout, attempt).await {
+            Ok(Ok(reply)) => {
+                stats.latency.observe(started.elapsed().as_secs_f64());
+                self.success();
+                Ok(reply)
+            }
+            Ok(Err(e)) => {
+                bump(&stats.errors);
+                self.failure();
+                Err(e)
+            }
+            Err(_) => {
+                bump(&stats.timeouts);
+                self.failure();
+                Err(StoreError::Timeout(timeout.as_millis() as u64))
+            }
+        }
     }
 
     /// The current state.

@@ -95,11 +95,6 @@ impl ClusterNode {
         key: &str,
         args: &[u64],
     ) -> Result<Vec<i64>, StoreError> {
-        bump(&self.stats.calls);
-        if !self.breaker.allow() {
-            bump(&self.stats.rejected_by_breaker);
-            return Err(StoreError::BreakerOpen(self.label.clone()));
-        }
         let attempt = async {
             let mut conn = {
                 let mut rx = self.conn.subscribe();
@@ -110,32 +105,8 @@ impl ClusterNode {
                 c.clone()
                     .ok_or_else(|| StoreError::NotConnected(self.label.clone()))?
             };
-            let mut invocation = script.key(key);
-            for a in args {
-                invocation.arg(*a);
-            }
-            invocation
-                .invoke_async::<Vec<i64>>(&mut conn)
-                .await
-                .map_err(StoreError::from)
+            super::invoke(script, key, args, &mut conn).await
         };
-        let started = std::time::Instant::now();
-        match tokio::time::timeout(self.timeout, attempt).await {
-            Ok(Ok(v)) => {
-                self.stats.latency.observe(started.elapsed().as_secs_f64());
-                self.breaker.success();
-                Ok(v)
-            }
-            Ok(Err(e)) => {
-                bump(&self.stats.errors);
-                self.breaker.failure();
-                Err(e)
-            }
-            Err(_) => {
-                bump(&self.stats.timeouts);
-                self.breaker.failure();
-                Err(StoreError::Timeout(self.timeout.as_millis() as u64))
-            }
-        }
+        self.breaker.guard(&self.stats, self.timeout, attempt).await
     }
 }

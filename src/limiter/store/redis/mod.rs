@@ -63,6 +63,21 @@ impl Scripts {
     }
 }
 
+/// Run `script` with one key and integer arguments on `conn` (EVALSHA; on NOSCRIPT the
+/// script is loaded and the call retried).
+async fn invoke(
+    script: &Script,
+    key: &str,
+    args: &[u64],
+    conn: &mut impl redis::aio::ConnectionLike,
+) -> Result<Vec<i64>, StoreError> {
+    let mut invocation = script.key(key);
+    for a in args {
+        invocation.arg(*a);
+    }
+    Ok(invocation.invoke_async::<Vec<i64>>(conn).await?)
+}
+
 /// One primary/replica group.
 #[derive(Debug)]
 pub(crate) struct Shard {

@@ -119,51 +119,25 @@ impl Node {
         args: &[u64],
         when: WhenDisconnected,
     ) -> Result<Vec<i64>, StoreError> {
-        bump(&self.stats.calls);
-        if !self.breaker.allow() {
-            bump(&self.stats.rejected_by_breaker);
-            return Err(StoreError::BreakerOpen(self.label.clone()));
-        }
-        let timeout = self.settings.timeout;
         let attempt = async {
             let mut conn = match self.connection(when).await {
                 Some(c) => c,
                 None => return Err(StoreError::NotConnected(self.label.clone())),
             };
-            let mut invocation = script.key(key);
-            for a in args {
-                invocation.arg(*a);
-            }
-            invocation
-                .invoke_async::<Vec<i64>>(&mut conn)
-                .await
-                .map_err(StoreError::from)
+            super::invoke(script, key, args, &mut conn).await
         };
-        let started = std::time::Instant::now();
-        match tokio::time::timeout(timeout, attempt).await {
-            Ok(Ok(reply)) => {
-                self.stats.latency.observe(started.elapsed().as_secs_f64());
-                self.breaker.success();
-                Ok(reply)
-            }
-            Ok(Err(e)) => {
-                bump(&self.stats.errors);
-                self.breaker.failure();
-                if let StoreError::Redis(re) = &e {
-                    if re.is_connection_dropped() || re.is_io_error() || re.is_unrecoverable_error()
-                    {
-                        self.conn.send_replace(None);
-                        self.wake.notify_one();
-                    }
-                }
-                Err(e)
-            }
-            Err(_) => {
-                bump(&self.stats.timeouts);
-                self.breaker.failure();
-                Err(StoreError::Timeout(timeout.as_millis() as u64))
+        let result = self
+            .breaker
+            .guard(&self.stats, self.settings.timeout, attempt)
+            .await;
+        if let Err(StoreError::Redis(e)) = &result {
+            if e.is_connection_dropped() || e.is_io_error() || e.is_unrecoverable_error() {
+                // Let the connection task reconnect (and reload the scripts).
+                self.conn.send_replace(None);
+                self.wake.notify_one();
             }
         }
+        result
     }
 
     async fn connection(&self, when: WhenDisconnected) -> Option<MultiplexedConnection> {

@@ -133,10 +133,18 @@ impl Snapshot {
             problems.warn("routes", "no [[routes]]: every request will get 404");
         }
 
-        // Keep the store (and its connections) and the over-limit cache when [store] is
-        // unchanged; drop cached rejections of limits whose definition changed.
-        let (store, cache) = match previous {
-            Some(prev) if prev.config.store == cfg.store => {
+        // Keep the store (and its connections, or the memory store's windows) and the
+        // over-limit cache when [store] is unchanged, or when both are memory stores;
+        // drop cached rejections of limits whose definition changed. The new [store] is
+        // validated either way.
+        let fresh = build_store(&cfg.store, &mut problems);
+        let keep = previous.filter(|prev| {
+            prev.config.store == cfg.store
+                || (prev.config.store.backend == Backend::Memory
+                    && cfg.store.backend == Backend::Memory)
+        });
+        let (store, cache) = match keep {
+            Some(prev) => {
                 let cache = prev.limiter.cache().clone();
                 for old in &prev.config.limits {
                     if !cfg.limits.contains(old) {
@@ -145,8 +153,8 @@ impl Snapshot {
                 }
                 (Some(prev.limiter.store().clone()), cache)
             }
-            _ => (
-                build_store(&cfg.store, &mut problems).map(Arc::new),
+            None => (
+                fresh.map(Arc::new),
                 Arc::new(OverLimitCache::new(cfg.store.local_cache_size)),
             ),
         };

@@ -669,3 +669,29 @@ async fn systemd_notifications_access_log_and_healthcheck() {
     assert_eq!(a["request_id"], request_id.as_str());
     assert!(!all.contains(KEY), "the raw key was logged");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn windows_survive_reloads_including_memory_store_changes() {
+    let upstream = Upstream::start().await;
+    let gw = TestGateway::start(&config(&upstream, 10, "", "")).await;
+    for used in 1..=2 {
+        assert_eq!(get(&gw.url("/")).await.num("x-ratelimit-used"), used);
+    }
+    // A limit change keeps the window.
+    gw.reload(&config(&upstream, 20, "", "")).unwrap();
+    assert_eq!(get(&gw.url("/")).await.num("x-ratelimit-used"), 3);
+    // So does a change to [store] that keeps the memory backend.
+    gw.reload(&config(
+        &upstream,
+        20,
+        "",
+        "[store]\ntimeout = \"75ms\"\nlocal_cache_size = 5\n",
+    ))
+    .unwrap();
+    let r = get(&gw.url("/")).await;
+    assert_eq!(
+        (r.num("x-ratelimit-limit"), r.num("x-ratelimit-used")),
+        (20, 4)
+    );
+    assert_eq!(gw.gateway.snapshot().generation, 3);
+}

@@ -35,7 +35,7 @@ pub struct RequestLabels {
     /// The response status.
     pub status: u16,
     /// `allowed`, `rejected`, `shadow_rejected`, `store_error_allowed`,
-    /// `store_error_denied`, or `unlimited` (no limit applied) / `unauthenticated` / `no_route`.
+    /// `store_error_denied`, `unauthenticated` (401) or `no_route` (404).
     pub decision: &'static str,
 }
 

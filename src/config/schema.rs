@@ -40,7 +40,8 @@ pub struct Config {
 pub struct ServerConfig {
     /// The proxy listener, `HOST:PORT`. Default `127.0.0.1:8080`.
     pub listen: String,
-    /// Optional admin listener (`GET /healthz`). Default: none.
+    /// Optional admin listener: `GET /healthz`, `/readyz`, `/metrics`, `/config`.
+    /// Default: none.
     pub admin_listen: Option<String>,
     /// How long in-flight requests may run after SIGTERM/SIGINT. Default 30 s.
     pub shutdown_grace: Dur,

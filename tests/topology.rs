@@ -226,7 +226,7 @@ async fn a_replica_cut_off_from_its_primary_never_makes_headers_disagree() {
 async fn a_dead_primary_affects_only_its_own_shard() {
     let mut primaries: Vec<RedisServer> = (0..3).map(|_| RedisServer::start()).collect();
     let upstream = Upstream::start().await;
-    let mut store = store_header("deny", "200ms", "breaker_failures = 3");
+    let mut store = store_header("deny", "500ms", "breaker_failures = 3");
     for p in &primaries {
         store.push_str(&plain_shard(p));
     }
@@ -244,7 +244,7 @@ async fn a_dead_primary_affects_only_its_own_shard() {
             "on_error = deny for the dead shard's callers"
         );
         assert!(
-            started.elapsed() < Duration::from_millis(700),
+            started.elapsed() < Duration::from_millis(1500),
             "took {:?}",
             started.elapsed()
         );
@@ -259,7 +259,8 @@ async fn a_dead_primary_affects_only_its_own_shard() {
                 (200, remaining)
             );
             assert!(
-                started.elapsed() < Duration::from_millis(150),
+                // Well under the dead shard's 500 ms timeout.
+                started.elapsed() < Duration::from_millis(300),
                 "other shard slowed: {:?}",
                 started.elapsed()
             );
@@ -289,7 +290,7 @@ async fn a_dead_primary_affects_only_its_own_shard() {
 async fn the_breaker_opens_on_timeouts_fails_fast_and_closes_after_recovery() {
     let redis = RedisServer::start();
     let upstream = Upstream::start().await;
-    let store = store_header("deny", "150ms", "breaker_failures = 2") + &plain_shard(&redis);
+    let store = store_header("deny", "400ms", "breaker_failures = 2") + &plain_shard(&redis);
     let gw = TestGateway::start(&config(&store, &upstream)).await;
     assert_eq!(get(&gw.url("/")).await.status, 200);
     let pid = redis.pid().unwrap().to_string();
@@ -309,11 +310,11 @@ async fn the_breaker_opens_on_timeouts_fails_fast_and_closes_after_recovery() {
         .args(["-CONT", &pid])
         .status();
     assert!(
-        took[0] >= Duration::from_millis(140) && took[1] >= Duration::from_millis(140),
+        took[0] >= Duration::from_millis(390) && took[1] >= Duration::from_millis(390),
         "{took:?}"
     );
     assert!(
-        took[2..].iter().all(|t| *t < Duration::from_millis(50)),
+        took[2..].iter().all(|t| *t < Duration::from_millis(150)),
         "breaker open: fail fast {took:?}"
     );
     let r = report(&gw);

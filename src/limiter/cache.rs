@@ -7,16 +7,18 @@
 //! `store.local_cache_size` (when full, expired entries are dropped first; if none are,
 //! the new entry is not kept). A reload that changes a limit drops that limit's entries.
 
+use super::key::LimitKey;
+use super::sharded::ShardedMap;
 use super::Usage;
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 /// See the module documentation.
 #[derive(Debug)]
 pub struct OverLimitCache {
     capacity: usize,
-    entries: Mutex<HashMap<String, Usage>>,
+    /// Sharded like the memory store, so lookups on the request path rarely contend.
+    entries: ShardedMap<Usage>,
+    count: AtomicUsize,
     hits: AtomicU64,
 }
 
@@ -25,24 +27,21 @@ impl OverLimitCache {
     pub fn new(capacity: usize) -> Self {
         Self {
             capacity,
-            entries: Mutex::new(HashMap::new()),
+            entries: ShardedMap::default(),
+            count: AtomicUsize::new(0),
             hits: AtomicU64::new(0),
         }
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Usage>> {
-        self.entries.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// The cached window of `key`, reported with the caller's own `quota`, if it is over
     /// that quota for `cost` at `now_ms`. (One window may be shared by callers of several
     /// tiers, e.g. with `by = "ip"`: each is judged by its own quota.)
-    pub fn get(&self, key: &str, quota: u64, cost: u64, now_ms: u64) -> Option<Usage> {
-        if self.capacity == 0 {
+    pub fn get(&self, key: &LimitKey, quota: u64, cost: u64, now_ms: u64) -> Option<Usage> {
+        if self.capacity == 0 || self.count.load(Ordering::Relaxed) == 0 {
             return None;
         }
-        let entries = self.lock();
-        let u = entries.get(key)?;
+        let entries = self.entries.shard(key);
+        let u = entries.get(&key.key)?;
         if u.reset_at_ms > now_ms && u.used.saturating_add(cost) > quota {
             self.hits.fetch_add(1, Ordering::Relaxed);
             Some(Usage { quota, ..u.clone() })
@@ -52,28 +51,40 @@ impl OverLimitCache {
     }
 
     /// Remember that `key` is over the limit as `usage` says, until its reset.
-    pub fn insert(&self, key: &str, usage: &Usage, now_ms: u64) {
+    pub fn insert(&self, key: &LimitKey, usage: &Usage, now_ms: u64) {
         if self.capacity == 0 || usage.reset_at_ms <= now_ms {
             return;
         }
-        let mut entries = self.lock();
-        if entries.len() >= self.capacity && !entries.contains_key(key) {
-            entries.retain(|_, u| u.reset_at_ms > now_ms);
-            if entries.len() >= self.capacity {
+        if self.count.load(Ordering::Relaxed) >= self.capacity {
+            // Full: drop expired entries everywhere (rare), then give up if still full.
+            self.retain(|u| u.reset_at_ms > now_ms);
+            if self.count.load(Ordering::Relaxed) >= self.capacity {
                 return;
             }
         }
-        entries.insert(key.to_string(), usage.clone());
+        if self
+            .entries
+            .shard(key)
+            .insert(key.key.clone(), usage.clone())
+            .is_none()
+        {
+            self.count.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    fn retain(&self, keep: impl FnMut(&Usage) -> bool) {
+        let dropped = self.entries.retain(keep);
+        self.count.fetch_sub(dropped, Ordering::Relaxed);
     }
 
     /// Drop every entry of the limit named `resource`.
     pub fn forget_limit(&self, resource: &str) {
-        self.lock().retain(|_, u| &*u.resource != resource);
+        self.retain(|u| &*u.resource != resource);
     }
 
     /// Number of entries held.
     pub fn len(&self) -> usize {
-        self.lock().len()
+        self.count.load(Ordering::Relaxed)
     }
 
     /// True when nothing is held.
@@ -90,6 +101,11 @@ impl OverLimitCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::limiter::key::KeyScheme;
+
+    fn k(name: &str) -> LimitKey {
+        KeyScheme::new("t:", None).key("core", name)
+    }
 
     fn usage(resource: &str, used: u64, reset_at_ms: u64) -> Usage {
         Usage {
@@ -103,33 +119,36 @@ mod tests {
     #[test]
     fn answers_until_reset_and_only_when_over() {
         let c = OverLimitCache::new(10);
-        c.insert("k", &usage("core", 10, 2_000), 1_000);
-        assert_eq!(c.get("k", 10, 1, 1_500).unwrap().used, 10);
+        c.insert(&k("k"), &usage("core", 10, 2_000), 1_000);
+        assert_eq!(c.get(&k("k"), 10, 1, 1_500).unwrap().used, 10);
         assert!(
-            c.get("k", 5000, 1, 1_500).is_none(),
+            c.get(&k("k"), 5000, 1, 1_500).is_none(),
             "a caller with a larger quota is not over"
         );
-        assert!(c.get("k", 10, 1, 2_000).is_none(), "expired at reset");
-        c.insert("k2", &usage("core", 9, 2_000), 1_000);
-        assert!(c.get("k2", 10, 1, 1_500).is_none(), "room for cost 1");
-        assert!(c.get("k2", 10, 2, 1_500).is_some(), "no room for cost 2");
+        assert!(c.get(&k("k"), 10, 1, 2_000).is_none(), "expired at reset");
+        c.insert(&k("k2"), &usage("core", 9, 2_000), 1_000);
+        assert!(c.get(&k("k2"), 10, 1, 1_500).is_none(), "room for cost 1");
+        assert!(
+            c.get(&k("k2"), 10, 2, 1_500).is_some(),
+            "no room for cost 2"
+        );
         assert_eq!(c.hits(), 2);
     }
 
     #[test]
     fn bounded_and_cleared_per_limit() {
         let c = OverLimitCache::new(2);
-        c.insert("a", &usage("core", 10, 2_000), 0);
-        c.insert("b", &usage("search", 10, 5_000), 0);
-        c.insert("c", &usage("core", 10, 5_000), 0);
+        c.insert(&k("a"), &usage("core", 10, 2_000), 0);
+        c.insert(&k("b"), &usage("search", 10, 5_000), 0);
+        c.insert(&k("c"), &usage("core", 10, 5_000), 0);
         assert_eq!(c.len(), 2, "full: not kept");
-        c.insert("c", &usage("core", 10, 5_000), 3_000);
+        c.insert(&k("c"), &usage("core", 10, 5_000), 3_000);
         assert_eq!(c.len(), 2, "the expired entry made room");
         c.forget_limit("core");
         assert_eq!(c.len(), 1);
-        assert!(c.get("b", 10, 1, 3_000).is_some());
+        assert!(c.get(&k("b"), 10, 1, 3_000).is_some());
         let off = OverLimitCache::new(0);
-        off.insert("a", &usage("core", 10, 2_000), 0);
-        assert!(off.get("a", 10, 1, 0).is_none());
+        off.insert(&k("a"), &usage("core", 10, 2_000), 0);
+        assert!(off.get(&k("a"), 10, 1, 0).is_none());
     }
 }

@@ -8,6 +8,7 @@
 
 pub mod cache;
 pub mod key;
+pub mod sharded;
 pub mod store;
 
 use crate::config::{LimitConfig, OnError, Problems};
@@ -301,7 +302,7 @@ impl Limiter {
         // A caller known to be over a limit until its reset is answered without the store.
         if let Some(usage) = applied
             .iter()
-            .find_map(|a| self.cache.get(&a.key.key, a.quota, cost, now_ms))
+            .find_map(|a| self.cache.get(&a.key, a.quota, cost, now_ms))
         {
             return Err(Refusal::OverLimit(usage));
         }
@@ -314,7 +315,7 @@ impl Limiter {
                     let u = a.usage(w, now_ms);
                     if u.used.saturating_add(cost) > u.quota {
                         if !w.is_empty() {
-                            self.cache.insert(&a.key.key, &u, now_ms);
+                            self.cache.insert(&a.key, &u, now_ms);
                         }
                         if over.as_ref().is_none_or(|o| u.reset_at_ms > o.reset_at_ms) {
                             over = Some(u.clone());

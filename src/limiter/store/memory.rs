@@ -1,45 +1,29 @@
 //! The embedded memory store: windows in this process only, same semantics as Redis.
 //!
-//! Windows live in 64 mutex-guarded hash maps (the key's hash picks one) so concurrent
-//! callers rarely contend. [`MemoryStore::sweep`] drops windows past their reset; the
+//! Windows live in a [`ShardedMap`] (64 mutex-guarded hash maps) so concurrent callers
+//! rarely contend. [`MemoryStore::sweep`] drops windows past their reset; the
 //! gateway runs it every `store.sweep_interval`, so memory stays bounded by the callers
 //! active within one window, however many distinct callers come and go.
 
 use super::{Store, StoreError, WindowState};
 use crate::limiter::key::LimitKey;
-use std::collections::HashMap;
-use std::sync::Mutex;
-
-const SHARDS: usize = 64;
+use crate::limiter::sharded::ShardedMap;
 
 /// Fixed windows held in process memory.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub struct MemoryStore {
-    shards: Box<[Mutex<HashMap<String, WindowState>>]>,
-}
-
-impl Default for MemoryStore {
-    fn default() -> Self {
-        Self::new()
-    }
+    windows: ShardedMap<WindowState>,
 }
 
 impl MemoryStore {
     /// An empty store.
     pub fn new() -> Self {
-        Self {
-            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
-        }
-    }
-
-    fn shard(&self, key: &LimitKey) -> &Mutex<HashMap<String, WindowState>> {
-        // The low bits of the key's digest are uniform; shard_hash is already a hash.
-        &self.shards[(key.shard_hash.rotate_right(17) as usize) % SHARDS]
+        Self::default()
     }
 
     /// Read a window (same rules as `lua/check.lua`).
     pub fn check_now(&self, key: &LimitKey, now_ms: u64) -> WindowState {
-        let map = self.shard(key).lock().unwrap_or_else(|e| e.into_inner());
+        let map = self.windows.shard(key);
         match map.get(&key.key) {
             Some(w) if w.reset_at_ms > now_ms => *w,
             _ => WindowState::default(),
@@ -54,7 +38,7 @@ impl MemoryStore {
         window_ms: u64,
         now_ms: u64,
     ) -> WindowState {
-        let mut map = self.shard(key).lock().unwrap_or_else(|e| e.into_inner());
+        let mut map = self.windows.shard(key);
         let w = map.entry(key.key.clone()).or_default();
         if w.reset_at_ms <= now_ms {
             *w = WindowState {
@@ -69,22 +53,12 @@ impl MemoryStore {
 
     /// Drop every window whose reset is at or before `now_ms`; returns how many were dropped.
     pub fn sweep(&self, now_ms: u64) -> usize {
-        let mut dropped = 0;
-        for shard in self.shards.iter() {
-            let mut map = shard.lock().unwrap_or_else(|e| e.into_inner());
-            let before = map.len();
-            map.retain(|_, w| w.reset_at_ms > now_ms);
-            dropped += before - map.len();
-        }
-        dropped
+        self.windows.retain(|w| w.reset_at_ms > now_ms)
     }
 
     /// Number of windows held (live or not yet swept).
     pub fn len(&self) -> usize {
-        self.shards
-            .iter()
-            .map(|s| s.lock().unwrap_or_else(|e| e.into_inner()).len())
-            .sum()
+        self.windows.len()
     }
 
     /// True when no window is held.

@@ -1,0 +1,58 @@
+//! A map from storage key to a value, split over 64 mutex-guarded hash maps so that
+//! concurrent requests for different callers rarely contend. Shared by the memory store
+//! and the over-limit cache.
+
+use super::key::LimitKey;
+use std::collections::HashMap;
+use std::sync::{Mutex, MutexGuard};
+
+/// Number of independent maps.
+pub const SHARDS: usize = 64;
+
+/// See the module documentation.
+#[derive(Debug)]
+pub struct ShardedMap<V> {
+    shards: Box<[Mutex<HashMap<String, V>>]>,
+}
+
+impl<V> Default for ShardedMap<V> {
+    fn default() -> Self {
+        Self {
+            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+        }
+    }
+}
+
+fn lock<V>(m: &Mutex<HashMap<String, V>>) -> MutexGuard<'_, HashMap<String, V>> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl<V> ShardedMap<V> {
+    /// The (locked) map that holds `key`.
+    pub fn shard(&self, key: &LimitKey) -> MutexGuard<'_, HashMap<String, V>> {
+        // shard_hash is already a uniform hash of the subject.
+        lock(&self.shards[(key.shard_hash.rotate_right(17) as usize) % SHARDS])
+    }
+
+    /// Keep only the entries for which `keep` is true; returns how many were dropped.
+    pub fn retain(&self, mut keep: impl FnMut(&V) -> bool) -> usize {
+        let mut dropped = 0;
+        for shard in self.shards.iter() {
+            let mut map = lock(shard);
+            let before = map.len();
+            map.retain(|_, v| keep(v));
+            dropped += before - map.len();
+        }
+        dropped
+    }
+
+    /// Number of entries (locks each map in turn).
+    pub fn len(&self) -> usize {
+        self.shards.iter().map(|s| lock(s).len()).sum()
+    }
+
+    /// True when no entry is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}

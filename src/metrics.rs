@@ -31,7 +31,7 @@ pub fn latency_histogram() -> Histogram {
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RequestLabels {
     /// The route's path prefix (`"none"` when no route matched).
-    pub route: String,
+    pub route: Arc<str>,
     /// The response status.
     pub status: u16,
     /// `allowed`, `rejected`, `shadow_rejected`, `store_error_allowed`,
@@ -43,7 +43,7 @@ pub struct RequestLabels {
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct UpstreamLabels {
     /// The upstream's name.
-    pub upstream: String,
+    pub upstream: Arc<str>,
 }
 
 /// Labels of `tollgate_reloads_total`.

@@ -116,7 +116,7 @@ impl Snapshot {
         for (i, r) in cfg.routes.iter().enumerate() {
             let id = (
                 r.host.as_ref().map(|h| h.to_ascii_lowercase()),
-                r.path_prefix.clone(),
+                r.path_prefix.to_string(),
             );
             if let Some(first) = seen.insert(id, i) {
                 problems.error(

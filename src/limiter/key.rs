@@ -50,21 +50,49 @@ impl KeyScheme {
 
     /// The key of `limit`'s window for `subject` (e.g. `"client:acme"`, `"ip:1.2.3.4"`).
     pub fn key(&self, limit: &str, subject: &str) -> LimitKey {
+        self.key_for(limit, &self.digest(subject.as_bytes()))
+    }
+
+    /// The keyed digest of a subject: one HMAC-SHA256, shared by every limit that counts
+    /// the same subject (so a route with several limits hashes once).
+    pub fn digest(&self, subject: &[u8]) -> SubjectDigest {
         let mut mac = self.mac.clone();
-        mac.update(subject.as_bytes());
+        mac.update(subject);
         let digest = mac.finalize().into_bytes();
         let mut head = [0u8; 8];
         head.copy_from_slice(&digest[..8]);
-        LimitKey {
-            key: format!(
-                "{}{}:{{{}}}",
-                self.prefix,
-                limit,
-                hex::encode(&digest[..16])
-            ),
+        let mut hex = [0u8; 32];
+        // 16 bytes always fit 32 hex digits.
+        let _ = hex::encode_to_slice(&digest[..16], &mut hex);
+        SubjectDigest {
+            hex,
             shard_hash: u64::from_be_bytes(head),
         }
     }
+
+    /// The key of `limit`'s window for the subject with digest `d`.
+    pub fn key_for(&self, limit: &str, d: &SubjectDigest) -> LimitKey {
+        let mut key = String::with_capacity(self.prefix.len() + limit.len() + 35);
+        key.push_str(&self.prefix);
+        key.push_str(limit);
+        key.push_str(":{");
+        // Hex digits are ASCII.
+        key.push_str(std::str::from_utf8(&d.hex).unwrap_or_default());
+        key.push('}');
+        LimitKey {
+            key,
+            shard_hash: d.shard_hash,
+        }
+    }
+}
+
+/// A subject's keyed digest ([`KeyScheme::digest`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SubjectDigest {
+    /// The first 16 bytes of the HMAC, as 32 lowercase hex digits.
+    hex: [u8; 32],
+    /// The first 8 bytes of the HMAC; selects the shard.
+    pub shard_hash: u64,
 }
 
 /// Jump consistent hash: the bucket in `0..buckets` for `key`.

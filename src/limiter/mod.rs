@@ -16,7 +16,7 @@ use crate::identity::Caller;
 use cache::OverLimitCache;
 use futures_util::future::join_all;
 use http::{HeaderMap, HeaderName};
-use key::{KeyScheme, LimitKey};
+use key::{KeyScheme, LimitKey, SubjectDigest};
 use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -138,19 +138,41 @@ impl Limit {
         })
     }
 
-    /// The subject this limit counts for a caller (hashed before it reaches a store).
-    fn subject(&self, caller: &Caller, headers: &HeaderMap) -> String {
-        let by_caller = || match &caller.client {
-            Some(c) => format!("client:{}", c.id),
-            None => format!("ip:{}", caller.ip),
+    /// Write the subject this limit counts for a caller into `out` (cleared first): e.g.
+    /// `client:acme`, `ip:192.0.2.7`, `global`, `header:x-tenant:t1`. It is hashed
+    /// before it reaches a store.
+    fn subject_into(&self, caller: &Caller, headers: &HeaderMap, out: &mut Vec<u8>) {
+        use std::io::Write;
+        out.clear();
+        let by_caller = |out: &mut Vec<u8>| match &caller.client {
+            Some(c) => {
+                out.extend_from_slice(b"client:");
+                out.extend_from_slice(c.id.as_bytes());
+            }
+            None => {
+                let _ = write!(out, "ip:{}", caller.ip);
+            }
         };
         match &self.by {
-            By::Caller => by_caller(),
-            By::Ip => format!("ip:{}", caller.ip),
-            By::Global => "global".to_string(),
+            By::Caller => by_caller(out),
+            By::Ip => {
+                let _ = write!(out, "ip:{}", caller.ip);
+            }
+            By::Global => out.extend_from_slice(b"global"),
             By::Header(h) => match headers.get(h) {
-                Some(v) => format!("header:{}:{}", h, String::from_utf8_lossy(v.as_bytes())),
-                None => by_caller(),
+                Some(v) => {
+                    out.extend_from_slice(b"header:");
+                    out.extend_from_slice(h.as_str().as_bytes());
+                    out.push(b':');
+                    // As before: invalid UTF-8 hashes as its lossy form.
+                    match std::str::from_utf8(v.as_bytes()) {
+                        Ok(s) => out.extend_from_slice(s.as_bytes()),
+                        Err(_) => {
+                            out.extend_from_slice(String::from_utf8_lossy(v.as_bytes()).as_bytes())
+                        }
+                    }
+                }
+                None => by_caller(out),
             },
         }
     }
@@ -272,14 +294,25 @@ impl Limiter {
         caller: &Caller,
         headers: &HeaderMap,
     ) -> Vec<Applied> {
+        // Limits of one route usually count the same subject: hash it once.
+        let mut subject = Vec::with_capacity(64);
+        let mut last: Option<(Vec<u8>, SubjectDigest)> = None;
         limits
             .iter()
             .filter_map(|limit| {
                 let quota = *limit.quota.get(&caller.tier)?;
-                let key = self.keys.key(&limit.name, &limit.subject(caller, headers));
+                limit.subject_into(caller, headers, &mut subject);
+                let digest = match &last {
+                    Some((s, d)) if *s == subject => *d,
+                    _ => {
+                        let d = self.keys.digest(&subject);
+                        last = Some((subject.clone(), d));
+                        d
+                    }
+                };
                 Some(Applied {
                     limit: limit.clone(),
-                    key,
+                    key: self.keys.key_for(&limit.name, &digest),
                     quota,
                 })
             })

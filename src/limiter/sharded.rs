@@ -3,6 +3,7 @@
 //! and the over-limit cache.
 
 use super::key::LimitKey;
+use foldhash::fast::RandomState;
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
 
@@ -12,24 +13,28 @@ pub const SHARDS: usize = 64;
 /// See the module documentation.
 #[derive(Debug)]
 pub struct ShardedMap<V> {
-    shards: Box<[Mutex<HashMap<String, V>>]>,
+    shards: Box<[Mutex<HashMap<String, V, RandomState>>]>,
 }
 
 impl<V> Default for ShardedMap<V> {
     fn default() -> Self {
         Self {
-            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            shards: (0..SHARDS)
+                .map(|_| Mutex::new(HashMap::default()))
+                .collect(),
         }
     }
 }
 
-fn lock<V>(m: &Mutex<HashMap<String, V>>) -> MutexGuard<'_, HashMap<String, V>> {
+fn lock<V>(
+    m: &Mutex<HashMap<String, V, RandomState>>,
+) -> MutexGuard<'_, HashMap<String, V, RandomState>> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl<V> ShardedMap<V> {
     /// The (locked) map that holds `key`.
-    pub fn shard(&self, key: &LimitKey) -> MutexGuard<'_, HashMap<String, V>> {
+    pub fn shard(&self, key: &LimitKey) -> MutexGuard<'_, HashMap<String, V, RandomState>> {
         // shard_hash is already a uniform hash of the subject.
         lock(&self.shards[(key.shard_hash.rotate_right(17) as usize) % SHARDS])
     }

@@ -13,6 +13,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// One `http://HOST:PORT[/BASE]` target.
@@ -26,8 +27,8 @@ struct Target {
 /// A named pool of targets, used round robin through one pooled keep-alive client.
 #[derive(Debug)]
 pub struct Upstream {
-    /// The `[[upstreams]]` name.
-    pub name: String,
+    /// The `[[upstreams]]` name (an `Arc` so that metric labels share it).
+    pub name: Arc<str>,
     targets: Vec<Target>,
     next: AtomicUsize,
     client: Client<HttpConnector, Incoming>,
@@ -72,7 +73,7 @@ impl Upstream {
             .pool_max_idle_per_host(256)
             .build(connector);
         Some(Self {
-            name: cfg.name.clone(),
+            name: cfg.name.as_str().into(),
             targets,
             next: AtomicUsize::new(0),
             client,
@@ -124,34 +125,43 @@ const HOP_BY_HOP: [HeaderName; 8] = [
     header::UPGRADE,
 ];
 
+/// Whether `name` is hop-by-hop whatever `Connection` says.
+fn always_hop_by_hop(name: &HeaderName) -> bool {
+    HOP_BY_HOP.contains(name) || name.as_str().starts_with("proxy-")
+}
+
 /// Remove hop-by-hop headers: the fixed list, every `Proxy-*` header, and every header
-/// named in `Connection`.
+/// named in `Connection`. One pass over the names finds what to remove; most messages
+/// have nothing to remove or only `Connection` itself.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    let listed: Vec<HeaderName> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|name| HeaderName::from_bytes(name.trim().to_ascii_lowercase().as_bytes()).ok())
-        .collect();
-    for name in listed.iter().chain(HOP_BY_HOP.iter()) {
-        headers.remove(name);
-    }
-    let proxy: Vec<HeaderName> = headers
+    let mut doomed: Vec<HeaderName> = headers
         .keys()
-        .filter(|k| k.as_str().starts_with("proxy-"))
+        .filter(|name| always_hop_by_hop(name))
         .cloned()
         .collect();
-    for name in proxy {
+    if doomed.is_empty() {
+        return;
+    }
+    doomed.extend(
+        headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .filter_map(|name| {
+                HeaderName::from_bytes(name.trim().to_ascii_lowercase().as_bytes()).ok()
+            }),
+    );
+    for name in doomed {
         headers.remove(name);
     }
 }
 
 /// What the forwarder needs to know about the downstream connection.
 #[derive(Debug, Clone, Copy)]
-pub struct Downstream {
-    /// The socket peer's IP.
-    pub peer: IpAddr,
+pub struct Downstream<'a> {
+    /// The socket peer: its IP, rendered once per connection.
+    pub peer: &'a Peer,
     /// Whether the peer is a trusted proxy (its X-Forwarded-Proto/-Host are kept).
     pub peer_trusted: bool,
     /// `"http"` (or `"https"` once TLS exists).
@@ -167,7 +177,7 @@ pub struct Downstream {
 pub async fn forward(
     upstream: &Upstream,
     req: Request<Incoming>,
-    down: Downstream,
+    down: Downstream<'_>,
 ) -> Result<Response<Body>, ProxyError> {
     let target = upstream.pick();
     let (mut parts, body) = req.into_parts();
@@ -201,12 +211,15 @@ pub async fn forward(
         h.insert(header::HOST, host.clone());
     }
     append_forwarded_for(h, down.peer);
-    if !down.peer_trusted || !h.contains_key("x-forwarded-proto") {
-        h.insert("x-forwarded-proto", HeaderValue::from_static(down.scheme));
+    if !down.peer_trusted || !h.contains_key(&X_FORWARDED_PROTO) {
+        h.insert(
+            X_FORWARDED_PROTO.clone(),
+            HeaderValue::from_static(down.scheme),
+        );
     }
     if let Some(host) = host {
-        if !down.peer_trusted || !h.contains_key("x-forwarded-host") {
-            h.insert("x-forwarded-host", host);
+        if !down.peer_trusted || !h.contains_key(&X_FORWARDED_HOST) {
+            h.insert(X_FORWARDED_HOST.clone(), host);
         }
     }
 
@@ -215,13 +228,13 @@ pub async fn forward(
         match tokio::time::timeout(upstream.response_timeout, upstream.client.request(request))
             .await
         {
-            Err(_) => return Err(ProxyError::UpstreamTimeout(upstream.name.clone())),
+            Err(_) => return Err(ProxyError::UpstreamTimeout(upstream.name.to_string())),
             Ok(Err(e)) if is_timeout(&e) => {
-                return Err(ProxyError::UpstreamTimeout(upstream.name.clone()))
+                return Err(ProxyError::UpstreamTimeout(upstream.name.to_string()))
             }
             Ok(Err(e)) => {
                 return Err(ProxyError::UpstreamUnreachable(
-                    upstream.name.clone(),
+                    upstream.name.to_string(),
                     error_chain(&e),
                 ))
             }
@@ -234,20 +247,63 @@ pub async fn forward(
     Ok(Response::from_parts(parts, body.boxed()))
 }
 
-fn append_forwarded_for(h: &mut HeaderMap, peer: IpAddr) {
-    let prior: Vec<&str> = h
-        .get_all("x-forwarded-for")
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .collect();
-    let value = if prior.is_empty() {
-        peer.to_string()
-    } else {
-        format!("{}, {}", prior.join(", "), peer)
-    };
-    if let Ok(v) = HeaderValue::from_str(&value) {
-        h.insert("x-forwarded-for", v);
+/// The client end of a downstream connection, with what the forwarder adds for it
+/// rendered once per connection rather than once per request.
+#[derive(Debug, Clone)]
+pub struct Peer {
+    /// The socket address.
+    pub addr: std::net::SocketAddr,
+    /// The IP as a header value (`X-Forwarded-For` when the client sent none).
+    ip_header: HeaderValue,
+}
+
+impl Peer {
+    /// Describe the peer at `addr`.
+    pub fn new(addr: std::net::SocketAddr) -> Self {
+        let ip_header = HeaderValue::from_str(&addr.ip().to_string())
+            .unwrap_or(HeaderValue::from_static("unknown"));
+        Self { addr, ip_header }
     }
+
+    /// The peer's IP.
+    pub fn ip(&self) -> IpAddr {
+        self.addr.ip()
+    }
+}
+
+static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+
+/// Append the peer to `X-Forwarded-For` (joining several received headers into one).
+fn append_forwarded_for(h: &mut HeaderMap, peer: &Peer) {
+    let mut prior = h.get_all(&X_FORWARDED_FOR).iter();
+    let value = match (prior.next(), prior.next()) {
+        (None, _) => peer.ip_header.clone(),
+        (Some(one), None) => {
+            let mut v = Vec::with_capacity(one.len() + 2 + peer.ip_header.len());
+            v.extend_from_slice(one.as_bytes());
+            v.extend_from_slice(b", ");
+            v.extend_from_slice(peer.ip_header.as_bytes());
+            match HeaderValue::from_bytes(&v) {
+                Ok(v) => v,
+                Err(_) => return,
+            }
+        }
+        (Some(_), Some(_)) => {
+            let all: Vec<&[u8]> = h
+                .get_all(&X_FORWARDED_FOR)
+                .iter()
+                .map(HeaderValue::as_bytes)
+                .chain([peer.ip_header.as_bytes()])
+                .collect();
+            match HeaderValue::from_bytes(&all.join(&b", "[..])) {
+                Ok(v) => v,
+                Err(_) => return,
+            }
+        }
+    };
+    h.insert(X_FORWARDED_FOR.clone(), value);
 }
 
 fn is_timeout(e: &(dyn std::error::Error + 'static)) -> bool {

@@ -25,11 +25,10 @@ use crate::snapshot::Snapshot;
 use access::{AccessLog, Decision};
 use bytes::Bytes;
 use error::ProxyError;
-use forward::Downstream;
+use forward::{Downstream, Peer};
 use http::{header, Request, Response};
 use http_body_util::combinators::BoxBody;
 use hyper::body::Incoming;
-use std::net::SocketAddr;
 
 /// The body of every response the gateway sends: streamed from the upstream, or JSON.
 pub type Body = BoxBody<Bytes, hyper::Error>;
@@ -49,7 +48,7 @@ pub async fn handle(
     snap: &Snapshot,
     ctx: &Context<'_>,
     mut req: Request<Incoming>,
-    peer: SocketAddr,
+    peer: &Peer,
 ) -> Response<Body> {
     let _in_flight = access::InFlight::new(&ctx.metrics.in_flight);
     let mut log = AccessLog::start(&mut req);
@@ -63,7 +62,7 @@ pub async fn serve(
     snap: &Snapshot,
     ctx: &Context<'_>,
     req: Request<Incoming>,
-    peer: SocketAddr,
+    peer: &Peer,
     log: &mut AccessLog,
 ) -> Response<Body> {
     let clock = ctx.clock;
@@ -79,12 +78,11 @@ pub async fn serve(
     log.caller = caller.client.as_ref().map(|c| c.id.clone());
 
     // 2. Route by host and longest path prefix.
-    let host = request_host(&req);
-    let Some(route) = snap.router.find(host.as_deref(), req.uri().path()) else {
+    let Some(route) = snap.router.find(request_host(&req), req.uri().path()) else {
         log.decision = Decision::NoRoute;
         return ProxyError::NoRoute.into_response();
     };
-    log.route = Some(route.path_prefix.clone());
+    log.route = Some(route.path_prefix.clone()); // an Arc: no copy
 
     // 3. Check every limit of the route (a read; may be stale, never written).
     let applied = snap
@@ -118,7 +116,7 @@ pub async fn serve(
 
     // 4. Forward upstream, streaming both bodies.
     let down = Downstream {
-        peer: peer.ip(),
+        peer,
         peer_trusted: snap.identities.trusts(peer.ip()),
         scheme: "http",
     };
@@ -160,10 +158,9 @@ pub async fn serve(
 }
 
 /// The host a request is for: the `Host` header, or the URI authority (HTTP/2).
-fn request_host(req: &Request<Incoming>) -> Option<String> {
+fn request_host(req: &Request<Incoming>) -> Option<&str> {
     req.headers()
         .get(header::HOST)
         .and_then(|h| h.to_str().ok())
-        .map(str::to_string)
-        .or_else(|| req.uri().authority().map(|a| a.as_str().to_string()))
+        .or_else(|| req.uri().authority().map(|a| a.as_str()))
 }

@@ -12,7 +12,7 @@ pub struct Route {
     /// Host this route is for (lowercase, no port); `None` matches any host.
     pub host: Option<String>,
     /// Path prefix; the longest matching prefix wins.
-    pub path_prefix: String,
+    pub path_prefix: Arc<str>,
     /// Where matching requests go.
     pub upstream: Arc<Upstream>,
     /// Limits that must all admit a request.
@@ -109,7 +109,7 @@ impl Route {
         }
         Some(Self {
             host,
-            path_prefix: cfg.path_prefix.clone(),
+            path_prefix: cfg.path_prefix.as_str().into(),
             upstream: upstream?,
             limits: route_limits,
             cost: cfg.cost,
@@ -141,7 +141,7 @@ impl Router {
     pub fn find(&self, host: Option<&str>, path: &str) -> Option<&Arc<Route>> {
         let host = host.map(strip_port);
         self.routes.iter().find(|r| {
-            path.starts_with(&r.path_prefix)
+            path.starts_with(&*r.path_prefix)
                 && r.host
                     .as_deref()
                     .is_none_or(|h| host.is_some_and(|req| req.eq_ignore_ascii_case(h)))

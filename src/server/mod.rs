@@ -367,12 +367,14 @@ async fn accept_loop(
                 };
                 let _ = stream.set_nodelay(true);
                 let conn_shared = shared.clone();
+                let conn_peer = Arc::new(proxy::forward::Peer::new(peer));
                 let service = service_fn(move |req| {
                     let shared = conn_shared.clone();
+                    let peer = conn_peer.clone();
                     async move {
                         let snap = shared.snapshot.load_full();
                         let ctx = proxy::Context { clock: &*shared.clock, metrics: &shared.metrics };
-                        Ok::<_, Infallible>(proxy::handle(&snap, &ctx, req, peer).await)
+                        Ok::<_, Infallible>(proxy::handle(&snap, &ctx, req, &peer).await)
                     }
                 });
                 let conn = builder.serve_connection(TokioIo::new(stream), service).into_owned();

@@ -10,6 +10,7 @@ use crate::config::{Backend, Config, ConfigFile, ConfigReport, Problems, StoreCo
 use crate::identity::Identities;
 use crate::limiter::cache::OverLimitCache;
 use crate::limiter::key::KeyScheme;
+use crate::limiter::lease::LeaseTable;
 use crate::limiter::store::memory::MemoryStore;
 use crate::limiter::store::redis::RedisStore;
 use crate::limiter::store::AnyStore;
@@ -143,7 +144,7 @@ impl Snapshot {
                 || (prev.config.store.backend == Backend::Memory
                     && cfg.store.backend == Backend::Memory)
         });
-        let (store, cache) = match keep {
+        let (store, cache, leases) = match keep {
             Some(prev) => {
                 let cache = prev.limiter.cache().clone();
                 for old in &prev.config.limits {
@@ -151,11 +152,16 @@ impl Snapshot {
                         cache.forget_limit(&old.name);
                     }
                 }
-                (Some(prev.limiter.store().clone()), cache)
+                (
+                    Some(prev.limiter.store().clone()),
+                    cache,
+                    prev.limiter.leases().clone(),
+                )
             }
             None => (
                 fresh.map(Arc::new),
                 Arc::new(OverLimitCache::new(cfg.store.local_cache_size)),
+                Arc::new(LeaseTable::new()),
             ),
         };
         if let Some(prev) = previous {
@@ -180,7 +186,7 @@ impl Snapshot {
             config: cfg.clone(),
             identities,
             router: Router::new(routes),
-            limiter: Limiter::new(store, cache, keys, cfg.store.on_error),
+            limiter: Limiter::new(store, cache, leases, keys, cfg.store.on_error),
             listen,
             admin_listen,
             warnings: report.warning_lines(),

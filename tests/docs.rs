@@ -66,6 +66,7 @@ fn full_config() -> Config {
             window: Dur::from_secs(3600),
             quota: [("anonymous".to_string(), 60)].into(),
             by: "caller".into(),
+            lease: Some(100),
         }],
         routes: vec![RouteConfig {
             host: Some("api.example.com".into()),

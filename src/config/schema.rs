@@ -316,6 +316,11 @@ pub struct LimitConfig {
     /// What a window counts: `"caller"`, `"ip"`, `"global"` or `"header:NAME"`.
     #[serde(default = "default_by")]
     pub by: String,
+    /// Lease mode: take this many units from the store at a time and admit from them
+    /// locally (about one store call per `lease` requests of a hot caller). Units
+    /// admitted by all gateways never exceed the quota. Default: off.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease: Option<u64>,
 }
 
 fn default_algorithm() -> String {

@@ -8,19 +8,20 @@
 
 pub mod cache;
 pub mod key;
+pub mod lease;
 pub mod sharded;
 pub mod store;
 
 use crate::config::{LimitConfig, OnError, Problems};
 use crate::identity::Caller;
 use cache::OverLimitCache;
-use futures_util::future::join_all;
 use http::{HeaderMap, HeaderName};
 use key::{KeyScheme, LimitKey, SubjectDigest};
+use lease::{Ask, LeaseTable, Take};
 use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use store::{AnyStore, Store, StoreError, WindowState};
+use store::{AnyStore, Charge, Store, StoreError, WindowState};
 
 /// What a limit's windows count.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -46,6 +47,9 @@ pub struct Limit {
     pub quota: HashMap<Arc<str>, u64>,
     /// What the windows count.
     pub by: By,
+    /// Lease mode: units taken from the store at a time and admitted locally (0: off,
+    /// every request is checked and charged in the store).
+    pub lease: u64,
 }
 
 impl Limit {
@@ -130,11 +134,18 @@ impl Limit {
                 }
             }
         };
+        if cfg.lease == Some(0) {
+            problems.error(
+                format!("{at}.lease"),
+                "must be at least 1 (leave it out to turn lease mode off)",
+            );
+        }
         (problems.errors.len() == before).then(|| Self {
             name: cfg.name.as_str().into(),
             window_ms,
             quota,
             by,
+            lease: cfg.lease.unwrap_or(0),
         })
     }
 
@@ -225,6 +236,15 @@ impl Applied {
         &self.key
     }
 
+    fn usage_at(&self, used: u64, reset_at_ms: u64) -> Usage {
+        Usage {
+            resource: self.limit.name.clone(),
+            quota: self.quota,
+            used,
+            reset_at_ms,
+        }
+    }
+
     fn usage(&self, w: WindowState, now_ms: u64) -> Usage {
         let reset_at_ms = if w.is_empty() {
             now_ms + self.limit.window_ms
@@ -249,28 +269,32 @@ pub enum Refusal {
     StoreDenied(StoreError),
 }
 
-/// The limits part of a snapshot: the store, the over-limit cache, the key scheme and
-/// the failure policy.
+/// The limits part of a snapshot: the store, the over-limit cache, the leases, the key
+/// scheme and the failure policy.
 #[derive(Debug)]
 pub struct Limiter {
     store: Arc<AnyStore>,
     cache: Arc<OverLimitCache>,
+    leases: Arc<LeaseTable>,
     keys: KeyScheme,
     on_error: OnError,
     warn_gate: Arc<WarnGate>,
 }
 
 impl Limiter {
-    /// A limiter over `store`, answering callers known to be over a limit from `cache`.
+    /// A limiter over `store`, answering callers known to be over a limit from `cache`
+    /// and admitting lease-mode limits from `leases`.
     pub fn new(
         store: Arc<AnyStore>,
         cache: Arc<OverLimitCache>,
+        leases: Arc<LeaseTable>,
         keys: KeyScheme,
         on_error: OnError,
     ) -> Self {
         Self {
             store,
             cache,
+            leases,
             keys,
             on_error,
             warn_gate: Arc::new(WarnGate::default()),
@@ -285,6 +309,11 @@ impl Limiter {
     /// The over-limit cache this limiter uses.
     pub fn cache(&self) -> &Arc<OverLimitCache> {
         &self.cache
+    }
+
+    /// The leases this limiter admits lease-mode limits from.
+    pub fn leases(&self) -> &Arc<LeaseTable> {
+        &self.leases
     }
 
     /// The limits among `limits` that apply to `caller` (those with a quota for its tier).
@@ -319,9 +348,10 @@ impl Limiter {
             .collect()
     }
 
-    /// CHECK every applied limit (concurrently). Admits when each limit has room for
-    /// `cost`; returns the usage of each limit that answered (`None` where the store failed
-    /// and `on_error = "allow"`).
+    /// CHECK every applied limit: one store call per shard for the checked limits; lease
+    /// -mode limits take `cost` units from this gateway's lease (refilled from the store
+    /// when short). Admits when each limit has room for `cost`; returns the usage of
+    /// each limit that answered (`None` where the store failed and `on_error = "allow"`).
     ///
     /// Errors: [`Refusal::OverLimit`] with the usage of the limit that rejected (the one
     /// with the latest reset when several do); [`Refusal::StoreDenied`] when the store
@@ -339,10 +369,25 @@ impl Limiter {
         {
             return Err(Refusal::OverLimit(usage));
         }
-        let results = join_all(applied.iter().map(|a| self.store.check(&a.key, now_ms))).await;
+        let checked: Vec<&LimitKey> = applied
+            .iter()
+            .filter(|a| a.limit.lease == 0)
+            .map(|a| &a.key)
+            .collect();
+        let mut results = if checked.is_empty() {
+            Vec::new()
+        } else {
+            self.store.check(&checked, now_ms).await
+        }
+        .into_iter();
         let mut usages = Vec::with_capacity(applied.len());
         let mut over: Option<Usage> = None;
-        for (a, result) in applied.iter().zip(results) {
+        for a in applied.iter() {
+            if a.limit.lease > 0 {
+                usages.push(None); // filled in below, once nothing else refused
+                continue;
+            }
+            let result = results.next().unwrap_or(Err(StoreError::NotStarted));
             match result {
                 Ok(w) => {
                     let u = a.usage(w, now_ms);
@@ -357,27 +402,73 @@ impl Limiter {
                     usages.push(Some(u));
                 }
                 Err(e) => {
-                    if self.on_error == OnError::Deny {
-                        self.warn_gate
-                            .warn(&e, "denying request (store.on_error = \"deny\")");
-                        return Err(Refusal::StoreDenied(e));
-                    }
-                    self.warn_gate.warn(
-                        &e,
-                        "forwarding without limiting (store.on_error = \"allow\")",
-                    );
+                    self.store_failed(e)?;
                     usages.push(None);
                 }
             }
         }
-        match over {
-            Some(u) => Err(Refusal::OverLimit(u)),
-            None => Ok(usages),
+        if let Some(u) = over {
+            return Err(Refusal::OverLimit(u));
         }
+        // Lease-mode limits: take units; if one refuses, give back what the others took.
+        for (i, a) in applied.iter().enumerate() {
+            if a.limit.lease == 0 {
+                continue;
+            }
+            let taken = self
+                .leases
+                .take(
+                    &*self.store,
+                    Ask {
+                        key: &a.key,
+                        cost,
+                        lease: a.limit.lease,
+                        quota: a.quota,
+                        window_ms: a.limit.window_ms,
+                    },
+                    now_ms,
+                )
+                .await;
+            match taken {
+                Ok(Take::Taken { used, reset_at_ms }) => {
+                    usages[i] = Some(a.usage_at(used, reset_at_ms));
+                }
+                Ok(Take::Exhausted { used, reset_at_ms }) => {
+                    let u = a.usage_at(used.max(a.quota), reset_at_ms);
+                    self.cache.insert(&a.key, &u, now_ms);
+                    self.release(&applied[..i], cost, &usages[..i]);
+                    return Err(Refusal::OverLimit(u));
+                }
+                Err(e) => {
+                    if let Err(refusal) = self.store_failed(e) {
+                        self.release(&applied[..i], cost, &usages[..i]);
+                        return Err(refusal);
+                    }
+                }
+            }
+        }
+        Ok(usages)
     }
 
-    /// CHARGE `cost` to every applied limit (concurrently) and return the usage after the
-    /// charge; where a charge fails, the usage from the CHECK (`checked`) stands.
+    /// Apply `store.on_error` to a failed store call: `Ok` to go on unlimited (allow),
+    /// or the refusal (deny). Logs at most once per 10 s.
+    fn store_failed(&self, e: StoreError) -> Result<(), Refusal> {
+        if self.on_error == OnError::Deny {
+            self.warn_gate
+                .warn(&e, "denying request (store.on_error = \"deny\")");
+            return Err(Refusal::StoreDenied(e));
+        }
+        self.warn_gate.warn(
+            &e,
+            "forwarding without limiting (store.on_error = \"allow\")",
+        );
+        Ok(())
+    }
+
+    /// CHARGE `cost` to every applied limit (one store call per shard) and return the
+    /// usage after the charge; where a charge fails, the usage from the CHECK
+    /// (`checked`) stands. Lease-mode limits were charged when the CHECK took their
+    /// units; their usage from the CHECK stands.
     pub async fn charge(
         &self,
         applied: &[Applied],
@@ -385,25 +476,53 @@ impl Limiter {
         now_ms: u64,
         checked: Vec<Option<Usage>>,
     ) -> Vec<Option<Usage>> {
-        let results = join_all(
-            applied
-                .iter()
-                .map(|a| self.store.charge(&a.key, cost, a.limit.window_ms, now_ms)),
-        )
-        .await;
+        let items: Vec<Charge<'_>> = applied
+            .iter()
+            .filter(|a| a.limit.lease == 0)
+            .map(|a| Charge {
+                key: &a.key,
+                cost,
+                window_ms: a.limit.window_ms,
+            })
+            .collect();
+        if items.is_empty() {
+            return checked;
+        }
+        let mut results = self.store.charge(&items, now_ms).await.into_iter();
         applied
             .iter()
-            .zip(results)
             .zip(checked)
-            .map(|((a, result), checked)| match result {
-                Ok(w) => Some(a.usage(w, now_ms)),
-                Err(e) => {
-                    self.warn_gate
-                        .warn(&e, "charge failed; the request was not counted");
-                    checked
+            .map(|(a, checked)| {
+                if a.limit.lease > 0 {
+                    return checked;
+                }
+                match results.next().unwrap_or(Err(StoreError::NotStarted)) {
+                    Ok(w) => Some(a.usage(w, now_ms)),
+                    Err(e) => {
+                        self.warn_gate
+                            .warn(&e, "charge failed; the request was not counted");
+                        checked
+                    }
                 }
             })
             .collect()
+    }
+
+    /// The request that `check` admitted is not charged after all (an uncharged status,
+    /// or the upstream failed): lease-mode limits get their units back. Limits checked
+    /// in the store were never charged, so nothing else changes.
+    pub fn release(&self, applied: &[Applied], cost: u64, checked: &[Option<Usage>]) {
+        for (a, u) in applied.iter().zip(checked) {
+            if let (true, Some(u)) = (a.limit.lease > 0, u) {
+                self.leases.give_back(&a.key, cost, u.reset_at_ms);
+            }
+        }
+    }
+
+    /// Give back every unit this gateway holds in leases (at shutdown). Returns the
+    /// number of units given back.
+    pub async fn return_leases(&self, now_ms: u64) -> u64 {
+        self.leases.sweep(&*self.store, now_ms, true).await
     }
 }
 

@@ -41,6 +41,12 @@ impl<V> ShardedMap<V> {
 
     /// Keep only the entries for which `keep` is true; returns how many were dropped.
     pub fn retain(&self, mut keep: impl FnMut(&V) -> bool) -> usize {
+        self.retain_mut(|v| keep(v))
+    }
+
+    /// Keep only the entries for which `keep` is true, letting it change them; returns
+    /// how many were dropped.
+    pub fn retain_mut(&self, mut keep: impl FnMut(&mut V) -> bool) -> usize {
         let mut dropped = 0;
         for shard in self.shards.iter() {
             let mut map = lock(shard);

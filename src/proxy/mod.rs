@@ -131,6 +131,7 @@ pub async fn serve(
         Ok(response) => response,
         Err(e) => {
             tracing::warn!(upstream = %route.upstream.name, error = ?e, "upstream failed");
+            snap.limiter.release(&applied, route.cost, &checked);
             let mut response = e.into_response();
             if let Some(usage) = most_constrained(&checked) {
                 headers::put_usage(response.headers_mut(), usage);
@@ -140,12 +141,14 @@ pub async fn serve(
         }
     };
 
-    // 5. Charge, unless the status is uncharged (then the check's numbers stand).
+    // 5. Charge, unless the status is uncharged (then the check's numbers stand, and
+    //    lease-mode limits get their units back).
     let usages = if route.charges(response.status()) {
         snap.limiter
             .charge(&applied, route.cost, clock.now_ms(), checked)
             .await
     } else {
+        snap.limiter.release(&applied, route.cost, &checked);
         checked
     };
 

@@ -3,7 +3,7 @@
 
 use crate::admin;
 use crate::clock::SharedClock;
-use crate::config::{ConfigFile, ConfigReport, StoreConfig};
+use crate::config::{ConfigFile, ConfigReport};
 use crate::limiter::store::AnyStore;
 use crate::metrics::{Metrics, ReloadLabels};
 use crate::proxy;
@@ -83,7 +83,7 @@ impl Gateway {
         for w in &snap.warnings {
             tracing::warn!("{w}");
         }
-        start_store(snap.limiter.store(), &snap.config.store, clock.clone());
+        start_store(&snap, clock.clone());
         let bind = |addr: SocketAddr| async move {
             let listener = TcpListener::bind(addr)
                 .await
@@ -225,11 +225,7 @@ impl Reloader {
             }
         };
         if !Arc::ptr_eq(snap.limiter.store(), current.limiter.store()) {
-            start_store(
-                snap.limiter.store(),
-                &snap.config.store,
-                self.0.clock.clone(),
-            );
+            start_store(&snap, self.0.clock.clone());
         }
         let mut warnings = snap.warnings.clone();
         if snap.config.server != current.config.server {
@@ -314,8 +310,10 @@ impl Reloader {
 }
 
 /// Start what a new store needs in the background: the memory store's sweeper, or the
-/// Redis connections and script loading.
-fn start_store(store: &Arc<AnyStore>, cfg: &StoreConfig, clock: SharedClock) {
+/// Redis connections and script loading; and the sweeper that returns idle leases.
+fn start_store(snap: &Snapshot, clock: SharedClock) {
+    let (store, cfg) = (snap.limiter.store(), &snap.config.store);
+    crate::limiter::lease::spawn_sweeper(snap.limiter.leases(), store, clock.clone());
     match &**store {
         AnyStore::Memory(_) => {
             let weak: Weak<AnyStore> = Arc::downgrade(store);
@@ -397,5 +395,17 @@ async fn accept_loop(
     tokio::select! {
         _ = graceful.shutdown() => tracing::info!("all connections drained"),
         _ = tokio::time::sleep(grace) => tracing::warn!("shutdown_grace elapsed; closing remaining connections"),
+    }
+    // Lease mode: give the units this gateway still holds back to the fleet.
+    let snap = shared.snapshot.load_full();
+    let returned = tokio::time::timeout(
+        Duration::from_secs(2),
+        snap.limiter.return_leases(shared.clock.now_ms()),
+    )
+    .await;
+    if let Ok(units) = returned {
+        if units > 0 {
+            tracing::info!(units, "returned unused leased units");
+        }
     }
 }

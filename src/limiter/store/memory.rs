@@ -5,7 +5,7 @@
 //! gateway runs it every `store.sweep_interval`, so memory stays bounded by the callers
 //! active within one window, however many distinct callers come and go.
 
-use super::{Store, StoreError, WindowState};
+use super::{Charge, Grant, Store, StoreError, WindowState};
 use crate::limiter::key::LimitKey;
 use crate::limiter::sharded::ShardedMap;
 
@@ -51,6 +51,49 @@ impl MemoryStore {
         *w
     }
 
+    /// Take up to `want` units, never past `quota` (same rules as `lua/lease.lua`).
+    pub fn lease_now(
+        &self,
+        key: &LimitKey,
+        want: u64,
+        quota: u64,
+        window_ms: u64,
+        now_ms: u64,
+    ) -> Grant {
+        let mut map = self.windows.shard(key);
+        let live = map
+            .get(&key.key)
+            .filter(|w| w.reset_at_ms > now_ms)
+            .copied();
+        let w = live.unwrap_or(WindowState {
+            used: 0,
+            reset_at_ms: now_ms + window_ms,
+        });
+        let granted = want.min(quota.saturating_sub(w.used));
+        if granted == 0 {
+            return Grant { granted, window: w };
+        }
+        let window = WindowState {
+            used: w.used + granted,
+            ..w
+        };
+        map.insert(key.key.clone(), window);
+        Grant { granted, window }
+    }
+
+    /// Give back units of the window ending at `reset_at_ms` (same rules as
+    /// `lua/refund.lua`).
+    pub fn refund_now(&self, key: &LimitKey, units: u64, reset_at_ms: u64) -> WindowState {
+        let mut map = self.windows.shard(key);
+        match map.get_mut(&key.key) {
+            Some(w) if w.reset_at_ms == reset_at_ms => {
+                w.used = w.used.saturating_sub(units);
+                *w
+            }
+            _ => WindowState::default(),
+        }
+    }
+
     /// Drop every window whose reset is at or before `now_ms`; returns how many were dropped.
     pub fn sweep(&self, now_ms: u64) -> usize {
         self.windows.retain(|w| w.reset_at_ms > now_ms)
@@ -68,18 +111,39 @@ impl MemoryStore {
 }
 
 impl Store for MemoryStore {
-    async fn check(&self, key: &LimitKey, now_ms: u64) -> Result<WindowState, StoreError> {
-        Ok(self.check_now(key, now_ms))
+    async fn check(&self, keys: &[&LimitKey], now_ms: u64) -> Vec<Result<WindowState, StoreError>> {
+        keys.iter().map(|k| Ok(self.check_now(k, now_ms))).collect()
     }
 
     async fn charge(
         &self,
+        items: &[Charge<'_>],
+        now_ms: u64,
+    ) -> Vec<Result<WindowState, StoreError>> {
+        items
+            .iter()
+            .map(|c| Ok(self.charge_now(c.key, c.cost, c.window_ms, now_ms)))
+            .collect()
+    }
+
+    async fn lease(
+        &self,
         key: &LimitKey,
-        cost: u64,
+        want: u64,
+        quota: u64,
         window_ms: u64,
         now_ms: u64,
+    ) -> Result<Grant, StoreError> {
+        Ok(self.lease_now(key, want, quota, window_ms, now_ms))
+    }
+
+    async fn refund(
+        &self,
+        key: &LimitKey,
+        units: u64,
+        reset_at_ms: u64,
     ) -> Result<WindowState, StoreError> {
-        Ok(self.charge_now(key, cost, window_ms, now_ms))
+        Ok(self.refund_now(key, units, reset_at_ms))
     }
 }
 

@@ -29,7 +29,7 @@ impl WindowState {
 }
 
 /// A store call that did not produce an answer.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
     /// The call took longer than `store.timeout`.
     #[error("store call timed out after {0} ms")]
@@ -69,25 +69,65 @@ impl StoreError {
     }
 }
 
+/// One CHARGE of a batch: `cost` units on `key`'s window, starting a window of
+/// `window_ms` milliseconds when none is live.
+#[derive(Debug, Clone, Copy)]
+pub struct Charge<'a> {
+    /// The window.
+    pub key: &'a LimitKey,
+    /// Units to add (>= 1).
+    pub cost: u64,
+    /// Window length for a new window, milliseconds.
+    pub window_ms: u64,
+}
+
+/// What a LEASE got ([`Store::lease`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Grant {
+    /// Units granted to this gateway (0 when the window is full).
+    pub granted: u64,
+    /// The window after the grant; `used` counts every gateway's leased units.
+    pub window: WindowState,
+}
+
 /// A place to keep fixed windows. All times are milliseconds since the Unix epoch, from
-/// the gateway's clock.
+/// the gateway's clock. Batch calls answer one result per item, in order; the Redis
+/// store sends the items that live on one shard in one script call.
 pub trait Store: Send + Sync {
-    /// Read `key`'s window (a CHECK); past windows read as empty. May be served from a
-    /// stale copy.
+    /// Read each key's window (a CHECK); past windows read as empty. May be served from
+    /// a stale copy (a replica).
     fn check(
         &self,
-        key: &LimitKey,
+        keys: &[&LimitKey],
         now_ms: u64,
-    ) -> impl Future<Output = Result<WindowState, StoreError>> + Send;
+    ) -> impl Future<Output = Vec<Result<WindowState, StoreError>>> + Send;
 
-    /// Add `cost` units to `key`'s window (a CHARGE), starting a window of `window_ms`
-    /// when none is live. Returns the window after the charge.
+    /// Add each item's cost to its window (a CHARGE), starting a window when none is
+    /// live. Returns each window after the charge.
     fn charge(
         &self,
+        items: &[Charge<'_>],
+        now_ms: u64,
+    ) -> impl Future<Output = Vec<Result<WindowState, StoreError>>> + Send;
+
+    /// Take up to `want` units of `key`'s window for local admission (lease mode),
+    /// never past `quota`: the granted units are counted in the window at once.
+    fn lease(
+        &self,
         key: &LimitKey,
-        cost: u64,
+        want: u64,
+        quota: u64,
         window_ms: u64,
         now_ms: u64,
+    ) -> impl Future<Output = Result<Grant, StoreError>> + Send;
+
+    /// Give back `units` taken from the window that ends at `reset_at_ms`; nothing
+    /// happens when that window is over. Returns the window after the refund.
+    fn refund(
+        &self,
+        key: &LimitKey,
+        units: u64,
+        reset_at_ms: u64,
     ) -> impl Future<Output = Result<WindowState, StoreError>> + Send;
 }
 
@@ -101,23 +141,47 @@ pub enum AnyStore {
 }
 
 impl Store for AnyStore {
-    async fn check(&self, key: &LimitKey, now_ms: u64) -> Result<WindowState, StoreError> {
+    async fn check(&self, keys: &[&LimitKey], now_ms: u64) -> Vec<Result<WindowState, StoreError>> {
         match self {
-            AnyStore::Memory(s) => s.check(key, now_ms).await,
-            AnyStore::Redis(s) => s.check(key, now_ms).await,
+            AnyStore::Memory(s) => s.check(keys, now_ms).await,
+            AnyStore::Redis(s) => s.check(keys, now_ms).await,
         }
     }
 
     async fn charge(
         &self,
+        items: &[Charge<'_>],
+        now_ms: u64,
+    ) -> Vec<Result<WindowState, StoreError>> {
+        match self {
+            AnyStore::Memory(s) => s.charge(items, now_ms).await,
+            AnyStore::Redis(s) => s.charge(items, now_ms).await,
+        }
+    }
+
+    async fn lease(
+        &self,
         key: &LimitKey,
-        cost: u64,
+        want: u64,
+        quota: u64,
         window_ms: u64,
         now_ms: u64,
+    ) -> Result<Grant, StoreError> {
+        match self {
+            AnyStore::Memory(s) => s.lease(key, want, quota, window_ms, now_ms).await,
+            AnyStore::Redis(s) => s.lease(key, want, quota, window_ms, now_ms).await,
+        }
+    }
+
+    async fn refund(
+        &self,
+        key: &LimitKey,
+        units: u64,
+        reset_at_ms: u64,
     ) -> Result<WindowState, StoreError> {
         match self {
-            AnyStore::Memory(s) => s.charge(key, cost, window_ms, now_ms).await,
-            AnyStore::Redis(s) => s.charge(key, cost, window_ms, now_ms).await,
+            AnyStore::Memory(s) => s.refund(key, units, reset_at_ms).await,
+            AnyStore::Redis(s) => s.refund(key, units, reset_at_ms).await,
         }
     }
 }

@@ -92,7 +92,7 @@ impl ClusterNode {
     pub(super) async fn call(
         &self,
         script: &Script,
-        key: &str,
+        keys: &[&str],
         args: &[u64],
     ) -> Result<Vec<i64>, StoreError> {
         let attempt = async {
@@ -105,7 +105,7 @@ impl ClusterNode {
                 c.clone()
                     .ok_or_else(|| StoreError::NotConnected(self.label.clone()))?
             };
-            super::invoke(script, key, args, &mut conn).await
+            super::invoke(script, keys, args, &mut conn).await
         };
         self.breaker.guard(&self.stats, self.timeout, attempt).await
     }

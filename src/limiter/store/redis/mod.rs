@@ -18,6 +18,7 @@
 //! - **Scripts.** Each operation is one Lua script in `lua/`, loaded on every new
 //!   connection and run with EVALSHA; NOSCRIPT still reloads and retries.
 
+mod batch;
 mod breaker;
 mod cluster;
 mod node;
@@ -26,28 +27,36 @@ pub mod stats;
 
 pub use breaker::BreakerState;
 
-use super::{Store, StoreError, WindowState};
+use super::{Charge, Grant, Store, StoreError, WindowState};
 use crate::config::{Problems, ReadFrom, StoreConfig, StoreMode};
 use crate::limiter::key::{jump_consistent_hash, LimitKey};
 use arc_swap::ArcSwap;
+use batch::Batcher;
 use cluster::ClusterNode;
+use futures_util::future::join_all;
 use node::{Node, NodeSettings, WhenDisconnected};
 use redis::Script;
 use sentinel::SentinelWatch;
 use stats::{bump, Counts, ShardStats};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, OnceLock, Weak};
 
-/// `lua/check.lua`: read a window, treating a past one as empty.
+/// `lua/check.lua`: read windows, treating past ones as empty.
 pub static CHECK_LUA: &str = include_str!("../../../../lua/check.lua");
-/// `lua/charge.lua`: add cost to a window, starting a new one when needed.
+/// `lua/charge.lua`: add cost to windows, starting new ones when needed.
 pub static CHARGE_LUA: &str = include_str!("../../../../lua/charge.lua");
+/// `lua/lease.lua`: take up to N units of a window for local admission.
+pub static LEASE_LUA: &str = include_str!("../../../../lua/lease.lua");
+/// `lua/refund.lua`: give back unused units of a window.
+pub static REFUND_LUA: &str = include_str!("../../../../lua/refund.lua");
 
 /// Every script the store runs, loaded on each new connection.
 #[derive(Debug)]
 pub(crate) struct Scripts {
     check: Script,
     charge: Script,
+    lease: Script,
+    refund: Script,
 }
 
 impl Scripts {
@@ -55,27 +64,46 @@ impl Scripts {
         Self {
             check: Script::new(CHECK_LUA),
             charge: Script::new(CHARGE_LUA),
+            lease: Script::new(LEASE_LUA),
+            refund: Script::new(REFUND_LUA),
         }
     }
 
-    fn all(&self) -> [&Script; 2] {
-        [&self.check, &self.charge]
+    fn all(&self) -> [&Script; 4] {
+        [&self.check, &self.charge, &self.lease, &self.refund]
     }
 }
 
-/// Run `script` with one key and integer arguments on `conn` (EVALSHA; on NOSCRIPT the
+/// Run `script` with `keys` and integer arguments on `conn` (EVALSHA; on NOSCRIPT the
 /// script is loaded and the call retried).
 async fn invoke(
     script: &Script,
-    key: &str,
+    keys: &[&str],
     args: &[u64],
     conn: &mut impl redis::aio::ConnectionLike,
 ) -> Result<Vec<i64>, StoreError> {
-    let mut invocation = script.key(key);
+    let mut invocation = script.prepare_invoke();
+    for k in keys {
+        invocation.key(*k);
+    }
     for a in args {
         invocation.arg(*a);
     }
     Ok(invocation.invoke_async::<Vec<i64>>(conn).await?)
+}
+
+/// The two integers per key that check.lua and charge.lua answer, as windows.
+fn windows(reply: &[i64]) -> Vec<Result<WindowState, StoreError>> {
+    reply
+        .chunks(2)
+        .map(|pair| match pair {
+            [used, reset_at] if *used >= 0 && *reset_at >= 0 => Ok(WindowState {
+                used: *used as u64,
+                reset_at_ms: *reset_at as u64,
+            }),
+            other => Err(StoreError::BadReply(format!("{other:?}"))),
+        })
+        .collect()
 }
 
 /// One primary/replica group.
@@ -88,14 +116,53 @@ pub(crate) struct Shard {
     next_replica: AtomicUsize,
     stats: ShardStats,
     sentinel: Option<Arc<SentinelWatch>>,
+    /// CHECKs of concurrent requests, sent together ([`batch`]).
+    checks: Batcher,
+    /// CHARGEs of concurrent requests, sent together to the primary.
+    charges: Batcher,
 }
 
 impl Shard {
+    /// The two batchers of the shard that `weak` will point to.
+    fn batchers(
+        weak: &Weak<Shard>,
+        scripts: &Arc<Scripts>,
+        timeout: std::time::Duration,
+    ) -> (Batcher, Batcher) {
+        let (w, s) = (weak.clone(), scripts.clone());
+        let checks = Batcher::spawn(
+            Box::new(move |keys, args| {
+                let (w, s) = (w.clone(), s.clone());
+                Box::pin(async move {
+                    let shard = w.upgrade().ok_or(StoreError::NotStarted)?;
+                    let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+                    shard.check(&s, &keys, &args).await
+                })
+            }),
+            timeout,
+        );
+        let (w, s) = (weak.clone(), scripts.clone());
+        let charges = Batcher::spawn(
+            Box::new(move |keys, args| {
+                let (w, s) = (w.clone(), s.clone());
+                Box::pin(async move {
+                    let shard = w.upgrade().ok_or(StoreError::NotStarted)?;
+                    let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+                    shard.on_primary(&s.charge, &keys, &args).await
+                })
+            }),
+            timeout,
+        );
+        (checks, charges)
+    }
+
+    /// CHECK `keys` (one `now` per key in `args`) on a healthy replica when reads go to
+    /// replicas, else (or when the replica fails) on the primary.
     async fn check(
         &self,
         scripts: &Scripts,
-        key: &str,
-        now_ms: u64,
+        keys: &[&str],
+        args: &[u64],
     ) -> Result<Vec<i64>, StoreError> {
         if self.read_from == ReadFrom::Replica {
             let replicas = self.replicas.load();
@@ -106,7 +173,7 @@ impl Shard {
                     .find(|r| r.is_available());
                 if let Some(replica) = candidate {
                     match replica
-                        .call(&scripts.check, key, &[now_ms], WhenDisconnected::FailFast)
+                        .call(&scripts.check, keys, args, WhenDisconnected::FailFast)
                         .await
                     {
                         Ok(reply) => return Ok(reply),
@@ -118,18 +185,18 @@ impl Shard {
                 bump(&self.stats.replica_fallbacks);
             }
         }
-        self.on_primary(&scripts.check, key, &[now_ms]).await
+        self.on_primary(&scripts.check, keys, args).await
     }
 
     async fn on_primary(
         &self,
         script: &Script,
-        key: &str,
+        keys: &[&str],
         args: &[u64],
     ) -> Result<Vec<i64>, StoreError> {
         let result = self
             .primary
-            .call(script, key, args, WhenDisconnected::Wait)
+            .call(script, keys, args, WhenDisconnected::Wait)
             .await;
         if let (Err(e), Some(sentinel)) = (&result, &self.sentinel) {
             if e.suggests_failover() {
@@ -348,14 +415,19 @@ impl RedisStore {
                     sen.nodes.iter().filter_map(|n| open(n)).collect(),
                 )
             });
-            let shard = Arc::new(Shard {
-                index,
-                primary,
-                replicas: ArcSwap::from_pointee(replicas),
-                read_from,
-                next_replica: AtomicUsize::new(0),
-                stats: ShardStats::default(),
-                sentinel: sentinel.clone(),
+            let shard = Arc::new_cyclic(|weak| {
+                let (checks, charges) = Shard::batchers(weak, &self.scripts, settings.timeout);
+                Shard {
+                    index,
+                    primary,
+                    replicas: ArcSwap::from_pointee(replicas),
+                    read_from,
+                    next_replica: AtomicUsize::new(0),
+                    stats: ShardStats::default(),
+                    sentinel: sentinel.clone(),
+                    checks,
+                    charges,
+                }
             });
             if let Some(sentinel) = sentinel {
                 sentinel.start(&shard, self.scripts.clone(), settings.clone());
@@ -383,49 +455,115 @@ impl RedisStore {
         }
     }
 
-    async fn run(&self, key: &LimitKey, op: Op) -> Result<WindowState, StoreError> {
+    /// Send `items` (key, arguments; the same number of arguments per key) with `script`
+    /// (check.lua or charge.lua): one call per shard, through the shard's batcher (so
+    /// concurrent requests share calls), or per hash tag in cluster mode. Shards are
+    /// called concurrently; one result per item, in order.
+    async fn run_many(
+        &self,
+        kind: Kind,
+        keys: &[&LimitKey],
+        args: impl Fn(usize) -> Vec<u64>,
+    ) -> Vec<Result<WindowState, StoreError>> {
         let Some(live) = self.live.get() else {
-            return Err(StoreError::NotStarted);
+            return keys.iter().map(|_| Err(StoreError::NotStarted)).collect();
         };
-        let reply = match (live, op) {
-            (Topology::Cluster(c), Op::Check { now_ms }) => {
-                c.call(&self.scripts.check, &key.key, &[now_ms]).await?
+        // Group items: by shard, or by hash tag (the subject's digest) in cluster mode.
+        let group_of = |k: &LimitKey| match live {
+            Topology::Cluster(_) => k.shard_hash,
+            Topology::Sharded(_) => self.shard_of(k) as u64,
+        };
+        let mut groups: Vec<(u64, Vec<usize>)> = Vec::new();
+        for (i, k) in keys.iter().enumerate() {
+            let g = group_of(k);
+            match groups.iter_mut().find(|(id, _)| *id == g) {
+                Some((_, members)) => members.push(i),
+                None => groups.push((g, vec![i])),
             }
-            (
-                Topology::Cluster(c),
-                Op::Charge {
-                    cost,
-                    window_ms,
-                    now_ms,
-                },
-            ) => {
-                c.call(&self.scripts.charge, &key.key, &[cost, window_ms, now_ms])
-                    .await?
+        }
+        if let [(group, members)] = groups.as_slice() {
+            // Every item on one shard (the usual case): no fan-out needed.
+            return self
+                .call_group(live, kind, *group, keys, members, &args)
+                .await;
+        }
+        let replies = join_all(
+            groups
+                .iter()
+                .map(|(g, m)| self.call_group(live, kind, *g, keys, m, &args)),
+        )
+        .await;
+        let mut out: Vec<Option<Result<WindowState, StoreError>>> =
+            keys.iter().map(|_| None).collect();
+        for ((_, members), results) in groups.iter().zip(replies) {
+            for (&i, r) in members.iter().zip(results) {
+                out[i] = Some(r);
             }
-            (Topology::Sharded(shards), op) => {
-                let Some(shard) = shards.get(self.shard_of(key)) else {
-                    return Err(StoreError::NotStarted);
+        }
+        out.into_iter()
+            .map(|r| r.unwrap_or(Err(StoreError::NotStarted)))
+            .collect()
+    }
+
+    /// One script call for the items `members` of `keys` that share a shard (or a hash
+    /// tag in cluster mode).
+    async fn call_group(
+        &self,
+        live: &Topology,
+        kind: Kind,
+        group: u64,
+        keys: &[&LimitKey],
+        members: &[usize],
+        args: &impl Fn(usize) -> Vec<u64>,
+    ) -> Vec<Result<WindowState, StoreError>> {
+        let names: Vec<String> = members.iter().map(|&i| keys[i].key.clone()).collect();
+        let flat: Vec<u64> = members.iter().flat_map(|&i| args(i)).collect();
+        let reply = match live {
+            Topology::Cluster(c) => {
+                let script = match kind {
+                    Kind::Check => &self.scripts.check,
+                    Kind::Charge => &self.scripts.charge,
                 };
-                match op {
-                    Op::Check { now_ms } => shard.check(&self.scripts, &key.key, now_ms).await?,
-                    Op::Charge {
-                        cost,
-                        window_ms,
-                        now_ms,
-                    } => {
-                        shard
-                            .on_primary(&self.scripts.charge, &key.key, &[cost, window_ms, now_ms])
-                            .await?
-                    }
-                }
+                let names: Vec<&str> = names.iter().map(String::as_str).collect();
+                c.call(script, &names, &flat).await
             }
+            Topology::Sharded(shards) => match shards.get(group as usize) {
+                None => Err(StoreError::NotStarted),
+                Some(shard) => match kind {
+                    Kind::Check => shard.checks.submit(names, flat).await,
+                    Kind::Charge => shard.charges.submit(names, flat).await,
+                },
+            },
         };
-        match reply.as_slice() {
-            [used, reset_at] if *used >= 0 && *reset_at >= 0 => Ok(WindowState {
-                used: *used as u64,
-                reset_at_ms: *reset_at as u64,
-            }),
-            other => Err(StoreError::BadReply(format!("{other:?}"))),
+        match reply {
+            Ok(r) if r.len() == 2 * members.len() => windows(&r),
+            Ok(r) => vec![
+                Err(StoreError::BadReply(format!(
+                    "{} integers for {} keys",
+                    r.len(),
+                    members.len()
+                )));
+                members.len()
+            ],
+            Err(e) => vec![Err(e); members.len()],
+        }
+    }
+
+    /// Run a one-key script on the primary holding `key` (lease and refund: rare, so
+    /// not batched).
+    async fn on_primary(
+        &self,
+        script: &Script,
+        key: &LimitKey,
+        args: &[u64],
+    ) -> Result<Vec<i64>, StoreError> {
+        match self.live.get() {
+            None => Err(StoreError::NotStarted),
+            Some(Topology::Cluster(c)) => c.call(script, &[&key.key], args).await,
+            Some(Topology::Sharded(shards)) => match shards.get(self.shard_of(key)) {
+                None => Err(StoreError::NotStarted),
+                Some(shard) => shard.on_primary(script, &[&key.key], args).await,
+            },
         }
     }
 
@@ -477,16 +615,13 @@ impl RedisStore {
     }
 }
 
-#[derive(Debug, Clone, Copy)]
-enum Op {
-    Check {
-        now_ms: u64,
-    },
-    Charge {
-        cost: u64,
-        window_ms: u64,
-        now_ms: u64,
-    },
+/// Which batched script a call runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// check.lua: one `now` per key.
+    Check,
+    /// charge.lua: cost, window, now per key.
+    Charge,
 }
 
 /// The state of one shard.
@@ -527,25 +662,58 @@ pub struct NodeReport {
 }
 
 impl Store for RedisStore {
-    async fn check(&self, key: &LimitKey, now_ms: u64) -> Result<WindowState, StoreError> {
-        self.run(key, Op::Check { now_ms }).await
+    async fn check(&self, keys: &[&LimitKey], now_ms: u64) -> Vec<Result<WindowState, StoreError>> {
+        self.run_many(Kind::Check, keys, |_| vec![now_ms]).await
     }
 
     async fn charge(
         &self,
+        items: &[Charge<'_>],
+        now_ms: u64,
+    ) -> Vec<Result<WindowState, StoreError>> {
+        let keys: Vec<&LimitKey> = items.iter().map(|c| c.key).collect();
+        self.run_many(Kind::Charge, &keys, |i| {
+            vec![items[i].cost, items[i].window_ms, now_ms]
+        })
+        .await
+    }
+
+    async fn lease(
+        &self,
         key: &LimitKey,
-        cost: u64,
+        want: u64,
+        quota: u64,
         window_ms: u64,
         now_ms: u64,
+    ) -> Result<Grant, StoreError> {
+        let reply = self
+            .on_primary(&self.scripts.lease, key, &[want, quota, window_ms, now_ms])
+            .await?;
+        match reply.as_slice() {
+            [granted, used, reset_at] if *granted >= 0 && *used >= 0 && *reset_at >= 0 => {
+                Ok(Grant {
+                    granted: *granted as u64,
+                    window: WindowState {
+                        used: *used as u64,
+                        reset_at_ms: *reset_at as u64,
+                    },
+                })
+            }
+            other => Err(StoreError::BadReply(format!("{other:?}"))),
+        }
+    }
+
+    async fn refund(
+        &self,
+        key: &LimitKey,
+        units: u64,
+        reset_at_ms: u64,
     ) -> Result<WindowState, StoreError> {
-        self.run(
-            key,
-            Op::Charge {
-                cost,
-                window_ms,
-                now_ms,
-            },
-        )
-        .await
+        let reply = self
+            .on_primary(&self.scripts.refund, key, &[units, reset_at_ms])
+            .await?;
+        windows(&reply)
+            .pop()
+            .unwrap_or(Err(StoreError::BadReply("empty".into())))
     }
 }

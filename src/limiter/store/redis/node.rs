@@ -110,12 +110,12 @@ impl Node {
         self.breaker.state()
     }
 
-    /// Run `script` with `key` and `args`, bounded by `store.timeout` (including the wait
-    /// for a connection). NOSCRIPT is handled by loading the script and retrying.
+    /// Run `script` with `keys` and `args`, bounded by `store.timeout` (including the
+    /// wait for a connection). NOSCRIPT is handled by loading the script and retrying.
     pub(super) async fn call(
         &self,
         script: &Script,
-        key: &str,
+        keys: &[&str],
         args: &[u64],
         when: WhenDisconnected,
     ) -> Result<Vec<i64>, StoreError> {
@@ -124,7 +124,7 @@ impl Node {
                 Some(c) => c,
                 None => return Err(StoreError::NotConnected(self.label.clone())),
             };
-            super::invoke(script, key, args, &mut conn).await
+            super::invoke(script, keys, args, &mut conn).await
         };
         let result = self
             .breaker

@@ -1,0 +1,223 @@
+//! Lease mode (`[[limits]] lease = N`): a gateway takes up to N units of a caller's
+//! window from the store in one call (`lua/lease.lua`) and admits requests from them
+//! locally, so a hot caller costs about one Redis call per N requests.
+//!
+//! Leased units are counted in the shared window when they are granted, so the units
+//! admitted by all gateways together never exceed the quota; the price is that a
+//! gateway may hold units another gateway's callers could have used. Units a gateway
+//! has not used are given back (`lua/refund.lua`) once its lease has been idle for
+//! [`IDLE_MS`], and at shutdown; when the window ends they lapse with it.
+
+use super::key::LimitKey;
+use super::sharded::ShardedMap;
+use super::store::{Grant, Store, StoreError};
+use std::sync::Arc;
+
+/// A lease unused this long (milliseconds) gives its units back.
+pub const IDLE_MS: u64 = 1_000;
+
+/// One lease: units this gateway holds in one window.
+#[derive(Debug, Clone)]
+struct Lease {
+    key: LimitKey,
+    /// The window the units belong to (its end, ms since the epoch).
+    reset_at_ms: u64,
+    /// Units held and not yet used.
+    remaining: u64,
+    /// The window's count in the store at the last grant (every gateway's leases).
+    store_used: u64,
+    /// Last time units were taken or returned, ms since the epoch.
+    last_ms: u64,
+}
+
+/// What taking units from a lease found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Take {
+    /// Taken. `used` is the window's count as this gateway sees it (the store's count
+    /// minus the units it still holds); `reset_at_ms` its end.
+    Taken {
+        /// Units used in the window, as reported in `X-RateLimit-Used`.
+        used: u64,
+        /// End of the window, ms since the epoch.
+        reset_at_ms: u64,
+    },
+    /// The window has no units left for this request.
+    Exhausted {
+        /// The store's count (every gateway's leases).
+        used: u64,
+        /// End of the window, ms since the epoch.
+        reset_at_ms: u64,
+    },
+}
+
+/// What one request asks of a lease-mode limit.
+#[derive(Debug, Clone, Copy)]
+pub struct Ask<'a> {
+    /// The window.
+    pub key: &'a LimitKey,
+    /// Units the request costs.
+    pub cost: u64,
+    /// Units to take from the store at a time (`[[limits]] lease`).
+    pub lease: u64,
+    /// The caller's quota, units per window.
+    pub quota: u64,
+    /// Window length for a new window, milliseconds.
+    pub window_ms: u64,
+}
+
+/// Every lease this gateway holds, shared across config reloads that keep the store.
+#[derive(Debug, Default)]
+pub struct LeaseTable {
+    leases: ShardedMap<Lease>,
+}
+
+impl LeaseTable {
+    /// An empty table.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Take `ask.cost` units of `ask.key`'s window: from the local lease when it holds
+    /// enough, else after asking the store for `max(lease, cost)` more (never past
+    /// `quota`).
+    ///
+    /// Errors: the store's, when a grant was needed and the store failed.
+    pub async fn take(
+        &self,
+        store: &impl Store,
+        ask: Ask<'_>,
+        now_ms: u64,
+    ) -> Result<Take, StoreError> {
+        if let Some(t) = self.take_local(ask.key, ask.cost, now_ms) {
+            return Ok(t);
+        }
+        let grant = store
+            .lease(
+                ask.key,
+                ask.lease.max(ask.cost),
+                ask.quota,
+                ask.window_ms,
+                now_ms,
+            )
+            .await?;
+        Ok(self.add_and_take(ask.key, grant, ask.cost, now_ms))
+    }
+
+    fn take_local(&self, key: &LimitKey, cost: u64, now_ms: u64) -> Option<Take> {
+        let mut map = self.leases.shard(key);
+        let l = map.get_mut(&key.key)?;
+        if l.reset_at_ms <= now_ms || l.remaining < cost {
+            return None;
+        }
+        l.remaining -= cost;
+        l.last_ms = now_ms;
+        Some(Take::Taken {
+            used: l.store_used.saturating_sub(l.remaining),
+            reset_at_ms: l.reset_at_ms,
+        })
+    }
+
+    fn add_and_take(&self, key: &LimitKey, grant: Grant, cost: u64, now_ms: u64) -> Take {
+        let w = grant.window;
+        let mut map = self.leases.shard(key);
+        let l = map.entry(key.key.clone()).or_insert_with(|| Lease {
+            key: key.clone(),
+            reset_at_ms: w.reset_at_ms,
+            remaining: 0,
+            store_used: 0,
+            last_ms: now_ms,
+        });
+        if l.reset_at_ms != w.reset_at_ms {
+            // A new window: what was held belonged to the old one and lapsed with it.
+            l.reset_at_ms = w.reset_at_ms;
+            l.remaining = 0;
+        }
+        l.remaining += grant.granted;
+        l.store_used = l.store_used.max(w.used);
+        l.last_ms = now_ms;
+        if l.remaining >= cost {
+            l.remaining -= cost;
+            Take::Taken {
+                used: l.store_used.saturating_sub(l.remaining),
+                reset_at_ms: l.reset_at_ms,
+            }
+        } else {
+            Take::Exhausted {
+                used: w.used,
+                reset_at_ms: w.reset_at_ms,
+            }
+        }
+    }
+
+    /// Put `cost` units back into the local lease (the request was not charged after
+    /// all: an uncharged status, an upstream failure, or another limit refused it).
+    pub fn give_back(&self, key: &LimitKey, cost: u64, reset_at_ms: u64) {
+        let mut map = self.leases.shard(key);
+        if let Some(l) = map.get_mut(&key.key) {
+            if l.reset_at_ms == reset_at_ms {
+                l.remaining += cost;
+            }
+        }
+    }
+
+    /// Drop leases of past windows and give back the units of leases idle for
+    /// [`IDLE_MS`] (all of them with `all`, at shutdown). Returns the units given back.
+    pub async fn sweep(&self, store: &impl Store, now_ms: u64, all: bool) -> u64 {
+        let mut idle = Vec::new();
+        self.leases.retain_mut(|l| {
+            if l.reset_at_ms <= now_ms {
+                return false;
+            }
+            if all || now_ms.saturating_sub(l.last_ms) >= IDLE_MS {
+                if l.remaining > 0 {
+                    idle.push((l.key.clone(), l.remaining, l.reset_at_ms));
+                }
+                return false;
+            }
+            true
+        });
+        let mut returned = 0;
+        for (key, units, reset_at_ms) in idle {
+            match store.refund(&key, units, reset_at_ms).await {
+                Ok(_) => returned += units,
+                Err(e) => tracing::debug!(error = %e, "returning leased units failed"),
+            }
+        }
+        returned
+    }
+
+    /// Number of leases held.
+    pub fn len(&self) -> usize {
+        self.leases.len()
+    }
+
+    /// True when no lease is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Sweep `table` every [`IDLE_MS`] / 2 until the table or the store is dropped.
+pub fn spawn_sweeper<S: Store + 'static>(
+    table: &Arc<LeaseTable>,
+    store: &Arc<S>,
+    clock: crate::clock::SharedClock,
+) {
+    let Ok(rt) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    let (table, store) = (Arc::downgrade(table), Arc::downgrade(store));
+    rt.spawn(async move {
+        let mut tick = tokio::time::interval(std::time::Duration::from_millis(IDLE_MS / 2));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let (Some(table), Some(store)) = (table.upgrade(), store.upgrade()) else {
+                return;
+            };
+            if !table.is_empty() {
+                table.sweep(&*store, clock.now_ms(), false).await;
+            }
+        }
+    });
+}

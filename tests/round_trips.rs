@@ -1,0 +1,281 @@
+//! Redis round trips per request, against real `redis-server` processes: the limits of
+//! a request on one shard travel in one script call, concurrent requests share calls,
+//! lease mode takes units in bulk, and two gateways on the same shards never admit
+//! more than the quota in lease mode (the accuracy harness of issue 7).
+
+mod support;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use support::topology::evalsha_calls;
+use support::{get_with, sha256_hex, RedisServer, TestGateway, Upstream};
+
+const KEY: &str = "acme-secret-key";
+
+/// A Redis-backed gateway config: `limits_toml` holds the `[[limits]]` entries and
+/// `route_limits` the route's `limits = [...]` list.
+fn config(
+    shards: &[&RedisServer],
+    upstream: &Upstream,
+    limits_toml: &str,
+    route_limits: &str,
+) -> String {
+    let mut s = String::from(
+        "[server]\nlisten = \"127.0.0.1:0\"\nshutdown_grace = \"2s\"\n\n[store]\nbackend = \"redis\"\ntimeout = \"500ms\"\non_error = \"deny\"\n",
+    );
+    for r in shards {
+        s.push_str(&format!("\n[[store.shards]]\nprimary = \"{}\"\n", r.url()));
+    }
+    s.push_str(&format!(
+        r#"
+[identity]
+trusted_proxies = ["127.0.0.1/32"]
+
+[[identity.clients]]
+id = "acme"
+key_sha256 = "{key}"
+
+[[upstreams]]
+name = "api"
+targets = ["{up}"]
+
+{limits_toml}
+
+[[routes]]
+path_prefix = "/"
+upstream = "api"
+limits = [{route_limits}]
+uncharged_statuses = [304]
+"#,
+        key = sha256_hex(KEY),
+        up = upstream.url()
+    ));
+    s
+}
+
+fn auth() -> [(&'static str, &'static str); 1] {
+    [("authorization", "Bearer acme-secret-key")]
+}
+
+/// The hash fields `count` of every window key on `redis`, summed.
+fn total_count(redis: &RedisServer) -> u64 {
+    redis
+        .keys()
+        .iter()
+        .map(|k| redis.cmd::<Option<u64>>(&["HGET", k, "count"]).unwrap_or(0))
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_limits_of_a_request_on_one_shard_share_one_call() {
+    let redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    let limits = r#"
+[[limits]]
+name = "hour"
+window = "1h"
+quota = { default = 1000 }
+
+[[limits]]
+name = "minute"
+window = "1m"
+quota = { default = 100 }
+
+[[limits]]
+name = "second"
+window = "1s"
+quota = { default = 50 }
+"#;
+    let gw = TestGateway::start(&config(
+        &[&redis],
+        &upstream,
+        limits,
+        "\"hour\", \"minute\", \"second\"",
+    ))
+    .await;
+    let before = evalsha_calls(&redis);
+    for i in 1..=10u64 {
+        let r = get_with(&gw.url("/"), &auth()).await;
+        assert_eq!(r.status, 200);
+        // The most constrained of the three limits is reported.
+        assert_eq!(r.header("x-ratelimit-resource"), "second");
+        assert_eq!(r.num("x-ratelimit-used"), i);
+    }
+    let calls = evalsha_calls(&redis) - before;
+    println!("3 limits x 10 requests: {calls} script calls");
+    assert_eq!(
+        calls, 20,
+        "one CHECK and one CHARGE call per request, not one per limit"
+    );
+    let keys = redis.keys();
+    assert_eq!(keys.len(), 3, "three windows: {keys:?}");
+    for k in &keys {
+        assert_eq!(redis.cmd::<u64>(&["HGET", k, "count"]), 10, "{k}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_requests_share_script_calls() {
+    let redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    let limits = "[[limits]]\nname = \"core\"\nwindow = \"1h\"\nquota = { anonymous = 1000000 }\n";
+    let gw = Arc::new(TestGateway::start(&config(&[&redis], &upstream, limits, "\"core\"")).await);
+    let before = evalsha_calls(&redis);
+    let n = 400;
+    let mut tasks = Vec::new();
+    for i in 0..n {
+        let gw = gw.clone();
+        // Many callers (one per client IP, believed from the trusted proxy on loopback).
+        let ip = format!("10.0.{}.{}", i / 200, i % 200 + 1);
+        tasks.push(tokio::spawn(async move {
+            get_with(&gw.url("/"), &[("x-forwarded-for", ip.as_str())])
+                .await
+                .status
+        }));
+    }
+    for t in tasks {
+        assert_eq!(t.await.unwrap(), 200);
+    }
+    let calls = evalsha_calls(&redis) - before;
+    println!(
+        "{n} concurrent requests: {calls} script calls ({:.2} per request)",
+        calls as f64 / n as f64
+    );
+    assert_eq!(total_count(&redis), n, "every request charged exactly once");
+    assert!(
+        calls < 2 * n,
+        "concurrent CHECKs and CHARGEs must be batched: {calls} calls for {n} requests"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lease_mode_takes_units_in_bulk_and_stops_at_the_quota() {
+    let redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    let limits =
+        "[[limits]]\nname = \"core\"\nwindow = \"1h\"\nquota = { default = 50 }\nlease = 10\n";
+    let gw = TestGateway::start(&config(&[&redis], &upstream, limits, "\"core\"")).await;
+    let before = evalsha_calls(&redis);
+    for i in 1..=50u64 {
+        let r = get_with(&gw.url("/"), &auth()).await;
+        assert_eq!(r.status, 200, "request {i}");
+        assert_eq!(r.num("x-ratelimit-limit"), 50);
+        assert_eq!(r.num("x-ratelimit-used"), i, "request {i}");
+        assert_eq!(r.num("x-ratelimit-remaining"), 50 - i);
+    }
+    let calls = evalsha_calls(&redis) - before;
+    assert_eq!(calls, 5, "50 requests, leases of 10: five lease calls");
+    let r = get_with(&gw.url("/"), &auth()).await;
+    assert_eq!(r.status, 429);
+    assert_eq!(r.num("x-ratelimit-remaining"), 0);
+    assert!(r.num("retry-after") > 3500, "the window lasts an hour");
+    // The rejection is remembered: further 429s cost no call.
+    let calls_at_quota = evalsha_calls(&redis);
+    for _ in 0..5 {
+        assert_eq!(get_with(&gw.url("/"), &auth()).await.status, 429);
+    }
+    assert_eq!(evalsha_calls(&redis), calls_at_quota);
+    assert_eq!(upstream.hits(), 50);
+    assert_eq!(total_count(&redis), 50);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_and_uncharged_lease_units_go_back() {
+    let redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    let limits =
+        "[[limits]]\nname = \"core\"\nwindow = \"1h\"\nquota = { default = 100 }\nlease = 20\n";
+    let gw = TestGateway::start(&config(&[&redis], &upstream, limits, "\"core\"")).await;
+    for _ in 0..3 {
+        assert_eq!(get_with(&gw.url("/"), &auth()).await.status, 200);
+    }
+    // An uncharged status (304) gives its unit back to the lease.
+    let r = get_with(&gw.url("/status/304"), &auth()).await;
+    assert_eq!(r.status, 304);
+    let r = get_with(&gw.url("/"), &auth()).await;
+    assert_eq!(r.num("x-ratelimit-used"), 4, "the 304 was not counted");
+    assert_eq!(total_count(&redis), 20, "one lease of 20 is held");
+    // Idle for more than a second: the 16 unused units go back to the shared window.
+    gw.clock.advance(Duration::from_millis(1_500));
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while total_count(&redis) != 4 && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(total_count(&redis), 4, "unused leased units returned");
+}
+
+/// Two gateways on the same two shards, one caller, 200 concurrent requests split over
+/// both, quota 50: how many does each mode admit? Lease mode never exceeds the quota;
+/// after_response admits what its CHECKs saw room for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn accuracy_two_gateways_one_caller_200_concurrent_requests() {
+    let (a, b) = (RedisServer::start(), RedisServer::start());
+    let upstream = Upstream::start().await;
+    let quota = 50;
+    let mut report = Vec::new();
+    for (mode, lease) in [("after_response", ""), ("lease = 10", "lease = 10\n")] {
+        for r in [&a, &b] {
+            r.cmd::<()>(&["FLUSHALL"]);
+        }
+        let limits = format!("[[limits]]\nname = \"core\"\nwindow = \"1h\"\nquota = {{ default = {quota} }}\n{lease}");
+        let toml = config(&[&a, &b], &upstream, &limits, "\"core\"");
+        let g1 = Arc::new(TestGateway::start(&toml).await);
+        let g2 = Arc::new(TestGateway::start(&toml).await);
+        let admitted = Arc::new(AtomicUsize::new(0));
+        let mut tasks = Vec::new();
+        for i in 0..200 {
+            let gw = if i % 2 == 0 { g1.clone() } else { g2.clone() };
+            let admitted = admitted.clone();
+            tasks.push(tokio::spawn(async move {
+                let r = get_with(&gw.url("/"), &auth()).await;
+                assert!(r.status == 200 || r.status == 429, "status {}", r.status);
+                if r.status == 200 {
+                    admitted.fetch_add(1, Ordering::Relaxed);
+                }
+            }));
+        }
+        for t in tasks {
+            t.await.unwrap();
+        }
+        let admitted = admitted.load(Ordering::Relaxed);
+        let counted = total_count(&a) + total_count(&b);
+        report.push(format!(
+            "{mode:>15}: admitted {admitted:>3} of 200 (quota {quota}), Redis count {counted}"
+        ));
+        if !lease.is_empty() {
+            assert!(
+                admitted <= quota as usize,
+                "lease mode admitted {admitted} > quota {quota}"
+            );
+            assert!(
+                admitted >= quota as usize - 20,
+                "lease mode admitted only {admitted}"
+            );
+            assert!(counted <= quota);
+        } else {
+            assert!(
+                admitted >= quota as usize,
+                "after_response admitted {admitted}"
+            );
+            assert_eq!(
+                counted, admitted as u64,
+                "every admitted request charged once"
+            );
+        }
+        for g in [g1, g2] {
+            let g = Arc::try_unwrap(g).ok().expect("no other handle");
+            g.gateway.shutdown();
+            g.gateway.wait().await;
+        }
+        if !lease.is_empty() {
+            // Shutdown returned the units the gateways held but did not use.
+            let counted = total_count(&a) + total_count(&b);
+            assert_eq!(counted, admitted as u64, "leases returned at shutdown");
+        }
+    }
+    println!(
+        "two gateways, one caller, 200 concurrent requests:\n{}",
+        report.join("\n")
+    );
+}

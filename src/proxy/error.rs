@@ -59,20 +59,29 @@ impl ProxyError {
     pub fn into_response(self) -> Response<Body> {
         let status = self.status();
         let message = self.to_string();
-        let mut body = serde_json::json!({ "message": message });
+        let mut body = ErrorBody {
+            message: &message,
+            limit: None,
+            remaining: None,
+            reset: None,
+            resource: None,
+            retry_after: None,
+        };
         if let ProxyError::OverLimit {
             usage,
             retry_after_s,
             ..
         } = &self
         {
-            body["limit"] = usage.quota.into();
-            body["remaining"] = 0.into();
-            body["reset"] = usage.reset_epoch_s().into();
-            body["resource"] = usage.resource.as_ref().into();
-            body["retry_after"] = (*retry_after_s).into();
+            body.limit = Some(usage.quota);
+            body.remaining = Some(0);
+            body.reset = Some(usage.reset_epoch_s());
+            body.resource = Some(&usage.resource);
+            body.retry_after = Some(*retry_after_s);
         }
-        let mut response = json_response(status, &body);
+        // Serializing a struct of plain fields cannot fail.
+        let bytes = serde_json::to_vec(&body).unwrap_or_default();
+        let mut response = json_bytes_response(status, bytes);
         if let ProxyError::OverLimit {
             usage,
             retry_after_s,
@@ -88,9 +97,31 @@ impl ProxyError {
     }
 }
 
+/// The JSON body of the gateway's own answers (a struct, not a `serde_json::Value`: the
+/// 429 path is hot under abuse).
+#[derive(serde::Serialize)]
+struct ErrorBody<'a> {
+    message: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    limit: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    remaining: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reset: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    resource: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    retry_after: Option<u64>,
+}
+
 /// A response with a JSON body and `Content-Type: application/json`.
 pub fn json_response(status: StatusCode, body: &serde_json::Value) -> Response<Body> {
-    let bytes = Bytes::from(body.to_string());
+    json_bytes_response(status, body.to_string().into_bytes())
+}
+
+/// A response with `bytes` (JSON) as body and `Content-Type: application/json`.
+fn json_bytes_response(status: StatusCode, bytes: Vec<u8>) -> Response<Body> {
+    let bytes = Bytes::from(bytes);
     let mut r = Response::new(Full::new(bytes).map_err(|never| match never {}).boxed());
     *r.status_mut() = status;
     r.headers_mut().insert(

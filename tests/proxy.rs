@@ -156,6 +156,43 @@ async fn targets_are_used_round_robin() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_connections_are_reused() {
+    let upstream = Upstream::start().await;
+    let gw = gateway(&upstream).await;
+    // Sequential requests of every shape that leaves the connection reusable: bodies
+    // read to the end, empty bodies, a 304 (no body at all), a HEAD.
+    for i in 0..30 {
+        let path = match i % 3 {
+            0 => "/",
+            1 => "/status/204",
+            _ => "/status/304",
+        };
+        get(&gw.url(path)).await;
+    }
+    let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
+    let head = Request::head(gw.url("/"))
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    assert_eq!(client.request(head).await.unwrap().status(), 200);
+    assert_eq!(get(&gw.url("/download/200000")).await.status, 200);
+    assert_eq!(upstream.hits(), 32);
+    assert_eq!(
+        upstream.connections(),
+        1,
+        "one keep-alive connection carries every sequential request"
+    );
+    // A response the client abandons mid-body takes its connection with it; the next
+    // request opens a new one and works.
+    let r = client
+        .get(gw.url("/download/50000000").parse().unwrap())
+        .await
+        .unwrap();
+    drop(r);
+    assert_eq!(get(&gw.url("/")).await.status, 200);
+    assert_eq!(upstream.connections(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cleartext_http2_is_served_on_the_same_listener() {
     let upstream = Upstream::start().await;
     let gw = gateway(&upstream).await;

@@ -1,16 +1,15 @@
 //! Step 4 of the request path: forward to an upstream target, streaming both bodies.
 
 use super::error::ProxyError;
+use super::pool::{Pool, PoolError};
 use super::Body;
 use crate::config::{Problems, UpstreamConfig};
+use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{Request, Response, Uri, Version};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -24,16 +23,21 @@ struct Target {
     base_path: String,
 }
 
-/// A named pool of targets, used round robin through one pooled keep-alive client.
+/// A named set of targets, used round robin, each with its pool of keep-alive
+/// connections.
 #[derive(Debug)]
 pub struct Upstream {
     /// The `[[upstreams]]` name (an `Arc` so that metric labels share it).
     pub name: Arc<str>,
-    targets: Vec<Target>,
+    targets: Vec<(Target, Arc<Pool>)>,
     next: AtomicUsize,
-    client: Client<HttpConnector, Incoming>,
     response_timeout: Duration,
 }
+
+/// Idle keep-alive connections kept per target.
+const MAX_IDLE_PER_TARGET: usize = 256;
+/// How long an idle connection is kept.
+const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
 
 impl Upstream {
     /// Build from config (no I/O), recording problems under `upstreams[index]`.
@@ -65,23 +69,27 @@ impl Upstream {
         if problems.errors.len() != before {
             return None;
         }
-        let mut connector = HttpConnector::new();
-        connector.set_connect_timeout(Some(cfg.connect_timeout.0));
-        connector.set_nodelay(true);
-        let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(90))
-            .pool_max_idle_per_host(256)
-            .build(connector);
+        let targets = targets
+            .into_iter()
+            .map(|t: Target| {
+                let pool = Pool::new(
+                    t.authority.clone(),
+                    MAX_IDLE_PER_TARGET,
+                    IDLE_TIMEOUT,
+                    cfg.connect_timeout.0,
+                );
+                (t, pool)
+            })
+            .collect();
         Some(Self {
             name: cfg.name.as_str().into(),
             targets,
             next: AtomicUsize::new(0),
-            client,
             response_timeout: cfg.response_timeout.0,
         })
     }
 
-    fn pick(&self) -> &Target {
+    fn pick(&self) -> &(Target, Arc<Pool>) {
         let i = self.next.fetch_add(1, Ordering::Relaxed) % self.targets.len();
         &self.targets[i]
     }
@@ -179,7 +187,7 @@ pub async fn forward(
     req: Request<Incoming>,
     down: Downstream<'_>,
 ) -> Result<Response<Body>, ProxyError> {
-    let target = upstream.pick();
+    let (target, pool) = upstream.pick();
     let (mut parts, body) = req.into_parts();
     let downstream_version = parts.version;
 
@@ -196,20 +204,27 @@ pub async fn forward(
         .path_and_query()
         .map(PathAndQuery::as_str)
         .unwrap_or("/");
-    let path = format!("{}{}", target.base_path, path);
-    parts.uri = Uri::builder()
-        .scheme(Scheme::HTTP)
-        .authority(target.authority.clone())
-        .path_and_query(path)
-        .build()
-        .map_err(|e| ProxyError::BadRequest(format!("cannot build upstream URI: {e}")))?;
+    // Origin-form (`/path?query`): the request line of a request to an origin server.
+    let uri = if target.base_path.is_empty() {
+        Uri::from_maybe_shared(Bytes::copy_from_slice(path.as_bytes()))
+    } else {
+        Uri::try_from(format!("{}{}", target.base_path, path))
+    };
+    parts.uri =
+        uri.map_err(|e| ProxyError::BadRequest(format!("cannot build upstream URI: {e}")))?;
     parts.version = Version::HTTP_11;
 
     strip_hop_by_hop(&mut parts.headers);
     let h = &mut parts.headers;
-    if let Some(host) = &host {
-        h.insert(header::HOST, host.clone());
-    }
+    match &host {
+        Some(host) => h.insert(header::HOST, host.clone()),
+        // HTTP/1.0 without Host: name the target.
+        None => h.insert(
+            header::HOST,
+            HeaderValue::from_str(target.authority.as_str())
+                .unwrap_or(HeaderValue::from_static("localhost")),
+        ),
+    };
     append_forwarded_for(h, down.peer);
     if !down.peer_trusted || !h.contains_key(&X_FORWARDED_PROTO) {
         h.insert(
@@ -224,22 +239,21 @@ pub async fn forward(
     }
 
     let request = Request::from_parts(parts, body);
-    let response =
-        match tokio::time::timeout(upstream.response_timeout, upstream.client.request(request))
-            .await
-        {
-            Err(_) => return Err(ProxyError::UpstreamTimeout(upstream.name.to_string())),
-            Ok(Err(e)) if is_timeout(&e) => {
-                return Err(ProxyError::UpstreamTimeout(upstream.name.to_string()))
-            }
-            Ok(Err(e)) => {
-                return Err(ProxyError::UpstreamUnreachable(
-                    upstream.name.to_string(),
-                    error_chain(&e),
-                ))
-            }
-            Ok(Ok(r)) => r,
-        };
+    let response = match tokio::time::timeout(upstream.response_timeout, pool.send(request)).await {
+        Err(_) | Ok(Err(PoolError::ConnectTimeout(_))) => {
+            return Err(ProxyError::UpstreamTimeout(upstream.name.to_string()))
+        }
+        Ok(Err(e)) if is_timeout(&e) => {
+            return Err(ProxyError::UpstreamTimeout(upstream.name.to_string()))
+        }
+        Ok(Err(e)) => {
+            return Err(ProxyError::UpstreamUnreachable(
+                upstream.name.to_string(),
+                error_chain(&e),
+            ))
+        }
+        Ok(Ok(r)) => r,
+    };
     let (mut parts, body) = response.into_parts();
     // Answer in the client's HTTP version, whatever the upstream spoke.
     parts.version = downstream_version;

@@ -16,6 +16,7 @@ pub mod access;
 pub mod error;
 pub mod forward;
 pub mod headers;
+pub mod pool;
 pub mod route;
 
 use crate::clock::Clock;

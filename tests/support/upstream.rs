@@ -25,6 +25,7 @@ type Body = BoxBody<Bytes, Infallible>;
 pub struct Upstream {
     pub addr: SocketAddr,
     hits: Arc<AtomicUsize>,
+    connections: Arc<AtomicUsize>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -34,11 +35,14 @@ impl Upstream {
         let addr = listener.local_addr().unwrap();
         let hits = Arc::new(AtomicUsize::new(0));
         let h = hits.clone();
+        let connections = Arc::new(AtomicUsize::new(0));
+        let c = connections.clone();
         let task = tokio::spawn(async move {
             loop {
                 let Ok((stream, _)) = listener.accept().await else {
                     continue;
                 };
+                c.fetch_add(1, Ordering::SeqCst);
                 let h = h.clone();
                 tokio::spawn(async move {
                     let svc = service_fn(move |req| {
@@ -51,7 +55,12 @@ impl Upstream {
                 });
             }
         });
-        Upstream { addr, hits, task }
+        Upstream {
+            addr,
+            hits,
+            connections,
+            task,
+        }
     }
 
     pub fn url(&self) -> String {
@@ -61,6 +70,11 @@ impl Upstream {
     /// Requests received so far.
     pub fn hits(&self) -> usize {
         self.hits.load(Ordering::SeqCst)
+    }
+
+    /// TCP connections accepted so far.
+    pub fn connections(&self) -> usize {
+        self.connections.load(Ordering::SeqCst)
     }
 }
 

@@ -61,17 +61,27 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 fn main() -> ExitCode {
     tollgate::install_crypto_provider();
     let cli = Cli::parse();
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let command = cli.command.unwrap_or(Command::Run);
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if let Command::Run = command {
+        // `server.workers` sizes the runtime, so it is read before the runtime exists; an
+        // unreadable file is reported by `run` below.
+        if let Some(n) = config::read(&cli.config)
+            .ok()
+            .and_then(|f| f.config.server.workers)
+            .filter(|n| *n > 0)
+        {
+            builder.worker_threads(n);
+        }
+    }
+    let runtime = match builder.enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("tollgate: cannot start the runtime: {e}");
             return ExitCode::FAILURE;
         }
     };
-    match cli.command.unwrap_or(Command::Run) {
+    match command {
         Command::Check { against } => runtime.block_on(check(&cli.config, against.as_deref())),
         Command::Run => runtime.block_on(run(&cli.config)),
         Command::Healthcheck { url, timeout } => {

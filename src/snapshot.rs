@@ -64,6 +64,12 @@ impl Snapshot {
         if cfg.server.tls.is_some() {
             problems.error("server.tls", "TLS is not supported yet");
         }
+        if cfg.server.workers == Some(0) {
+            problems.error(
+                "server.workers",
+                "must be at least 1 (leave it out for one per CPU)",
+            );
+        }
         if cfg.server.header_read_timeout.0.is_zero() {
             problems.error("server.header_read_timeout", "must be more than 0");
         }

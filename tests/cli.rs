@@ -64,9 +64,7 @@ fn check_reports_every_error_with_path_line_column_and_key() {
         "bad.toml",
         r#"[server]
 listen = "127.0.0.1:8080"
-
-[identity]
-anonymous_tier = "anonymous"
+workers = 0
 
 [[upstreams]]
 name = "api"
@@ -80,6 +78,7 @@ targets = ["http://127.0.0.1:9001"]
 name = "core"
 window = "1h"
 quota = { anonymous = 60, gold = 10 }
+lease = 0
 
 [[limits]]
 name = "empty"
@@ -97,11 +96,13 @@ limits = ["core", "missing"]
     assert_eq!(stdout, "");
     let p = bad.display().to_string();
     for expected in [
-        format!("{p}:12:1: upstreams[1].name: duplicate upstream name \"api\""),
-        format!("{p}:18:27: limits[0].quota.gold: unknown tier \"gold\""),
-        format!("{p}:23:1: limits[1].quota: is empty"),
-        format!("{p}:27:1: routes[0].upstream: no [[upstreams]] entry is named \"nowhere\""),
-        format!("{p}:28:19: routes[0].limits[1]: no [[limits]] entry is named \"missing\""),
+        format!("{p}:3:1: server.workers: must be at least 1"),
+        format!("{p}:10:1: upstreams[1].name: duplicate upstream name \"api\""),
+        format!("{p}:16:27: limits[0].quota.gold: unknown tier \"gold\""),
+        format!("{p}:17:1: limits[0].lease: must be at least 1"),
+        format!("{p}:22:1: limits[1].quota: is empty"),
+        format!("{p}:26:1: routes[0].upstream: no [[upstreams]] entry is named \"nowhere\""),
+        format!("{p}:27:19: routes[0].limits[1]: no [[limits]] entry is named \"missing\""),
     ] {
         assert!(
             stderr.lines().any(|l| l.starts_with(&expected)),
@@ -341,4 +342,34 @@ fn check_against_the_running_config_warns_when_the_shard_list_changes() {
         .output()
         .unwrap();
     assert!(!String::from_utf8_lossy(&out.stderr).contains("shard list changed"));
+}
+
+/// Threads of a process named like tokio's worker threads.
+fn runtime_workers(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .filter(|name| name.trim() == "tokio-rt-worker")
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_workers_sizes_the_runtime() {
+    let upstream = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    for workers in [1usize, 3] {
+        let port = support::redis::free_port();
+        let text = run_config(&upstream.url(), port, 10).replace(
+            "shutdown_grace = \"5s\"",
+            &format!("shutdown_grace = \"5s\"\nworkers = {workers}"),
+        );
+        let config = write(dir.path(), &format!("w{workers}.toml"), &text);
+        let gw = spawn(&config, port);
+        assert_eq!(get(&format!("http://{}/", gw.addr)).await.status, 200);
+        assert_eq!(
+            runtime_workers(gw.child.id()),
+            workers,
+            "workers = {workers}"
+        );
+    }
 }

@@ -17,6 +17,7 @@ fn full_config() -> Config {
                 cert: "c.pem".into(),
                 key: "k.pem".into(),
             }),
+            workers: Some(2),
         },
         log: LogConfig {
             level: "info".into(),

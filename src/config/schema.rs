@@ -52,6 +52,10 @@ pub struct ServerConfig {
     pub watch_config: bool,
     /// TLS on the listener (not supported yet).
     pub tls: Option<TlsConfig>,
+    /// Worker threads of the async runtime. Default: one per CPU the process may use.
+    /// Read at start only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub workers: Option<usize>,
 }
 
 impl Default for ServerConfig {
@@ -63,6 +67,7 @@ impl Default for ServerConfig {
             header_read_timeout: Dur::from_secs(10),
             watch_config: true,
             tls: None,
+            workers: None,
         }
     }
 }

@@ -1,141 +1,468 @@
 #!/usr/bin/env bash
-# benches/load.sh — throughput and latency overhead of the tollgate gateway.
+# benches/load.sh — one-command load harness: tollgate against nginx baselines on this machine.
 #
-# What it measures (wrk -t2 -c64 --latency, everything on 127.0.0.1):
-#   upstream direct          the bare upstream (examples/upstream.rs): the baseline
-#   gateway, memory          tollgate in front of it, [store] backend = "memory"
-#   gateway, redis           the same with backend = "redis" (one local redis-server shard)
-#   redis, rejected          quota = 1, so nearly every request is a 429 (the rejection path;
-#                            with the default in-process over-limit cache)
-#   redis, rejected, no cache  the same with store.local_cache_size = 0, so every
-#                            rejection is a Redis round trip
-# For each: requests/s, p50 and p99 latency, non-2xx responses, socket errors, and the
-# gateway's peak RSS (VmHWM, read just before it is stopped).
+# Usage (as root when packages are missing; run from anywhere inside the repo):
+#   bash benches/load.sh                                       # everything, defaults below
+#   DURATION=2s ROUNDS=1 SKIP_1M=1 bash benches/load.sh        # a quick try
+#   CASES="direct nginx_proxy tg_memory" SKIP_HALFLOAD=1 bash benches/load.sh
 #
-# The limit's quota is 1e9 in the accepted scenarios, so nothing is rejected there.
-# on_error = "deny": should Redis fail or time out, the gateway answers 503 and the
-# failure shows up in the non-2xx column instead of silently skipping the store.
+# Env knobs [default]:
+#   DURATION [10s]       wrk -d of each measured run (wrk syntax: 10s, 1m)
+#   ROUNDS [2]           interleaved rounds: every selected case runs once per round, in order
+#   CASES [all]          space-separated subset of the case names below (for quick tries)
+#   SKIP_INSTALL [0]     1: never apt-get; fail when a tool is missing
+#   SKIP_BUILD [0]       1: don't run cargo build; measure the target/release/tollgate already there
+#   SKIP_HALFLOAD [0]    1: skip the half-load latency runs (h2load)
+#   SKIP_1M [0]          1: skip the 1,000,000-distinct-callers memory run
+#   HALF_SECS [10]       h2load -D (seconds) of each half-load run
+#   QUIET_PCT [15]       before each run, wait until the machine is less than QUIET_PCT % busy ...
+#   QUIET_WAIT [30]      ... for at most QUIET_WAIT seconds (the box is shared with builds and tests)
+#   OTHER_MAX [10]       a run in which more than OTHER_MAX % of the machine was busy with something
+#   RETRIES [2]          other than the processes measured is repeated, up to RETRIES tries in all;
+#                        a case whose run still exceeds it is flagged with * in the table
+#   KEEP_WORK [0]        1: keep the work dir /tmp/tollgate-load.XXXXXX (always kept on failure)
 #
-# Run:   bash benches/load.sh                 (10 s per scenario)
-#        DURATION=30s bash benches/load.sh    (wrk's -d syntax: 30s, 2m, ...)
-# Needs: cargo, redis-server; installs wrk with apt-get if it is missing (as root).
-# The load generator, upstream, gateway and Redis share this machine's cores, so compare
-# the rows with each other; absolute numbers depend heavily on the host.
+# What it does, in order:
+#   1. Installs what is missing with apt-get (wrk, nginx, libnginx-mod-http-lua, nghttp2-client for
+#      h2load, redis-server/redis-tools, curl, iproute2, procps, python3), with a temporary
+#      /usr/sbin/policy-rc.d that exits 101 so Debian does not start system services (restored
+#      afterwards). Runs `cargo build --release --bin tollgate` (unless SKIP_BUILD=1) and copies
+#      the binary into the work dir, so a rebuild by someone else during the run changes nothing.
+#   2. Starts, on 127.0.0.1 and free ports, and kills on exit (only these PIDs, listed in the work
+#      dir's pids.txt):
+#      - nginx upstream: `return 200 "ok"`, worker_processes 1, keepalive_requests 1e9
+#      - nginx proxy (worker_processes 1, upstream keepalive pool of 128):
+#          /           plain proxy_pass
+#          /redis-fw   access_by_lua: one EVALSHA fixed window (INCRBY + PEXPIRE) per request over a
+#                      pooled cosocket, 503 on a Redis error, then proxy_pass
+#          /lr-reject  limit_req at 1 r/m (limit_req_status 429): nearly every request is a 429
+#      - redis-server R0 for the one-shard cases; for tg_redis3_replicas three more primaries,
+#        each with one replica (--replicaof)
+#      - one tollgate per tg_* case, each with its own generated TOML ([log] level = "warn",
+#        [store] on_error = "deny" so store failures show up as non-2xx, one [[limits]] "core" with
+#        window = "1h", one route "/" -> the nginx upstream), validated by `tollgate check`.
+#   3. Cases (wrk -t1 -c64 -d$DURATION --latency; a 2 s warm-up of every case first; then ROUNDS
+#      interleaved rounds):
+#        direct               wrk -> nginx upstream
+#        nginx_proxy          wrk -> nginx proxy / -> upstream
+#        nginx_lua_redis      wrk -> nginx proxy /redis-fw (one EVALSHA per request on R0) -> upstream
+#        nginx_limit_req_429  wrk -> nginx proxy /lr-reject (~all 429)
+#        tg_memory            memory store, one caller (wrk's IP), quota 1e12
+#        tg_memory_w1         like tg_memory with `[server] workers = 1`: one runtime thread, as nginx
+#                             here runs one worker process
+#        tg_memory_many       memory store, a random caller per request: the wrk script sets
+#                             X-Forwarded-For: 10.a.b.c, and trusted_proxies = ["127.0.0.1/32"]
+#        tg_redis             Redis R0 (1 shard), one caller
+#        tg_redis_many        Redis R0, random callers
+#        tg_redis3_replicas   3 shards, each primary + 1 replica, read_from = "replica", random callers
+#        tg_memory_429        memory store, quota 1, spent by one request before the run
+#        tg_redis_429         Redis R0, quota 1, spent before the run (default over-limit cache)
+#        tg_redis_lease       like tg_redis with `lease = 100` on the limit; only when `tollgate check`
+#                             accepts that key, else "skipped: lease not supported by this build"
+#   4. Per run: req/s; p50/p90/p99/p99.9 (exact, from a wrk Lua done() that prints
+#      latency:percentile()); non-2xx share; socket errors; CPU µs per request of the proxy or
+#      gateway, the upstream, the redis-server(s) and wrk, from /proc/PID/stat utime+stime deltas
+#      (wrk: its rusage); busy% (all cores) and other% = busy not accounted to those processes
+#      (loopback softirq, kernel threads, anything else running on the box). For cases that use
+#      Redis: "Redis calls" = delta over the run of the sum of calls= of all cmdstat_* lines of
+#      INFO commandstats over every primary and replica of the case. Not counted: INFO (ours),
+#      REPLCONF/PSYNC/SYNC, and on replicas the replication stream (MULTI, EXEC, SELECT, PING and
+#      every @write command, which a replica only gets from its primary). Commands run inside a
+#      Lua script are counted (Redis counts them in commandstats), so the "scripts" column also
+#      gives EVAL/EVALSHA/FCALL(_RO) alone, i.e. round trips for a script-based store.
+#      Reported per admitted (2xx) request and per request.
+#   5. Latency at half load: h2load --h1 -t1 -c32 --rps=R/32 -D HALF_SECS against tg_memory and
+#      tg_redis, R = half of that case's own mean req/s, and against direct at each of those R;
+#      p50/p90/p99/p99.9 from h2load's --log-file (3rd column: µs to end of response); repeated
+#      like the wrk runs when other% is too high.
+#   6. 1,000,000 distinct callers: a fresh memory-store tollgate, wrk with X-Forwarded-For
+#      10.(n>>16&255).(n>>8&255).(n&255) for n = 1..1,000,000 (then n stays at 1,000,000), run for
+#      1e6 / (tg_memory_many req/s) x 1.3 seconds (topped up with runs that continue from the next
+#      caller when the machine was slower than that; 120 s in all at most); VmRSS and VmHWM after.
+#   7. Binary size of target/release/tollgate.
+#   8. Prints the summary and writes it into BENCHMARKS.md between the lines
+#      <!-- load.sh:begin --> and <!-- load.sh:end --> (text outside them is kept; the file and
+#      markers are created when missing), plus PASS/FAIL per target (the Redis target is judged
+#      on round trips, i.e. script calls; commandstats' sum, which also counts the commands the
+#      scripts run, is printed beside it), and draws benches/latency.svg with benches/plot.py.
+# A default run takes about 7 minutes on a quiet 2-core machine, plus the build and any waits for
+# a quiet machine. Raw outputs are in the work dir.
+# Every process shares this machine's cores with wrk: compare rows with each other.
 
-set -euo pipefail
+set -Eeuo pipefail
 
-DURATION="${DURATION:-10s}"
-THREADS=2
-CONNECTIONS=64
+DURATION=${DURATION:-10s}
+ROUNDS=${ROUNDS:-2}
+CASES=${CASES:-}
+SKIP_INSTALL=${SKIP_INSTALL:-0}
+SKIP_BUILD=${SKIP_BUILD:-0}
+SKIP_HALFLOAD=${SKIP_HALFLOAD:-0}
+SKIP_1M=${SKIP_1M:-0}
+HALF_SECS=${HALF_SECS:-10}
+QUIET_PCT=${QUIET_PCT:-15}
+QUIET_WAIT=${QUIET_WAIT:-30}
+OTHER_MAX=${OTHER_MAX:-10}
+RETRIES=${RETRIES:-2}
+KEEP_WORK=${KEEP_WORK:-0}
+CONNS=64
+WARMUP=2s
+
+ALL_CASES=(direct nginx_proxy nginx_lua_redis nginx_limit_req_429
+    tg_memory tg_memory_w1 tg_memory_many tg_redis tg_redis_many tg_redis3_replicas
+    tg_memory_429 tg_redis_429 tg_redis_lease)
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-WORK="$(mktemp -d -t tollgate-load.XXXXXX)"
+WORK="$(mktemp -d /tmp/tollgate-load.XXXXXX)"
+RAW="$WORK/raw"
+LOGS="$WORK/logs"
+mkdir -p "$RAW" "$LOGS"
+CLK_TCK=$(getconf CLK_TCK)
+NCPU=$(nproc)
+START_TIME=$SECONDS
+
 PIDS=()
+POLICY_BACKUP=""
+FAILED=1
 
-log() { printf '%s\n' "$*" >&2; }
-die() { log "load.sh: $*"; exit 1; }
+log() { printf '[load %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+die() { log "ERROR: $*"; exit 1; }
+trap 'log "ERROR: line $LINENO: \"$BASH_COMMAND\" failed"' ERR
 
-# Stop one process we started: SIGTERM, then SIGKILL if it is still there after 5 s.
+restore_policy() {
+    [[ -n "$POLICY_BACKUP" ]] || return 0
+    if [[ "$POLICY_BACKUP" == none ]]; then rm -f /usr/sbin/policy-rc.d
+    else mv -f "$POLICY_BACKUP" /usr/sbin/policy-rc.d; fi
+    POLICY_BACKUP=""
+}
+
+# Stop one process we started: SIGTERM, then SIGKILL after 5 s.
 stop_pid() {
-    local pid="$1" i
-    kill -0 "$pid" 2>/dev/null || return 0
-    kill -TERM "$pid" 2>/dev/null || true
-    for i in $(seq 50); do
-        kill -0 "$pid" 2>/dev/null || break
-        sleep 0.1
-    done
-    kill -KILL "$pid" 2>/dev/null || true
+    local pid=$1 i
+    if kill -0 "$pid" 2>/dev/null; then
+        kill -TERM "$pid" 2>/dev/null || true
+        for i in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+        kill -KILL "$pid" 2>/dev/null || true
+    fi
     wait "$pid" 2>/dev/null || true
 }
 
 cleanup() {
-    local pid
+    local rc=$? pid
+    trap - ERR
+    restore_policy
     for pid in "${PIDS[@]}"; do stop_pid "$pid"; done
-    rm -rf "$WORK"
+    if [[ "$FAILED" == 0 && "$KEEP_WORK" != 1 ]]; then
+        rm -rf "$WORK"
+    else
+        log "work dir kept: $WORK (logs in $LOGS, raw outputs in $RAW)"
+    fi
+    return "$rc"
 }
 trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
-# ---- tools -----------------------------------------------------------------------------
+# ---------------------------------------------------------------------------- arguments
 
-ensure_pkg() { # ensure_pkg COMMAND PACKAGE
-    command -v "$1" >/dev/null && return 0
-    log "installing $2 (apt-get)"
-    apt-get install -y "$2" >/dev/null || { apt-get update >/dev/null && apt-get install -y "$2" >/dev/null; }
-    command -v "$1" >/dev/null || die "$1 still missing after installing $2"
-}
-ensure_pkg wrk wrk
-ensure_pkg redis-server redis-server
+SELECTED=()
+if [[ -z "$CASES" ]]; then
+    SELECTED=("${ALL_CASES[@]}")
+else
+    for c in $CASES; do
+        [[ " ${ALL_CASES[*]} " == *" $c "* ]] || die "unknown case '$c' in CASES (known: ${ALL_CASES[*]})"
+    done
+    for c in "${ALL_CASES[@]}"; do [[ " $CASES " == *" $c "* ]] && SELECTED+=("$c"); done
+fi
+selected() { [[ " ${SELECTED[*]} " == *" $1 "* ]]; }
+drop_case() { local c n=(); for c in "${SELECTED[@]}"; do [[ "$c" == "$1" ]] || n+=("$c"); done; SELECTED=("${n[@]}"); }
 
-log "building release binaries"
-cargo build --release --quiet --bin tollgate --example upstream
-GATEWAY="$ROOT/target/release/tollgate"
-UPSTREAM="$ROOT/target/release/examples/upstream"
-
-# wrk's -d value in seconds, to bound each run with `timeout`.
 duration_secs() {
-    local d="$1"
-    case "$d" in
-        *s) echo "${d%s}" ;;
-        *m) echo $(( ${d%m} * 60 )) ;;
-        *h) echo $(( ${d%h} * 3600 )) ;;
-        *) echo "$d" ;;
+    case "$1" in
+        *ms) echo 1 ;;
+        *s) echo "${1%s}" ;;
+        *m) echo $(( ${1%m} * 60 )) ;;
+        *h) echo $(( ${1%h} * 3600 )) ;;
+        *) echo "$1" ;;
     esac
 }
-DURATION_SECS="$(duration_secs "$DURATION")"
-[[ "$DURATION_SECS" =~ ^[0-9]+$ ]] || die "DURATION must look like 10s, 2m or 1h (got '$DURATION')"
+DUR_S=$(duration_secs "$DURATION")
+[[ "$DUR_S" =~ ^[0-9]+$ && "$DUR_S" -ge 1 ]] || die "DURATION must look like 10s or 1m (got '$DURATION')"
+[[ "$ROUNDS" =~ ^[1-9][0-9]*$ ]] || die "ROUNDS must be a positive integer (got '$ROUNDS')"
+[[ "$HALF_SECS" =~ ^[1-9][0-9]*$ ]] || die "HALF_SECS must be a positive integer (got '$HALF_SECS')"
 
-# ---- ports and processes ---------------------------------------------------------------
+# ---------------------------------------------------------------------------- install
+
+LUA_MOD=/usr/lib/nginx/modules/ngx_http_lua_module.so
+NDK_MOD=/usr/lib/nginx/modules/ndk_http_module.so
+
+install_deps() {
+    local need=() p
+    command -v wrk >/dev/null || need+=(wrk)
+    command -v nginx >/dev/null || need+=(nginx)
+    [[ -f "$LUA_MOD" && -f "$NDK_MOD" ]] || need+=(libnginx-mod-http-lua)
+    command -v h2load >/dev/null || need+=(nghttp2-client)
+    command -v redis-server >/dev/null || need+=(redis-server)
+    command -v redis-cli >/dev/null || need+=(redis-tools)
+    command -v curl >/dev/null || need+=(curl)
+    command -v ss >/dev/null || need+=(iproute2)
+    command -v pgrep >/dev/null || need+=(procps)
+    command -v python3 >/dev/null || need+=(python3)
+    ((${#need[@]})) || return 0
+    [[ "$SKIP_INSTALL" == 1 ]] && die "missing: ${need[*]} (SKIP_INSTALL=1, so not installing)"
+    [[ $EUID -eq 0 ]] || die "missing: ${need[*]}; run as root to install them with apt-get"
+    log "installing with apt-get: ${need[*]}"
+    # Keep the packages' maintainer scripts from starting system services (nginx, redis) while
+    # installing: policy-rc.d exiting 101 forbids it. Whatever was there is restored afterwards.
+    if [[ -e /usr/sbin/policy-rc.d ]]; then
+        POLICY_BACKUP="$WORK/policy-rc.d.orig"
+        cp -a /usr/sbin/policy-rc.d "$POLICY_BACKUP"
+    else
+        POLICY_BACKUP=none
+    fi
+    printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d
+    chmod 755 /usr/sbin/policy-rc.d
+    apt-get update -qq >"$LOGS/apt.log" 2>&1 || log "apt-get update failed (see $LOGS/apt.log); trying anyway"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" \
+        >>"$LOGS/apt.log" 2>&1 || { restore_policy; die "apt-get install failed (see $LOGS/apt.log)"; }
+    restore_policy
+    for p in wrk nginx h2load redis-server redis-cli curl ss pgrep python3; do
+        command -v "$p" >/dev/null || die "$p is still missing after apt-get"
+    done
+}
+install_deps
+HAVE_LUA=0
+[[ -f "$LUA_MOD" && -f "$NDK_MOD" ]] && HAVE_LUA=1
+
+if [[ "$SKIP_BUILD" == 1 ]]; then
+    log "not building (SKIP_BUILD=1): using target/release/tollgate as it is"
+    [[ -x target/release/tollgate ]] || die "target/release/tollgate does not exist"
+else
+    command -v cargo >/dev/null || die "cargo is missing (install Rust from https://rustup.rs)"
+    log "building: cargo build --release --bin tollgate"
+    cargo build --release --bin tollgate 2>"$LOGS/build.log" \
+        || { tail -n 40 "$LOGS/build.log" >&2; die "cargo build failed (SKIP_BUILD=1 measures the existing binary)"; }
+fi
+BIN_SIZE=$(stat -c %s target/release/tollgate)
+VERSIONS="$(nginx -v 2>&1 | sed 's/^nginx version: //'); redis $(redis-server --version | awk '{ sub(/^v=/, "", $3); print $3 }'); wrk $( (wrk -v 2>&1 || true) | awk 'NR == 1 { print $2 }'); $(h2load --version | awk 'NR == 1')"
+TG="$WORK/tollgate"
+cp target/release/tollgate "$TG"
+
+# ---------------------------------------------------------------------------- processes
 
 TAKEN=" "
-# free_port VAR: set VAR to a port in 20000-59999 that nothing on 127.0.0.1 listens on
-# and that we have not handed out before. (Not `$(free_port)`: TAKEN must persist.)
+# free_port VAR: a port in 20000-52767 that nothing listens on and that we have not handed out.
 free_port() {
-    local candidate i
-    for i in $(seq 200); do
-        candidate=$(( 20000 + RANDOM % 40000 ))
-        [[ "$TAKEN" == *" $candidate "* ]] && continue
-        if ! (exec 3<>"/dev/tcp/127.0.0.1/$candidate") 2>/dev/null; then
-            TAKEN+="$candidate "
-            printf -v "$1" '%s' "$candidate"
+    local p i
+    for i in $(seq 500); do
+        p=$(( 20000 + RANDOM % 32768 ))
+        [[ "$TAKEN" == *" $p "* ]] && continue
+        if [[ -z "$(ss -ltnH "sport = :$p")" ]]; then
+            TAKEN+="$p "
+            printf -v "$1" '%s' "$p"
             return 0
         fi
     done
     die "no free port found"
 }
 
-# wait_port PID PORT NAME LOGFILE: until PORT accepts connections (10 s at most).
+# start_bg LOGFILE CMD...: run CMD in the background, remember its PID (LAST_PID) for cleanup.
+start_bg() {
+    local logf=$1
+    shift
+    "$@" >"$logf" 2>&1 &
+    LAST_PID=$!
+    PIDS+=("$LAST_PID")
+    echo "$LAST_PID $*" >>"$WORK/pids.txt"
+}
+
+# wait_port PID PORT NAME LOGFILE: until PORT accepts connections (15 s at most).
 wait_port() {
-    local pid="$1" port="$2" name="$3" logfile="$4" i
-    for i in $(seq 100); do
-        kill -0 "$pid" 2>/dev/null || { cat "$logfile" >&2 || true; die "$name exited during start-up"; }
-        if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then return 0; fi
+    local pid=$1 port=$2 name=$3 logf=$4 i
+    for i in $(seq 150); do
+        kill -0 "$pid" 2>/dev/null || { cat "$logf" >&2 || true; die "$name exited during start-up"; }
+        [[ -n "$(ss -ltnH "sport = :$port")" ]] && return 0
         sleep 0.1
     done
-    cat "$logfile" >&2 || true
-    die "$name did not listen on 127.0.0.1:$port within 10 s"
+    cat "$logf" >&2 || true
+    die "$name did not listen on 127.0.0.1:$port within 15 s"
 }
 
-# Status code of one GET to the URL (sanity check before each run).
-probe() { curl -s -o /dev/null -w '%{http_code}' --max-time 5 "$1" || echo "000"; }
-
-peak_rss() { # VmHWM of PID, in MiB
-    awk '/^VmHWM:/ { printf "%.1f MiB", $2 / 1024 }' "/proc/$1/status"
+# status URL: HTTP status of one GET.
+status() {
+    curl -s -o /dev/null -w '%{http_code}' --max-time 5 "$1" || true
 }
 
-# ---- config ----------------------------------------------------------------------------
+# ---- Redis
+declare -A RPORT=() RPID=()
+start_redis() { # NAME [PRIMARY_NAME]
+    local name=$1 primary=${2:-} port dir
+    free_port port
+    dir="$WORK/redis-$name"
+    mkdir -p "$dir"
+    local args=(--bind 127.0.0.1 --port "$port" --save "" --appendonly no --dir "$dir" --daemonize no)
+    [[ -n "$primary" ]] && args+=(--replicaof 127.0.0.1 "${RPORT[$primary]}")
+    start_bg "$LOGS/redis-$name.log" redis-server "${args[@]}"
+    RPORT[$name]=$port
+    RPID[$name]=$LAST_PID
+    wait_port "$LAST_PID" "$port" "redis-server $name" "$LOGS/redis-$name.log"
+}
+wait_replica() {
+    local name=$1 i
+    for i in $(seq 150); do
+        [[ "$(redis-cli -p "${RPORT[$name]}" INFO replication)" == *master_link_status:up* ]] && return 0
+        sleep 0.1
+    done
+    die "replica $name did not sync with its primary within 15 s"
+}
 
-# write_config FILE PORT BACKEND QUOTA [EXTRA_STORE_LINES]
-write_config() {
-    local file="$1" port="$2" backend="$3" quota="$4" extra="${5:-}"
+NEED_R3=0
+selected tg_redis3_replicas && NEED_R3=1
+start_redis r0
+if ((NEED_R3)); then
+    for i in 1 2 3; do
+        start_redis "s$i"
+        start_redis "s${i}r" "s$i"
+    done
+    for i in 1 2 3; do wait_replica "s${i}r"; done
+fi
+# Commands of the @write category: on a replica they only come from its primary.
+WRITE_CMDS=" $(redis-cli -p "${RPORT[r0]}" COMMAND LIST FILTERBY ACLCAT write | tr '\n' ' ') "
+
+# ---- nginx
+free_port UP_PORT
+free_port PROXY_PORT
+mkdir -p "$WORK/nginx-up" "$WORK/nginx-proxy"
+cat >"$WORK/fw.lua" <<'EOF'
+local c = redis.call('INCRBY', KEYS[1], ARGV[1]); if c == tonumber(ARGV[1]) then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end; return c
+EOF
+FW_SHA=$(redis-cli -p "${RPORT[r0]}" SCRIPT LOAD "$(cat "$WORK/fw.lua")")
+[[ "$FW_SHA" =~ ^[0-9a-f]{40}$ ]] || die "SCRIPT LOAD failed: $FW_SHA"
+
+nginx_common() { # PREFIX
+    cat <<EOF
+worker_processes 1;
+pid $1/nginx.pid;
+error_log $1/error.log warn;
+events { worker_connections 8192; }
+EOF
+}
+nginx_http_common() { # PREFIX
+    cat <<EOF
+  access_log off;
+  client_body_temp_path $1/body;
+  proxy_temp_path $1/proxy;
+  fastcgi_temp_path $1/fastcgi;
+  uwsgi_temp_path $1/uwsgi;
+  scgi_temp_path $1/scgi;
+  keepalive_requests 1000000000;
+  keepalive_timeout 300s;
+EOF
+}
+{
+    nginx_common "$WORK/nginx-up"
+    echo "http {"
+    nginx_http_common "$WORK/nginx-up"
+    cat <<EOF
+  server {
+    listen 127.0.0.1:$UP_PORT backlog=4096;
+    default_type text/plain;
+    location / { return 200 "ok"; }
+  }
+}
+EOF
+} >"$WORK/nginx-up.conf"
+
+write_proxy_conf() { # WITH_LUA(0/1)
+    {
+        if [[ "$1" == 1 ]]; then
+            echo "load_module $NDK_MOD;"
+            echo "load_module $LUA_MOD;"
+        fi
+        nginx_common "$WORK/nginx-proxy"
+        echo "http {"
+        nginx_http_common "$WORK/nginx-proxy"
+        cat <<EOF
+  proxy_http_version 1.1;
+  proxy_set_header Connection "";
+  upstream up { server 127.0.0.1:$UP_PORT; keepalive 128; keepalive_requests 1000000000; }
+  limit_req_zone \$binary_remote_addr zone=lr_reject:1m rate=1r/m;
+  limit_req_status 429;
+  limit_req_log_level info;
+  server {
+    listen 127.0.0.1:$PROXY_PORT backlog=4096;
+    location / { proxy_pass http://up; }
+    location /lr-reject { limit_req zone=lr_reject; proxy_pass http://up; }
+EOF
+        if [[ "$1" == 1 ]]; then
+            # One EVALSHA of a fixed window (INCRBY + PEXPIRE on the first hit) per request, over
+            # a cosocket kept in nginx's keepalive pool; 503 when Redis fails (like on_error = deny).
+            sed -e "s/@REDIS_PORT@/${RPORT[r0]}/" -e "s/@SHA@/$FW_SHA/" <<'EOF'
+    location /redis-fw {
+      access_by_lua_block {
+        local sock = ngx.socket.tcp()
+        sock:settimeouts(200, 200, 200)
+        local ok, err = sock:connect("127.0.0.1", @REDIS_PORT@)
+        if not ok then ngx.log(ngx.ERR, "redis connect: ", err); return ngx.exit(503) end
+        local key = "rl:" .. ngx.var.remote_addr
+        local cmd = "*6\r\n$7\r\nEVALSHA\r\n$40\r\n@SHA@\r\n$1\r\n1\r\n$" .. #key .. "\r\n" .. key
+                    .. "\r\n$1\r\n1\r\n$7\r\n3600000\r\n"
+        local _, serr = sock:send(cmd)
+        if serr then ngx.log(ngx.ERR, "redis send: ", serr); sock:close(); return ngx.exit(503) end
+        local line, rerr = sock:receive("*l")
+        if not line then ngx.log(ngx.ERR, "redis receive: ", rerr); sock:close(); return ngx.exit(503) end
+        sock:setkeepalive(30000, 128)
+        if string.byte(line, 1) ~= 58 then ngx.log(ngx.ERR, "redis reply: ", line); return ngx.exit(503) end
+        if tonumber(string.sub(line, 2)) > 1000000000000 then return ngx.exit(429) end
+      }
+      proxy_pass http://up;
+    }
+EOF
+        fi
+        echo "  }"
+        echo "}"
+    } >"$WORK/nginx-proxy.conf"
+}
+if ((HAVE_LUA)); then
+    write_proxy_conf 1
+    if ! nginx -t -q -p "$WORK/nginx-proxy" -e "$LOGS/nginx-proxy-t.err" -c "$WORK/nginx-proxy.conf" \
+        >"$LOGS/nginx-proxy-t.log" 2>&1; then
+        log "nginx rejects the Lua config (see $LOGS/nginx-proxy-t.*): no nginx_lua_redis"
+        HAVE_LUA=0
+    fi
+fi
+if ((!HAVE_LUA)); then
+    write_proxy_conf 0
+    selected nginx_lua_redis && log "skipped: nginx_lua_redis (ngx_http_lua_module not usable)"
+    drop_case nginx_lua_redis
+fi
+start_bg "$LOGS/nginx-up.log" \
+    nginx -p "$WORK/nginx-up" -e "$WORK/nginx-up/error.log" -c "$WORK/nginx-up.conf" -g 'daemon off;'
+NGINX_UP_MASTER=$LAST_PID
+wait_port "$NGINX_UP_MASTER" "$UP_PORT" "nginx upstream" "$WORK/nginx-up/error.log"
+start_bg "$LOGS/nginx-proxy.log" \
+    nginx -p "$WORK/nginx-proxy" -e "$WORK/nginx-proxy/error.log" -c "$WORK/nginx-proxy.conf" -g 'daemon off;'
+NGINX_PROXY_MASTER=$LAST_PID
+wait_port "$NGINX_PROXY_MASTER" "$PROXY_PORT" "nginx proxy" "$WORK/nginx-proxy/error.log"
+sleep 0.3
+# CPU of nginx = master + its workers.
+UP_PIDS="$NGINX_UP_MASTER $(pgrep -P "$NGINX_UP_MASTER" | tr '\n' ' ')"
+PROXY_PIDS="$NGINX_PROXY_MASTER $(pgrep -P "$NGINX_PROXY_MASTER" | tr '\n' ' ')"
+
+# ---- tollgate
+declare -A TG_PID=() TG_PORT=()
+
+# tg_config FILE NAME PORT BACKEND QUOTA TRUSTED(0/1) SHARDS(r0|r3|-) [EXTRA LIMIT LINE]
+tg_config() {
+    local file=$1 name=$2 port=$3 backend=$4 quota=$5 trusted=$6 shards=$7 extra=${8:-} server=${9:-} i
     {
         cat <<EOF
-# Generated by benches/load.sh.
+# Generated by benches/load.sh (case $name).
 [server]
 listen = "127.0.0.1:$port"
 shutdown_grace = "1s"
+watch_config = false
+$server
 
 [log]
 level = "warn"
@@ -143,117 +470,623 @@ level = "warn"
 [store]
 backend = "$backend"
 on_error = "deny"
-key_prefix = "bench-$port:"
-$extra
+key_prefix = "load-$name:"
 EOF
-        if [[ "$backend" == redis ]]; then
-            cat <<EOF
-
-[[store.shards]]
-primary = "redis://127.0.0.1:$REDIS_PORT"
-EOF
+        if [[ "$shards" == r0 ]]; then
+            printf '\n[[store.shards]]\nprimary = "redis://127.0.0.1:%s"\n' "${RPORT[r0]}"
+        elif [[ "$shards" == r3 ]]; then
+            echo 'read_from = "replica"'
+            for i in 1 2 3; do
+                printf '\n[[store.shards]]\nprimary = "redis://127.0.0.1:%s"\nreplicas = ["redis://127.0.0.1:%s"]\n' \
+                    "${RPORT[s$i]}" "${RPORT[s${i}r]}"
+            done
+        fi
+        if [[ "$trusted" == 1 ]]; then
+            printf '\n[identity]\ntrusted_proxies = ["127.0.0.1/32"]\n'
         fi
         cat <<EOF
 
 [[upstreams]]
-name = "bench"
-targets = ["http://127.0.0.1:$UPSTREAM_PORT"]
+name = "nginx"
+targets = ["http://127.0.0.1:$UP_PORT"]
 
 [[limits]]
 name = "core"
 window = "1h"
 quota = { anonymous = $quota }
+$extra
 
 [[routes]]
 path_prefix = "/"
-upstream = "bench"
+upstream = "nginx"
 limits = ["core"]
 EOF
     } >"$file"
-    "$GATEWAY" check --config "$file" >&2 || die "generated config $file is invalid"
 }
 
-# ---- measuring -------------------------------------------------------------------------
-
-ROWS=()
-
-# run_wrk NAME URL RSS: run wrk, keep its output, add a table row.
-run_wrk() {
-    local name="$1" url="$2" rss="$3" out="$WORK/wrk-${#ROWS[@]}.txt"
-    log "wrk: $name ($DURATION)"
-    timeout --kill-after=5 $(( DURATION_SECS + 60 )) \
-        wrk -t"$THREADS" -c"$CONNECTIONS" -d"$DURATION" --latency "$url" >"$out" \
-        || { cat "$out" >&2; die "wrk failed for $name"; }
-    local rps p50 p99 non2xx errors
-    rps=$(awk '/^Requests\/sec:/ { printf "%.0f", $2 }' "$out")
-    p50=$(awk '$1 == "50%" { print $2 }' "$out")
-    p99=$(awk '$1 == "99%" { print $2 }' "$out")
-    non2xx=$(awk '/Non-2xx or 3xx responses:/ { print $NF }' "$out")
-    errors=$(awk '/Socket errors:/ { gsub(",", ""); print $4 + $6 + $8 + $10 }' "$out")
-    ROWS+=("$(printf '%-26s %10s %10s %10s %10s %7s %12s' \
-        "$name" "$rps" "$p50" "$p99" "${non2xx:-0}" "${errors:-0}" "$rss")")
+# start_tg NAME BACKEND QUOTA TRUSTED SHARDS [EXTRA]: write, check and start one gateway.
+start_tg() {
+    local name=$1 port file
+    free_port port
+    file="$WORK/tg-$name.toml"
+    tg_config "$file" "$name" "$port" "$2" "$3" "$4" "$5" "${6:-}" "${7:-}"
+    "$TG" check --config "$file" >"$LOGS/check-$name.log" 2>&1 \
+        || { cat "$LOGS/check-$name.log" >&2; die "tollgate check rejects the generated $file"; }
+    start_bg "$LOGS/tg-$name.log" "$TG" --config "$file"
+    TG_PID[$name]=$LAST_PID
+    TG_PORT[$name]=$port
+    wait_port "$LAST_PID" "$port" "tollgate ($name)" "$LOGS/tg-$name.log"
 }
 
-# gateway_scenario NAME CONFIG EXPECTED_STATUS
-gateway_scenario() {
-    local name="$1" config="$2" expect="$3" port pid status rss
-    port=$(awk -F'[:"]' '/^listen =/ { print $(NF-1); exit }' "$config")
-    "$GATEWAY" --config "$config" >"$WORK/gateway-$port.log" 2>&1 &
-    pid=$!
-    PIDS+=("$pid")
-    wait_port "$pid" "$port" "tollgate ($name)" "$WORK/gateway-$port.log"
-    status=$(probe "http://127.0.0.1:$port/")
-    if [[ "$expect" == 429 ]]; then status=$(probe "http://127.0.0.1:$port/"); fi
-    [[ "$status" == "$expect" ]] || {
-        cat "$WORK/gateway-$port.log" >&2
-        die "$name: expected HTTP $expect from the gateway, got $status"
+# Does this build know `lease` on a limit? Same config with and without it, through `tollgate check`.
+if selected tg_redis_lease; then
+    tg_config "$WORK/lease-probe-base.toml" probe 1 redis 1000000000000 0 r0
+    tg_config "$WORK/lease-probe.toml" probe 1 redis 1000000000000 0 r0 "lease = 100"
+    "$TG" check --config "$WORK/lease-probe-base.toml" >"$LOGS/check-probe-base.log" 2>&1 \
+        || { cat "$LOGS/check-probe-base.log" >&2; die "tollgate check rejects the generated base config"; }
+    if ! "$TG" check --config "$WORK/lease-probe.toml" >"$LOGS/check-lease.log" 2>&1; then
+        log "skipped: lease not supported by this build ($(head -1 "$LOGS/check-lease.log"))"
+        LEASE_SKIPPED=1
+        drop_case tg_redis_lease
+    fi
+fi
+LEASE_SKIPPED=${LEASE_SKIPPED:-0}
+
+Q=1000000000000
+selected tg_memory && start_tg tg_memory memory "$Q" 0 -
+selected tg_memory_w1 && start_tg tg_memory_w1 memory "$Q" 0 - "" "workers = 1"
+selected tg_memory_many && start_tg tg_memory_many memory "$Q" 1 -
+selected tg_redis && start_tg tg_redis redis "$Q" 0 r0
+selected tg_redis_many && start_tg tg_redis_many redis "$Q" 1 r0
+selected tg_redis3_replicas && start_tg tg_redis3_replicas redis "$Q" 1 r3
+selected tg_memory_429 && start_tg tg_memory_429 memory 1 0 -
+selected tg_redis_429 && start_tg tg_redis_429 redis 1 0 r0
+selected tg_redis_lease && start_tg tg_redis_lease redis "$Q" 0 r0 "lease = 100"
+
+# ---------------------------------------------------------------------------- wrk scripts
+
+# done(): exact percentiles (µs) and counts, on one line that run_once parses.
+cat >"$WORK/done.lua" <<'EOF'
+done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format("TGSTATS %d %d %d %d %d %d %d %.1f %.1f %.1f %.1f\n",
+    summary.requests, e.status, e.connect, e.read, e.write, e.timeout, summary.duration,
+    latency:percentile(50), latency:percentile(90), latency:percentile(99), latency:percentile(99.9)))
+end
+EOF
+cp "$WORK/done.lua" "$WORK/one.lua"
+# A random caller per request (16.7 M possible IPs).
+{
+    cat <<'EOF'
+math.randomseed(os.time())
+local rnd, fmt = math.random, string.format
+request = function()
+  return wrk.format(nil, nil, { ["X-Forwarded-For"] = fmt("10.%d.%d.%d", rnd(0, 255), rnd(0, 255), rnd(0, 255)) })
+end
+EOF
+    cat "$WORK/done.lua"
+} >"$WORK/many.lua"
+# Callers 1..1,000,000 in turn (from the one after `-- OFFSET`), then the last one for ever.
+{
+    cat <<'EOF'
+local n, fmt, floor = 0, string.format, math.floor
+init = function(args) n = tonumber(args[1]) or 0 end   -- continue after the callers of a previous run
+request = function()
+  if n < 1000000 then n = n + 1 end
+  return wrk.format(nil, nil, { ["X-Forwarded-For"] = fmt("10.%d.%d.%d", floor(n / 65536) % 256, floor(n / 256) % 256, n % 256) })
+end
+EOF
+    cat "$WORK/done.lua"
+} >"$WORK/million.lua"
+
+# ---------------------------------------------------------------------------- cases
+
+declare -A C_URL=() C_SCRIPT=() C_GW=() C_UP=() C_RPIDS=() C_RNODES=() C_EXPECT=()
+R0_NODE="${RPORT[r0]}:p"
+def_case() { # NAME URL SCRIPT GW_PIDS UP_PIDS REDIS_PIDS REDIS_NODES EXPECT
+    C_URL[$1]=$2; C_SCRIPT[$1]=$3; C_GW[$1]=$4; C_UP[$1]=$5; C_RPIDS[$1]=$6; C_RNODES[$1]=$7; C_EXPECT[$1]=$8
+}
+def_case direct "http://127.0.0.1:$UP_PORT/" one "" "$UP_PIDS" "" "" 200
+def_case nginx_proxy "http://127.0.0.1:$PROXY_PORT/" one "$PROXY_PIDS" "$UP_PIDS" "" "" 200
+def_case nginx_lua_redis "http://127.0.0.1:$PROXY_PORT/redis-fw" one "$PROXY_PIDS" "$UP_PIDS" \
+    "${RPID[r0]}" "$R0_NODE" 200
+def_case nginx_limit_req_429 "http://127.0.0.1:$PROXY_PORT/lr-reject" one "$PROXY_PIDS" "$UP_PIDS" "" "" 429
+for c in tg_memory tg_memory_w1 tg_memory_many tg_redis tg_redis_many tg_redis3_replicas tg_memory_429 tg_redis_429 tg_redis_lease; do
+    selected "$c" || continue
+    script=one
+    [[ "$c" == *_many || "$c" == tg_redis3_replicas ]] && script=many
+    rp="" rn="" expect=200
+    case "$c" in
+        tg_redis3_replicas)
+            for i in 1 2 3; do
+                rp+="${RPID[s$i]} ${RPID[s${i}r]} "
+                rn+="${RPORT[s$i]}:p ${RPORT[s${i}r]}:r "
+            done ;;
+        tg_redis*) rp=${RPID[r0]} rn=$R0_NODE ;;
+    esac
+    [[ "$c" == *_429 ]] && expect=429
+    def_case "$c" "http://127.0.0.1:${TG_PORT[$c]}/" "$script" "${TG_PID[$c]}" "$UP_PIDS" "$rp" "$rn" "$expect"
+done
+
+# Spend the quota of 1 of the 429 cases: the first request is admitted, the next is refused
+# (for tg_redis_429, that refusal also fills the over-limit cache).
+for c in tg_memory_429 tg_redis_429; do
+    selected "$c" || continue
+    s=$(status "${C_URL[$c]}")
+    [[ "$s" == 200 ]] || die "$c: the request that spends the quota got $s, not 200 (see $LOGS/tg-$c.log)"
+done
+# nginx_limit_req_429: the first request in the minute passes.
+selected nginx_limit_req_429 && status "${C_URL[nginx_limit_req_429]}" >/dev/null
+for c in "${SELECTED[@]}"; do
+    s=$(status "${C_URL[$c]}")
+    [[ "$s" == "${C_EXPECT[$c]}" ]] || die "$c: smoke request got HTTP $s, expected ${C_EXPECT[$c]} (logs: $LOGS)"
+done
+log "cases: ${SELECTED[*]}"
+
+# ---------------------------------------------------------------------------- measuring
+
+pid_ticks() { # utime+stime (clock ticks) of the given PIDs, all threads
+    local total=0 p rest
+    local -a f
+    for p in "$@"; do
+        [[ -r "/proc/$p/stat" ]] || continue
+        rest=$(<"/proc/$p/stat")
+        rest=${rest##*) }
+        read -r -a f <<<"$rest"
+        total=$(( total + f[11] + f[12] ))
+    done
+    echo "$total"
+}
+sys_busy_ticks() { awk '/^cpu /{ print $2 + $3 + $4 + $7 + $8 + $9; exit }' /proc/stat; }
+
+wait_quiet() {
+    local t0=$SECONDS b0 b1 pct
+    while :; do
+        b0=$(sys_busy_ticks); sleep 1; b1=$(sys_busy_ticks)
+        pct=$(( (b1 - b0) * 100 / (CLK_TCK * NCPU) ))
+        (( pct < QUIET_PCT )) && return 0
+        if (( SECONDS - t0 >= QUIET_WAIT )); then
+            log "machine still ${pct}% busy after ${QUIET_WAIT}s; measuring anyway"
+            return 0
+        fi
+    done
+}
+
+# redis_calls "PORT:ROLE ...": "CALLS SCRIPTS" summed over the nodes (see the header for what counts).
+redis_calls() {
+    local node port role calls=0 scripts=0 c s
+    for node in $1; do
+        port=${node%%:*} role=${node##*:}
+        read -r c s < <(redis-cli -p "$port" INFO commandstats | awk -v role="$role" -v writes="$WRITE_CMDS" '
+            BEGIN { n = split(writes, w, " "); for (i = 1; i <= n; i++) W[tolower(w[i])] = 1 }
+            /^cmdstat_/ {
+                sub(/\r$/, ""); line = $0; sub(/^cmdstat_/, "", line)
+                name = line; sub(/:.*/, "", name); base = name; sub(/\|.*/, "", base)
+                if (!match(line, /:calls=[0-9]+/)) next
+                c = substr(line, RSTART + 7, RLENGTH - 7) + 0
+                if (base == "info" || base == "replconf" || base == "psync" || base == "sync") next
+                if (role == "r" && (base in W || base == "multi" || base == "exec" || base == "select" || base == "ping")) next
+                calls += c
+                if (base ~ /^(eval|evalsha|eval_ro|evalsha_ro|fcall|fcall_ro)$/) scripts += c
+            }
+            END { printf "%d %d\n", calls, scripts }')
+        calls=$(( calls + c )) scripts=$(( scripts + s ))
+    done
+    echo "$calls $scripts"
+}
+
+HTTP_TSV="$WORK/http.tsv"
+printf 'case\tround\trps\trequests\tnon2xx\tsock_errors\tp50_ms\tp90_ms\tp99_ms\tp999_ms\tgw_us\tup_us\tredis_us\twrk_us\tbusy_pct\tother_pct\tredis_calls\tredis_scripts\tok\tflag\n' >"$HTTP_TSV"
+
+# run_once CASE ROUND TRY DURATION OUTLINEFILE: one wrk run; its TSV row goes to OUTLINEFILE.
+run_once() {
+    local c=$1 round=$2 try=$3 dur=$4 lf=$5
+    local out="$RAW/wrk-$c-r$round-t$try.txt" tf="$RAW/wrk-$c-r$round-t$try.time"
+    local g0 u0 r0 s0 e0 g1 u1 r1 s1 e1 k0=(0 0) k1=(0 0) have_redis=0
+    [[ -n "${C_RNODES[$c]}" ]] && have_redis=1
+    wait_quiet
+    # shellcheck disable=SC2207
+    ((have_redis)) && k0=($(redis_calls "${C_RNODES[$c]}"))
+    # shellcheck disable=SC2086
+    {
+        g0=$(pid_ticks ${C_GW[$c]}); u0=$(pid_ticks ${C_UP[$c]}); r0=$(pid_ticks ${C_RPIDS[$c]})
+        s0=$(sys_busy_ticks); e0=$(date +%s%N)
     }
-    # Measure the gateway's memory without counting wrk: read VmHWM after the run.
-    run_wrk "$name" "http://127.0.0.1:$port/" "PENDING"
-    rss=$(peak_rss "$pid")
-    ROWS[-1]="${ROWS[-1]/PENDING/$rss}"
-    stop_pid "$pid"
+    local TIMEFORMAT='%U %S'
+    { time timeout -k 5 $(( DUR_S + 60 )) wrk -t1 -c"$CONNS" -d"$dur" --latency \
+        -s "$WORK/${C_SCRIPT[$c]}.lua" "${C_URL[$c]}" >"$out" 2>&1; } 2>"$tf" \
+        || { cat "$out" >&2; die "wrk failed for $c"; }
+    # shellcheck disable=SC2086
+    {
+        g1=$(pid_ticks ${C_GW[$c]}); u1=$(pid_ticks ${C_UP[$c]}); r1=$(pid_ticks ${C_RPIDS[$c]})
+        s1=$(sys_busy_ticks); e1=$(date +%s%N)
+    }
+    # shellcheck disable=SC2207
+    ((have_redis)) && k1=($(redis_calls "${C_RNODES[$c]}"))
+    grep -q '^TGSTATS ' "$out" || { cat "$out" >&2; die "no TGSTATS line in the wrk output for $c"; }
+    local wu ws
+    read -r wu ws <"$tf"
+    awk -v c="$c" -v r="$round" -v hz="$CLK_TCK" -v nc="$NCPU" -v hr="$have_redis" \
+        -v gt=$(( g1 - g0 )) -v ut=$(( u1 - u0 )) -v rt=$(( r1 - r0 )) -v st=$(( s1 - s0 )) \
+        -v el=$(( e1 - e0 )) -v wu="$wu" -v ws="$ws" -v gw="${C_GW[$c]}" -v maxo="$OTHER_MAX" \
+        -v kc=$(( k1[0] - k0[0] )) -v ks=$(( k1[1] - k0[1] )) '
+        /^Requests\/sec:/ { rps = $2 }
+        /^TGSTATS / { q = $2; x = $3; e = $4 + $5 + $6 + $7; p50 = $9; p90 = $10; p99 = $11; p999 = $12 }
+        END {
+            tick = 1e6 / hz; n = (q > 0 ? q : 1); wcpu = (wu + ws) * 1e6
+            busy = st * tick / (el / 1000) / nc * 100
+            other = (st * tick - (gt + ut + rt) * tick - wcpu) / (el / 1000) / nc * 100
+            if (other < 0) other = 0    # clock-tick rounding of the /proc counters
+            printf "%s\t%s\t%.0f\t%d\t%d\t%d\t%.3f\t%.3f\t%.3f\t%.3f\t%s\t%.2f\t%s\t%.2f\t%.1f\t%.1f\t%s\t%s\t%d\t%s\n",
+                c, r, rps, q, x, e, p50 / 1000, p90 / 1000, p99 / 1000, p999 / 1000,
+                (gw == "" ? "-" : sprintf("%.2f", gt * tick / n)), ut * tick / n,
+                (hr ? sprintf("%.2f", rt * tick / n) : "-"), wcpu / n, busy, other,
+                (hr ? kc : "-"), (hr ? ks : "-"), q - x, (other > maxo ? "*" : "")
+        }' "$out" >"$lf"
 }
 
-# ---- the scenarios ---------------------------------------------------------------------
+run_case() { # CASE ROUND
+    local c=$1 round=$2 try lf="$WORK/line.tsv" other
+    for try in $(seq "$RETRIES"); do
+        run_once "$c" "$round" "$try" "$DURATION" "$lf"
+        other=$(awk -F'\t' '{ print int($16) }' "$lf")
+        (( other <= OTHER_MAX )) && break
+        (( try < RETRIES )) && log "$c r$round: ${other}% of the machine went to other processes; repeating"
+    done
+    cat "$lf" >>"$HTTP_TSV"
+    log "$(awk -F'\t' '{ printf "%-20s r%s %8s req/s  p50 %7.3f  p99 %7.3f  p99.9 %7.3f ms  non-2xx %5.1f%%  busy %3.0f%%  other %3.0f%%%s",
+        $1, $2, $3, $7, $9, $10, ($4 > 0 ? 100 * $5 / $4 : 0), $15, $16, ($20 == "*" ? "  (contaminated)" : "") }' "$lf")"
+}
 
-port=""
-free_port UPSTREAM_PORT
-"$UPSTREAM" "127.0.0.1:$UPSTREAM_PORT" >"$WORK/upstream.log" 2>&1 &
-PIDS+=("$!")
-wait_port "$!" "$UPSTREAM_PORT" upstream "$WORK/upstream.log"
+log "warm-up: $WARMUP per case"
+for c in "${SELECTED[@]}"; do
+    wrk -t1 -c"$CONNS" -d"$WARMUP" -s "$WORK/${C_SCRIPT[$c]}.lua" "${C_URL[$c]}" >"$RAW/warmup-$c.txt" 2>&1 \
+        || { cat "$RAW/warmup-$c.txt" >&2; die "wrk warm-up failed for $c"; }
+done
+for round in $(seq "$ROUNDS"); do
+    log "round $round of $ROUNDS (wrk -t1 -c$CONNS -d$DURATION)"
+    for c in "${SELECTED[@]}"; do run_case "$c" "$round"; done
+done
 
-free_port REDIS_PORT
-redis-server --bind 127.0.0.1 --port "$REDIS_PORT" --save "" --appendonly no \
-    --dir "$WORK" --daemonize no >"$WORK/redis.log" 2>&1 &
-PIDS+=("$!")
-wait_port "$!" "$REDIS_PORT" redis-server "$WORK/redis.log"
+# Mean over rounds per case.
+SUMMARY="$WORK/summary.tsv"
+awk -F'\t' 'NR > 1 {
+        c = $1; if (!(c in n)) order[++k] = c
+        n[c]++; rps[c] += $3; q[c] += $4; x[c] += $5; e[c] += $6
+        p50[c] += $7; p90[c] += $8; p99[c] += $9; p999[c] += $10
+        if ($11 != "-") { gw[c] += $11; hgw[c] = 1 }
+        up[c] += $12
+        if ($13 != "-") { rd[c] += $13; hrd[c] = 1; calls[c] += $17; scr[c] += $18 }
+        wk[c] += $14; busy[c] += $15; oth[c] += $16; ok[c] += $19
+        if ($20 == "*") flag[c] = "*"
+        if (!(c in mn) || $3 < mn[c]) mn[c] = $3
+        if (!(c in mx) || $3 > mx[c]) mx[c] = $3
+    }
+    END {
+        print "case\tn\trps\tmin\tmax\tp50\tp90\tp99\tp999\tnon2xx_pct\tsock_errors\tgw_us\tup_us\tredis_us\twrk_us\tbusy\tother\tcalls_per_ok\tcalls_per_req\tscripts_per_ok\tscripts_per_req\tflag"
+        for (i = 1; i <= k; i++) {
+            c = order[i]; m = n[c]
+            printf "%s\t%d\t%.0f\t%.0f\t%.0f\t%.3f\t%.3f\t%.3f\t%.3f\t%.2f\t%d\t%s\t%.2f\t%s\t%.2f\t%.1f\t%.1f\t%s\t%s\t%s\t%s\t%s\n",
+                c, m, rps[c] / m, mn[c], mx[c], p50[c] / m, p90[c] / m, p99[c] / m, p999[c] / m,
+                (q[c] > 0 ? 100 * x[c] / q[c] : 0), e[c],
+                (hgw[c] ? sprintf("%.2f", gw[c] / m) : "-"), up[c] / m,
+                (hrd[c] ? sprintf("%.2f", rd[c] / m) : "-"), wk[c] / m, busy[c] / m, oth[c] / m,
+                (hrd[c] && ok[c] > 0 ? sprintf("%.3f", calls[c] / ok[c]) : "-"),
+                (hrd[c] && q[c] > 0 ? sprintf("%.3f", calls[c] / q[c]) : "-"),
+                (hrd[c] && ok[c] > 0 ? sprintf("%.3f", scr[c] / ok[c]) : "-"),
+                (hrd[c] && q[c] > 0 ? sprintf("%.3f", scr[c] / q[c]) : "-"), flag[c]
+        }
+    }' "$HTTP_TSV" >"$SUMMARY"
 
-[[ "$(probe "http://127.0.0.1:$UPSTREAM_PORT/")" == 200 ]] || die "upstream does not answer 200"
-run_wrk "upstream direct" "http://127.0.0.1:$UPSTREAM_PORT/" "-"
+# val CASE COLUMN: a value from the summary ("" when the case did not run).
+val() {
+    awk -F'\t' -v c="$1" -v col="$2" 'NR == 1 { for (i = 1; i <= NF; i++) h[$i] = i; next }
+        $1 == c { print $(h[col]); exit }' "$SUMMARY"
+}
 
-free_port port
-write_config "$WORK/memory.toml" "$port" memory 1000000000
-gateway_scenario "gateway, memory" "$WORK/memory.toml" 200
+# Latency percentiles for the plot: case, p50, p90, p99, p99.9 (ms), kind.
+LAT_TSV="$WORK/latency.tsv"
+printf 'case\tp50_ms\tp90_ms\tp99_ms\tp999_ms\tkind\n' >"$LAT_TSV"
+awk -F'\t' 'NR > 1 { printf "%s\t%s\t%s\t%s\t%s\tpeak\n", $1, $6, $7, $8, $9 }' "$SUMMARY" >>"$LAT_TSV"
 
-free_port port
-write_config "$WORK/redis.toml" "$port" redis 1000000000
-gateway_scenario "gateway, redis" "$WORK/redis.toml" 200
+# ---------------------------------------------------------------------------- half load
 
-free_port port
-write_config "$WORK/rejected.toml" "$port" redis 1
-gateway_scenario "redis, rejected" "$WORK/rejected.toml" 429
+HALF_TSV="$WORK/halfload.tsv"
+HALF_R=""
+: >"$HALF_TSV"
+if [[ "$SKIP_HALFLOAD" == 1 ]]; then
+    log "half-load latency: skipped (SKIP_HALFLOAD=1)"
+elif ! selected tg_memory; then
+    log "half-load latency: skipped (needs tg_memory's peak rate; tg_memory is not in CASES)"
+else
+    printf 'case\trate\trequests\tfailed\tnon2xx\tp50\tp90\tp99\tp999\tbusy\tother\tflag\n' >"$HALF_TSV"
+    # half_once CASE TRY: one h2load run; its row goes to $WORK/hline.tsv.
+    half_once() {
+        local c=$1 try=$2 hl="$RAW/h2load-$1-t$2.log" tf="$RAW/h2load-$1-t$2.time"
+        local per_client
+        per_client=$(awk -v r="$HALF_R" 'BEGIN { printf "%.3f", r / 32 }')
+        rm -f "$hl"   # h2load appends to its log file; direct runs once per tollgate case
+        local g0 u0 r0 s0 e0 g1 u1 r1 s1 e1 hu hs
+        wait_quiet
+        # shellcheck disable=SC2086
+        {
+            g0=$(pid_ticks ${C_GW[$c]}); u0=$(pid_ticks ${C_UP[$c]}); r0=$(pid_ticks ${C_RPIDS[$c]})
+            s0=$(sys_busy_ticks); e0=$(date +%s%N)
+        }
+        local TIMEFORMAT='%U %S'
+        { time timeout -k 5 $(( HALF_SECS + 60 )) h2load --h1 -t1 -c32 --rps="$per_client" -D "$HALF_SECS" \
+            --log-file="$hl" "${C_URL[$c]}" >"$RAW/h2load-$c-t$try.txt" 2>&1; } 2>"$tf" \
+            || { cat "$RAW/h2load-$c-t$try.txt" >&2; die "h2load failed for $c"; }
+        # shellcheck disable=SC2086
+        {
+            g1=$(pid_ticks ${C_GW[$c]}); u1=$(pid_ticks ${C_UP[$c]}); r1=$(pid_ticks ${C_RPIDS[$c]})
+            s1=$(sys_busy_ticks); e1=$(date +%s%N)
+        }
+        read -r hu hs <"$tf"
+        sort -t$'\t' -k3,3n "$hl" | awk -F'\t' -v c="$c" -v secs="$HALF_SECS" -v hz="$CLK_TCK" -v nc="$NCPU" \
+            -v pt=$(( g1 - g0 + u1 - u0 + r1 - r0 )) -v st=$(( s1 - s0 )) -v el=$(( e1 - e0 )) \
+            -v hu="$hu" -v hs="$hs" -v maxo="$OTHER_MAX" '
+            $2 == -1 { failed++; next }
+            { n++; v[n] = $3; if ($2 < 200 || $2 > 299) bad++ }
+            function pct(p,   i) { i = int(p * n + 0.999999); if (i < 1) i = 1; if (i > n) i = n; return v[i] / 1000 }
+            END {
+                tick = 1e6 / hz
+                busy = st * tick / (el / 1000) / nc * 100
+                other = (st * tick - pt * tick - (hu + hs) * 1e6) / (el / 1000) / nc * 100
+                if (other < 0) other = 0
+                if (n == 0) { printf "%s\t0\t0\t%d\t0\t-\t-\t-\t-\t%.1f\t%.1f\t%s\n", c, failed, busy, other, (other > maxo ? "*" : ""); exit }
+                printf "%s\t%.0f\t%d\t%d\t%d\t%.3f\t%.3f\t%.3f\t%.3f\t%.1f\t%.1f\t%s\n", c, n / secs, n, failed, bad,
+                    pct(0.50), pct(0.90), pct(0.99), pct(0.999), busy, other, (other > maxo ? "*" : "")
+            }' >"$WORK/hline.tsv"
+    }
+    # Each tollgate case at half of its own peak, and direct at that same rate (the row
+    # "direct@CASE"), so "p99 added" compares like with like.
+    for g in tg_memory tg_redis; do
+        selected "$g" || continue
+        HALF_R=$(awk -v r="$(val "$g" rps)" 'BEGIN { printf "%.0f", r / 2 }')
+        log "half load for $g: h2load --h1 -t1 -c32 at $HALF_R req/s in all, -D $HALF_SECS"
+        for c in direct "$g"; do
+            selected "$c" || continue
+        for try in $(seq "$RETRIES"); do
+            half_once "$c" "$try"
+            other=$(awk -F'\t' '{ print int($11) }' "$WORK/hline.tsv")
+            (( other <= OTHER_MAX )) && break
+            (( try < RETRIES )) && log "half load $c: ${other}% of the machine went to other processes; repeating"
+        done
+        [[ "$c" == direct ]] && sed -i "s/^direct\t/direct@$g\t/" "$WORK/hline.tsv"
+        cat "$WORK/hline.tsv" >>"$HALF_TSV"
+        log "$(awk -F'\t' '{ printf "half load %-10s %6s req/s  p50 %s  p99 %s  p99.9 %s ms  failed %s  non-2xx %s  busy %.0f%%  other %.0f%%%s", $1, $2, $6, $8, $9, $4, $5, $10, $11, ($12 == "*" ? "  (contaminated)" : "") }' "$WORK/hline.tsv")"
+        done
+    done
+    awk -F'\t' 'NR > 1 && $6 != "-" { printf "%s @ half load\t%s\t%s\t%s\t%s\thalf\n", $1, $6, $7, $8, $9 }' \
+        "$HALF_TSV" >>"$LAT_TSV"
+fi
+half() { # half CASE COLUMN
+    [[ -s "$HALF_TSV" ]] || return 0
+    awk -F'\t' -v c="$1" -v col="$2" 'NR == 1 { for (i = 1; i <= NF; i++) h[$i] = i; next }
+        $1 == c { print $(h[col]); exit }' "$HALF_TSV"
+}
 
-free_port port
-write_config "$WORK/rejected-nocache.toml" "$port" redis 1 "local_cache_size = 0"
-gateway_scenario "redis, rejected, no cache" "$WORK/rejected-nocache.toml" 429
+# ---------------------------------------------------------------------------- 1M callers
 
-# ---- report ----------------------------------------------------------------------------
+M_RSS="" M_HWM="" M_RSS0="" M_REQ=0 M_NON2XX=0 M_SECS=0 M_RPS="" M_RUNS=0
+M_CALLERS=1000000 M_CAP=120
+if [[ "$SKIP_1M" == 1 ]]; then
+    log "1M callers: skipped (SKIP_1M=1)"
+else
+    rate=$(val tg_memory_many rps)
+    [[ -n "$rate" ]] || rate=$(val tg_memory rps)
+    [[ -n "$rate" && "$rate" != 0 ]] || rate=$(( M_CALLERS / M_CAP ))
+    start_tg million memory "$Q" 1 -
+    M_RSS0=$(awk '/^VmRSS:/ { print $2 }' "/proc/${TG_PID[million]}/status")
+    # Run for 1e6 / rate x 1.3 s. Should the machine be slower than measured (other work on
+    # the box), top up with more runs that continue from the next caller, 120 s in all at most.
+    while :; do
+        secs=$(awk -v r="$rate" -v n=$(( M_CALLERS - M_REQ )) -v left=$(( M_CAP - M_SECS )) \
+            'BEGIN { s = int(n / r * 1.3 + 0.999); if (s < 5) s = 5; if (s > left) s = left; print s }')
+        M_RUNS=$(( M_RUNS + 1 ))
+        wait_quiet
+        log "1M callers, run $M_RUNS: wrk -t1 -c$CONNS -d${secs}s from caller $(( M_REQ + 1 ))"
+        out="$RAW/wrk-million-$M_RUNS.txt"
+        timeout -k 5 $(( secs + 60 )) wrk -t1 -c"$CONNS" -d"${secs}s" --latency -s "$WORK/million.lua" \
+            "http://127.0.0.1:${TG_PORT[million]}/" -- "$M_REQ" >"$out" 2>&1 \
+            || { cat "$out" >&2; die "wrk failed for the 1M-callers run"; }
+        read -r req non2xx < <(awk '/^TGSTATS / { print $2, $3 }' "$out")
+        M_REQ=$(( M_REQ + req )) M_NON2XX=$(( M_NON2XX + non2xx )) M_SECS=$(( M_SECS + secs ))
+        rate=$(( req / secs + 1 ))
+        (( M_REQ >= M_CALLERS || M_SECS >= M_CAP )) && break
+        log "1M callers: $M_REQ of $M_CALLERS callers after ${M_SECS}s; topping up"
+    done
+    M_RSS=$(awk '/^VmRSS:/ { print $2 }' "/proc/${TG_PID[million]}/status")
+    M_HWM=$(awk '/^VmHWM:/ { print $2 }' "/proc/${TG_PID[million]}/status")
+    M_RPS=$(( M_REQ / M_SECS ))
+    stop_pid "${TG_PID[million]}"
+    log "1M callers: $M_REQ requests in ${M_SECS}s ($M_RPS req/s, $M_NON2XX non-2xx), VmRSS $(( M_RSS / 1024 )) MiB, VmHWM $(( M_HWM / 1024 )) MiB"
+fi
 
-rev="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
-git diff --quiet HEAD 2>/dev/null || rev+="+dirty"
-echo "tollgate $rev | wrk -t$THREADS -c$CONNECTIONS -d$DURATION | $(nproc) cores | $(uname -sr)"
-printf '%-26s %10s %10s %10s %10s %7s %12s\n' \
-    scenario "req/s" p50 p99 non-2xx errors "gateway RSS"
-printf '%s\n' "${ROWS[@]}"
-exit 0
+# ---------------------------------------------------------------------------- report
+
+for pid in "${PIDS[@]}"; do stop_pid "$pid"; done
+PIDS=()
+
+fmt_mb() { awk -v b="$1" 'BEGIN { printf "%.1f MB (%.1f MiB)", b / 1e6, b / 1048576 }'; }
+ge() { awk -v a="$1" -v b="$2" 'BEGIN { exit !(a + 0 >= b + 0) }'; }
+le() { awk -v a="$1" -v b="$2" 'BEGIN { exit !(a + 0 <= b + 0) }'; }
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b + 0 > 0) printf "%.2f", a / b; else print "-" }'; }
+
+REV=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+[[ -z "$(git status --porcelain --untracked-files=no 2>/dev/null)" ]] || REV+="+dirty"
+CMDLINE="DURATION=$DURATION ROUNDS=$ROUNDS"
+[[ -n "$CASES" ]] && CMDLINE+=" CASES=\"$CASES\""
+for k in SKIP_INSTALL SKIP_BUILD SKIP_HALFLOAD SKIP_1M; do [[ "${!k}" == 1 ]] && CMDLINE+=" $k=1"; done
+[[ "$HALF_SECS" != 10 ]] && CMDLINE+=" HALF_SECS=$HALF_SECS"
+CMDLINE+=" bash benches/load.sh"
+ELAPSED=$(( SECONDS - START_TIME ))
+
+targets() {
+    local d np nl m m_gw np_gw r r429 m429 a b ok
+    d=$(val direct rps); np=$(val nginx_proxy rps); nl=$(val nginx_lua_redis rps)
+    line() { printf -- '- **%s** %s\n' "$1" "$2"; }
+
+    m=$(val tg_memory rps); m_gw=$(val tg_memory gw_us); np_gw=$(val nginx_proxy gw_us)
+    if [[ -n "$m" && -n "$np" ]]; then
+        ok=FAIL; ge "$m" "$np" && le "$m_gw" "$np_gw" && ok=PASS
+        line "$ok" "memory store: tg_memory $m req/s = $(ratio "$m" "$np")× nginx_proxy (target ≥ 1.0×), gateway CPU $m_gw µs/req vs nginx_proxy's $np_gw µs/req (target ≤)"
+    else line "n/a" "memory store: needs tg_memory and nginx_proxy"; fi
+
+    r=$(val tg_redis rps)
+    if [[ -n "$r" && -n "$np" && -n "$nl" ]]; then
+        ok=FAIL; ge "$r" "$(awk -v x="$np" 'BEGIN { print 0.8 * x }')" && ge "$r" "$(awk -v x="$nl" 'BEGIN { print 1.6 * x }')" && ok=PASS
+        line "$ok" "Redis, 1 shard: tg_redis $r req/s = $(ratio "$r" "$np")× nginx_proxy (target ≥ 0.8×) and $(ratio "$r" "$nl")× nginx_lua_redis (target ≥ 1.6×)"
+    else line "n/a" "Redis, 1 shard: needs tg_redis, nginx_proxy and nginx_lua_redis"; fi
+
+    m429=$(val tg_memory_429 rps); r429=$(val tg_redis_429 rps)
+    if [[ -n "$m429" && -n "$r429" && -n "$d" ]]; then
+        ok=FAIL; ge "$m429" "$d" && ge "$r429" "$d" && ok=PASS
+        line "$ok" "429 from memory/cache: tg_memory_429 = $(ratio "$m429" "$d")×, tg_redis_429 = $(ratio "$r429" "$d")× direct (target ≥ 1.0× each)"
+    else line "n/a" "429 from memory/cache: needs tg_memory_429, tg_redis_429 and direct"; fi
+
+    a=$(half tg_memory p99); b=$(half tg_redis p99)
+    local da db ra rb
+    da=$(half direct@tg_memory p99); db=$(half direct@tg_redis p99)
+    ra=$(half tg_memory rate); rb=$(half tg_redis rate)
+    if [[ -n "$a" && -n "$b" && -n "$da" && -n "$db" && "$a" != - && "$b" != - ]]; then
+        local am bm
+        am=$(awk -v x="$a" -v y="$da" 'BEGIN { printf "%.3f", x - y }')
+        bm=$(awk -v x="$b" -v y="$db" 'BEGIN { printf "%.3f", x - y }')
+        ok=FAIL; le "$am" 1 && le "$bm" 1 && ok=PASS
+        line "$ok" "p99 added over direct at half of each case's own peak: tg_memory +$am ms (at $ra req/s), tg_redis +$bm ms (at $rb req/s) (target ≤ 1 ms)"
+    else line "n/a" "p99 added at half load: needs the half-load runs of direct, tg_memory and tg_redis"; fi
+
+    # Judged on round trips: the commands clients sent (EVAL*/FCALL script calls), not the
+    # commands the scripts run inside Redis, which commandstats counts too (shown beside).
+    local parts=() sok=1 any=0 spec cs ss c col scol limit per
+    for spec in "tg_redis calls_per_ok scripts_per_ok 1 2xx" "tg_redis_429 calls_per_req scripts_per_req 0.01 request" \
+        "tg_redis_lease calls_per_ok scripts_per_ok 0.1 2xx"; do
+        read -r c col scol limit per <<<"$spec"
+        cs=$(val "$c" "$col"); ss=$(val "$c" "$scol")
+        if [[ -n "$cs" && "$cs" != - ]]; then
+            any=1
+            parts+=("$c $ss round trips (script calls) per $per (target ≤ $limit; $cs commands counted by commandstats, including those run inside the scripts)")
+            le "$ss" "$limit" || sok=0
+        elif [[ "$c" == tg_redis_lease && "$LEASE_SKIPPED" == 1 ]]; then
+            parts+=("tg_redis_lease skipped: lease not supported by this build")
+        fi
+    done
+    if ((any)); then
+        ok=FAIL; ((sok)) && ok=PASS
+        local joined
+        joined=$(IFS=';'; echo "${parts[*]}")
+        line "$ok" "Redis round trips: ${joined//;/; }"
+    else line "n/a" "Redis calls: needs tg_redis / tg_redis_429 / tg_redis_lease"; fi
+
+    if [[ -z "$M_RSS" ]]; then
+        line "n/a" "1M distinct callers: skipped"
+    elif ! le "$(( M_RSS * 1024 ))" 200000000; then
+        line FAIL "1M distinct callers: gateway VmRSS $(fmt_mb $(( M_RSS * 1024 ))) after $M_REQ requests (target ≤ 200 MB)"
+    elif (( M_REQ < M_CALLERS )); then
+        line "n/a" "1M distinct callers: only $M_REQ callers reached in ${M_SECS}s; VmRSS $(fmt_mb $(( M_RSS * 1024 ))) (target ≤ 200 MB with 1,000,000)"
+    else
+        line PASS "1M distinct callers: gateway VmRSS $(fmt_mb $(( M_RSS * 1024 ))) after $M_REQ requests (target ≤ 200 MB)"
+    fi
+
+    ok=FAIL; le "$BIN_SIZE" 15000000 && ok=PASS
+    line "$ok" "release binary: $(fmt_mb "$BIN_SIZE") (target ≤ 15 MB)"
+}
+
+render() {
+    local cpu_model
+    cpu_model=$(awk -F': ' '/^model name/ { print $2; exit }' /proc/cpuinfo)
+    echo "## Load test: \`benches/load.sh\`"
+    echo
+    echo "Generated by \`benches/load.sh\` on $(date -u '+%Y-%m-%d %H:%M UTC'); everything between the load.sh markers is rewritten by each run."
+    echo
+    echo "- Machine: $NCPU cores, ${cpu_model:-unknown CPU}, Linux $(uname -r), $(awk '/^MemTotal:/ { printf "%.0f GiB RAM", $2 / 1048576 }' /proc/meminfo)"
+    echo "- Command: \`$CMDLINE\` (took ${ELAPSED}s; QUIET_PCT=$QUIET_PCT QUIET_WAIT=$QUIET_WAIT OTHER_MAX=$OTHER_MAX RETRIES=$RETRIES)"
+    echo "- tollgate: git $REV; $VERSIONS"
+    echo "- Load: \`wrk -t1 -c$CONNS -d$DURATION --latency\`, $WARMUP warm-up per case, $ROUNDS interleaved round(s); wrk, proxies, upstream and Redis all share the $NCPU cores."
+    echo
+    echo "### Throughput, latency, CPU"
+    echo
+    echo "| case | req/s | min..max | × direct | × nginx_proxy | p50 ms | p99 ms | p99.9 ms | non-2xx % | sock err | proxy/gw µs/req | upstream µs/req | redis µs/req | wrk µs/req | busy % | other % | Redis calls/2xx | Redis calls/req | scripts/2xx |"
+    echo "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"
+    awk -F'\t' -v d="$(val direct rps)" -v np="$(val nginx_proxy rps)" 'NR > 1 {
+        rd = (d > 0 ? sprintf("%.2f", $3 / d) : "-"); rp = (np > 0 ? sprintf("%.2f", $3 / np) : "-")
+        printf "| %s%s | %s | %s..%s | %s | %s | %.3f | %.3f | %.3f | %.1f | %s | %s | %.1f | %s | %.1f | %.0f | %.0f | %s | %s | %s |\n",
+            $1, $22, $3, $4, $5, rd, rp, $6, $8, $9, $10, $11, ($12 == "-" ? "-" : sprintf("%.1f", $12)), $13,
+            ($14 == "-" ? "-" : sprintf("%.1f", $14)), $15, $16, $17, $18, $19, $20 }' "$SUMMARY"
+    echo
+    echo "Means over the rounds (min..max: req/s of the single rounds). Latency percentiles are wrk's exact ones (Lua \`latency:percentile()\`). CPU is µs of CPU per request from /proc utime+stime (nginx: master + worker; tollgate: all threads; redis: every redis-server of the case; wrk: its rusage). busy % is the whole machine ($NCPU cores = 100 %); other % is the busy share not accounted to those processes (loopback softirq, kernel, anything else running). * = a run still had other % > $OTHER_MAX after $RETRIES tries."
+    echo "Redis calls = delta of the summed \`calls=\` of every \`cmdstat_*\` line of \`INFO commandstats\` over all primaries and replicas of the case (not counting our INFO, REPLCONF/PSYNC, and on replicas the replication stream), per 2xx response and per request. Redis counts the commands run inside a Lua script too, so one EVALSHA that runs HMGET counts 2; scripts/2xx counts EVAL/EVALSHA/FCALL alone (round trips of a script-based store)."
+    if [[ "$LEASE_SKIPPED" == 1 ]]; then echo; echo "tg_redis_lease: skipped: lease not supported by this build."; fi
+    echo
+    echo "### Latency at half load"
+    echo
+    if [[ -s "$HALF_TSV" ]]; then
+        echo "\`h2load --h1 -t1 -c32 --rps=R/32 -D $HALF_SECS\`, R = half of the case's own mean peak req/s; \`direct@CASE\` is the upstream alone at that same R. Percentiles from h2load's per-request log (3rd column, µs to the end of the response); busy/other % as above, with h2load's rusage in place of wrk's. * = other % > $OTHER_MAX after $RETRIES tries."
+        echo
+        echo "| case | req/s | requests | failed | non-2xx | p50 ms | p90 ms | p99 ms | p99.9 ms | p99 added over direct | busy % | other % |"
+        echo "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"
+        awk -F'\t' 'NR > 1 {
+            if ($1 ~ /^direct@/) { d[substr($1, 8)] = $8 }
+            add = ($1 ~ /^direct/ || !($1 in d) || $8 == "-") ? "-" : sprintf("%+.3f ms", $8 - d[$1])
+            printf "| %s%s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %.0f | %.0f |\n", $1, $12, $2, $3, $4, $5, $6, $7, $8, $9, add, $10, $11 }' "$HALF_TSV"
+    else
+        echo "Not measured in this run."
+    fi
+    echo
+    echo "### 1,000,000 distinct callers"
+    echo
+    if [[ -n "$M_RSS" ]]; then
+        local reached="reached"
+        (( M_REQ >= 1000000 )) || reached="NOT reached: only $M_REQ callers"
+        echo "A fresh memory-store gateway, \`wrk -t1 -c$CONNS\` for ${M_SECS}s in all ($M_RUNS run(s)) with X-Forwarded-For 10.(n>>16&255).(n>>8&255).(n&255), n = 1..1,000,000 then 1,000,000: $M_REQ requests ($M_RPS req/s, $M_NON2XX non-2xx), so 1,000,000 callers $reached."
+        echo
+        echo "- VmRSS: $(fmt_mb $(( M_RSS * 1024 ))) after (idle before the run: $(fmt_mb $(( M_RSS0 * 1024 ))))"
+        echo "- VmHWM: $(fmt_mb $(( M_HWM * 1024 )))"
+    else
+        echo "Not measured in this run."
+    fi
+    echo
+    echo "### Binary"
+    echo
+    echo "\`target/release/tollgate\`: $BIN_SIZE bytes = $(fmt_mb "$BIN_SIZE")."
+    echo
+    echo "### Targets"
+    echo
+    targets
+    echo
+    echo "### Latency percentiles"
+    echo
+    echo "![latency percentiles per case](benches/latency.svg)"
+    echo
+    echo "[benches/latency.svg](benches/latency.svg): p50/p90/p99/p99.9 per case (solid: wrk at peak; dashed: h2load at half load), drawn by \`benches/plot.py\`."
+}
+
+SECTION="$WORK/section.md"
+render >"$SECTION"
+python3 benches/plot.py "$LAT_TSV" benches/latency.svg || die "benches/plot.py failed"
+
+BEGIN_MARK='<!-- load.sh:begin -->'
+END_MARK='<!-- load.sh:end -->'
+# marker_pair: "BEGIN_LINE END_LINE" of the last begin marker that has an end marker after it.
+marker_pair() {
+    awk -v b="$BEGIN_MARK" -v e="$END_MARK" '{ l[NR] = $0 }
+        END { for (i = NR; i >= 1; i--) { if (l[i] == e) ne = i; if (l[i] == b && ne) { print i, ne; exit } } }' BENCHMARKS.md
+}
+if [[ ! -f BENCHMARKS.md ]]; then
+    # shellcheck disable=SC2016
+    printf '# tollgate benchmarks\n\nHand-written notes (profiles, analysis) go outside the load.sh markers: `bash benches/load.sh` rewrites only the text between them.\n\n%s\n%s\n' \
+        "$BEGIN_MARK" "$END_MARK" >BENCHMARKS.md
+elif [[ -z "$(marker_pair)" ]]; then
+    printf '\n%s\n%s\n' "$BEGIN_MARK" "$END_MARK" >>BENCHMARKS.md
+fi
+read -r MB ME < <(marker_pair)
+{ head -n "$MB" BENCHMARKS.md; cat "$SECTION"; tail -n +"$ME" BENCHMARKS.md; } >"$WORK/BENCHMARKS.md.new"
+cat "$WORK/BENCHMARKS.md.new" >BENCHMARKS.md
+
+echo
+cat "$SECTION"
+echo
+log "wrote BENCHMARKS.md and benches/latency.svg in ${ELAPSED}s"
+FAILED=0

@@ -12,6 +12,7 @@
 #   CASES [all]          space-separated subset of the case names below (for quick tries)
 #   SKIP_INSTALL [0]     1: never apt-get; fail when a tool is missing
 #   SKIP_BUILD [0]       1: don't run cargo build; measure the target/release/tollgate already there
+#   TOLLGATE_BIN []      measure this binary instead (no build), e.g. an older release to compare
 #   SKIP_HALFLOAD [0]    1: skip the half-load latency runs (h2load)
 #   SKIP_1M [0]          1: skip the 1,000,000-distinct-callers memory run
 #   HALF_SECS [10]       h2load -D (seconds) of each half-load run
@@ -234,7 +235,11 @@ install_deps
 HAVE_LUA=0
 [[ -f "$LUA_MOD" && -f "$NDK_MOD" ]] && HAVE_LUA=1
 
-if [[ "$SKIP_BUILD" == 1 ]]; then
+BIN=${TOLLGATE_BIN:-target/release/tollgate}
+if [[ -n "${TOLLGATE_BIN:-}" ]]; then
+    log "not building: measuring TOLLGATE_BIN=$TOLLGATE_BIN"
+    [[ -x "$BIN" ]] || die "TOLLGATE_BIN=$TOLLGATE_BIN is not an executable"
+elif [[ "$SKIP_BUILD" == 1 ]]; then
     log "not building (SKIP_BUILD=1): using target/release/tollgate as it is"
     [[ -x target/release/tollgate ]] || die "target/release/tollgate does not exist"
 else
@@ -243,10 +248,10 @@ else
     cargo build --release --bin tollgate 2>"$LOGS/build.log" \
         || { tail -n 40 "$LOGS/build.log" >&2; die "cargo build failed (SKIP_BUILD=1 measures the existing binary)"; }
 fi
-BIN_SIZE=$(stat -c %s target/release/tollgate)
+BIN_SIZE=$(stat -c %s "$BIN")
 VERSIONS="$(nginx -v 2>&1 | sed 's/^nginx version: //'); redis $(redis-server --version | awk '{ sub(/^v=/, "", $3); print $3 }'); wrk $( (wrk -v 2>&1 || true) | awk 'NR == 1 { print $2 }'); $(h2load --version | awk 'NR == 1')"
 TG="$WORK/tollgate"
-cp target/release/tollgate "$TG"
+cp "$BIN" "$TG"
 
 # ---------------------------------------------------------------------------- processes
 

@@ -2,7 +2,9 @@
 //! a 429 in-process without calling the store.
 //!
 //! Within one window `used` only grows, so a window seen with `used + cost > quota` stays
-//! over the limit for any request of at least that cost until `reset_at`. Entries are
+//! over the limit for any request of at least that cost until `reset_at`. (Lease mode is
+//! the exception: gateways give unused units back, so its entries also expire after
+//! [`crate::limiter::lease::IDLE_MS`], see [`OverLimitCache::insert_until`].) Entries are
 //! keyed by storage key, expire at their `reset_at`, and are bounded by
 //! `store.local_cache_size` (when full, expired entries are dropped first; if none are,
 //! the new entry is not kept). A reload that changes a limit drops that limit's entries.
@@ -12,12 +14,25 @@ use super::sharded::ShardedMap;
 use super::Usage;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
+/// A cached refusal: the window as read, trusted until `min(reset_at, until_ms)`.
+#[derive(Debug, Clone)]
+struct Entry {
+    usage: Usage,
+    until_ms: u64,
+}
+
+impl Entry {
+    fn live(&self, now_ms: u64) -> bool {
+        self.usage.reset_at_ms.min(self.until_ms) > now_ms
+    }
+}
+
 /// See the module documentation.
 #[derive(Debug)]
 pub struct OverLimitCache {
     capacity: usize,
     /// Sharded like the memory store, so lookups on the request path rarely contend.
-    entries: ShardedMap<Usage>,
+    entries: ShardedMap<Entry>,
     count: AtomicUsize,
     hits: AtomicU64,
 }
@@ -41,10 +56,13 @@ impl OverLimitCache {
             return None;
         }
         let entries = self.entries.shard(key);
-        let u = entries.get(&key.key)?;
-        if u.reset_at_ms > now_ms && u.used.saturating_add(cost) > quota {
+        let e = entries.get(&key.key)?;
+        if e.live(now_ms) && e.usage.used.saturating_add(cost) > quota {
             self.hits.fetch_add(1, Ordering::Relaxed);
-            Some(Usage { quota, ..u.clone() })
+            Some(Usage {
+                quota,
+                ..e.usage.clone()
+            })
         } else {
             None
         }
@@ -52,12 +70,23 @@ impl OverLimitCache {
 
     /// Remember that `key` is over the limit as `usage` says, until its reset.
     pub fn insert(&self, key: &LimitKey, usage: &Usage, now_ms: u64) {
-        if self.capacity == 0 || usage.reset_at_ms <= now_ms {
+        self.insert_until(key, usage, now_ms, u64::MAX);
+    }
+
+    /// Like [`OverLimitCache::insert`], but trusted only until `until_ms` (ms since the
+    /// epoch) when that comes before the reset: for windows that can shrink (lease mode's
+    /// refunds).
+    pub fn insert_until(&self, key: &LimitKey, usage: &Usage, now_ms: u64, until_ms: u64) {
+        let entry = Entry {
+            usage: usage.clone(),
+            until_ms,
+        };
+        if self.capacity == 0 || !entry.live(now_ms) {
             return;
         }
         if self.count.load(Ordering::Relaxed) >= self.capacity {
             // Full: drop expired entries everywhere (rare), then give up if still full.
-            self.retain(|u| u.reset_at_ms > now_ms);
+            self.retain(|e| e.live(now_ms));
             if self.count.load(Ordering::Relaxed) >= self.capacity {
                 return;
             }
@@ -65,21 +94,21 @@ impl OverLimitCache {
         if self
             .entries
             .shard(key)
-            .insert(key.key.clone(), usage.clone())
+            .insert(key.key.clone(), entry)
             .is_none()
         {
             self.count.fetch_add(1, Ordering::Relaxed);
         }
     }
 
-    fn retain(&self, keep: impl FnMut(&Usage) -> bool) {
+    fn retain(&self, keep: impl FnMut(&Entry) -> bool) {
         let dropped = self.entries.retain(keep);
         self.count.fetch_sub(dropped, Ordering::Relaxed);
     }
 
     /// Drop every entry of the limit named `resource`.
     pub fn forget_limit(&self, resource: &str) {
-        self.retain(|u| &*u.resource != resource);
+        self.retain(|e| &*e.usage.resource != resource);
     }
 
     /// Number of entries held.
@@ -150,5 +179,21 @@ mod tests {
         let off = OverLimitCache::new(0);
         off.insert(&k("a"), &usage("core", 10, 2_000), 0);
         assert!(off.get(&k("a"), 10, 1, 0).is_none());
+    }
+
+    #[test]
+    fn entries_for_shrinkable_windows_expire_early() {
+        let c = OverLimitCache::new(10);
+        c.insert_until(&k("k"), &usage("core", 10, 60_000), 1_000, 2_000);
+        assert!(c.get(&k("k"), 10, 1, 1_999).is_some());
+        assert!(
+            c.get(&k("k"), 10, 1, 2_000).is_none(),
+            "trusted only until 2_000"
+        );
+        // And a full cache drops such an entry to make room once it has expired.
+        let full = OverLimitCache::new(1);
+        full.insert_until(&k("a"), &usage("core", 10, 60_000), 0, 1_000);
+        full.insert(&k("b"), &usage("core", 10, 60_000), 1_500);
+        assert!(full.get(&k("b"), 10, 1, 1_500).is_some());
     }
 }

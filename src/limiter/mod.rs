@@ -435,7 +435,10 @@ impl Limiter {
                 }
                 Ok(Take::Exhausted { used, reset_at_ms }) => {
                     let u = a.usage_at(used.max(a.quota), reset_at_ms);
-                    self.cache.insert(&a.key, &u, now_ms);
+                    // Other gateways may give leased units back: trust the refusal only
+                    // until their leases could have gone idle.
+                    self.cache
+                        .insert_until(&a.key, &u, now_ms, now_ms + lease::IDLE_MS);
                     self.release(&applied[..i], cost, &usages[..i]);
                     return Err(Refusal::OverLimit(u));
                 }

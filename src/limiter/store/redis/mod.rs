@@ -123,37 +123,30 @@ pub(crate) struct Shard {
 }
 
 impl Shard {
-    /// The two batchers of the shard that `weak` will point to.
+    /// The two batchers (CHECKs, CHARGEs) of the shard that `weak` will point to.
     fn batchers(
         weak: &Weak<Shard>,
         scripts: &Arc<Scripts>,
         timeout: std::time::Duration,
     ) -> (Batcher, Batcher) {
-        let (w, s) = (weak.clone(), scripts.clone());
-        let checks = Batcher::spawn(
-            Box::new(move |keys, args| {
-                let (w, s) = (w.clone(), s.clone());
-                Box::pin(async move {
-                    let shard = w.upgrade().ok_or(StoreError::NotStarted)?;
-                    let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
-                    shard.check(&s, &keys, &args).await
-                })
-            }),
-            timeout,
-        );
-        let (w, s) = (weak.clone(), scripts.clone());
-        let charges = Batcher::spawn(
-            Box::new(move |keys, args| {
-                let (w, s) = (w.clone(), s.clone());
-                Box::pin(async move {
-                    let shard = w.upgrade().ok_or(StoreError::NotStarted)?;
-                    let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
-                    shard.on_primary(&s.charge, &keys, &args).await
-                })
-            }),
-            timeout,
-        );
-        (checks, charges)
+        let make = |kind: Kind| {
+            let (w, s) = (weak.clone(), scripts.clone());
+            Batcher::spawn(
+                Box::new(move |keys, args| {
+                    let (w, s) = (w.clone(), s.clone());
+                    Box::pin(async move {
+                        let shard = w.upgrade().ok_or(StoreError::NotStarted)?;
+                        let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+                        match kind {
+                            Kind::Check => shard.check(&s, &keys, &args).await,
+                            Kind::Charge => shard.on_primary(&s.charge, &keys, &args).await,
+                        }
+                    })
+                }),
+                timeout,
+            )
+        };
+        (make(Kind::Check), make(Kind::Charge))
     }
 
     /// CHECK `keys` (one `now` per key in `args`) on a healthy replica when reads go to

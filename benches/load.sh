@@ -256,13 +256,16 @@ cp "$BIN" "$TG"
 # ---------------------------------------------------------------------------- processes
 
 TAKEN=" "
-# free_port VAR: a port in 20000-52767 that nothing listens on and that we have not handed out.
+# free_port VAR: a port below the kernel's ephemeral range (where outgoing connections take
+# their local ports, which a listener then cannot bind) that no socket uses and that we have
+# not handed out.
+EPHEMERAL_LOW=$(awk '{ print $1 }' /proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || echo 32768)
 free_port() {
     local p i
     for i in $(seq 500); do
-        p=$(( 20000 + RANDOM % 32768 ))
+        p=$(( 10000 + RANDOM % (EPHEMERAL_LOW - 10000) ))
         [[ "$TAKEN" == *" $p "* ]] && continue
-        if [[ -z "$(ss -ltnH "sport = :$p")" ]]; then
+        if [[ -z "$(ss -tanH "sport = :$p")" ]]; then
             TAKEN+="$p "
             printf -v "$1" '%s' "$p"
             return 0

@@ -101,8 +101,10 @@ async fn check(path: &Path, against: Option<&Path>) -> ExitCode {
             if let Some(old) = against {
                 match config::read(old) {
                     Ok(old) => {
-                        if let Some(w) = reshard_warning(&old.config.store, &snap.config.store) {
-                            eprintln!("warning: {}: store.shards: {w}", path.display());
+                        if let Some((key, w)) =
+                            reshard_warning(&old.config.store, &snap.config.store)
+                        {
+                            eprintln!("warning: {}: {key}: {w}", path.display());
                         }
                     }
                     Err(report) => eprint!("{report}"),

@@ -171,8 +171,8 @@ impl Snapshot {
             ),
         };
         if let Some(prev) = previous {
-            if let Some(warning) = reshard_warning(&prev.config.store, &cfg.store) {
-                problems.warn("store.shards", warning);
+            if let Some((key, warning)) = reshard_warning(&prev.config.store, &cfg.store) {
+                problems.warn(key, warning);
             }
         }
 
@@ -273,15 +273,24 @@ fn build_store(cfg: &StoreConfig, problems: &mut Problems) -> Option<AnyStore> {
 /// A warning when a reload moves callers to other shards or other keys, where they start
 /// a fresh window: the shard list (its primaries or Sentinel masters, in order) changed,
 /// or `mode`, `key_prefix` or `hash_key` did. Replica changes move nobody.
-pub fn reshard_warning(old: &StoreConfig, new: &StoreConfig) -> Option<String> {
+pub fn reshard_warning(old: &StoreConfig, new: &StoreConfig) -> Option<(&'static str, String)> {
     if old.backend != Backend::Redis || new.backend != Backend::Redis {
         return None;
     }
-    if old.mode != new.mode || old.key_prefix != new.key_prefix || old.hash_key != new.hash_key {
-        return Some(
-            "store.mode, store.key_prefix or store.hash_key changed: every caller gets new keys and starts a fresh window"
-                .to_string(),
-        );
+    let changed = if old.mode != new.mode {
+        Some("store.mode")
+    } else if old.key_prefix != new.key_prefix {
+        Some("store.key_prefix")
+    } else if old.hash_key != new.hash_key {
+        Some("store.hash_key")
+    } else {
+        None
+    };
+    if let Some(key) = changed {
+        return Some((
+            key,
+            format!("{key} changed: every caller gets new keys and starts a fresh window"),
+        ));
     }
     let identity = |c: &StoreConfig| -> Vec<String> {
         c.shards
@@ -305,8 +314,11 @@ pub fn reshard_warning(old: &StoreConfig, new: &StoreConfig) -> Option<String> {
     } else {
         "callers of every changed or reordered shard (possibly most callers)".to_string()
     };
-    Some(format!(
-        "the shard list changed ({n} -> {m} shards): {moved} move to another shard and start a fresh window there; add or remove shards only at the end of the list"
+    Some((
+        "store.shards",
+        format!(
+            "the shard list changed ({n} -> {m} shards): {moved} move to another shard and start a fresh window there; add or remove shards only at the end of the list"
+        ),
     ))
 }
 
@@ -332,7 +344,8 @@ mod tests {
     #[test]
     fn reshard_warning_says_how_many_callers_move() {
         assert_eq!(reshard_warning(&redis(2), &redis(2)), None);
-        let w = reshard_warning(&redis(3), &redis(4)).unwrap();
+        let (key, w) = reshard_warning(&redis(3), &redis(4)).unwrap();
+        assert_eq!(key, "store.shards");
         assert!(
             w.contains("3 -> 4 shards") && w.contains("about 25% of callers"),
             "{w}"
@@ -341,6 +354,22 @@ mod tests {
         reordered.shards.swap(0, 2);
         assert!(reshard_warning(&redis(3), &reordered)
             .unwrap()
+            .1
             .contains("possibly most callers"));
+    }
+
+    #[test]
+    fn reshard_warning_names_the_key_that_changed() {
+        let mut keyed = redis(2);
+        keyed.hash_key = Some("new-secret".into());
+        let (key, w) = reshard_warning(&redis(2), &keyed).unwrap();
+        assert_eq!(key, "store.hash_key");
+        assert!(w.starts_with("store.hash_key changed"), "{w}");
+        let mut prefixed = redis(2);
+        prefixed.key_prefix = "other:".into();
+        assert_eq!(
+            reshard_warning(&redis(2), &prefixed).unwrap().0,
+            "store.key_prefix"
+        );
     }
 }

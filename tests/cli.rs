@@ -342,6 +342,29 @@ fn check_against_the_running_config_warns_when_the_shard_list_changes() {
         .output()
         .unwrap();
     assert!(!String::from_utf8_lossy(&out.stderr).contains("shard list changed"));
+
+    // A changed hash_key is named as such, not as a shard change.
+    let rekeyed = write(
+        dir.path(),
+        "rekeyed.toml",
+        &shards(2).replace(
+            "backend = \"redis\"\n",
+            "backend = \"redis\"\nhash_key = \"s2\"\n",
+        ),
+    );
+    let out = tollgate()
+        .args(["check", "--config"])
+        .arg(&rekeyed)
+        .arg("--against")
+        .arg(&old)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("store.hash_key: store.hash_key changed: every caller gets new keys"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("store.shards"), "{stderr}");
 }
 
 /// Threads of a process named like tokio's worker threads.

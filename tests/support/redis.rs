@@ -85,7 +85,9 @@ impl RedisServer {
         .args(&self.extra)
         .stdout(Stdio::null())
         .stderr(Stdio::null());
-        self.child = Some(cmd.spawn().expect("spawn redis-server"));
+        self.child = Some(cmd.spawn().unwrap_or_else(|e| {
+            panic!("cannot start {}: {e}. These tests need a real redis-server: install it (Debian: apt-get install redis-server) or set REDIS_SERVER=/path/to/redis-server", redis_server_bin())
+        }));
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
             if let Ok(mut c) = self.conn() {

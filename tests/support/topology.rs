@@ -210,7 +210,9 @@ impl SentinelProcess {
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
-            .expect("spawn redis-server --sentinel");
+            .unwrap_or_else(|e| {
+                panic!("cannot start {} --sentinel: {e}. These tests need a real redis-server: install it (Debian: apt-get install redis-server redis-tools) or set REDIS_SERVER=/path/to/redis-server", redis_server_bin())
+            });
         let mut s = SentinelProcess {
             port,
             conf,

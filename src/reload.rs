@@ -55,9 +55,12 @@ pub fn reload_on_sighup(reloader: Reloader, path: PathBuf) -> std::io::Result<()
 pub fn watch_file(reloader: Reloader, path: PathBuf) -> notify::Result<notify::RecommendedWatcher> {
     let dir = watched_dir(&path);
     let (tx, mut rx) = mpsc::unbounded_channel::<()>();
+    let file = path.clone();
     let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
         if let Ok(event) = event {
-            if !event.kind.is_access() {
+            // Only events about the config file itself (or the symlink it goes through):
+            // other files in the directory, such as a log file, must not trigger reloads.
+            if !event.kind.is_access() && event.paths.iter().any(|p| concerns(&file, p)) {
                 let _ = tx.send(());
             }
         }
@@ -75,6 +78,23 @@ pub fn watch_file(reloader: Reloader, path: PathBuf) -> notify::Result<notify::R
         }
     });
     Ok(watcher)
+}
+
+/// Whether a change to `changed` (a path in the config file's directory) can change the
+/// config file at `config`: it is the file itself, or the first step of the symlink the
+/// file is (Kubernetes ConfigMaps: `tollgate.toml -> ..data/tollgate.toml`, where `..data`
+/// is swapped).
+fn concerns(config: &Path, changed: &Path) -> bool {
+    let Some(name) = changed.file_name() else {
+        return false;
+    };
+    if Some(name) == config.file_name() {
+        return true;
+    }
+    std::fs::read_link(config)
+        .ok()
+        .and_then(|target| target.components().next().map(|c| c.as_os_str().to_owned()))
+        .is_some_and(|first| first == name)
 }
 
 fn watched_dir(path: &Path) -> PathBuf {

@@ -147,6 +147,47 @@ async fn the_config_file_is_watched_through_rename_replace_and_symlink_swaps() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn other_files_and_the_same_broken_content_do_not_reload() {
+    let upstream = Upstream::start().await;
+    let gw = TestGateway::start(&config(&upstream, 10, "", "")).await;
+    let dir = gw.path.parent().unwrap().to_path_buf();
+    let _watcher = tollgate::reload::watch_file(gw.gateway.reloader(), gw.path.clone()).unwrap();
+    let failed = || async {
+        sample(
+            &get(&admin(&gw, "/metrics")).await.text(),
+            "tollgate_reloads_total{result=\"failed\"}",
+        )
+    };
+
+    // A broken save fails once.
+    std::fs::write(&gw.path, "[server\n").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while failed().await < 1.0 {
+        assert!(Instant::now() < deadline, "failed reload not counted");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    // A log file in the same directory, written 20 times, and the same broken content
+    // saved again: no more reloads.
+    let log = dir.join("tollgate.log");
+    for i in 0..20 {
+        std::fs::write(&log, format!("line {i}\n")).unwrap();
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    }
+    std::fs::write(&gw.path, "[server\n").unwrap();
+    tokio::time::sleep(tollgate::reload::DEBOUNCE * 3).await;
+    assert_eq!(failed().await, 1.0, "one failed reload, not one per event");
+    assert_eq!(get(&gw.url("/")).await.header("x-ratelimit-limit"), "10");
+
+    // A good save still applies.
+    std::fs::write(&gw.path, config(&upstream, 12, "", "")).unwrap();
+    wait_for_limit(&gw.url("/"), "12", Duration::from_secs(5)).await;
+
+    // An unreadable file is one failed reload, not two.
+    let _ = gw.gateway.reload_from(&dir.join("missing.toml"), false);
+    assert_eq!(failed().await, 2.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readyz_follows_the_shards_primaries() {
     let mut redis = RedisServer::start();
     let upstream = Upstream::start().await;

@@ -45,6 +45,9 @@ struct Shared {
     metrics: Arc<Metrics>,
     /// Serializes reloads (SIGHUP and the file watcher may race).
     reload_lock: std::sync::Mutex<()>,
+    /// Content hash of the last file that failed to load, so that a watcher does not
+    /// retry the same broken content on every unrelated event.
+    last_failed: std::sync::Mutex<Option<String>>,
 }
 
 /// A running gateway: its listeners' addresses, its current snapshot, and its shutdown.
@@ -114,6 +117,7 @@ impl Gateway {
             clock,
             metrics,
             reload_lock: std::sync::Mutex::new(()),
+            last_failed: std::sync::Mutex::new(None),
         });
         let (shutdown, rx) = watch::channel(false);
         let admin_addr = admin.map(|(listener, addr)| {
@@ -249,32 +253,52 @@ impl Reloader {
     }
 
     /// Read the file at `path` and [`Reloader::reload`] it, telling systemd
-    /// (`RELOADING=1` with `MONOTONIC_USEC`, then `READY=1`) when `NOTIFY_SOCKET` is set. With `skip_unchanged`, a file
-    /// whose content is the running one is left alone (file watchers see many events for
-    /// one save). Logs the outcome.
+    /// (`RELOADING=1` with `MONOTONIC_USEC`, then `READY=1`) when `NOTIFY_SOCKET` is set.
+    /// With `skip_unchanged` (file watchers, which see many events for one save), a file
+    /// whose content is the running one, or the one that failed last, is left alone.
+    /// Logs the outcome.
     pub fn reload_from(
         &self,
         path: &std::path::Path,
         skip_unchanged: bool,
     ) -> Result<ReloadOutcome, ConfigReport> {
+        let failed_before = |hash: &str| {
+            self.0
+                .last_failed
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .as_deref()
+                == Some(hash)
+        };
+        let remember_failure = |hash: Option<String>| {
+            *self.0.last_failed.lock().unwrap_or_else(|e| e.into_inner()) = hash;
+        };
         let result = match crate::config::read(path) {
             Err(report) => {
-                // Unreadable or unparsable: a failed reload like any other.
+                // Unparsable (the text is known) or unreadable: a failed reload like any
+                // other, unless a watcher sees the same broken text again.
+                let hash =
+                    (!report.text.is_empty()).then(|| crate::snapshot::content_hash(&report.text));
+                if skip_unchanged && hash.as_deref().is_some_and(failed_before) {
+                    return Ok(ReloadOutcome::Unchanged);
+                }
                 self.count("failed");
+                remember_failure(hash);
                 Err(report)
             }
-            Ok(file)
-                if skip_unchanged
-                    && crate::snapshot::content_hash(&file.text)
-                        == self.0.snapshot.load().content_hash =>
-            {
-                Ok(ReloadOutcome::Unchanged)
-            }
             Ok(file) => {
-                crate::reload::notify_systemd_reloading();
-                let outcome = self.reload(&file);
-                crate::reload::notify_systemd(&[sd_notify::NotifyState::Ready]);
-                outcome
+                let hash = crate::snapshot::content_hash(&file.text);
+                if skip_unchanged
+                    && (hash == self.0.snapshot.load().content_hash || failed_before(&hash))
+                {
+                    Ok(ReloadOutcome::Unchanged)
+                } else {
+                    crate::reload::notify_systemd_reloading();
+                    let outcome = self.reload(&file);
+                    crate::reload::notify_systemd(&[sd_notify::NotifyState::Ready]);
+                    remember_failure(outcome.is_err().then_some(hash));
+                    outcome
+                }
             }
         };
         match &result {
@@ -291,14 +315,6 @@ impl Reloader {
                 tracing::debug!(config = %path.display(), "config unchanged")
             }
             Err(report) => {
-                if report.text.is_empty() && report.problems.errors.len() == 1 {
-                    // Unreadable (e.g. mid-replace): counted like any invalid file.
-                    self.0
-                        .metrics
-                        .reloads
-                        .get_or_create(&ReloadLabels { result: "failed" })
-                        .inc();
-                }
                 for line in report.error_lines() {
                     tracing::error!("{line}");
                 }

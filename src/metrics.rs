@@ -46,6 +46,15 @@ pub struct UpstreamLabels {
     pub upstream: Arc<str>,
 }
 
+/// Labels of `tollgate_rejections_total`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RejectionLabels {
+    /// The limit that refused (`X-RateLimit-Resource`).
+    pub limit: Arc<str>,
+    /// The caller's tier.
+    pub tier: Arc<str>,
+}
+
 /// Labels of `tollgate_reloads_total`.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReloadLabels {
@@ -63,6 +72,8 @@ pub struct Metrics {
     pub upstream_latency: Family<UpstreamLabels, Histogram, fn() -> Histogram>,
     /// Config reloads by result.
     pub reloads: Family<ReloadLabels, Counter>,
+    /// 429s by limit and tier.
+    pub rejections: Family<RejectionLabels, Counter>,
     /// Generation of the active config (1 at start, +1 per successful reload).
     pub config_generation: Gauge,
     /// Requests being served now.
@@ -90,6 +101,12 @@ impl Metrics {
             "Time until the upstream's response headers",
             upstream_latency.clone(),
         );
+        let rejections = Family::<RejectionLabels, Counter>::default();
+        registry.register(
+            "rejections",
+            "Requests refused with 429, by limit and caller tier",
+            rejections.clone(),
+        );
         let reloads = Family::<ReloadLabels, Counter>::default();
         registry.register("reloads", "Config reloads by result", reloads.clone());
         let config_generation = Gauge::default();
@@ -116,6 +133,7 @@ impl Metrics {
             requests,
             upstream_latency,
             reloads,
+            rejections,
             config_generation,
             in_flight,
             open_connections,

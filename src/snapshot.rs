@@ -46,6 +46,18 @@ pub struct Snapshot {
 }
 
 impl Snapshot {
+    /// The client IP as the access log shows it (`log.client_ip`): the address, its
+    /// keyed digest (the hash tag of the caller's by-IP Redis keys), or nothing.
+    pub fn log_client(&self, ip: std::net::IpAddr) -> Option<String> {
+        match self.config.log.client_ip {
+            crate::config::LogClientIp::None => None,
+            crate::config::LogClientIp::Ip => Some(ip.to_string()),
+            crate::config::LogClientIp::Hash => {
+                Some(self.limiter.subject_hash(format!("ip:{ip}").as_bytes()))
+            }
+        }
+    }
+
     /// Build and validate a snapshot from `file`. When `previous` runs with the same
     /// `[store]`, its store (and its Redis connections) is reused; otherwise a new store
     /// is built, not yet started.

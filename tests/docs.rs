@@ -22,6 +22,7 @@ fn full_config() -> Config {
         log: LogConfig {
             level: "info".into(),
             format: LogFormat::Text,
+            client_ip: tollgate::config::LogClientIp::Ip,
         },
         store: StoreConfig {
             backend: Backend::Redis,

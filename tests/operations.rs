@@ -325,6 +325,13 @@ async fn metrics_parse_as_prometheus_text_and_move_with_traffic() {
     assert_eq!(
         sample(
             &text,
+            "tollgate_rejections_total{limit=\"core\",tier=\"anonymous\"}"
+        ),
+        2.0
+    );
+    assert_eq!(
+        sample(
+            &text,
             "tollgate_requests_total{route=\"none\",status=\"401\",decision=\"unauthenticated\"}"
         ),
         1.0
@@ -489,13 +496,18 @@ fn write(path: &Path, text: &str) {
 }
 
 fn binary_config(upstream: &Upstream, port: u16, admin: u16, quota: u64) -> String {
-    config(
+    let mut text = config(
         upstream,
         100,
         "watch_config = false\n[log]\nformat = \"json\"",
         "",
-    )
-    .replace(
+    );
+    // A route to an upstream that refuses connections.
+    text.push_str(&format!(
+        "\n[[upstreams]]\nname = \"dead\"\ntargets = [\"http://127.0.0.1:{}\"]\n\n[[routes]]\npath_prefix = \"/dead\"\nupstream = \"dead\"\n",
+        support::redis::free_port()
+    ));
+    text.replace(
         "listen = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"",
         &format!("listen = \"127.0.0.1:{port}\"\nadmin_listen = \"127.0.0.1:{admin}\""),
     )
@@ -654,6 +666,16 @@ async fn systemd_notifications_access_log_and_healthcheck() {
     .await;
     assert_eq!(r.status, 200);
     let request_id = r.header("x-request-id").to_string();
+    // A wrong key (401) and a dead upstream (502).
+    let r = get_with(
+        &format!("http://127.0.0.1:{port}/echo?token=secret"),
+        &[("authorization", "Bearer not-a-key")],
+    )
+    .await;
+    assert_eq!(r.status, 401);
+    let r = get(&format!("http://127.0.0.1:{port}/dead/x")).await;
+    assert_eq!(r.status, 502);
+    let dead_id = r.header("x-request-id").to_string();
 
     // Reload: RELOADING=1 with MONOTONIC_USEC, then READY=1.
     kill(&gw, "-HUP");
@@ -688,15 +710,24 @@ async fn systemd_notifications_access_log_and_healthcheck() {
     for line in BufReader::new(std::fs::File::open(path.with_extension("log")).unwrap()).lines() {
         let line = line.unwrap();
         all.push_str(&line);
+        all.push('\n');
         let v: serde_json::Value =
             serde_json::from_str(&line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
         if v["target"] == "tollgate::access" {
             access.push(v);
         }
     }
-    assert_eq!(access.len(), 1, "one access line per request: {access:?}");
+    assert_eq!(access.len(), 3, "one access line per request: {access:?}");
     let a = &access[0];
     assert_eq!(a["method"], "GET");
+    assert_eq!(a["path"], "/echo");
+    // The client IP as its keyed hash (log.client_ip = "hash", the default).
+    let client = a["client"].as_str().unwrap();
+    assert_eq!(client.len(), 32, "{client}");
+    assert!(
+        !all.contains("127.0.0.1\""),
+        "the client IP was logged: {all}"
+    );
     assert_eq!(a["route"], "/");
     assert_eq!(a["status"], 200);
     assert_eq!(a["caller"], "acme");
@@ -709,6 +740,38 @@ async fn systemd_notifications_access_log_and_healthcheck() {
     );
     assert_eq!(a["request_id"], request_id.as_str());
     assert!(!all.contains(KEY), "the raw key was logged");
+    // The wrong key: unauthenticated, no caller, path without the query string.
+    let u = &access[1];
+    assert_eq!(u["status"], 401);
+    assert_eq!(u["decision"], "unauthenticated");
+    assert_eq!(u["caller"], "-");
+    assert_eq!(u["path"], "/echo");
+    assert_eq!(u["client"], client, "same client, same hash");
+    assert!(!all.contains("secret") && !all.contains("not-a-key"));
+    // The dead upstream: a warning naming the upstream, its target and the request id,
+    // with the error as text.
+    assert_eq!(access[2]["status"], 502);
+    let warn: Vec<serde_json::Value> = all_lines(&all)
+        .into_iter()
+        .filter(|v| {
+            v["fields"]["message"]
+                .as_str()
+                .is_some_and(|m| m.starts_with("upstream failed"))
+                || v["message"]
+                    .as_str()
+                    .is_some_and(|m| m.starts_with("upstream failed"))
+        })
+        .collect();
+    assert_eq!(warn.len(), 1, "{all}");
+    let w = &warn[0];
+    assert_eq!(w["upstream"], "dead");
+    assert!(w["addr"].as_str().unwrap().starts_with("127.0.0.1:"), "{w}");
+    assert_eq!(w["request_id"], dead_id.as_str());
+    let error = w["error"].as_str().unwrap();
+    assert!(
+        error.contains("refused") && !error.contains("Os {"),
+        "{error}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -735,4 +798,11 @@ async fn windows_survive_reloads_including_memory_store_changes() {
         (20, 4)
     );
     assert_eq!(gw.gateway.snapshot().generation, 3);
+}
+
+/// Every line of a JSON log, parsed.
+fn all_lines(log: &str) -> Vec<serde_json::Value> {
+    log.lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
 }

@@ -90,6 +90,22 @@ pub struct LogConfig {
     pub level: String,
     /// `"text"` (default) or `"json"`.
     pub format: LogFormat,
+    /// How the access log shows the client IP: `"hash"` (default: the keyed digest that
+    /// also names the caller's by-IP Redis keys), `"ip"`, or `"none"`.
+    pub client_ip: LogClientIp,
+}
+
+/// `log.client_ip`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogClientIp {
+    /// The first 16 bytes of HMAC-SHA256 of `ip:ADDRESS` (keyed like storage keys), hex.
+    #[default]
+    Hash,
+    /// The address itself.
+    Ip,
+    /// Not logged.
+    None,
 }
 
 impl Default for LogConfig {
@@ -97,6 +113,7 @@ impl Default for LogConfig {
         Self {
             level: "info".into(),
             format: LogFormat::Text,
+            client_ip: LogClientIp::Hash,
         }
     }
 }

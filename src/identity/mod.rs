@@ -152,6 +152,12 @@ impl Identities {
         client_ip::is_trusted(client_ip::canonical(ip), &self.trusted_proxies)
     }
 
+    /// The client IP of a request: the socket peer, or the right-most untrusted
+    /// `X-Forwarded-For` hop when the peer is a trusted proxy.
+    pub fn client_ip(&self, headers: &HeaderMap, peer: IpAddr) -> IpAddr {
+        client_ip(headers, peer, &self.trusted_proxies)
+    }
+
     /// Identify the caller of a request from its headers and socket peer.
     ///
     /// Errors: [`IdentityError::BadCredentials`] when a key is presented and unknown.

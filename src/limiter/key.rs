@@ -76,8 +76,7 @@ impl KeyScheme {
         key.push_str(&self.prefix);
         key.push_str(limit);
         key.push_str(":{");
-        // Hex digits are ASCII.
-        key.push_str(std::str::from_utf8(&d.hex).unwrap_or_default());
+        key.push_str(d.hex());
         key.push('}');
         LimitKey {
             key,
@@ -93,6 +92,13 @@ pub struct SubjectDigest {
     hex: [u8; 32],
     /// The first 8 bytes of the HMAC; selects the shard.
     pub shard_hash: u64,
+}
+
+impl SubjectDigest {
+    /// The 32 hex digits, as in storage keys (`prefix:limit:{HEX}`).
+    pub fn hex(&self) -> &str {
+        std::str::from_utf8(&self.hex).unwrap_or_default()
+    }
 }
 
 /// Jump consistent hash: the bucket in `0..buckets` for `key`.

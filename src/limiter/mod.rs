@@ -301,6 +301,11 @@ impl Limiter {
         }
     }
 
+    /// The 32 hex digits that stand for `subject` (e.g. `ip:192.0.2.7`) in storage keys.
+    pub fn subject_hash(&self, subject: &[u8]) -> String {
+        self.keys.digest(subject).hex().to_string()
+    }
+
     /// The store this limiter uses.
     pub fn store(&self) -> &Arc<AnyStore> {
         &self.store

@@ -1,8 +1,9 @@
 //! The request id, the access log line and the request metrics of one request.
 //!
-//! One line per request on the `tollgate::access` target: method, route, status, caller
-//! id (or `anonymous`; never a raw key or, for anonymous callers, their IP), decision,
-//! limit, remaining, upstream ms, total ms and request id.
+//! One line per request on the `tollgate::access` target: method, path, route, status,
+//! client (the IP, its keyed hash, or nothing: `log.client_ip`), caller id (`anonymous`
+//! without a key, `-` for a key that matched no client; never a raw key), decision, limit,
+//! remaining, upstream ms, total ms and request id.
 
 use super::Body;
 use crate::limiter::Usage;
@@ -56,7 +57,10 @@ impl Decision {
 pub struct AccessLog {
     started: Instant,
     method: Method,
+    path: String,
     request_id: HeaderValue,
+    /// The client as logged (`log.client_ip`); `None` when not logged.
+    pub client: Option<String>,
     /// The matched route's path prefix.
     pub route: Option<Arc<str>>,
     /// The client id; `None` for anonymous callers.
@@ -81,16 +85,30 @@ impl AccessLog {
             .cloned()
             .unwrap_or_else(new_request_id);
         req.headers_mut().insert(REQUEST_ID, request_id.clone());
+        // The path only (a query string may carry secrets), and only when the line is
+        // written at all.
+        let path = if enabled() {
+            req.uri().path().to_string()
+        } else {
+            String::new()
+        };
         Self {
             started: Instant::now(),
             method: req.method().clone(),
+            path,
             request_id,
+            client: None,
             route: None,
             caller: None,
             decision: Decision::Allowed,
             usage: None,
             upstream_ms: None,
         }
+    }
+
+    /// The request id, as sent upstream and returned.
+    pub fn request_id(&self) -> &HeaderValue {
+        &self.request_id
     }
 
     /// Run the upstream call `fut`, timing it into the upstream latency histogram.
@@ -133,9 +151,15 @@ impl AccessLog {
         tracing::info!(
             target: "tollgate::access",
             method = %self.method,
+            path = self.path.as_str(),
             route,
             status,
-            caller = self.caller.as_deref().unwrap_or("anonymous"),
+            client = self.client.as_deref().unwrap_or("-"),
+            caller = match (self.decision, self.caller.as_deref()) {
+                (Decision::Unauthenticated, _) => "-",
+                (_, Some(id)) => id,
+                (_, None) => "anonymous",
+            },
             decision = self.decision.as_str(),
             limit = self.usage.as_ref().map(|u| &*u.resource).unwrap_or("-"),
             remaining = self.usage.as_ref().map(|u| u.remaining() as i64).unwrap_or(-1),
@@ -145,6 +169,11 @@ impl AccessLog {
             "request"
         );
     }
+}
+
+/// Whether access lines are written (so that what only they need is not computed).
+pub fn enabled() -> bool {
+    tracing::enabled!(target: "tollgate::access", tracing::Level::INFO)
 }
 
 thread_local! {

@@ -166,7 +166,7 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
 }
 
 /// What the forwarder needs to know about the downstream connection.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct Downstream<'a> {
     /// The socket peer: its IP, rendered once per connection.
     pub peer: &'a Peer,
@@ -174,6 +174,8 @@ pub struct Downstream<'a> {
     pub peer_trusted: bool,
     /// `"http"` (or `"https"` once TLS exists).
     pub scheme: &'static str,
+    /// The request id, named in the log line of an upstream failure.
+    pub request_id: HeaderValue,
 }
 
 /// Send `req` to the next target of `upstream` and return its response, whose body
@@ -239,18 +241,34 @@ pub async fn forward(
     }
 
     let request = Request::from_parts(parts, body);
+    let failed = |what: &str, detail: String| {
+        tracing::warn!(
+            upstream = %upstream.name,
+            addr = %target.authority,
+            request_id = down.request_id.to_str().unwrap_or("-"),
+            error = %detail,
+            "upstream {what}"
+        );
+    };
     let response = match tokio::time::timeout(upstream.response_timeout, pool.send(request)).await {
-        Err(_) | Ok(Err(PoolError::ConnectTimeout(_))) => {
-            return Err(ProxyError::UpstreamTimeout(upstream.name.to_string()))
+        Err(_) => {
+            failed(
+                "timed out",
+                format!("no response headers within {:?}", upstream.response_timeout),
+            );
+            return Err(ProxyError::UpstreamTimeout(upstream.name.to_string()));
         }
-        Ok(Err(e)) if is_timeout(&e) => {
-            return Err(ProxyError::UpstreamTimeout(upstream.name.to_string()))
+        Ok(Err(e)) if matches!(e, PoolError::ConnectTimeout(_)) || is_timeout(&e) => {
+            failed("timed out", error_chain(&e));
+            return Err(ProxyError::UpstreamTimeout(upstream.name.to_string()));
         }
         Ok(Err(e)) => {
+            let detail = error_chain(&e);
+            failed("failed", detail.clone());
             return Err(ProxyError::UpstreamUnreachable(
                 upstream.name.to_string(),
-                error_chain(&e),
-            ))
+                detail,
+            ));
         }
         Ok(Ok(r)) => r,
     };

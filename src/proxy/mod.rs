@@ -69,7 +69,15 @@ pub async fn serve(
     let clock = ctx.clock;
 
     // 1. Identify the caller.
-    let caller = match snap.identities.identify(req.headers(), peer.ip()) {
+    let identified = snap.identities.identify(req.headers(), peer.ip());
+    if access::enabled() {
+        let ip = match &identified {
+            Ok(caller) => caller.ip,
+            Err(_) => snap.identities.client_ip(req.headers(), peer.ip()),
+        };
+        log.client = snap.log_client(ip);
+    }
+    let caller = match identified {
         Ok(caller) => caller,
         Err(_) => {
             log.decision = Decision::Unauthenticated;
@@ -97,6 +105,13 @@ pub async fn serve(
         Ok(usages) => usages,
         Err(Refusal::OverLimit(usage)) => {
             log.decision = Decision::Rejected;
+            ctx.metrics
+                .rejections
+                .get_or_create(&crate::metrics::RejectionLabels {
+                    limit: usage.resource.clone(),
+                    tier: caller.tier.clone(),
+                })
+                .inc();
             log.usage = Some(usage.clone());
             let retry_after_s = usage.retry_after_s(clock.now_ms());
             return ProxyError::OverLimit {
@@ -120,6 +135,7 @@ pub async fn serve(
         peer,
         peer_trusted: snap.identities.trusts(peer.ip()),
         scheme: "http",
+        request_id: log.request_id().clone(),
     };
     let forwarded = log
         .time_upstream(
@@ -131,7 +147,6 @@ pub async fn serve(
     let mut response = match forwarded {
         Ok(response) => response,
         Err(e) => {
-            tracing::warn!(upstream = %route.upstream.name, error = ?e, "upstream failed");
             snap.limiter.release(&applied, route.cost, &checked);
             let mut response = e.into_response();
             if let Some(usage) = most_constrained(&checked) {

@@ -188,6 +188,40 @@ async fn other_files_and_the_same_broken_content_do_not_reload() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_follows_a_primary_without_traffic() {
+    let mut redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    let store = format!(
+        "[store]\nbackend = \"redis\"\ntimeout = \"100ms\"\n[[store.shards]]\nprimary = \"{}\"\n",
+        redis.url()
+    );
+    let gw = TestGateway::start(&config(&upstream, 10, "", &store)).await;
+    let status_within = |want: u16, within: Duration| {
+        let url = admin(&gw, "/readyz");
+        async move {
+            let started = Instant::now();
+            loop {
+                if get(&url).await.status == want {
+                    return started.elapsed();
+                }
+                assert!(
+                    started.elapsed() < within,
+                    "/readyz never answered {want} within {within:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    status_within(200, Duration::from_secs(5)).await;
+    // No request goes through the gateway: the background PING notices on its own.
+    redis.kill();
+    let down = status_within(503, Duration::from_secs(5)).await;
+    redis.restart();
+    let up = status_within(200, Duration::from_secs(10)).await;
+    println!("503 {down:?} after the kill, 200 {up:?} after the restart");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readyz_follows_the_shards_primaries() {
     let mut redis = RedisServer::start();
     let upstream = Upstream::start().await;

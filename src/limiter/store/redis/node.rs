@@ -16,6 +16,9 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 use tokio::sync::{watch, Notify};
 
+/// How often a connected node is probed with PING when nothing else talks to it.
+const PROBE_EVERY: Duration = Duration::from_secs(1);
+
 /// Settings shared by every node of a store.
 #[derive(Debug, Clone)]
 pub(super) struct NodeSettings {
@@ -191,12 +194,31 @@ async fn maintain(node: Weak<Node>, wake: Arc<Notify>) {
                     continue;
                 }
                 bump(&n.stats.connects);
-                n.conn.send_replace(Some(conn));
+                n.conn.send_replace(Some(conn.clone()));
                 tracing::info!(node = %label, "redis node connected, scripts loaded");
                 failing_since_logged = false;
                 backoff = Duration::from_millis(50);
+                let probe_timeout = n.settings.timeout.max(Duration::from_millis(500));
                 drop(n);
-                wake.notified().await;
+                // Until a call finds the connection broken (and wakes us), PING it every
+                // PROBE_EVERY, so that readiness follows the node without traffic.
+                let mut conn = conn;
+                loop {
+                    tokio::select! {
+                        _ = wake.notified() => break,
+                        _ = tokio::time::sleep(PROBE_EVERY) => {}
+                    }
+                    let ping = redis::cmd("PING");
+                    let answered =
+                        tokio::time::timeout(probe_timeout, ping.query_async::<String>(&mut conn))
+                            .await;
+                    if !matches!(answered, Ok(Ok(_))) {
+                        let Some(n) = node.upgrade() else { return };
+                        tracing::warn!(node = %label, "redis node does not answer PING; reconnecting");
+                        n.conn.send_replace(None);
+                        break;
+                    }
+                }
             }
             Err(e) => {
                 if !failing_since_logged {

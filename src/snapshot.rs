@@ -65,7 +65,8 @@ impl Snapshot {
     /// Errors: a [`ConfigReport`] with every problem found, each tied to a key path.
     pub fn build(file: &ConfigFile, previous: Option<&Snapshot>) -> Result<Snapshot, ConfigReport> {
         let cfg = &file.config;
-        let mut problems = Problems::default();
+        // Unknown keys found (and skipped) while parsing come first.
+        let mut problems = file.problems.clone();
 
         let listen = parse_addr("server.listen", &cfg.server.listen, &mut problems);
         let admin_listen = cfg

@@ -396,3 +396,65 @@ async fn server_workers_sizes_the_runtime() {
         );
     }
 }
+
+#[test]
+fn check_reports_unknown_keys_and_every_error_after_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = r#"[server]
+listen = "127.0.0.1:8080"
+
+[[upstreams]]
+name = "api"
+targets = ["http://127.0.0.1:9000"]
+
+[[limits]]
+name = "core"
+window = "1h"
+quota = { anonymous = 60 }
+colour = "blue"
+
+[[limits]]
+name = "search"
+window = "4 fortnights"
+quota = { anonymous = 10 }
+
+[[routes]]
+path_prefix = "/"
+upstream = "api"
+limits = ["core", "nope"]
+"#;
+    let bad = write(dir.path(), "two.toml", text);
+    let (code, _, stderr) = check(&bad);
+    assert_eq!(code, 1);
+    let p = bad.display().to_string();
+    assert!(
+        stderr.contains(&format!(
+            "{p}:12:1: limits[0].colour: unknown field `colour`"
+        )),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains(&format!(
+            "{p}:16:10: limits[1].window: invalid duration \"4 fortnights\""
+        )),
+        "{stderr}"
+    );
+    // With the duration fixed, the unknown key is still reported, and so are the
+    // semantic errors of the rest of the file.
+    let bad = write(dir.path(), "one.toml", &text.replace("4 fortnights", "4m"));
+    let (code, _, stderr) = check(&bad);
+    assert_eq!(code, 1);
+    let p = bad.display().to_string();
+    assert!(
+        stderr.contains(&format!(
+            "{p}:12:1: limits[0].colour: unknown field `colour`"
+        )),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains(&format!(
+            "{p}:22:19: routes[0].limits[1]: no [[limits]] entry is named \"nope\""
+        )),
+        "{stderr}"
+    );
+}

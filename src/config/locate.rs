@@ -14,6 +14,15 @@ fn entries(text: &str) -> Vec<(String, Range<usize>)> {
     out
 }
 
+/// The byte range of the key `path` together with its value (`colour = "blue"`), when
+/// the document parses and holds it.
+pub(super) fn extent(text: &str, path: &str) -> Option<Range<usize>> {
+    entries(text)
+        .into_iter()
+        .find(|(p, _)| p == path)
+        .map(|(_, span)| span)
+}
+
 fn join(path: &str, key: &str) -> String {
     if path.is_empty() {
         key.to_string()

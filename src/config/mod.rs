@@ -71,6 +71,10 @@ pub struct ConfigFile {
     pub text: String,
     /// The parsed config.
     pub config: Config,
+    /// Errors found while parsing that did not stop it (unknown keys, which were
+    /// skipped): a snapshot built from this file reports them with its own findings
+    /// and is refused.
+    pub problems: Problems,
 }
 
 /// A config file that could not be used, with every problem found.
@@ -152,34 +156,63 @@ pub fn redact_url(url: &str) -> String {
     redacted().unwrap_or_else(|| url.to_string())
 }
 
-/// Parse `text` (read from `path`) into a [`Config`], or a report of every syntax or
-/// schema error (serde stops at the first one).
+/// Parse `text` (read from `path`) into a [`Config`].
+///
+/// serde stops at the first error, so an unknown key is recorded, blanked out of a
+/// working copy (spaces, so that every later error keeps its line and column), and the
+/// parse tried again: a file with unknown keys still yields a [`ConfigFile`] whose
+/// `problems` list them, and the semantic checks of [`crate::snapshot::Snapshot::build`]
+/// run on the rest. Any other error (syntax, a bad value, a missing key) ends the parse:
+/// the report holds it and every unknown key found before it.
 pub fn parse(path: &Path, text: String) -> Result<ConfigFile, ConfigReport> {
-    match toml::from_str::<Config>(&text) {
-        Ok(config) => Ok(ConfigFile {
-            path: path.to_path_buf(),
-            text,
-            config,
-        }),
-        Err(e) => {
-            let span = e.span();
-            let key_path = span
-                .as_ref()
-                .map(|s| locate::path_at(&text, s.start))
-                .unwrap_or_default();
-            let mut problems = Problems::default();
-            problems.errors.push(Problem {
-                path: key_path,
-                message: e.message().trim().to_string(),
-                span,
-            });
-            Err(ConfigReport {
-                path: path.to_path_buf(),
-                text,
-                problems,
-            })
+    let mut work = text.clone();
+    let mut problems = Problems::default();
+    // At most one round per key in the file; a cap keeps a pathological file linear.
+    for _ in 0..1_000 {
+        let e = match toml::from_str::<Config>(&work) {
+            Ok(config) => {
+                return Ok(ConfigFile {
+                    path: path.to_path_buf(),
+                    text,
+                    config,
+                    problems,
+                })
+            }
+            Err(e) => e,
+        };
+        let span = e.span();
+        let key_path = span
+            .as_ref()
+            .map(|s| locate::path_at(&work, s.start))
+            .unwrap_or_default();
+        let message = e.message().trim().to_string();
+        let unknown = message.starts_with("unknown field");
+        let extent = if unknown {
+            locate::extent(&work, &key_path)
+        } else {
+            None
+        };
+        problems.errors.push(Problem {
+            path: key_path,
+            message,
+            span,
+        });
+        match extent {
+            Some(range) => {
+                let blank: String = work[range.clone()]
+                    .chars()
+                    .map(|c| if c == '\n' { '\n' } else { ' ' })
+                    .collect();
+                work.replace_range(range, &blank);
+            }
+            None => break,
         }
     }
+    Err(ConfigReport {
+        path: path.to_path_buf(),
+        text,
+        problems,
+    })
 }
 
 /// Read and parse the file at `path`.
@@ -197,10 +230,17 @@ pub fn read(path: &Path) -> Result<ConfigFile, ConfigReport> {
 mod tests {
     use super::*;
 
+    /// The errors of `text`: those that stopped the parse, or the skipped ones.
     fn report(text: &str) -> Vec<String> {
-        parse(Path::new("t.toml"), text.into())
-            .unwrap_err()
-            .error_lines()
+        match parse(Path::new("t.toml"), text.into()) {
+            Err(report) => report.error_lines(),
+            Ok(file) => ConfigReport {
+                path: file.path,
+                text: file.text,
+                problems: file.problems,
+            }
+            .error_lines(),
+        }
     }
 
     #[test]

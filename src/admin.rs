@@ -4,7 +4,9 @@
 //! - `GET /readyz`: 200 when a config is loaded and every shard's primary is reachable
 //!   (connected, breaker not open); 503 otherwise. JSON with per-shard state.
 //! - `GET /metrics`: Prometheus text format ([`crate::metrics`]).
-//! - `GET /config`: the active config as JSON, secrets and key hashes redacted, with its
+//! - `GET /config`: the active config as JSON, secrets and key hashes redacted (`[server]`
+//!   and `[log]` as they run, with reloaded values that wait for a restart under
+//!   `pending_restart`), with its
 //!   generation and content hash.
 
 use crate::limiter::store::AnyStore;
@@ -147,8 +149,39 @@ fn readyz(snap: &Snapshot) -> Response<Body> {
 /// The active config with secrets and key hashes replaced by `"<redacted>"`.
 pub fn config_view(snap: &Snapshot) -> Value {
     let mut config = serde_json::to_value(&snap.config).unwrap_or(Value::Null);
+    // `[server]` and `[log]` as they run; the file's values, when a reload changed them,
+    // wait for a restart and are shown apart.
+    let (server, log) = &*snap.running;
+    let mut pending = serde_json::Map::new();
+    for (section, running, in_file) in [
+        (
+            "server",
+            serde_json::to_value(server),
+            serde_json::to_value(&snap.config.server),
+        ),
+        (
+            "log",
+            serde_json::to_value(log),
+            serde_json::to_value(&snap.config.log),
+        ),
+    ] {
+        let (Ok(running), Ok(in_file)) = (running, in_file) else {
+            continue;
+        };
+        if running != in_file {
+            pending.insert(section.into(), in_file);
+        }
+        config[section] = running;
+    }
+    let mut pending = Value::Object(pending);
     redact(&mut config);
-    json!({ "generation": snap.generation, "content_hash": snap.content_hash, "config": config })
+    redact(&mut pending);
+    json!({
+        "generation": snap.generation,
+        "content_hash": snap.content_hash,
+        "config": config,
+        "pending_restart": pending,
+    })
 }
 
 const REDACTED: &str = "<redacted>";

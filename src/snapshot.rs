@@ -6,7 +6,9 @@
 //! `tollgate check` builds exactly what the gateway would run. A request holds the
 //! `Arc<Snapshot>` it started with; a reload swaps in a whole new one.
 
-use crate::config::{Backend, Config, ConfigFile, ConfigReport, Problems, StoreConfig};
+use crate::config::{
+    Backend, Config, ConfigFile, ConfigReport, LogConfig, Problems, ServerConfig, StoreConfig,
+};
 use crate::identity::Identities;
 use crate::limiter::cache::OverLimitCache;
 use crate::limiter::key::KeyScheme;
@@ -43,6 +45,9 @@ pub struct Snapshot {
     /// 1 for the config the gateway started with, +1 per successful reload (set by the
     /// gateway when it swaps the snapshot in).
     pub generation: u64,
+    /// The `[server]` and `[log]` the process runs with: read at start only, so a reload
+    /// carries them over from the snapshot it replaces (`config` has the file's).
+    pub running: Arc<(ServerConfig, LogConfig)>,
 }
 
 impl Snapshot {
@@ -211,6 +216,9 @@ impl Snapshot {
             warnings: report.warning_lines(),
             content_hash: content_hash(&file.text),
             generation: 0,
+            running: previous
+                .map(|p| p.running.clone())
+                .unwrap_or_else(|| Arc::new((cfg.server.clone(), cfg.log.clone()))),
         })
     }
 

@@ -437,6 +437,28 @@ async fn config_endpoint_redacts_secrets() {
     );
     assert_eq!(body["config"]["store"]["hash_key"], "<redacted>");
     assert!(!r.text().contains(&sha256_hex(KEY)) && !r.text().contains("fleet-secret"));
+    assert_eq!(body["pending_restart"], serde_json::json!({}));
+
+    // A reload that changes [log] and [server]: /config shows what runs, and the file's
+    // new values apart, as waiting for a restart.
+    let changed = config(
+        &upstream,
+        4,
+        "shutdown_grace = \"7s\"\n[log]\nlevel = \"debug\"",
+        store,
+    )
+    .replace("shutdown_grace = \"5s\"\n", "");
+    gw.reload(&changed).unwrap();
+    let body = get(&admin(&gw, "/config")).await.json();
+    assert_eq!(body["generation"], 2);
+    assert_eq!(body["config"]["log"]["level"], "info", "the running level");
+    assert_eq!(body["config"]["server"]["shutdown_grace"], "5s");
+    assert_eq!(body["pending_restart"]["log"]["level"], "debug");
+    assert_eq!(body["pending_restart"]["server"]["shutdown_grace"], "7s");
+    assert_eq!(
+        body["config"]["limits"][0]["quota"]["anonymous"], 4,
+        "the rest is applied"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

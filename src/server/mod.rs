@@ -232,13 +232,14 @@ impl Reloader {
             start_store(&snap, self.0.clock.clone());
         }
         let mut warnings = snap.warnings.clone();
-        if snap.config.server != current.config.server {
+        let (running_server, running_log) = &*snap.running;
+        if snap.config.server != *running_server {
             warnings.push(
                 "[server] changed: listen addresses and timeouts take effect after a restart"
                     .into(),
             );
         }
-        if snap.config.log != current.config.log {
+        if snap.config.log != *running_log {
             warnings.push("[log] changed: takes effect after a restart".into());
         }
         snap.generation = current.generation + 1;

@@ -82,6 +82,9 @@ impl Snapshot {
         if cfg.server.tls.is_some() {
             problems.error("server.tls", "TLS is not supported yet");
         }
+        if cfg.identity.failed_auth_limit.window.as_millis() < 1_000 {
+            problems.error("identity.failed_auth_limit.window", "must be at least 1s");
+        }
         if cfg.server.workers == Some(0) {
             problems.error(
                 "server.workers",
@@ -124,6 +127,11 @@ impl Snapshot {
                 problems.error(
                     format!("limits[{i}].name"),
                     format!("duplicate limit name {:?}", l.name),
+                );
+            } else if l.name == crate::limiter::FAILED_AUTH {
+                problems.error(
+                    format!("limits[{i}].name"),
+                    "\"failed_auth\" is reserved for identity.failed_auth_limit",
                 );
             } else if let Some(limit) = Limit::build(i, l, &tiers, &mut problems) {
                 limits.insert(l.name.clone(), Arc::new(limit));
@@ -210,7 +218,11 @@ impl Snapshot {
             config: cfg.clone(),
             identities,
             router: Router::new(routes),
-            limiter: Limiter::new(store, cache, leases, keys, cfg.store.on_error),
+            limiter: Limiter::new(store, cache, leases, keys, cfg.store.on_error)
+                .with_failed_auth_limit(
+                    cfg.identity.failed_auth_limit.quota,
+                    cfg.identity.failed_auth_limit.window.as_millis(),
+                ),
             listen,
             admin_listen,
             warnings: report.warning_lines(),

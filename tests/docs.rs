@@ -55,6 +55,7 @@ fn full_config() -> Config {
                 key_sha256: "0".repeat(64),
                 tier: "default".into(),
             }],
+            failed_auth_limit: tollgate::config::FailedAuthLimit::default(),
         },
         upstreams: vec![UpstreamConfig {
             name: "api".into(),

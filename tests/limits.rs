@@ -35,6 +35,7 @@ shutdown_grace = "2s"
 
 [identity]
 trusted_proxies = [{trusted}]
+failed_auth_limit = {{ quota = 3, window = "1m" }}
 
 [[identity.clients]]
 id = "acme"
@@ -121,6 +122,7 @@ on_both_stores!(
     not_modified_is_not_charged,
     forwarded_for_is_believed_only_from_trusted_proxies,
     several_limits_report_the_most_constrained,
+    guessing_keys_is_limited_per_client_ip,
 );
 
 async fn anonymous_and_keyed_callers_have_their_own_budgets(backend: Backend) {
@@ -161,6 +163,41 @@ async fn unknown_key_is_401_and_not_forwarded(backend: Backend) {
     assert_eq!(r.header("content-type"), "application/json");
     assert_eq!(r.json()["message"], "Bad credentials");
     assert_eq!(s.upstream.hits(), 0);
+}
+
+async fn guessing_keys_is_limited_per_client_ip(backend: Backend) {
+    let s = setup(backend).await;
+    let guess = |ip: &'static str, key: &'static str| {
+        let url = s.gw.url("/");
+        async move { get_with(&url, &[("authorization", key), ("x-forwarded-for", ip)]).await }
+    };
+    for _ in 0..3 {
+        assert_eq!(guess("203.0.113.9", "Bearer wrong").await.status, 401);
+    }
+    let r = guess("203.0.113.9", "Bearer wrong").await;
+    assert_eq!(r.status, 429, "past identity.failed_auth_limit");
+    assert_eq!(r.header("x-ratelimit-resource"), "failed_auth");
+    assert_eq!(r.num("x-ratelimit-limit"), 3);
+    assert_eq!(r.num("x-ratelimit-remaining"), 0);
+    assert!(
+        (1..=60).contains(&r.num("retry-after")),
+        "{}",
+        r.header("retry-after")
+    );
+    // Another IP still gets its own 401s, and the right key still works from the first IP.
+    assert_eq!(guess("203.0.113.10", "Bearer wrong").await.status, 401);
+    assert_eq!(guess("203.0.113.9", "Bearer acme-secret-key").await.status, 200);
+    assert_eq!(s.upstream.hits(), 1);
+    if let Some(redis) = &s._redis {
+        assert!(
+            redis
+                .keys()
+                .iter()
+                .any(|k| k.starts_with("tollgate:failed_auth:{")),
+            "counted in the same store as the limits: {:?}",
+            redis.keys()
+        );
+    }
 }
 
 async fn over_the_limit_is_429_with_headers_and_body_and_is_not_charged(backend: Backend) {

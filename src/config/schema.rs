@@ -267,6 +267,9 @@ pub struct IdentityConfig {
     pub anonymous_tier: String,
     /// `[[identity.clients]]`: known API keys.
     pub clients: Vec<ClientConfig>,
+    /// Failed authentications (unknown API keys) allowed per client IP and window, in
+    /// the same store as the limits; past it, 429 instead of 401. Default 30 a minute.
+    pub failed_auth_limit: FailedAuthLimit,
 }
 
 impl Default for IdentityConfig {
@@ -276,6 +279,26 @@ impl Default for IdentityConfig {
             trusted_proxies: Vec::new(),
             anonymous_tier: "anonymous".into(),
             clients: Vec::new(),
+            failed_auth_limit: FailedAuthLimit::default(),
+        }
+    }
+}
+
+/// `identity.failed_auth_limit`: `{ quota = 30, window = "1m" }`.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FailedAuthLimit {
+    /// Failed authentications per client IP and window; 0 turns the limit off.
+    pub quota: u64,
+    /// Window length.
+    pub window: Dur,
+}
+
+impl Default for FailedAuthLimit {
+    fn default() -> Self {
+        Self {
+            quota: 30,
+            window: Dur::from_secs(60),
         }
     }
 }

@@ -279,7 +279,12 @@ pub struct Limiter {
     keys: KeyScheme,
     on_error: OnError,
     warn_gate: Arc<WarnGate>,
+    /// `identity.failed_auth_limit`, as a limit on the client IP; `None` when off.
+    failed_auth: Option<Arc<Limit>>,
 }
+
+/// The name of the built-in limit on failed authentications (reserved: part of its keys).
+pub const FAILED_AUTH: &str = "failed_auth";
 
 impl Limiter {
     /// A limiter over `store`, answering callers known to be over a limit from `cache`
@@ -298,6 +303,51 @@ impl Limiter {
             keys,
             on_error,
             warn_gate: Arc::new(WarnGate::default()),
+            failed_auth: None,
+        }
+    }
+
+    /// Limit failed authentications to `quota` per client IP and `window_ms` (0: off).
+    pub fn with_failed_auth_limit(mut self, quota: u64, window_ms: u64) -> Self {
+        self.failed_auth = (quota > 0).then(|| {
+            Arc::new(Limit {
+                name: FAILED_AUTH.into(),
+                window_ms,
+                // Every caller of a failed authentication is judged under this one tier.
+                quota: [(Arc::from(FAILED_AUTH), quota)].into(),
+                by: By::Ip,
+                lease: 0,
+            })
+        });
+        self
+    }
+
+    /// Count one failed authentication from `ip` (an API key that matched no client).
+    /// Returns the usage to refuse with (429) when `ip` is past
+    /// `identity.failed_auth_limit`, else `None` (answer 401). A failing store follows
+    /// `store.on_error` like any limit (`deny`: refused as over the limit would be).
+    pub async fn failed_auth(&self, ip: std::net::IpAddr, now_ms: u64) -> Option<Usage> {
+        let limit = self.failed_auth.as_ref()?;
+        let quota = *limit.quota.values().next()?;
+        let mut subject = Vec::with_capacity(48);
+        {
+            use std::io::Write;
+            let _ = write!(subject, "ip:{ip}");
+        }
+        let applied = [Applied {
+            limit: limit.clone(),
+            key: self.keys.key_for(&limit.name, &self.keys.digest(&subject)),
+            quota,
+        }];
+        match self.check(&applied, 1, now_ms).await {
+            Ok(checked) => {
+                self.charge(&applied, 1, now_ms, checked).await;
+                None
+            }
+            Err(Refusal::OverLimit(usage)) => Some(usage),
+            Err(Refusal::StoreDenied(_)) => {
+                Some(applied[0].usage_at(quota, now_ms + limit.window_ms))
+            }
         }
     }
 

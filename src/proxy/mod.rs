@@ -80,6 +80,19 @@ pub async fn serve(
     let caller = match identified {
         Ok(caller) => caller,
         Err(_) => {
+            // Guessing keys is limited per client IP (identity.failed_auth_limit).
+            let ip = snap.identities.client_ip(req.headers(), peer.ip());
+            if let Some(usage) = snap.limiter.failed_auth(ip, clock.now_ms()).await {
+                log.decision = Decision::Rejected;
+                log.usage = Some(usage.clone());
+                let retry_after_s = usage.retry_after_s(clock.now_ms());
+                return ProxyError::OverLimit {
+                    usage,
+                    retry_after_s,
+                    caller: ip.to_string(),
+                }
+                .into_response();
+            }
             log.decision = Decision::Unauthenticated;
             return ProxyError::BadCredentials.into_response();
         }

@@ -29,13 +29,17 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-/// Serve the admin endpoints on `listener` until `shutdown` fires.
+/// Serve the admin endpoints on `listener` until `shutdown` fires; then stop accepting
+/// and let open connections finish their requests (up to `grace`), like the proxy
+/// listener.
 pub(crate) async fn serve(
     listener: TcpListener,
     snapshot: Arc<ArcSwap<Snapshot>>,
     metrics: Arc<Metrics>,
     mut shutdown: watch::Receiver<bool>,
+    grace: Duration,
 ) {
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
@@ -54,13 +58,16 @@ pub(crate) async fn serve(
                     async move { Ok::<_, Infallible>(route(&req, &snapshot.load_full(), &metrics)) }
                 });
                 let conn = builder.serve_connection(TokioIo::new(stream), service).into_owned();
+                let conn = graceful.watch(conn);
                 tokio::spawn(async move {
                     let _ = conn.await;
                 });
             }
-            _ = shutdown.changed() => return,
+            _ = shutdown.changed() => break,
         }
     }
+    drop(listener);
+    let _ = tokio::time::timeout(grace, graceful.shutdown()).await;
 }
 
 fn route(req: &Request<Incoming>, snap: &Snapshot, metrics: &Metrics) -> Response<Body> {

@@ -186,7 +186,10 @@ async fn guessing_keys_is_limited_per_client_ip(backend: Backend) {
     );
     // Another IP still gets its own 401s, and the right key still works from the first IP.
     assert_eq!(guess("203.0.113.10", "Bearer wrong").await.status, 401);
-    assert_eq!(guess("203.0.113.9", "Bearer acme-secret-key").await.status, 200);
+    assert_eq!(
+        guess("203.0.113.9", "Bearer acme-secret-key").await.status,
+        200
+    );
     assert_eq!(s.upstream.hits(), 1);
     if let Some(redis) = &s._redis {
         assert!(

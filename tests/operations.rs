@@ -387,17 +387,18 @@ async fn metrics_parse_as_prometheus_text_and_move_with_traffic() {
         "shard=\"0\",role=\"primary\",node=\"127.0.0.1:{}\"",
         redis.port
     );
-    // 3 checks + 3 charges + the first rejection's check.
+    // 3 checks + 3 charges + the first rejection's check + the 401's failed-authentication
+    // check and charge (identity.failed_auth_limit).
     assert_eq!(
         sample(&text, &format!("tollgate_store_calls_total{{{node}}}")),
-        7.0
+        9.0
     );
     assert_eq!(
         sample(
             &text,
             &format!("tollgate_store_latency_seconds_count{{{node}}}")
         ),
-        7.0
+        9.0
     );
     assert_eq!(
         sample(&text, &format!("tollgate_store_breaker_state{{{node}}}")),

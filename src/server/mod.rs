@@ -126,6 +126,7 @@ impl Gateway {
                 shared.snapshot.clone(),
                 shared.metrics.clone(),
                 rx.clone(),
+                grace,
             ));
             tracing::info!(admin_listen = %addr, "admin endpoints listening");
             addr

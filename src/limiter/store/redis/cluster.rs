@@ -49,7 +49,7 @@ impl ClusterNode {
         });
         let weak = Arc::downgrade(&node);
         tokio::spawn(async move {
-            let mut backoff = Duration::from_millis(50);
+            let mut backoff = super::backoff::Backoff::new();
             loop {
                 let connected = async {
                     let mut conn = client.get_async_connection().await?;
@@ -72,8 +72,7 @@ impl ClusterNode {
                             return;
                         }
                         tracing::warn!(error = %e, "redis cluster unreachable; retrying");
-                        tokio::time::sleep(backoff).await;
-                        backoff = (backoff * 2).min(Duration::from_secs(2));
+                        tokio::time::sleep(backoff.next_wait()).await;
                     }
                 }
             }

@@ -18,6 +18,7 @@
 //! - **Scripts.** Each operation is one Lua script in `lua/`, loaded on every new
 //!   connection and run with EVALSHA; NOSCRIPT still reloads and retries.
 
+mod backoff;
 mod batch;
 mod breaker;
 mod cluster;

@@ -165,7 +165,7 @@ impl Drop for Node {
 
 /// Keep `node` connected until it is dropped.
 async fn maintain(node: Weak<Node>, wake: Arc<Notify>) {
-    let mut backoff = Duration::from_millis(50);
+    let mut backoff = super::backoff::Backoff::new();
     let mut failing_since_logged = false;
     loop {
         let Some(n) = node.upgrade() else { return };
@@ -197,7 +197,7 @@ async fn maintain(node: Weak<Node>, wake: Arc<Notify>) {
                 n.conn.send_replace(Some(conn.clone()));
                 tracing::info!(node = %label, "redis node connected, scripts loaded");
                 failing_since_logged = false;
-                backoff = Duration::from_millis(50);
+                backoff.reset();
                 let probe_timeout = n.settings.timeout.max(Duration::from_millis(500));
                 drop(n);
                 // Until a call finds the connection broken (and wakes us), PING it every
@@ -226,10 +226,9 @@ async fn maintain(node: Weak<Node>, wake: Arc<Notify>) {
                     failing_since_logged = true;
                 }
                 tokio::select! {
-                    _ = tokio::time::sleep(backoff) => {}
+                    _ = tokio::time::sleep(backoff.next_wait()) => {}
                     _ = wake.notified() => {}
                 }
-                backoff = (backoff * 2).min(Duration::from_secs(2));
             }
         }
     }

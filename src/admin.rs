@@ -11,8 +11,7 @@
 
 use crate::limiter::store::AnyStore;
 use crate::metrics::Metrics;
-use crate::proxy::error::json_response;
-use crate::proxy::Body;
+use crate::response::{json_response, Body};
 use crate::snapshot::Snapshot;
 use arc_swap::ArcSwap;
 use bytes::Bytes;

@@ -17,15 +17,7 @@ use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 use std::sync::{Arc, Weak};
 
-/// Bucket bounds in seconds: 100 µs to 1 s.
-pub const LATENCY_BUCKETS: [f64; 13] = [
-    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
-];
-
-/// A latency histogram with [`LATENCY_BUCKETS`].
-pub fn latency_histogram() -> Histogram {
-    Histogram::new(LATENCY_BUCKETS)
-}
+pub use crate::limiter::store::redis::stats::{latency_histogram, LATENCY_BUCKETS};
 
 /// Labels of `tollgate_requests_total`.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]

@@ -1,11 +1,9 @@
 //! Every way the gateway itself answers a request, with its status and JSON body.
 
 use super::headers::put_usage;
-use super::Body;
 use crate::limiter::Usage;
-use bytes::Bytes;
+use crate::response::{json_bytes_response, Body};
 use http::{header, HeaderValue, Response, StatusCode};
-use http_body_util::{BodyExt, Full};
 
 /// A request the gateway answers itself instead of (or after failing at) forwarding.
 #[derive(Debug, thiserror::Error)]
@@ -112,21 +110,4 @@ struct ErrorBody<'a> {
     resource: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     retry_after: Option<u64>,
-}
-
-/// A response with a JSON body and `Content-Type: application/json`.
-pub fn json_response(status: StatusCode, body: &serde_json::Value) -> Response<Body> {
-    json_bytes_response(status, body.to_string().into_bytes())
-}
-
-/// A response with `bytes` (JSON) as body and `Content-Type: application/json`.
-fn json_bytes_response(status: StatusCode, bytes: Vec<u8>) -> Response<Body> {
-    let bytes = Bytes::from(bytes);
-    let mut r = Response::new(Full::new(bytes).map_err(|never| match never {}).boxed());
-    *r.status_mut() = status;
-    r.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
-    r
 }

@@ -24,15 +24,12 @@ use crate::limiter::{most_constrained, Refusal};
 use crate::metrics::Metrics;
 use crate::snapshot::Snapshot;
 use access::{AccessLog, Decision};
-use bytes::Bytes;
 use error::ProxyError;
 use forward::{Downstream, Peer};
 use http::{header, Request, Response};
-use http_body_util::combinators::BoxBody;
 use hyper::body::Incoming;
 
-/// The body of every response the gateway sends: streamed from the upstream, or JSON.
-pub type Body = BoxBody<Bytes, hyper::Error>;
+pub use crate::response::Body;
 
 /// What the request path needs besides the snapshot: the clock and the metrics.
 #[derive(Debug)]

@@ -1,7 +1,18 @@
 //! Counters of the Redis store, per node and per shard. They are plain atomics, read by
 //! [`super::RedisStore::report`] (and by the metrics endpoint).
 
+use prometheus_client::metrics::histogram::Histogram;
 use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Bucket bounds in seconds: 100 µs to 1 s (store calls and upstream responses alike).
+pub const LATENCY_BUCKETS: [f64; 13] = [
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+];
+
+/// A latency histogram with [`LATENCY_BUCKETS`].
+pub fn latency_histogram() -> Histogram {
+    Histogram::new(LATENCY_BUCKETS)
+}
 
 /// Counters of one Redis node (a primary or a replica).
 #[derive(Debug)]
@@ -25,7 +36,7 @@ pub struct NodeStats {
 impl Default for NodeStats {
     fn default() -> Self {
         Self {
-            latency: crate::metrics::latency_histogram(),
+            latency: latency_histogram(),
             calls: AtomicU64::new(0),
             errors: AtomicU64::new(0),
             timeouts: AtomicU64::new(0),

@@ -1,14 +1,22 @@
-//! Reload triggers: SIGHUP, and changes to the config file seen by watching its
-//! directory (debounced), plus the systemd notifications around a reload.
+//! Reloading: the [`Reloader`] that builds a new snapshot and swaps it in, its triggers
+//! (SIGHUP, and changes to the config file seen by watching its directory, debounced),
+//! and the systemd notifications around a reload. The server hands it what it needs
+//! (the snapshot holder, the metrics, how to start a new store), so this module does not
+//! depend on the server.
 //!
 //! Watching the directory rather than the file catches editors that write a new file and
 //! rename it over the old one, and Kubernetes ConfigMap mounts, where the file is a
 //! symlink whose target directory is swapped atomically. A watcher event only reloads
 //! when the file's content differs from the running config.
 
-use crate::server::Reloader;
+use crate::clock::SharedClock;
+use crate::config::{ConfigFile, ConfigReport};
+use crate::metrics::{Metrics, ReloadLabels};
+use crate::snapshot::Snapshot;
+use arc_swap::ArcSwap;
 use notify::{RecursiveMode, Watcher};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
 
@@ -101,5 +109,185 @@ fn watched_dir(path: &Path) -> PathBuf {
     match path.parent() {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => PathBuf::from("."),
+    }
+}
+
+/// What a reload did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReloadOutcome {
+    /// A new snapshot is active: its generation and warnings.
+    Applied {
+        /// The new generation.
+        generation: u64,
+        /// Warnings about the new config.
+        warnings: Vec<String>,
+    },
+    /// The file's content is the one already running; nothing changed.
+    Unchanged,
+}
+
+/// Reloads a gateway's config; cheap to clone, usable from any task.
+#[derive(Debug, Clone)]
+pub struct Reloader(Arc<State>);
+
+/// What reloading needs of a gateway.
+struct State {
+    snapshot: Arc<ArcSwap<Snapshot>>,
+    clock: SharedClock,
+    metrics: Arc<Metrics>,
+    /// Starts what a new store needs in the background (the server's job).
+    start_store: fn(&Snapshot, SharedClock),
+    /// Serializes reloads (SIGHUP and the file watcher may race).
+    reload_lock: std::sync::Mutex<()>,
+    /// Content hash of the last file that failed to load, so that a watcher does not
+    /// retry the same broken content on every unrelated event.
+    last_failed: std::sync::Mutex<Option<String>>,
+}
+
+impl std::fmt::Debug for State {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reloader").finish_non_exhaustive()
+    }
+}
+
+impl Reloader {
+    /// A reloader that swaps snapshots in `snapshot`, counts in `metrics`, and calls
+    /// `start_store` for a snapshot that brings a new store.
+    pub fn new(
+        snapshot: Arc<ArcSwap<Snapshot>>,
+        clock: SharedClock,
+        metrics: Arc<Metrics>,
+        start_store: fn(&Snapshot, SharedClock),
+    ) -> Self {
+        Self(Arc::new(State {
+            snapshot,
+            clock,
+            metrics,
+            start_store,
+            reload_lock: std::sync::Mutex::new(()),
+            last_failed: std::sync::Mutex::new(None),
+        }))
+    }
+
+    /// Count a reload in `tollgate_reloads_total{result}`.
+    fn count(&self, result: &'static str) {
+        self.0
+            .metrics
+            .reloads
+            .get_or_create(&ReloadLabels { result })
+            .inc();
+    }
+
+    /// Build a new snapshot from `file` and swap it in; requests in flight finish on the
+    /// one they started with. An invalid file changes nothing (and is counted as a failed
+    /// reload). The store (and its Redis connections) and the over-limit cache are kept
+    /// when `[store]` did not change.
+    ///
+    /// Errors: the [`ConfigReport`] of an invalid file.
+    pub fn reload(&self, file: &ConfigFile) -> Result<ReloadOutcome, ConfigReport> {
+        let _serial = self.0.reload_lock.lock().unwrap_or_else(|e| e.into_inner());
+        let current = self.0.snapshot.load_full();
+        let mut snap = match Snapshot::build(file, Some(&current)) {
+            Ok(s) => s,
+            Err(report) => {
+                self.count("failed");
+                return Err(report);
+            }
+        };
+        if !Arc::ptr_eq(snap.limiter.store(), current.limiter.store()) {
+            (self.0.start_store)(&snap, self.0.clock.clone());
+        }
+        let mut warnings = snap.warnings.clone();
+        let (running_server, running_log) = &*snap.running;
+        if snap.config.server != *running_server {
+            warnings.push(
+                "[server] changed: listen addresses and timeouts take effect after a restart"
+                    .into(),
+            );
+        }
+        if snap.config.log != *running_log {
+            warnings.push("[log] changed: takes effect after a restart".into());
+        }
+        snap.generation = current.generation + 1;
+        let generation = snap.generation;
+        self.0.snapshot.store(Arc::new(snap));
+        self.count("ok");
+        self.0.metrics.config_generation.set(generation as i64);
+        Ok(ReloadOutcome::Applied {
+            generation,
+            warnings,
+        })
+    }
+
+    /// Read the file at `path` and [`Reloader::reload`] it, telling systemd
+    /// (`RELOADING=1` with `MONOTONIC_USEC`, then `READY=1`) when `NOTIFY_SOCKET` is set.
+    /// With `skip_unchanged` (file watchers, which see many events for one save), a file
+    /// whose content is the running one, or the one that failed last, is left alone.
+    /// Logs the outcome.
+    pub fn reload_from(
+        &self,
+        path: &std::path::Path,
+        skip_unchanged: bool,
+    ) -> Result<ReloadOutcome, ConfigReport> {
+        let failed_before = |hash: &str| {
+            self.0
+                .last_failed
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .as_deref()
+                == Some(hash)
+        };
+        let remember_failure = |hash: Option<String>| {
+            *self.0.last_failed.lock().unwrap_or_else(|e| e.into_inner()) = hash;
+        };
+        let result = match crate::config::read(path) {
+            Err(report) => {
+                // Unparsable (the text is known) or unreadable: a failed reload like any
+                // other, unless a watcher sees the same broken text again.
+                let hash =
+                    (!report.text.is_empty()).then(|| crate::snapshot::content_hash(&report.text));
+                if skip_unchanged && hash.as_deref().is_some_and(failed_before) {
+                    return Ok(ReloadOutcome::Unchanged);
+                }
+                self.count("failed");
+                remember_failure(hash);
+                Err(report)
+            }
+            Ok(file) => {
+                let hash = crate::snapshot::content_hash(&file.text);
+                if skip_unchanged
+                    && (hash == self.0.snapshot.load().content_hash || failed_before(&hash))
+                {
+                    Ok(ReloadOutcome::Unchanged)
+                } else {
+                    notify_systemd_reloading();
+                    let outcome = self.reload(&file);
+                    notify_systemd(&[sd_notify::NotifyState::Ready]);
+                    remember_failure(outcome.is_err().then_some(hash));
+                    outcome
+                }
+            }
+        };
+        match &result {
+            Ok(ReloadOutcome::Applied {
+                generation,
+                warnings,
+            }) => {
+                for w in warnings {
+                    tracing::warn!("{w}");
+                }
+                tracing::info!(config = %path.display(), generation, "config reloaded");
+            }
+            Ok(ReloadOutcome::Unchanged) => {
+                tracing::debug!(config = %path.display(), "config unchanged")
+            }
+            Err(report) => {
+                for line in report.error_lines() {
+                    tracing::error!("{line}");
+                }
+                tracing::error!(config = %path.display(), "reload rejected; the running config stays");
+            }
+        }
+        result
     }
 }

@@ -9,7 +9,7 @@
 //!   `pending_restart`), with its
 //!   generation and content hash.
 
-use crate::limiter::store::AnyStore;
+use crate::limiter::store::StoreStatus;
 use crate::metrics::Metrics;
 use crate::response::{json_response, Body};
 use crate::snapshot::Snapshot;
@@ -101,40 +101,31 @@ fn route(req: &Request<Incoming>, snap: &Snapshot, metrics: &Metrics) -> Respons
 
 /// Readiness and per-shard state.
 pub fn readiness(snap: &Snapshot) -> (bool, Value) {
-    let (ready, shards) = match &**snap.limiter.store() {
-        AnyStore::Memory(_) => (true, Value::Array(vec![])),
-        AnyStore::Redis(redis) => {
-            let report = redis.report();
-            let ready = !report.is_empty()
-                && report.iter().all(|s| {
-                    let p = s.primary();
-                    p.connected && p.breaker != crate::limiter::store::redis::BreakerState::Open
-                });
-            let shards = report
+    let store: &dyn StoreStatus = &**snap.limiter.store();
+    let ready = store.ready();
+    let shards: Vec<Value> = store
+        .report()
+        .iter()
+        .map(|s| {
+            let nodes: Vec<Value> = s
+                .nodes
                 .iter()
-                .map(|s| {
-                    let nodes: Vec<Value> = s
-                        .nodes
-                        .iter()
-                        .map(|n| {
-                            json!({
-                                "role": n.role,
-                                "addr": n.addr,
-                                "connected": n.connected,
-                                "breaker": n.breaker.as_str(),
-                            })
-                        })
-                        .collect();
-                    json!({ "shard": s.index, "nodes": nodes, "replica_fallbacks": s.replica_fallbacks })
+                .map(|n| {
+                    json!({
+                        "role": n.role,
+                        "addr": n.addr,
+                        "connected": n.connected,
+                        "breaker": n.breaker.as_str(),
+                    })
                 })
                 .collect();
-            (ready, Value::Array(shards))
-        }
-    };
+            json!({ "shard": s.index, "nodes": nodes, "replica_fallbacks": s.replica_fallbacks })
+        })
+        .collect();
     let body = json!({
         "ready": ready,
         "generation": snap.generation,
-        "store": match snap.config.store.backend { crate::config::Backend::Memory => "memory", crate::config::Backend::Redis => "redis" },
+        "store": store.kind(),
         "shards": shards,
     });
     (ready, body)

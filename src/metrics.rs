@@ -5,9 +5,7 @@
 //! hits) are read from the live store at scrape time by [`StoreCollector`], so nodes that
 //! come and go (Sentinel replicas, a reload's new store) need no registration.
 
-use crate::limiter::store::AnyStore;
-use crate::snapshot::Snapshot;
-use arc_swap::ArcSwap;
+use crate::limiter::store::StoreStatus;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
@@ -15,7 +13,7 @@ use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 
 pub use crate::limiter::store::redis::stats::{latency_histogram, LATENCY_BUCKETS};
 
@@ -75,8 +73,9 @@ pub struct Metrics {
 }
 
 impl Metrics {
-    /// A registry with every metric registered; store metrics are read from `snapshot`.
-    pub fn new(snapshot: Weak<ArcSwap<Snapshot>>) -> Arc<Self> {
+    /// A registry with every metric registered; store metrics are read at scrape time
+    /// from what `store` answers (the over-limit cache's hits and the current store).
+    pub fn new(store: StoreSource) -> Arc<Self> {
         let mut registry = Registry::with_prefix("tollgate");
         let requests = Family::<RequestLabels, Counter>::default();
         registry.register(
@@ -119,7 +118,7 @@ impl Metrics {
             "Open client connections",
             open_connections.clone(),
         );
-        registry.register_collector(Box::new(StoreCollector { snapshot }));
+        registry.register_collector(Box::new(StoreCollector { store }));
         Arc::new(Self {
             registry,
             requests,
@@ -142,10 +141,19 @@ impl Metrics {
     }
 }
 
+/// Where the store metrics come from at scrape time: the over-limit cache's hits and
+/// the current store (`None` once the gateway is gone).
+pub type StoreSource = Box<dyn Fn() -> Option<(u64, Arc<dyn StoreStatus>)> + Send + Sync>;
+
 /// Reads the store's counters at scrape time.
-#[derive(Debug)]
 struct StoreCollector {
-    snapshot: Weak<ArcSwap<Snapshot>>,
+    store: StoreSource,
+}
+
+impl std::fmt::Debug for StoreCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StoreCollector").finish_non_exhaustive()
+    }
 }
 
 type Labels = Vec<(&'static str, String)>;
@@ -183,20 +191,19 @@ fn gauge_family(
 
 impl prometheus_client::collector::Collector for StoreCollector {
     fn encode(&self, mut enc: DescriptorEncoder) -> std::fmt::Result {
-        let Some(holder) = self.snapshot.upgrade() else {
+        let Some((cache_hits, store)) = (self.store)() else {
             return Ok(());
         };
-        let snap = holder.load_full();
         counter_family(
             &mut enc,
             "local_cache_hits",
             "Requests answered 429 from the over-limit cache without a store call",
-            &[(vec![], snap.limiter.cache().hits())],
+            &[(vec![], cache_hits)],
         )?;
-        let AnyStore::Redis(redis) = &**snap.limiter.store() else {
+        let report = store.report();
+        if report.is_empty() {
             return Ok(());
-        };
-        let report = redis.report();
+        }
         let node_labels = |s: usize, n: &crate::limiter::store::redis::NodeReport| {
             vec![
                 ("shard", s.to_string()),

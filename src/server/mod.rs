@@ -4,7 +4,7 @@
 use crate::admin;
 use crate::clock::SharedClock;
 use crate::config::{ConfigFile, ConfigReport};
-use crate::limiter::store::AnyStore;
+use crate::limiter::store::StoreStatus;
 use crate::metrics::{Metrics, ReloadLabels};
 use crate::proxy;
 pub use crate::reload::{ReloadOutcome, Reloader};
@@ -16,7 +16,7 @@ use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use std::convert::Infallible;
 use std::net::SocketAddr;
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -87,7 +87,13 @@ impl Gateway {
         let header_read_timeout = snap.config.server.header_read_timeout.0;
         let grace = snap.config.server.shutdown_grace.0;
         let snapshot = Arc::new(ArcSwap::from_pointee(snap));
-        let metrics = Metrics::new(Arc::downgrade(&snapshot));
+        // The metrics read the store of whatever snapshot is current at scrape time.
+        let current = Arc::downgrade(&snapshot);
+        let metrics = Metrics::new(Box::new(move || {
+            let snap = current.upgrade()?.load_full();
+            let store: Arc<dyn StoreStatus> = snap.limiter.store().clone();
+            Some((snap.limiter.cache().hits(), store))
+        }));
         metrics.config_generation.set(1);
         let _ = metrics
             .reloads
@@ -187,31 +193,12 @@ impl Gateway {
     }
 }
 
-/// Start what a new store needs in the background: the memory store's sweeper, or the
-/// Redis connections and script loading; and the sweeper that returns idle leases.
+/// Start what a new store needs in the background (its own work, see
+/// [`StoreStatus::start`]) and the sweeper that returns idle leases.
 fn start_store(snap: &Snapshot, clock: SharedClock) {
-    let (store, cfg) = (snap.limiter.store(), &snap.config.store);
+    let store = snap.limiter.store();
     crate::limiter::lease::spawn_sweeper(snap.limiter.leases(), store, clock.clone());
-    match &**store {
-        AnyStore::Memory(_) => {
-            let weak: Weak<AnyStore> = Arc::downgrade(store);
-            let every = cfg.sweep_interval.0;
-            tokio::spawn(async move {
-                let mut tick = tokio::time::interval(every);
-                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-                loop {
-                    tick.tick().await;
-                    // Stop when no snapshot uses this store any more.
-                    let Some(store) = weak.upgrade() else { return };
-                    if let AnyStore::Memory(m) = &*store {
-                        let dropped = m.sweep(clock.now_ms());
-                        tracing::trace!(dropped, "memory store swept");
-                    }
-                }
-            });
-        }
-        AnyStore::Redis(r) => r.start(),
-    }
+    store.start(clock, snap.config.store.sweep_interval.0);
 }
 
 async fn accept_loop(

@@ -6,19 +6,45 @@
 //! active within one window, however many distinct callers come and go.
 
 use super::{Charge, Grant, Store, StoreError, WindowState};
+use crate::clock::SharedClock;
 use crate::limiter::key::LimitKey;
 use crate::limiter::sharded::ShardedMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 /// Fixed windows held in process memory.
 #[derive(Debug, Default)]
 pub struct MemoryStore {
-    windows: ShardedMap<WindowState>,
+    /// Shared with the sweeper task, which holds it weakly.
+    windows: Arc<ShardedMap<WindowState>>,
+    sweeper_started: AtomicBool,
 }
 
 impl MemoryStore {
     /// An empty store.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Drop windows past their reset every `every`, in a background task that ends with
+    /// the store (inside a Tokio runtime). Calling it again does nothing.
+    pub fn start_sweeper(&self, every: std::time::Duration, clock: SharedClock) {
+        if self.sweeper_started.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        let weak = Arc::downgrade(&self.windows);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let Some(windows) = weak.upgrade() else {
+                    return;
+                };
+                let dropped = drop_expired(&windows, clock.now_ms());
+                tracing::trace!(dropped, "memory store swept");
+            }
+        });
     }
 
     /// Read a window (same rules as `lua/check.lua`).
@@ -96,7 +122,7 @@ impl MemoryStore {
 
     /// Drop every window whose reset is at or before `now_ms`; returns how many were dropped.
     pub fn sweep(&self, now_ms: u64) -> usize {
-        self.windows.retain(|w| w.reset_at_ms > now_ms)
+        drop_expired(&self.windows, now_ms)
     }
 
     /// Number of windows held (live or not yet swept).
@@ -108,6 +134,11 @@ impl MemoryStore {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+}
+
+/// Drop the windows of `windows` whose reset is at or before `now_ms`; how many.
+fn drop_expired(windows: &ShardedMap<WindowState>, now_ms: u64) -> usize {
+    windows.retain(|w| w.reset_at_ms > now_ms)
 }
 
 impl Store for MemoryStore {

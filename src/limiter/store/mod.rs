@@ -10,6 +10,7 @@ pub mod memory;
 pub mod redis;
 
 use super::key::LimitKey;
+use crate::clock::SharedClock;
 use std::future::Future;
 
 /// A fixed window as stored.
@@ -129,6 +130,64 @@ pub trait Store: Send + Sync {
         units: u64,
         reset_at_ms: u64,
     ) -> impl Future<Output = Result<WindowState, StoreError>> + Send;
+}
+
+/// How a store shows itself to the server, the admin endpoints and the metrics, none of
+/// which match on the backend.
+pub trait StoreStatus: Send + Sync {
+    /// Start what the store needs in the background: the memory store's sweeper (every
+    /// `store.sweep_interval`), or the Redis connections and script loading. Called for
+    /// each new store; calling it again does nothing.
+    fn start(&self, clock: SharedClock, sweep_every: std::time::Duration);
+    /// `"memory"` or `"redis"`.
+    fn kind(&self) -> &'static str;
+    /// The state of every shard and node; empty for the memory store.
+    fn report(&self) -> Vec<redis::ShardReport>;
+    /// Whether limits can be enforced now: always for the memory store; with Redis, when
+    /// every shard's primary (or the cluster) is connected and its breaker is not open.
+    fn ready(&self) -> bool {
+        primaries_ready(&self.report())
+    }
+}
+
+/// Every shard's primary (or the cluster) connected with its breaker not open; false
+/// when there are no shards.
+pub fn primaries_ready(report: &[redis::ShardReport]) -> bool {
+    !report.is_empty()
+        && report.iter().all(|s| {
+            let p = s.primary();
+            p.connected && p.breaker != redis::BreakerState::Open
+        })
+}
+
+impl StoreStatus for AnyStore {
+    fn start(&self, clock: SharedClock, sweep_every: std::time::Duration) {
+        match self {
+            AnyStore::Memory(m) => m.start_sweeper(sweep_every, clock),
+            AnyStore::Redis(r) => r.start(),
+        }
+    }
+
+    fn kind(&self) -> &'static str {
+        match self {
+            AnyStore::Memory(_) => "memory",
+            AnyStore::Redis(_) => "redis",
+        }
+    }
+
+    fn report(&self) -> Vec<redis::ShardReport> {
+        match self {
+            AnyStore::Memory(_) => Vec::new(),
+            AnyStore::Redis(r) => r.report(),
+        }
+    }
+
+    fn ready(&self) -> bool {
+        match self {
+            AnyStore::Memory(_) => true,
+            AnyStore::Redis(_) => primaries_ready(&self.report()),
+        }
+    }
 }
 
 /// The store a gateway runs with, chosen by `store.backend`.

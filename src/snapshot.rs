@@ -57,9 +57,7 @@ impl Snapshot {
         match self.config.log.client_ip {
             crate::config::LogClientIp::None => None,
             crate::config::LogClientIp::Ip => Some(ip.to_string()),
-            crate::config::LogClientIp::Hash => {
-                Some(self.limiter.subject_hash(format!("ip:{ip}").as_bytes()))
-            }
+            crate::config::LogClientIp::Hash => Some(self.limiter.ip_hash(ip)),
         }
     }
 

@@ -153,22 +153,17 @@ impl Limit {
     /// `client:acme`, `ip:192.0.2.7`, `global`, `header:x-tenant:t1`. It is hashed
     /// before it reaches a store.
     fn subject_into(&self, caller: &Caller, headers: &HeaderMap, out: &mut Vec<u8>) {
-        use std::io::Write;
         out.clear();
         let by_caller = |out: &mut Vec<u8>| match &caller.client {
             Some(c) => {
                 out.extend_from_slice(b"client:");
                 out.extend_from_slice(c.id.as_bytes());
             }
-            None => {
-                let _ = write!(out, "ip:{}", caller.ip);
-            }
+            None => ip_subject(caller.ip, out),
         };
         match &self.by {
             By::Caller => by_caller(out),
-            By::Ip => {
-                let _ = write!(out, "ip:{}", caller.ip);
-            }
+            By::Ip => ip_subject(caller.ip, out),
             By::Global => out.extend_from_slice(b"global"),
             By::Header(h) => match headers.get(h) {
                 Some(v) => {
@@ -187,6 +182,12 @@ impl Limit {
             },
         }
     }
+}
+
+/// Append the subject of a client IP, `ip:ADDRESS`, to `out`.
+fn ip_subject(ip: std::net::IpAddr, out: &mut Vec<u8>) {
+    use std::io::Write;
+    let _ = write!(out, "ip:{ip}");
 }
 
 /// The state of one limit for one caller, as reported in `X-RateLimit-*` headers.
@@ -330,10 +331,7 @@ impl Limiter {
         let limit = self.failed_auth.as_ref()?;
         let quota = *limit.quota.values().next()?;
         let mut subject = Vec::with_capacity(48);
-        {
-            use std::io::Write;
-            let _ = write!(subject, "ip:{ip}");
-        }
+        ip_subject(ip, &mut subject);
         let applied = [Applied {
             limit: limit.clone(),
             key: self.keys.key_for(&limit.name, &self.keys.digest(&subject)),
@@ -351,9 +349,11 @@ impl Limiter {
         }
     }
 
-    /// The 32 hex digits that stand for `subject` (e.g. `ip:192.0.2.7`) in storage keys.
-    pub fn subject_hash(&self, subject: &[u8]) -> String {
-        self.keys.digest(subject).hex().to_string()
+    /// The 32 hex digits that stand for a client IP in storage keys (its by-IP windows).
+    pub fn ip_hash(&self, ip: std::net::IpAddr) -> String {
+        let mut subject = Vec::with_capacity(48);
+        ip_subject(ip, &mut subject);
+        self.keys.digest(&subject).hex().to_string()
     }
 
     /// The store this limiter uses.
@@ -378,19 +378,22 @@ impl Limiter {
         caller: &Caller,
         headers: &HeaderMap,
     ) -> Vec<Applied> {
-        // Limits of one route usually count the same subject: hash it once.
+        // Limits of one route usually count the same subject: hash it once. The buffers
+        // swap roles, so the common case allocates one.
         let mut subject = Vec::with_capacity(64);
-        let mut last: Option<(Vec<u8>, SubjectDigest)> = None;
+        let mut last = Vec::new();
+        let mut last_digest: Option<SubjectDigest> = None;
         limits
             .iter()
             .filter_map(|limit| {
                 let quota = *limit.quota.get(&caller.tier)?;
                 limit.subject_into(caller, headers, &mut subject);
-                let digest = match &last {
-                    Some((s, d)) if *s == subject => *d,
+                let digest = match last_digest {
+                    Some(d) if last == subject => d,
                     _ => {
                         let d = self.keys.digest(&subject);
-                        last = Some((subject.clone(), d));
+                        std::mem::swap(&mut last, &mut subject);
+                        last_digest = Some(d);
                         d
                     }
                 };

@@ -51,13 +51,13 @@ pub struct Snapshot {
 }
 
 impl Snapshot {
-    /// The client IP as the access log shows it (`log.client_ip`): the address, its
-    /// keyed digest (the hash tag of the caller's by-IP Redis keys), or nothing.
-    pub fn log_client(&self, ip: std::net::IpAddr) -> Option<String> {
-        match self.config.log.client_ip {
-            crate::config::LogClientIp::None => None,
-            crate::config::LogClientIp::Ip => Some(ip.to_string()),
-            crate::config::LogClientIp::Hash => Some(self.limiter.ip_hash(ip)),
+    /// The parts the request path reads, borrowed: see [`crate::proxy::Gate`].
+    pub fn gate(&self) -> crate::proxy::Gate<'_> {
+        crate::proxy::Gate {
+            identities: &self.identities,
+            router: &self.router,
+            limiter: &self.limiter,
+            log_client_ip: self.config.log.client_ip,
         }
     }
 

@@ -863,3 +863,52 @@ fn all_lines(log: &str) -> Vec<serde_json::Value> {
         .filter_map(|l| serde_json::from_str(l).ok())
         .collect()
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_listener_drains_on_shutdown() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let upstream = Upstream::start().await;
+    let gw = TestGateway::start(&config(&upstream, 100, "", "")).await;
+    let admin_addr = gw.gateway.admin_addr().unwrap();
+
+    // A keep-alive admin connection that has answered one request and now idles,
+    // and one whose request is half sent when shutdown starts.
+    let mut idle = tokio::net::TcpStream::connect(admin_addr).await.unwrap();
+    idle.write_all(b"GET /healthz HTTP/1.1\r\nhost: admin\r\n\r\n")
+        .await
+        .unwrap();
+    let mut buf = vec![0u8; 4096];
+    let n = idle.read(&mut buf).await.unwrap();
+    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
+    let mut busy = tokio::net::TcpStream::connect(admin_addr).await.unwrap();
+    busy.write_all(b"GET /readyz HTTP/1.1\r\nhost: admin\r\n")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+
+    let started = Instant::now();
+    gw.gateway.shutdown();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The request under way is answered, with "connection: close".
+    busy.write_all(b"\r\n").await.unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(3), busy.read_to_end(&mut answer))
+        .await
+        .expect("the half-sent request is answered, then the connection closes")
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer).to_lowercase();
+    assert!(answer.starts_with("http/1.1 200"), "{answer}");
+    assert!(answer.contains("connection: close"), "{answer}");
+    // The idle keep-alive connection is closed, not held until the grace period ends.
+    let n = tokio::time::timeout(Duration::from_secs(3), idle.read(&mut buf))
+        .await
+        .expect("idle admin connection closed on shutdown")
+        .unwrap_or(0);
+    assert_eq!(n, 0, "idle admin connection gets EOF");
+    // No new admin connections.
+    assert!(tokio::net::TcpStream::connect(admin_addr).await.is_err());
+    tokio::time::timeout(Duration::from_secs(4), gw.gateway.wait())
+        .await
+        .expect("gateway and admin listener stop well before the 5 s grace");
+    assert!(started.elapsed() < Duration::from_secs(4));
+}

@@ -20,16 +20,46 @@ pub mod pool;
 pub mod route;
 
 use crate::clock::Clock;
+use crate::config::LogClientIp;
+use crate::identity::Identities;
+use crate::limiter::Limiter;
 use crate::limiter::{most_constrained, Refusal};
 use crate::metrics::Metrics;
-use crate::snapshot::Snapshot;
 use access::{AccessLog, Decision};
 use error::ProxyError;
 use forward::{Downstream, Peer};
 use http::{header, Request, Response};
 use hyper::body::Incoming;
+use route::Router;
 
 pub use crate::response::Body;
+
+/// The parts of a config snapshot that the request path reads, borrowed from the
+/// snapshot the request started with (`Snapshot::gate`). The request path does not
+/// know the snapshot type itself: it sees only these four parts.
+#[derive(Debug, Clone, Copy)]
+pub struct Gate<'a> {
+    /// Step 1: API keys, tiers, trusted proxies.
+    pub identities: &'a Identities,
+    /// Step 2: routes.
+    pub router: &'a Router,
+    /// Steps 3 and 5: the store and its policy.
+    pub limiter: &'a Limiter,
+    /// `log.client_ip`: how the access log shows the client.
+    pub log_client_ip: LogClientIp,
+}
+
+impl Gate<'_> {
+    /// The client IP as the access log shows it (`log.client_ip`): the address, its
+    /// keyed digest (the hash tag of the caller's by-IP Redis keys), or nothing.
+    pub fn log_client(&self, ip: std::net::IpAddr) -> Option<String> {
+        match self.log_client_ip {
+            LogClientIp::None => None,
+            LogClientIp::Ip => Some(ip.to_string()),
+            LogClientIp::Hash => Some(self.limiter.ip_hash(ip)),
+        }
+    }
+}
 
 /// What the request path needs besides the snapshot: the clock and the metrics.
 #[derive(Debug)]
@@ -40,10 +70,10 @@ pub struct Context<'a> {
     pub metrics: &'a Metrics,
 }
 
-/// Serve one request on the snapshot it started with: set its request id, run
+/// Serve one request on the snapshot it started with (its [`Gate`]): set its request id, run
 /// [`serve`], record metrics and write one access log line.
 pub async fn handle(
-    snap: &Snapshot,
+    snap: &Gate<'_>,
     ctx: &Context<'_>,
     mut req: Request<Incoming>,
     peer: &Peer,
@@ -57,7 +87,7 @@ pub async fn handle(
 
 /// The six steps of the request path.
 pub async fn serve(
-    snap: &Snapshot,
+    snap: &Gate<'_>,
     ctx: &Context<'_>,
     req: Request<Incoming>,
     peer: &Peer,

@@ -55,6 +55,7 @@ pub struct Gateway {
     reloader: Reloader,
     shutdown: watch::Sender<bool>,
     task: JoinHandle<()>,
+    admin_task: Option<JoinHandle<()>>,
 }
 
 impl Gateway {
@@ -113,14 +114,15 @@ impl Gateway {
             metrics,
         });
         let (shutdown, rx) = watch::channel(false);
+        let mut admin_task = None;
         let admin_addr = admin.map(|(listener, addr)| {
-            tokio::spawn(admin::serve(
+            admin_task = Some(tokio::spawn(admin::serve(
                 listener,
                 shared.snapshot.clone(),
                 shared.metrics.clone(),
                 rx.clone(),
                 grace,
-            ));
+            )));
             tracing::info!(admin_listen = %addr, "admin endpoints listening");
             addr
         });
@@ -139,6 +141,7 @@ impl Gateway {
             reloader,
             shutdown,
             task,
+            admin_task,
         })
     }
 
@@ -187,9 +190,13 @@ impl Gateway {
         let _ = self.shutdown.send(true);
     }
 
-    /// Wait until the gateway has stopped (after [`Gateway::shutdown`]).
+    /// Wait until the gateway has stopped (after [`Gateway::shutdown`]): both
+    /// listeners closed and their connections drained.
     pub async fn wait(self) {
         let _ = self.task.await;
+        if let Some(admin) = self.admin_task {
+            let _ = admin.await;
+        }
     }
 }
 
@@ -237,7 +244,7 @@ async fn accept_loop(
                     async move {
                         let snap = shared.snapshot.load_full();
                         let ctx = proxy::Context { clock: &*shared.clock, metrics: &shared.metrics };
-                        Ok::<_, Infallible>(proxy::handle(&snap, &ctx, req, &peer).await)
+                        Ok::<_, Infallible>(proxy::handle(&snap.gate(), &ctx, req, &peer).await)
                     }
                 });
                 let conn = builder.serve_connection(TokioIo::new(stream), service).into_owned();

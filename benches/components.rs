@@ -21,7 +21,9 @@ use tollgate::config::{ClientConfig, IdentityConfig, Problems};
 use tollgate::identity::Identities;
 use tollgate::limiter::key::KeyScheme;
 use tollgate::limiter::store::memory::MemoryStore;
-use tollgate::limiter::store::redis::{CHARGE_LUA, CHECK_LUA, LEASE_LUA, REFUND_LUA};
+use tollgate::limiter::algorithm::{Op, OpKind, Policy};
+use tollgate::limiter::store::redis::{APPLY_LUA, LEASE_LUA, REFUND_LUA};
+use tollgate::limiter::store::Item;
 use tollgate::limiter::Usage;
 use tollgate::snapshot::Snapshot;
 
@@ -186,6 +188,7 @@ fn header_rendering(c: &mut Criterion) {
         quota: 5000,
         used: 1234,
         reset_at_ms: NOW_MS + WINDOW_MS,
+        retry_at_ms: 0,
     };
     // A typical upstream response's headers, which put_usage adds to.
     let mut upstream = HeaderMap::new();
@@ -232,23 +235,29 @@ fn memory_store(c: &mut Criterion) {
             )
         })
         .collect();
-    store.charge_now(&hot, 1, WINDOW_MS, NOW_MS);
+    let policy = Policy::fixed(HUGE_QUOTA, WINDOW_MS);
+    let item = |key, kind| Item {
+        key,
+        policy: &policy,
+        op: Op { kind, cost: 1, id: 0 },
+    };
+    store.apply_now(&item(&hot, OpKind::Charge), NOW_MS);
     for k in &keys {
-        store.charge_now(k, 1, WINDOW_MS, NOW_MS);
+        store.apply_now(&item(k, OpKind::Charge), NOW_MS);
     }
 
     let mut g = c.benchmark_group("memory");
     g.bench_function("check (hot key)", |b| {
-        b.iter(|| black_box(store.check_now(black_box(&hot), NOW_MS)))
+        b.iter(|| black_box(store.apply_now(black_box(&item(&hot, OpKind::Peek)), NOW_MS)))
     });
     g.bench_function("charge (hot key)", |b| {
-        b.iter(|| black_box(store.charge_now(black_box(&hot), 1, WINDOW_MS, NOW_MS)))
+        b.iter(|| black_box(store.apply_now(black_box(&item(&hot, OpKind::Charge)), NOW_MS)))
     });
     let mut i = 0usize;
     g.bench_function("charge (100k keys)", |b| {
         b.iter(|| {
             i = (i + 1) % keys.len();
-            black_box(store.charge_now(&keys[i], 1, WINDOW_MS, NOW_MS))
+            black_box(store.apply_now(&item(&keys[i], OpKind::Charge), NOW_MS))
         })
     });
     g.bench_function("lease_now (hot key)", |b| {
@@ -293,7 +302,7 @@ fn limiter_memory(c: &mut Criterion) {
             rt.block_on(async {
                 let applied = limiter.applicable(&route.limits, black_box(&caller), &headers);
                 let checked = limiter
-                    .check(&applied, route.cost, NOW_MS)
+                    .check(&applied, route.cost, false, NOW_MS)
                     .await
                     .expect("admitted");
                 black_box(limiter.charge(&applied, route.cost, NOW_MS, checked).await)
@@ -395,11 +404,10 @@ fn redis_scripts(c: &mut Criterion) {
     };
     let mut con = server.connect().expect("connect to redis-server");
 
-    let check = redis::Script::new(CHECK_LUA);
-    let charge = redis::Script::new(CHARGE_LUA);
+    let apply = redis::Script::new(APPLY_LUA);
     let lease = redis::Script::new(LEASE_LUA);
     let refund = redis::Script::new(REFUND_LUA);
-    for s in [&check, &charge, &lease, &refund] {
+    for s in [&apply, &lease, &refund] {
         s.load(&mut con).expect("SCRIPT LOAD");
     }
 
@@ -419,30 +427,29 @@ fn redis_scripts(c: &mut Criterion) {
 
     // Live windows for CHECK to read; a window with a count that refunds of 1 unit
     // cannot use up, so every REFUND takes the HINCRBY path.
-    let mut setup = charge.prepare_invoke();
+    // lua/apply.lua's arguments per key: op, algorithm (0: fixed window), quota, window,
+    // burst, align, cost, now, id.
+    let op_args = |op: u64, cost: u64| [op, 0, HUGE_QUOTA, WINDOW_MS, HUGE_QUOTA, 0, cost, now, 0];
+    let mut setup = apply.prepare_invoke();
     for k in &keys {
-        setup.key(k).arg(1).arg(WINDOW_MS).arg(now);
+        setup.key(k).arg(&op_args(1, 1)[..]);
     }
-    setup
-        .key(&refund_key)
-        .arg(HUGE_QUOTA)
-        .arg(WINDOW_MS)
-        .arg(now);
-    let windows: Vec<u64> = setup.invoke(&mut con).expect("seed windows");
-    let refund_reset_at = windows[7];
+    setup.key(&refund_key).arg(&op_args(1, HUGE_QUOTA)[..]);
+    let verdicts: Vec<u64> = setup.invoke(&mut con).expect("seed windows");
+    let refund_reset_at = verdicts[3 * 5 + 2];
     assert!(refund_reset_at > now);
 
-    let mut check1 = check.prepare_invoke();
-    check1.key(&keys[0]).arg(now);
-    let mut check3 = check.prepare_invoke();
+    let mut check1 = apply.prepare_invoke();
+    check1.key(&keys[0]).arg(&op_args(0, 1)[..]);
+    let mut check3 = apply.prepare_invoke();
     for k in &keys {
-        check3.key(k).arg(now);
+        check3.key(k).arg(&op_args(0, 1)[..]);
     }
-    let mut charge1 = charge.prepare_invoke();
-    charge1.key(&keys[0]).arg(1).arg(WINDOW_MS).arg(now);
-    let mut charge3 = charge.prepare_invoke();
+    let mut charge1 = apply.prepare_invoke();
+    charge1.key(&keys[0]).arg(&op_args(1, 1)[..]);
+    let mut charge3 = apply.prepare_invoke();
     for k in &keys {
-        charge3.key(k).arg(1).arg(WINDOW_MS).arg(now);
+        charge3.key(k).arg(&op_args(1, 1)[..]);
     }
     let mut lease1 = lease.prepare_invoke();
     lease1
@@ -456,9 +463,9 @@ fn redis_scripts(c: &mut Criterion) {
 
     // Each invocation must answer as the script's header says before it is timed.
     let r: Vec<u64> = check1.invoke(&mut con).unwrap();
-    assert!(r.len() == 2 && r[0] >= 1 && r[1] > now, "check.lua: {r:?}");
+    assert!(r.len() == 5 && r[1] >= 1 && r[2] > now, "apply.lua peek: {r:?}");
     let r: Vec<u64> = check3.invoke(&mut con).unwrap();
-    assert_eq!(r.len(), 6, "check.lua: {r:?}");
+    assert_eq!(r.len(), 15, "apply.lua peek: {r:?}");
     let r: Vec<u64> = lease1.invoke(&mut con).unwrap();
     assert_eq!(r[0], 10, "lease.lua granted: {r:?}");
     let r: Vec<u64> = refund1.invoke(&mut con).unwrap();
@@ -469,10 +476,10 @@ fn redis_scripts(c: &mut Criterion) {
         b.iter(|| redis::cmd("PING").query::<String>(&mut con).expect("PING"))
     });
     let cases = [
-        ("check.lua (1 key)", &check1),
-        ("check.lua (3 keys)", &check3),
-        ("charge.lua (1 key)", &charge1),
-        ("charge.lua (3 keys)", &charge3),
+        ("apply.lua peek (1 key)", &check1),
+        ("apply.lua peek (3 keys)", &check3),
+        ("apply.lua charge (1 key)", &charge1),
+        ("apply.lua charge (3 keys)", &charge3),
         ("lease.lua", &lease1),
         ("refund.lua", &refund1),
     ];

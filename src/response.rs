@@ -25,3 +25,37 @@ pub fn json_bytes_response(status: StatusCode, bytes: Vec<u8>) -> Response<Body>
     );
     r
 }
+
+/// `body`, holding `guard` until the body is dropped: when it has been sent in full,
+/// failed, or the client went away. (Used to give back concurrency slots when the
+/// response ends, not when its headers are sent.)
+pub fn with_guard<G: Send + Sync + Unpin + 'static>(body: Body, guard: G) -> Body {
+    Guarded { body, _guard: guard }.boxed()
+}
+
+/// A body that holds a value until it is dropped.
+struct Guarded<G> {
+    body: Body,
+    _guard: G,
+}
+
+impl<G: Send + Sync + Unpin + 'static> hyper::body::Body for Guarded<G> {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, hyper::Error>>> {
+        // `Body` is Unpin (a boxed body), so the guarded body is too.
+        std::pin::Pin::new(&mut self.get_mut().body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.body.size_hint()
+    }
+}

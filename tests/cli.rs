@@ -118,10 +118,13 @@ fn check_rejects_syntax_unknown_keys_bad_durations_and_unsupported_features() {
         ("[server]\nlisten = \"127.0.0.1:1\"\nlisen = 3\n", ":3:1: server.lisen: unknown field `lisen`"),
         ("[store]\ntimeout = \"fast\"\n", ":2:11: store.timeout: invalid duration \"fast\""),
         ("[server\n", ":1:"),
-        ("[[limits]]\nname = \"x\"\nalgorithm = \"gcra\"\nwindow = \"1m\"\nquota = { anonymous = 1 }\n", "limits[0].algorithm: algorithm \"gcra\" is not supported yet"),
+        ("[[limits]]\nname = \"x\"\nalgorithm = \"leaky\"\nwindow = \"1m\"\nquota = { anonymous = 1 }\n", ":3:13: limits[0].algorithm: unknown variant `leaky`, expected one of `fixed_window`, `sliding_window`, `sliding_log`, `gcra`, `concurrency`"),
+        ("[[limits]]\nname = \"x\"\nalgorithm = \"gcra\"\nwindow = \"1m\"\nlease = 5\nquota = { anonymous = 1 }\n", "limits[0].lease: lease mode is for fixed windows only"),
+        ("[[limits]]\nname = \"x\"\nwindow = \"7d\"\nalign = \"calendar\"\nquota = { anonymous = 1 }\n", "limits[0].align: a calendar window must divide a day"),
+        ("[[limits]]\nname = \"x\"\nwindow = \"1m\"\nburst = 3\nquota = { anonymous = 1 }\n", "limits[0].burst: burst is for algorithm = \"gcra\" only"),
         (
-            "[[upstreams]]\nname = \"a\"\ntargets = [\"http://x:1\"]\n[[routes]]\npath_prefix = \"/\"\nupstream = \"a\"\ncharge = \"on_request\"\n",
-            "routes[0].charge: charge = \"on_request\" is not supported yet",
+            "[[upstreams]]\nname = \"a\"\ntargets = [\"http://x:1\"]\n[[routes]]\npath_prefix = \"/\"\nupstream = \"a\"\ncharge = \"later\"\n",
+            "routes[0].charge: \"later\": expected \"after_response\" or \"on_request\"",
         ),
         ("[store]\nbackend = \"redis\"\nmode = \"cluster\"\n", "store.nodes: mode \"cluster\" needs at least one seed node"),
         (

@@ -65,7 +65,9 @@ fn full_config() -> Config {
         }],
         limits: vec![LimitConfig {
             name: "core".into(),
-            algorithm: "fixed_window".into(),
+            algorithm: tollgate::config::Algorithm::FixedWindow,
+            burst: Some(10),
+            align: "calendar".into(),
             window: Dur::from_secs(3600),
             quota: [("anonymous".to_string(), 60)].into(),
             by: "caller".into(),

@@ -351,9 +351,19 @@ fn default_response_timeout() -> Dur {
 pub struct LimitConfig {
     /// Name, reported as `X-RateLimit-Resource`.
     pub name: String,
-    /// Only `"fixed_window"` is supported yet.
-    #[serde(default = "default_algorithm")]
-    pub algorithm: String,
+    /// `"fixed_window"` (default), `"sliding_window"`, `"sliding_log"`, `"gcra"` or
+    /// `"concurrency"`; see docs/algorithms.md.
+    #[serde(default)]
+    pub algorithm: Algorithm,
+    /// GCRA only: the bucket size in units (how many requests may come at once).
+    /// Default: the tier's quota.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub burst: Option<u64>,
+    /// Fixed windows only: `"first_request"` (default: a window starts at the caller's
+    /// first charge) or `"calendar"` (windows start at UTC boundaries: the hour, the
+    /// day, the month for `window = "1mo"`).
+    #[serde(default = "default_align")]
+    pub align: String,
     /// Window length.
     pub window: Dur,
     /// Cost units per window, by tier.
@@ -368,8 +378,25 @@ pub struct LimitConfig {
     pub lease: Option<u64>,
 }
 
-fn default_algorithm() -> String {
-    "fixed_window".into()
+/// `[[limits]].algorithm`; the rules are in `crate::limiter::algorithm`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize, Hash)]
+#[serde(rename_all = "snake_case")]
+pub enum Algorithm {
+    /// Fixed window (default).
+    #[default]
+    FixedWindow,
+    /// Two-counter sliding window estimate.
+    SlidingWindow,
+    /// Exact sliding log.
+    SlidingLog,
+    /// Generic cell rate algorithm.
+    Gcra,
+    /// Requests in flight.
+    Concurrency,
+}
+
+fn default_align() -> String {
+    "first_request".into()
 }
 
 fn default_by() -> String {

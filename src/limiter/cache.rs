@@ -1,8 +1,10 @@
 //! The over-limit cache: callers known to be over a limit until its reset, answered with
 //! a 429 in-process without calling the store.
 //!
-//! Within one window `used` only grows, so a window seen with `used + cost > quota` stays
-//! over the limit for any request of at least that cost until `reset_at`. (Lease mode is
+//! Within one fixed window `used` only grows, so a window seen with `used + cost > quota`
+//! stays over the limit for any request of at least that cost until `reset_at`. The
+//! other algorithms' refusals hold until their `retry_at`, for requests of at least the
+//! refused cost (see `Limiter::remember_refusal`). (Lease mode is
 //! the exception: gateways give unused units back, so its entries also expire after
 //! [`crate::limiter::lease::IDLE_MS`], see [`OverLimitCache::insert_until`].) Entries are
 //! keyed by storage key, expire at their `reset_at`, and are bounded by
@@ -19,6 +21,8 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 struct Entry {
     usage: Usage,
     until_ms: u64,
+    /// The entry answers only requests of at least this cost.
+    min_cost: u64,
 }
 
 impl Entry {
@@ -57,7 +61,7 @@ impl OverLimitCache {
         }
         let entries = self.entries.shard(key);
         let e = entries.get(&key.key)?;
-        if e.live(now_ms) && e.usage.used.saturating_add(cost) > quota {
+        if e.live(now_ms) && cost >= e.min_cost && e.usage.used.saturating_add(cost) > quota {
             self.hits.fetch_add(1, Ordering::Relaxed);
             Some(Usage {
                 quota,
@@ -68,18 +72,27 @@ impl OverLimitCache {
         }
     }
 
-    /// Remember that `key` is over the limit as `usage` says, until its reset.
+    /// Remember that `key` is over the limit as `usage` says until its reset, for
+    /// requests of any cost that overflow it (a fixed window).
     pub fn insert(&self, key: &LimitKey, usage: &Usage, now_ms: u64) {
-        self.insert_until(key, usage, now_ms, u64::MAX);
+        self.insert_until(key, usage, 1, now_ms, u64::MAX);
     }
 
-    /// Like [`OverLimitCache::insert`], but trusted only until `until_ms` (ms since the
-    /// epoch) when that comes before the reset: for windows that can shrink (lease mode's
-    /// refunds).
-    pub fn insert_until(&self, key: &LimitKey, usage: &Usage, now_ms: u64, until_ms: u64) {
+    /// Remember that `key` is over the limit as `usage` says, for requests of at least
+    /// `min_cost`, until its reset or `until_ms` (ms since the epoch), whichever comes
+    /// first (`u64::MAX`: until the reset).
+    pub fn insert_until(
+        &self,
+        key: &LimitKey,
+        usage: &Usage,
+        min_cost: u64,
+        now_ms: u64,
+        until_ms: u64,
+    ) {
         let entry = Entry {
             usage: usage.clone(),
             until_ms,
+            min_cost,
         };
         if self.capacity == 0 || !entry.live(now_ms) {
             return;
@@ -142,6 +155,7 @@ mod tests {
             quota: 10,
             used,
             reset_at_ms,
+            retry_at_ms: 0,
         }
     }
 
@@ -184,7 +198,7 @@ mod tests {
     #[test]
     fn entries_for_shrinkable_windows_expire_early() {
         let c = OverLimitCache::new(10);
-        c.insert_until(&k("k"), &usage("core", 10, 60_000), 1_000, 2_000);
+        c.insert_until(&k("k"), &usage("core", 10, 60_000), 1, 1_000, 2_000);
         assert!(c.get(&k("k"), 10, 1, 1_999).is_some());
         assert!(
             c.get(&k("k"), 10, 1, 2_000).is_none(),
@@ -192,7 +206,7 @@ mod tests {
         );
         // And a full cache drops such an entry to make room once it has expired.
         let full = OverLimitCache::new(1);
-        full.insert_until(&k("a"), &usage("core", 10, 60_000), 0, 1_000);
+        full.insert_until(&k("a"), &usage("core", 10, 60_000), 1, 0, 1_000);
         full.insert(&k("b"), &usage("core", 10, 60_000), 1_500);
         assert!(full.get(&k("b"), 10, 1, 1_500).is_some());
     }

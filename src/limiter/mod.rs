@@ -1,11 +1,20 @@
 //! Steps 3 and 5 of the request path: CHECK the limits of a route before forwarding,
 //! CHARGE them after the response.
 //!
-//! The algorithm is the fixed window of GitHub's API limiter ("How we scaled the GitHub
-//! API with a sharded, replicated rate limiter in Redis", 2021): a window starts at the
-//! caller's first charge and ends at a stored `reset_at`. A rejection (429) is built from
-//! the very CHECK that found the caller over the limit, never from a second store call.
+//! Each limit has an algorithm ([`algorithm`]: fixed window, the default, as in GitHub's
+//! API limiter; sliding window; sliding log; GCRA; concurrency). A request's limits go
+//! through up to three stages, each one store call per shard:
+//!
+//! - **check** before forwarding: a peek (read only, may be stale) for limits charged
+//!   after the response; a reservation (check and add in one step, on the primary) for
+//!   routes with `charge = "on_request"`; a slot for concurrency limits. A rejection
+//!   (429) is built from the very call that found the caller over the limit.
+//! - **charge** after the response (peeked limits), or **release** (refund
+//!   reservations, give back lease units) when the status is uncharged or the upstream
+//!   failed.
+//! - concurrency slots are given back when the response body ends ([`SlotGuard`]).
 
+pub mod algorithm;
 pub mod cache;
 pub mod key;
 pub mod lease;
@@ -13,6 +22,7 @@ pub mod sharded;
 pub mod store;
 
 use crate::config::{LimitConfig, OnError, Problems};
+use algorithm::{Algorithm, Align, Op, OpKind, Policy, Verdict};
 use crate::identity::Caller;
 use cache::OverLimitCache;
 use http::{HeaderMap, HeaderName};
@@ -21,7 +31,7 @@ use lease::{Ask, LeaseTable, Take};
 use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use store::{AnyStore, Charge, Store, StoreError, WindowState};
+use store::{AnyStore, Item, Store, StoreError};
 
 /// What a limit's windows count.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -50,7 +60,19 @@ pub struct Limit {
     /// Lease mode: units taken from the store at a time and admitted locally (0: off,
     /// every request is checked and charged in the store).
     pub lease: u64,
+    /// The algorithm.
+    pub algorithm: Algorithm,
+    /// GCRA bucket size in units; `None`: the tier's quota.
+    pub burst: Option<u64>,
+    /// Where fixed windows start.
+    pub align: Align,
+    /// The name in storage keys: the limit's name, plus `:ALGORITHM` for every algorithm
+    /// but the fixed window (so a changed algorithm starts from fresh state).
+    pub key_name: Arc<str>,
 }
+
+/// `window = "1mo"` in milliseconds (humantime's month: 30.44 days).
+const MONTH_MS: u64 = 2_630_016_000;
 
 impl Limit {
     /// Build from config, recording problems under `limits[index]`. `tiers` are the tiers
@@ -71,20 +93,50 @@ impl Limit {
                 "must not contain white space, `:` or braces (it is part of Redis keys)",
             );
         }
-        match cfg.algorithm.as_str() {
-            "fixed_window" => {}
-            "sliding_window" | "sliding_log" | "gcra" => problems.error(
-                format!("{at}.algorithm"),
-                format!("algorithm {:?} is not supported yet (only \"fixed_window\")", cfg.algorithm),
-            ),
-            other => problems.error(
-                format!("{at}.algorithm"),
-                format!("unknown algorithm {other:?}; expected \"fixed_window\", \"sliding_window\", \"sliding_log\" or \"gcra\""),
-            ),
-        }
+        let algorithm = cfg.algorithm;
         let window_ms = cfg.window.as_millis();
         if window_ms < 1_000 {
             problems.error(format!("{at}.window"), "must be at least 1s");
+        }
+        let align = match cfg.align.as_str() {
+            "first_request" => Align::FirstRequest,
+            "calendar" if algorithm != Algorithm::FixedWindow => {
+                problems.error(
+                    format!("{at}.align"),
+                    "align = \"calendar\" is for fixed windows only (algorithm = \"fixed_window\")",
+                );
+                Align::FirstRequest
+            }
+            "calendar" if window_ms == MONTH_MS => Align::Month,
+            "calendar" if window_ms > 0 && 86_400_000 % window_ms == 0 => Align::Epoch,
+            "calendar" => {
+                problems.error(
+                    format!("{at}.align"),
+                    "a calendar window must divide a day (e.g. \"1h\", \"1d\") or be \"1mo\"",
+                );
+                Align::FirstRequest
+            }
+            other => {
+                problems.error(
+                    format!("{at}.align"),
+                    format!("{other:?}: expected \"first_request\" or \"calendar\""),
+                );
+                Align::FirstRequest
+            }
+        };
+        match cfg.burst {
+            Some(_) if algorithm != Algorithm::Gcra => problems.error(
+                format!("{at}.burst"),
+                "burst is for algorithm = \"gcra\" only",
+            ),
+            Some(0) => problems.error(format!("{at}.burst"), "must be at least 1"),
+            _ => {}
+        }
+        if cfg.lease.is_some() && algorithm != Algorithm::FixedWindow {
+            problems.error(
+                format!("{at}.lease"),
+                "lease mode is for fixed windows only (algorithm = \"fixed_window\")",
+            );
         }
         if cfg.quota.is_empty() {
             problems.error(
@@ -103,6 +155,12 @@ impl Limit {
             }
             if *n == 0 {
                 problems.error(format!("{at}.quota.{tier}"), "must be at least 1");
+            }
+            if algorithm == Algorithm::Gcra && *n > window_ms {
+                problems.error(
+                    format!("{at}.quota.{tier}"),
+                    format!("GCRA spaces units at least 1 ms apart: at most {window_ms} per window of {window_ms} ms"),
+                );
             }
             quota.insert(Arc::from(tier.as_str()), *n);
         }
@@ -146,7 +204,25 @@ impl Limit {
             quota,
             by,
             lease: cfg.lease.unwrap_or(0),
+            algorithm,
+            burst: cfg.burst,
+            align,
+            key_name: match algorithm {
+                Algorithm::FixedWindow => cfg.name.as_str().into(),
+                other => format!("{}:{}", cfg.name, other.name()).into(),
+            },
         })
+    }
+
+    /// The policy this limit applies to a caller whose tier has `quota`.
+    pub fn policy(&self, quota: u64) -> Policy {
+        Policy {
+            algorithm: self.algorithm,
+            quota,
+            window_ms: self.window_ms,
+            burst: self.burst.unwrap_or(quota),
+            align: self.align,
+        }
     }
 
     /// Write the subject this limit counts for a caller into `out` (cleared first): e.g.
@@ -195,12 +271,17 @@ fn ip_subject(ip: std::net::IpAddr, out: &mut Vec<u8>) {
 pub struct Usage {
     /// The limit's name (`X-RateLimit-Resource`).
     pub resource: Arc<str>,
-    /// The quota for the caller's tier (`X-RateLimit-Limit`).
+    /// The limit for the caller's tier (`X-RateLimit-Limit`): the quota, or the burst
+    /// for GCRA.
     pub quota: u64,
-    /// Units charged in the current window (`X-RateLimit-Used`).
+    /// Units counted against the limit (`X-RateLimit-Used`); may exceed `quota`.
     pub used: u64,
-    /// End of the current window, milliseconds since the Unix epoch.
+    /// When the caller has its whole limit again, milliseconds since the Unix epoch
+    /// (the end of a fixed window).
     pub reset_at_ms: u64,
+    /// When the refused cost would be admitted, milliseconds since the Unix epoch; 0
+    /// when admitted (then `Retry-After` falls back to the reset).
+    pub retry_at_ms: u64,
 }
 
 impl Usage {
@@ -209,55 +290,149 @@ impl Usage {
         self.quota.saturating_sub(self.used)
     }
 
-    /// End of the window in UTC epoch seconds, rounded up (`X-RateLimit-Reset`).
+    /// `reset_at` in UTC epoch seconds, rounded up (`X-RateLimit-Reset`).
     pub fn reset_epoch_s(&self) -> u64 {
         self.reset_at_ms.div_ceil(1000)
     }
 
-    /// Whole seconds from `now_ms` until the reset, at least 1 (`Retry-After`).
+    /// Whole seconds from `now_ms` until the refused cost would be admitted (or, when
+    /// unknown, until the reset), at least 1 (`Retry-After`).
     pub fn retry_after_s(&self, now_ms: u64) -> u64 {
-        self.reset_at_ms
-            .saturating_sub(now_ms)
-            .div_ceil(1000)
-            .max(1)
+        let at = if self.retry_at_ms > 0 {
+            self.retry_at_ms
+        } else {
+            self.reset_at_ms
+        };
+        at.saturating_sub(now_ms).div_ceil(1000).max(1)
     }
 }
 
-/// One limit applied to one request: where its window is and what quota applies.
+/// One limit applied to one request: where its state is and what policy applies.
 #[derive(Debug, Clone)]
 pub struct Applied {
     limit: Arc<Limit>,
     key: LimitKey,
-    quota: u64,
+    policy: Policy,
 }
 
 impl Applied {
-    /// The storage key of this limit's window for this caller.
+    /// The storage key of this limit's state for this caller.
     pub fn key(&self) -> &LimitKey {
         &self.key
+    }
+
+    /// The limit.
+    pub fn limit(&self) -> &Arc<Limit> {
+        &self.limit
+    }
+
+    /// The policy (algorithm, quota for the caller's tier, window, burst).
+    pub fn policy(&self) -> &Policy {
+        &self.policy
+    }
+
+    fn usage(&self, v: &Verdict) -> Usage {
+        Usage {
+            resource: self.limit.name.clone(),
+            quota: self.policy.limit(),
+            used: v.used,
+            reset_at_ms: v.reset_at_ms,
+            retry_at_ms: v.retry_at_ms,
+        }
     }
 
     fn usage_at(&self, used: u64, reset_at_ms: u64) -> Usage {
         Usage {
             resource: self.limit.name.clone(),
-            quota: self.quota,
+            quota: self.policy.limit(),
             used,
             reset_at_ms,
+            retry_at_ms: 0,
         }
     }
 
-    fn usage(&self, w: WindowState, now_ms: u64) -> Usage {
-        let reset_at_ms = if w.is_empty() {
-            now_ms + self.limit.window_ms
+    /// How this limit is held between the check and the end of the request.
+    fn stage(&self, on_request: bool) -> Stage {
+        if self.limit.lease > 0 {
+            Stage::Lease
+        } else if self.policy.algorithm == Algorithm::Concurrency {
+            Stage::Slot
+        } else if on_request {
+            Stage::Reserve
         } else {
-            w.reset_at_ms
-        };
-        Usage {
-            resource: self.limit.name.clone(),
-            quota: self.quota,
-            used: w.used,
-            reset_at_ms,
+            Stage::Peek
         }
+    }
+}
+
+/// How one limit is held between the check and the end of a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    /// Peeked before forwarding, charged after the response.
+    Peek,
+    /// Reserved before forwarding, refunded if the request is not charged.
+    Reserve,
+    /// A concurrency slot, given back when the response body ends.
+    Slot,
+    /// Taken from this gateway's lease.
+    Lease,
+}
+
+/// What [`Limiter::check`] admitted: per applied limit, its usage (`None` where the
+/// store failed and `on_error = "allow"`) and what was taken that may have to be
+/// given back.
+#[derive(Debug, Default)]
+pub struct Admission {
+    /// The usage of each applied limit, in order.
+    pub usages: Vec<Option<Usage>>,
+    /// Per applied limit: the epoch a refund quotes, for reservations and slots that
+    /// were taken.
+    held: Vec<Option<u64>>,
+    on_request: bool,
+}
+
+/// Ids for sliding-log entries and concurrency slots: unique within the process,
+/// random across processes (53 bits, exact in Lua's numbers).
+fn next_id() -> u64 {
+    use std::sync::OnceLock;
+    static NEXT: OnceLock<AtomicU64> = OnceLock::new();
+    let next = NEXT.get_or_init(|| {
+        AtomicU64::new(uuid::Uuid::new_v4().as_u64_pair().0 >> 12)
+    });
+    (next.fetch_add(1, Ordering::Relaxed) & ((1 << 53) - 1)).max(1)
+}
+
+/// Gives back concurrency slots when dropped: when the response body ends, fails, or
+/// the client goes away (see [`Limiter::slots`]).
+#[derive(Debug)]
+pub struct SlotGuard {
+    store: Arc<AnyStore>,
+    clock: crate::clock::SharedClock,
+    slots: Vec<(LimitKey, Policy, u64)>,
+}
+
+impl Drop for SlotGuard {
+    fn drop(&mut self) {
+        let slots = std::mem::take(&mut self.slots);
+        let (store, clock) = (self.store.clone(), self.clock.clone());
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return; // no runtime: the slots expire by themselves after their window
+        };
+        rt.spawn(async move {
+            let items: Vec<Item<'_>> = slots
+                .iter()
+                .map(|(key, policy, id)| Item {
+                    key,
+                    policy,
+                    op: Op {
+                        kind: OpKind::Refund,
+                        cost: 1,
+                        id: *id,
+                    },
+                })
+                .collect();
+            store.apply(&items, clock.now_ms()).await;
+        });
     }
 }
 
@@ -318,6 +493,10 @@ impl Limiter {
                 quota: [(Arc::from(FAILED_AUTH), quota)].into(),
                 by: By::Ip,
                 lease: 0,
+                algorithm: Algorithm::FixedWindow,
+                burst: None,
+                align: Align::FirstRequest,
+                key_name: FAILED_AUTH.into(),
             })
         });
         self
@@ -334,12 +513,12 @@ impl Limiter {
         ip_subject(ip, &mut subject);
         let applied = [Applied {
             limit: limit.clone(),
-            key: self.keys.key_for(&limit.name, &self.keys.digest(&subject)),
-            quota,
+            key: self.keys.key_for(&limit.key_name, &self.keys.digest(&subject)),
+            policy: limit.policy(quota),
         }];
-        match self.check(&applied, 1, now_ms).await {
-            Ok(checked) => {
-                self.charge(&applied, 1, now_ms, checked).await;
+        match self.check(&applied, 1, false, now_ms).await {
+            Ok(admission) => {
+                self.charge(&applied, 1, now_ms, admission).await;
                 None
             }
             Err(Refusal::OverLimit(usage)) => Some(usage),
@@ -399,78 +578,110 @@ impl Limiter {
                 };
                 Some(Applied {
                     limit: limit.clone(),
-                    key: self.keys.key_for(&limit.name, &digest),
-                    quota,
+                    key: self.keys.key_for(&limit.key_name, &digest),
+                    policy: limit.policy(quota),
                 })
             })
             .collect()
     }
 
-    /// CHECK every applied limit: one store call per shard for the checked limits; lease
-    /// -mode limits take `cost` units from this gateway's lease (refilled from the store
-    /// when short). Admits when each limit has room for `cost`; returns the usage of
-    /// each limit that answered (`None` where the store failed and `on_error = "allow"`).
+    /// CHECK every applied limit before forwarding: one store call per shard that peeks
+    /// (limits charged after the response), reserves `cost` (`on_request`: check and
+    /// add in one step) or takes a slot (concurrency); lease-mode limits take `cost`
+    /// units from this gateway's lease. Admits when every limit admits; then nothing
+    /// taken is kept.
     ///
-    /// Errors: [`Refusal::OverLimit`] with the usage of the limit that rejected (the one
-    /// with the latest reset when several do); [`Refusal::StoreDenied`] when the store
+    /// Errors: [`Refusal::OverLimit`] with the usage of the limit that refused (the one
+    /// that frees latest when several do); [`Refusal::StoreDenied`] when the store
     /// failed and `on_error = "deny"`.
     pub async fn check(
         &self,
         applied: &[Applied],
         cost: u64,
+        on_request: bool,
         now_ms: u64,
-    ) -> Result<Vec<Option<Usage>>, Refusal> {
-        // A caller known to be over a limit until its reset is answered without the store.
+    ) -> Result<Admission, Refusal> {
+        // A caller known to be over a limit is answered without the store.
         if let Some(usage) = applied
             .iter()
-            .find_map(|a| self.cache.get(&a.key, a.quota, cost, now_ms))
+            .find_map(|a| self.cache.get(&a.key, a.policy.limit(), cost, now_ms))
         {
             return Err(Refusal::OverLimit(usage));
         }
-        let checked: Vec<&LimitKey> = applied
+        let stages: Vec<Stage> = applied.iter().map(|a| a.stage(on_request)).collect();
+        let items: Vec<Item<'_>> = applied
             .iter()
-            .filter(|a| a.limit.lease == 0)
-            .map(|a| &a.key)
+            .zip(&stages)
+            .filter(|(_, st)| **st != Stage::Lease)
+            .map(|(a, st)| Item {
+                key: &a.key,
+                policy: &a.policy,
+                op: match st {
+                    Stage::Peek => Op {
+                        kind: OpKind::Peek,
+                        cost,
+                        id: 0,
+                    },
+                    _ => Op {
+                        kind: OpKind::Reserve,
+                        cost,
+                        id: next_id(),
+                    },
+                },
+            })
             .collect();
-        let mut results = if checked.is_empty() {
+        let mut results = if items.is_empty() {
             Vec::new()
         } else {
-            self.store.check(&checked, now_ms).await
+            self.store.apply(&items, now_ms).await
         }
         .into_iter();
-        let mut usages = Vec::with_capacity(applied.len());
+        let mut admission = Admission {
+            usages: Vec::with_capacity(applied.len()),
+            held: vec![None; applied.len()],
+            on_request,
+        };
         let mut over: Option<Usage> = None;
-        for a in applied.iter() {
-            if a.limit.lease > 0 {
-                usages.push(None); // filled in below, once nothing else refused
+        let mut denied: Option<StoreError> = None;
+        for (i, a) in applied.iter().enumerate() {
+            if stages[i] == Stage::Lease {
+                admission.usages.push(None); // filled in below, once nothing else refused
                 continue;
             }
-            let result = results.next().unwrap_or(Err(StoreError::NotStarted));
-            match result {
-                Ok(w) => {
-                    let u = a.usage(w, now_ms);
-                    if u.used.saturating_add(cost) > u.quota {
-                        if !w.is_empty() {
-                            self.cache.insert(&a.key, &u, now_ms);
+            match results.next().unwrap_or(Err(StoreError::NotStarted)) {
+                Ok(v) => {
+                    let u = a.usage(&v);
+                    if v.admitted {
+                        if stages[i] != Stage::Peek {
+                            admission.held[i] = Some(v.epoch);
                         }
-                        if over.as_ref().is_none_or(|o| u.reset_at_ms > o.reset_at_ms) {
+                    } else {
+                        self.remember_refusal(a, &u, cost, now_ms);
+                        let frees = |u: &Usage| u.retry_at_ms.max(u.reset_at_ms);
+                        if over.as_ref().is_none_or(|o| frees(&u) > frees(o)) {
                             over = Some(u.clone());
                         }
                     }
-                    usages.push(Some(u));
+                    admission.usages.push(Some(u));
                 }
                 Err(e) => {
-                    self.store_failed(e)?;
-                    usages.push(None);
+                    if let Err(Refusal::StoreDenied(e)) = self.store_failed(e) {
+                        denied = Some(e);
+                    }
+                    admission.usages.push(None);
                 }
             }
         }
-        if let Some(u) = over {
-            return Err(Refusal::OverLimit(u));
+        if over.is_some() || denied.is_some() {
+            self.give_back(applied, cost, &admission, now_ms);
+            return Err(match over {
+                Some(u) => Refusal::OverLimit(u),
+                None => Refusal::StoreDenied(denied.unwrap_or(StoreError::NotStarted)),
+            });
         }
         // Lease-mode limits: take units; if one refuses, give back what the others took.
         for (i, a) in applied.iter().enumerate() {
-            if a.limit.lease == 0 {
+            if stages[i] != Stage::Lease {
                 continue;
             }
             let taken = self
@@ -481,7 +692,7 @@ impl Limiter {
                         key: &a.key,
                         cost,
                         lease: a.limit.lease,
-                        quota: a.quota,
+                        quota: a.policy.quota,
                         window_ms: a.limit.window_ms,
                     },
                     now_ms,
@@ -489,26 +700,43 @@ impl Limiter {
                 .await;
             match taken {
                 Ok(Take::Taken { used, reset_at_ms }) => {
-                    usages[i] = Some(a.usage_at(used, reset_at_ms));
+                    admission.usages[i] = Some(a.usage_at(used, reset_at_ms));
                 }
                 Ok(Take::Exhausted { used, reset_at_ms }) => {
-                    let u = a.usage_at(used.max(a.quota), reset_at_ms);
+                    let mut u = a.usage_at(used.max(a.policy.quota), reset_at_ms);
+                    u.retry_at_ms = reset_at_ms;
                     // Other gateways may give leased units back: trust the refusal only
                     // until their leases could have gone idle.
                     self.cache
-                        .insert_until(&a.key, &u, now_ms, now_ms + lease::IDLE_MS);
-                    self.release(&applied[..i], cost, &usages[..i]);
+                        .insert_until(&a.key, &u, cost, now_ms, now_ms + lease::IDLE_MS);
+                    admission.usages.truncate(i);
+                    self.give_back(&applied[..i], cost, &admission, now_ms);
                     return Err(Refusal::OverLimit(u));
                 }
                 Err(e) => {
                     if let Err(refusal) = self.store_failed(e) {
-                        self.release(&applied[..i], cost, &usages[..i]);
+                        admission.usages.truncate(i);
+                        self.give_back(&applied[..i], cost, &admission, now_ms);
                         return Err(refusal);
                     }
                 }
             }
         }
-        Ok(usages)
+        Ok(admission)
+    }
+
+    /// Keep a refusal in the over-limit cache while it surely holds: a fixed window's
+    /// `used` only grows until its reset; the other algorithms' refusal holds for this
+    /// cost until `retry_at`. Concurrency refusals are not kept (a slot may free at any
+    /// moment).
+    fn remember_refusal(&self, a: &Applied, u: &Usage, cost: u64, now_ms: u64) {
+        match a.policy.algorithm {
+            Algorithm::Concurrency => {}
+            Algorithm::FixedWindow => self.cache.insert(&a.key, u, now_ms),
+            _ => self
+                .cache
+                .insert_until(&a.key, u, cost, now_ms, u.retry_at_ms.max(now_ms)),
+        }
     }
 
     /// Apply `store.on_error` to a failed store call: `Ok` to go on unlimited (allow),
@@ -526,58 +754,133 @@ impl Limiter {
         Ok(())
     }
 
-    /// CHARGE `cost` to every applied limit (one store call per shard) and return the
-    /// usage after the charge; where a charge fails, the usage from the CHECK
-    /// (`checked`) stands. Lease-mode limits were charged when the CHECK took their
-    /// units; their usage from the CHECK stands.
+    /// CHARGE `cost` to every limit that was peeked (one store call per shard) and
+    /// return the usage after the charge; where a charge fails, the usage from the
+    /// CHECK stands. Reserved, leased and concurrency limits were counted by the CHECK;
+    /// their usage from it stands.
     pub async fn charge(
         &self,
         applied: &[Applied],
         cost: u64,
         now_ms: u64,
-        checked: Vec<Option<Usage>>,
+        admission: Admission,
     ) -> Vec<Option<Usage>> {
-        let items: Vec<Charge<'_>> = applied
+        let on_request = admission.on_request;
+        let charged: Vec<usize> = (0..applied.len())
+            .filter(|&i| applied[i].stage(on_request) == Stage::Peek)
+            .collect();
+        let mut usages = admission.usages;
+        if charged.is_empty() || cost == 0 {
+            return usages;
+        }
+        let items: Vec<Item<'_>> = charged
             .iter()
-            .filter(|a| a.limit.lease == 0)
-            .map(|a| Charge {
-                key: &a.key,
-                cost,
-                window_ms: a.limit.window_ms,
+            .map(|&i| Item {
+                key: &applied[i].key,
+                policy: &applied[i].policy,
+                op: Op {
+                    kind: OpKind::Charge,
+                    cost,
+                    id: next_id(),
+                },
             })
             .collect();
-        if items.is_empty() {
-            return checked;
+        let results = self.store.apply(&items, now_ms).await;
+        for (&i, result) in charged.iter().zip(results) {
+            match result {
+                Ok(v) => usages[i] = Some(applied[i].usage(&v)),
+                Err(e) => self
+                    .warn_gate
+                    .warn(&e, "charge failed; the request was not counted"),
+            }
         }
-        let mut results = self.store.charge(&items, now_ms).await.into_iter();
-        applied
-            .iter()
-            .zip(checked)
-            .map(|(a, checked)| {
-                if a.limit.lease > 0 {
-                    return checked;
-                }
-                match results.next().unwrap_or(Err(StoreError::NotStarted)) {
-                    Ok(w) => Some(a.usage(w, now_ms)),
-                    Err(e) => {
-                        self.warn_gate
-                            .warn(&e, "charge failed; the request was not counted");
-                        checked
-                    }
-                }
-            })
-            .collect()
+        usages
     }
 
     /// The request that `check` admitted is not charged after all (an uncharged status,
-    /// or the upstream failed): lease-mode limits get their units back. Limits checked
-    /// in the store were never charged, so nothing else changes.
-    pub fn release(&self, applied: &[Applied], cost: u64, checked: &[Option<Usage>]) {
-        for (a, u) in applied.iter().zip(checked) {
-            if let (true, Some(u)) = (a.limit.lease > 0, u) {
-                self.leases.give_back(&a.key, cost, u.reset_at_ms);
+    /// or the upstream failed): reservations are refunded and lease-mode limits get
+    /// their units back. Peeked limits were never charged. Concurrency slots are given
+    /// back by the [`SlotGuard`] when the response ends.
+    pub fn release(&self, applied: &[Applied], cost: u64, admission: &Admission, now_ms: u64) {
+        self.give_back_where(applied, cost, admission, now_ms, |st| st != Stage::Slot);
+    }
+
+    /// Give back everything `admission` holds, slots included (a refused request).
+    fn give_back(&self, applied: &[Applied], cost: u64, admission: &Admission, now_ms: u64) {
+        self.give_back_where(applied, cost, admission, now_ms, |_| true);
+    }
+
+    fn give_back_where(
+        &self,
+        applied: &[Applied],
+        cost: u64,
+        admission: &Admission,
+        now_ms: u64,
+        which: impl Fn(Stage) -> bool,
+    ) {
+        let mut refunds: Vec<(LimitKey, Policy, Op)> = Vec::new();
+        for (i, a) in applied.iter().enumerate() {
+            let stage = a.stage(admission.on_request);
+            if !which(stage) {
+                continue;
+            }
+            match stage {
+                Stage::Lease => {
+                    if let Some(Some(u)) = admission.usages.get(i) {
+                        self.leases.give_back(&a.key, cost, u.reset_at_ms);
+                    }
+                }
+                Stage::Reserve | Stage::Slot => {
+                    if let Some(Some(epoch)) = admission.held.get(i) {
+                        refunds.push((
+                            a.key.clone(),
+                            a.policy,
+                            Op {
+                                kind: OpKind::Refund,
+                                cost,
+                                id: *epoch,
+                            },
+                        ));
+                    }
+                }
+                Stage::Peek => {}
             }
         }
+        if refunds.is_empty() {
+            return;
+        }
+        let store = self.store.clone();
+        let refund = async move {
+            let items: Vec<Item<'_>> = refunds
+                .iter()
+                .map(|(key, policy, op)| Item { key, policy, op: *op })
+                .collect();
+            store.apply(&items, now_ms).await;
+        };
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(refund);
+        }
+    }
+
+    /// A guard that gives back the concurrency slots `admission` holds when dropped
+    /// (put it in the response body); `None` when it holds none.
+    pub fn slots(
+        &self,
+        applied: &[Applied],
+        admission: &Admission,
+        clock: crate::clock::SharedClock,
+    ) -> Option<SlotGuard> {
+        let slots: Vec<(LimitKey, Policy, u64)> = applied
+            .iter()
+            .zip(&admission.held)
+            .filter(|(a, _)| a.stage(admission.on_request) == Stage::Slot)
+            .filter_map(|(a, held)| Some((a.key.clone(), a.policy, (*held)?)))
+            .collect();
+        (!slots.is_empty()).then(|| SlotGuard {
+            store: self.store.clone(),
+            clock,
+            slots,
+        })
     }
 
     /// Give back every unit this gateway holds in leases (at shutdown). Returns the
@@ -633,6 +936,7 @@ mod tests {
             quota: 10,
             used: 12,
             reset_at_ms: 5_001,
+            retry_at_ms: 0,
         };
         assert_eq!(u.remaining(), 0);
         assert_eq!(u.reset_epoch_s(), 6);
@@ -648,12 +952,14 @@ mod tests {
             quota: 10,
             used: 2,
             reset_at_ms: 1,
+            retry_at_ms: 0,
         };
         let b = Usage {
             resource: "b".into(),
             quota: 5,
             used: 2,
             reset_at_ms: 1,
+            retry_at_ms: 0,
         };
         let all = vec![Some(a), None, Some(b.clone())];
         assert_eq!(most_constrained(&all), Some(&b));

@@ -66,6 +66,9 @@ impl Gate<'_> {
 pub struct Context<'a> {
     /// Where "now" comes from.
     pub clock: &'a dyn Clock,
+    /// The same clock, shared (for work that outlives the request's future, such as
+    /// giving back concurrency slots when the body ends).
+    pub shared_clock: &'a crate::clock::SharedClock,
     /// Where request metrics go.
     pub metrics: &'a Metrics,
 }
@@ -137,12 +140,13 @@ pub async fn serve(
     let applied = snap
         .limiter
         .applicable(&route.limits, &caller, req.headers());
-    let checked = match snap
+    let now_ms = clock.now_ms();
+    let admission = match snap
         .limiter
-        .check(&applied, route.cost, clock.now_ms())
+        .check(&applied, route.cost, route.on_request, now_ms)
         .await
     {
-        Ok(usages) => usages,
+        Ok(admission) => admission,
         Err(Refusal::OverLimit(usage)) => {
             log.decision = Decision::Rejected;
             ctx.metrics
@@ -166,9 +170,12 @@ pub async fn serve(
             return ProxyError::StoreUnavailable.into_response();
         }
     };
-    if checked.iter().any(Option::is_none) {
+    if admission.usages.iter().any(Option::is_none) {
         log.decision = Decision::StoreErrorAllowed;
     }
+    // Concurrency slots are given back when the response body ends (or fails, or the
+    // client goes away): the guard travels with the body.
+    let slots = snap.limiter.slots(&applied, &admission, ctx.shared_clock.clone());
 
     // 4. Forward upstream, streaming both bodies.
     let down = Downstream {
@@ -187,31 +194,36 @@ pub async fn serve(
     let mut response = match forwarded {
         Ok(response) => response,
         Err(e) => {
-            snap.limiter.release(&applied, route.cost, &checked);
+            snap.limiter
+                .release(&applied, route.cost, &admission, clock.now_ms());
             let mut response = e.into_response();
-            if let Some(usage) = most_constrained(&checked) {
+            if let Some(usage) = most_constrained(&admission.usages) {
                 headers::put_usage(response.headers_mut(), usage);
                 log.usage = Some(usage.clone());
             }
-            return response;
+            return response; // dropping `slots` gives them back
         }
     };
 
     // 5. Charge, unless the status is uncharged (then the check's numbers stand, and
-    //    lease-mode limits get their units back).
+    //    reservations and lease units are given back).
     let usages = if route.charges(response.status()) {
         snap.limiter
-            .charge(&applied, route.cost, clock.now_ms(), checked)
+            .charge(&applied, route.cost, clock.now_ms(), admission)
             .await
     } else {
-        snap.limiter.release(&applied, route.cost, &checked);
-        checked
+        snap.limiter
+            .release(&applied, route.cost, &admission, clock.now_ms());
+        admission.usages
     };
 
     // 6. Headers of the limit with the fewest remaining units.
     if let Some(usage) = most_constrained(&usages) {
         headers::put_usage(response.headers_mut(), usage);
         log.usage = Some(usage.clone());
+    }
+    if let Some(guard) = slots {
+        response = response.map(|body| crate::response::with_guard(body, guard));
     }
     response
 }

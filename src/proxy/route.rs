@@ -21,6 +21,10 @@ pub struct Route {
     pub cost: u64,
     /// Response statuses that are not charged.
     pub uncharged_statuses: Vec<u16>,
+    /// `charge = "on_request"`: reserve `cost` (check and add in one step) before
+    /// forwarding and refund it when the status is uncharged or the upstream failed.
+    /// Otherwise (`"after_response"`) check first and charge once the status is known.
+    pub on_request: bool,
 }
 
 impl Route {
@@ -94,11 +98,7 @@ impl Route {
             }
         }
         match cfg.charge.as_str() {
-            "after_response" => {}
-            "on_request" => problems.error(
-                format!("{at}.charge"),
-                "charge = \"on_request\" is not supported yet (only \"after_response\")",
-            ),
+            "after_response" | "on_request" => {}
             other => problems.error(
                 format!("{at}.charge"),
                 format!("{other:?}: expected \"after_response\" or \"on_request\""),
@@ -114,6 +114,7 @@ impl Route {
             limits: route_limits,
             cost: cfg.cost,
             uncharged_statuses: cfg.uncharged_statuses.clone(),
+            on_request: cfg.charge == "on_request",
         })
     }
 }

@@ -1,22 +1,55 @@
-//! The embedded memory store: windows in this process only, same semantics as Redis.
+//! The embedded memory store: limit state in this process only, same semantics as Redis.
 //!
-//! Windows live in a [`ShardedMap`] (64 mutex-guarded hash maps) so concurrent callers
-//! rarely contend. [`MemoryStore::sweep`] drops windows past their reset; the
-//! gateway runs it every `store.sweep_interval`, so memory stays bounded by the callers
-//! active within one window, however many distinct callers come and go.
+//! Each limit's state for one subject is an [`algorithm::State`], updated by the
+//! reference model [`algorithm::apply`] (Redis runs the same rules in
+//! `lua/apply.lua`). States live in a [`ShardedMap`] (64 mutex-guarded hash maps) so
+//! concurrent callers rarely contend. [`MemoryStore::sweep`] drops states that no
+//! longer count; the gateway runs it every `store.sweep_interval`, so memory stays
+//! bounded by the callers active within one window, however many come and go.
 
-use super::{Charge, Grant, Store, StoreError, WindowState};
+use super::{Grant, Item, Store, StoreError, WindowState};
+use crate::limiter::algorithm::{self, State, Verdict};
 use crate::clock::SharedClock;
 use crate::limiter::key::LimitKey;
 use crate::limiter::sharded::ShardedMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-/// Fixed windows held in process memory.
+/// One limit's state for one subject and when it stops counting (ms since the epoch).
+#[derive(Debug, Clone)]
+struct Held {
+    state: State,
+    expires_at: u64,
+}
+
+impl Held {
+    fn fixed(w: WindowState) -> Self {
+        Held {
+            state: State::Fixed {
+                used: w.used,
+                reset_at: w.reset_at_ms,
+            },
+            expires_at: w.reset_at_ms,
+        }
+    }
+
+    /// The fixed window, if this is one and it is live at `now_ms`.
+    fn window(&self, now_ms: u64) -> Option<WindowState> {
+        match self.state {
+            State::Fixed { used, reset_at } if reset_at > now_ms => Some(WindowState {
+                used,
+                reset_at_ms: reset_at,
+            }),
+            _ => None,
+        }
+    }
+}
+
+/// Limit state held in process memory.
 #[derive(Debug, Default)]
 pub struct MemoryStore {
     /// Shared with the sweeper task, which holds it weakly.
-    windows: Arc<ShardedMap<WindowState>>,
+    windows: Arc<ShardedMap<Held>>,
     sweeper_started: AtomicBool,
 }
 
@@ -47,34 +80,30 @@ impl MemoryStore {
         });
     }
 
-    /// Read a window (same rules as `lua/check.lua`).
-    pub fn check_now(&self, key: &LimitKey, now_ms: u64) -> WindowState {
-        let map = self.windows.shard(key);
-        match map.get(&key.key) {
-            Some(w) if w.reset_at_ms > now_ms => *w,
-            _ => WindowState::default(),
+    /// Apply one operation (the reference model; `lua/apply.lua` in Redis).
+    pub fn apply_now(&self, item: &Item<'_>, now_ms: u64) -> Verdict {
+        let mut map = self.windows.shard(item.key);
+        match map.get_mut(&item.key.key) {
+            Some(held) => {
+                // In place: a peek never changes the state.
+                let verdict = algorithm::apply(item.policy, &mut held.state, item.op, now_ms);
+                if held.state == State::Empty {
+                    map.remove(&item.key.key);
+                } else if item.op.kind != algorithm::OpKind::Peek {
+                    held.expires_at = held.state.expires_at(item.policy.window_ms);
+                }
+                verdict
+            }
+            None => {
+                let mut state = State::Empty;
+                let verdict = algorithm::apply(item.policy, &mut state, item.op, now_ms);
+                if state != State::Empty {
+                    let expires_at = state.expires_at(item.policy.window_ms);
+                    map.insert(item.key.key.clone(), Held { state, expires_at });
+                }
+                verdict
+            }
         }
-    }
-
-    /// Charge a window (same rules as `lua/charge.lua`).
-    pub fn charge_now(
-        &self,
-        key: &LimitKey,
-        cost: u64,
-        window_ms: u64,
-        now_ms: u64,
-    ) -> WindowState {
-        let mut map = self.windows.shard(key);
-        let w = map.entry(key.key.clone()).or_default();
-        if w.reset_at_ms <= now_ms {
-            *w = WindowState {
-                used: cost,
-                reset_at_ms: now_ms + window_ms,
-            };
-        } else {
-            w.used = w.used.saturating_add(cost);
-        }
-        *w
     }
 
     /// Take up to `want` units, never past `quota` (same rules as `lua/lease.lua`).
@@ -87,10 +116,7 @@ impl MemoryStore {
         now_ms: u64,
     ) -> Grant {
         let mut map = self.windows.shard(key);
-        let live = map
-            .get(&key.key)
-            .filter(|w| w.reset_at_ms > now_ms)
-            .copied();
+        let live = map.get(&key.key).and_then(|h| h.window(now_ms));
         let w = live.unwrap_or(WindowState {
             used: 0,
             reset_at_ms: now_ms + window_ms,
@@ -103,7 +129,7 @@ impl MemoryStore {
             used: w.used + granted,
             ..w
         };
-        map.insert(key.key.clone(), window);
+        map.insert(key.key.clone(), Held::fixed(window));
         Grant { granted, window }
     }
 
@@ -112,11 +138,20 @@ impl MemoryStore {
     pub fn refund_now(&self, key: &LimitKey, units: u64, reset_at_ms: u64) -> WindowState {
         let mut map = self.windows.shard(key);
         match map.get_mut(&key.key) {
-            Some(w) if w.reset_at_ms == reset_at_ms => {
-                w.used = w.used.saturating_sub(units);
-                *w
-            }
-            _ => WindowState::default(),
+            Some(held) => match held.state {
+                State::Fixed {
+                    ref mut used,
+                    reset_at,
+                } if reset_at == reset_at_ms => {
+                    *used = used.saturating_sub(units);
+                    WindowState {
+                        used: *used,
+                        reset_at_ms,
+                    }
+                }
+                _ => WindowState::default(),
+            },
+            None => WindowState::default(),
         }
     }
 
@@ -136,25 +171,14 @@ impl MemoryStore {
     }
 }
 
-/// Drop the windows of `windows` whose reset is at or before `now_ms`; how many.
-fn drop_expired(windows: &ShardedMap<WindowState>, now_ms: u64) -> usize {
-    windows.retain(|w| w.reset_at_ms > now_ms)
+/// Drop the states of `windows` that stop counting at or before `now_ms`; how many.
+fn drop_expired(windows: &ShardedMap<Held>, now_ms: u64) -> usize {
+    windows.retain(|h| h.expires_at > now_ms)
 }
 
 impl Store for MemoryStore {
-    async fn check(&self, keys: &[&LimitKey], now_ms: u64) -> Vec<Result<WindowState, StoreError>> {
-        keys.iter().map(|k| Ok(self.check_now(k, now_ms))).collect()
-    }
-
-    async fn charge(
-        &self,
-        items: &[Charge<'_>],
-        now_ms: u64,
-    ) -> Vec<Result<WindowState, StoreError>> {
-        items
-            .iter()
-            .map(|c| Ok(self.charge_now(c.key, c.cost, c.window_ms, now_ms)))
-            .collect()
+    async fn apply(&self, items: &[Item<'_>], now_ms: u64) -> Vec<Result<Verdict, StoreError>> {
+        items.iter().map(|i| Ok(self.apply_now(i, now_ms))).collect()
     }
 
     async fn lease(
@@ -181,43 +205,34 @@ impl Store for MemoryStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::limiter::algorithm::{Op, OpKind, Policy};
     use crate::limiter::key::KeyScheme;
+
+    fn charge(s: &MemoryStore, k: &LimitKey, cost: u64, window_ms: u64, now: u64) -> Verdict {
+        let policy = Policy::fixed(100, window_ms);
+        let item = Item {
+            key: k,
+            policy: &policy,
+            op: Op {
+                kind: OpKind::Charge,
+                cost,
+                id: 0,
+            },
+        };
+        s.apply_now(&item, now)
+    }
 
     #[test]
     fn window_starts_at_first_charge_and_resets() {
         let s = MemoryStore::new();
         let k = KeyScheme::new("t:", None).key("core", "ip:1.2.3.4");
-        assert!(s.check_now(&k, 1_000).is_empty());
-        assert_eq!(
-            s.charge_now(&k, 1, 60_000, 1_000),
-            WindowState {
-                used: 1,
-                reset_at_ms: 61_000
-            }
-        );
-        assert_eq!(
-            s.charge_now(&k, 2, 60_000, 30_000),
-            WindowState {
-                used: 3,
-                reset_at_ms: 61_000
-            }
-        );
-        assert_eq!(
-            s.check_now(&k, 60_999),
-            WindowState {
-                used: 3,
-                reset_at_ms: 61_000
-            }
-        );
-        // At reset_at the old window is over: reads empty, the next charge starts anew.
-        assert!(s.check_now(&k, 61_000).is_empty());
-        assert_eq!(
-            s.charge_now(&k, 1, 60_000, 61_000),
-            WindowState {
-                used: 1,
-                reset_at_ms: 121_000
-            }
-        );
+        let v = charge(&s, &k, 1, 60_000, 1_000);
+        assert_eq!((v.used, v.reset_at_ms), (1, 61_000));
+        let v = charge(&s, &k, 2, 60_000, 30_000);
+        assert_eq!((v.used, v.reset_at_ms), (3, 61_000));
+        // At reset_at the old window is over: the next charge starts anew.
+        let v = charge(&s, &k, 1, 60_000, 61_000);
+        assert_eq!((v.used, v.reset_at_ms), (1, 121_000));
     }
 
     #[test]
@@ -225,9 +240,9 @@ mod tests {
         let s = MemoryStore::new();
         let scheme = KeyScheme::new("t:", None);
         for i in 0..10_000 {
-            s.charge_now(&scheme.key("core", &format!("ip:{i}")), 1, 1_000, 0);
+            charge(&s, &scheme.key("core", &format!("ip:{i}")), 1, 1_000, 0);
         }
-        s.charge_now(&scheme.key("core", "late"), 1, 1_000, 500);
+        charge(&s, &scheme.key("core", "late"), 1, 1_000, 500);
         assert_eq!(s.len(), 10_001);
         assert_eq!(s.sweep(1_000), 10_000);
         assert_eq!(s.len(), 1);

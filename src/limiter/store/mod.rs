@@ -1,19 +1,21 @@
 //! Where windows are kept: the [`Store`] trait and its two implementations.
 //!
-//! Both stores implement one fixed-window design (GitHub's, see `lua/`): a window is
-//! `(used, reset_at_ms)`; a CHECK reads it and treats a window whose `reset_at_ms <= now`
-//! as empty; a CHARGE starts a new window (`reset_at_ms = now + window`) when the stored
-//! one is missing or past, then adds the cost. `reset_at` is stored, never derived from
-//! a TTL.
+//! Both stores run every limit algorithm by the same rules: the memory store calls the
+//! reference model in [`crate::limiter::algorithm`], Redis runs `lua/apply.lua`, and the
+//! store-contract tests hold the two to the same answers. One [`Store::apply`] call
+//! applies one operation (peek, charge, reserve, refund) to each limit of a request.
+//! Reset times are stored, never derived from a TTL. Lease mode (fixed windows only)
+//! has its own two calls, [`Store::lease`] and [`Store::refund`].
 
 pub mod memory;
 pub mod redis;
 
+use super::algorithm::{Op, Policy, Verdict};
 use super::key::LimitKey;
 use crate::clock::SharedClock;
 use std::future::Future;
 
-/// A fixed window as stored.
+/// A fixed window as lease mode sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct WindowState {
     /// Units charged in the window.
@@ -47,7 +49,7 @@ pub enum StoreError {
     /// The node's circuit breaker is open: failing fast.
     #[error("{0}: circuit breaker open")]
     BreakerOpen(String),
-    /// The script's reply was not `{used, reset_at_ms}`.
+    /// The script's reply did not have the expected shape.
     #[error("unexpected reply from store: {0}")]
     BadReply(String),
 }
@@ -70,16 +72,15 @@ impl StoreError {
     }
 }
 
-/// One CHARGE of a batch: `cost` units on `key`'s window, starting a window of
-/// `window_ms` milliseconds when none is live.
+/// One operation of a batch: `op` on the state of `key` under `policy`.
 #[derive(Debug, Clone, Copy)]
-pub struct Charge<'a> {
-    /// The window.
+pub struct Item<'a> {
+    /// Where the limit's state for one subject is kept.
     pub key: &'a LimitKey,
-    /// Units to add (>= 1).
-    pub cost: u64,
-    /// Window length for a new window, milliseconds.
-    pub window_ms: u64,
+    /// The limit's algorithm and numbers.
+    pub policy: &'a Policy,
+    /// What to do.
+    pub op: Op,
 }
 
 /// What a LEASE got ([`Store::lease`]).
@@ -91,25 +92,18 @@ pub struct Grant {
     pub window: WindowState,
 }
 
-/// A place to keep fixed windows. All times are milliseconds since the Unix epoch, from
+/// A place to keep limit state. All times are milliseconds since the Unix epoch, from
 /// the gateway's clock. Batch calls answer one result per item, in order; the Redis
 /// store sends the items that live on one shard in one script call.
 pub trait Store: Send + Sync {
-    /// Read each key's window (a CHECK); past windows read as empty. May be served from
-    /// a stale copy (a replica).
-    fn check(
+    /// Apply each item's operation (see [`crate::limiter::algorithm::apply`]). Items
+    /// whose operations are all peeks may be answered from a stale copy (a replica);
+    /// the others run on the primary.
+    fn apply(
         &self,
-        keys: &[&LimitKey],
+        items: &[Item<'_>],
         now_ms: u64,
-    ) -> impl Future<Output = Vec<Result<WindowState, StoreError>>> + Send;
-
-    /// Add each item's cost to its window (a CHARGE), starting a window when none is
-    /// live. Returns each window after the charge.
-    fn charge(
-        &self,
-        items: &[Charge<'_>],
-        now_ms: u64,
-    ) -> impl Future<Output = Vec<Result<WindowState, StoreError>>> + Send;
+    ) -> impl Future<Output = Vec<Result<Verdict, StoreError>>> + Send;
 
     /// Take up to `want` units of `key`'s window for local admission (lease mode),
     /// never past `quota`: the granted units are counted in the window at once.
@@ -200,21 +194,10 @@ pub enum AnyStore {
 }
 
 impl Store for AnyStore {
-    async fn check(&self, keys: &[&LimitKey], now_ms: u64) -> Vec<Result<WindowState, StoreError>> {
+    async fn apply(&self, items: &[Item<'_>], now_ms: u64) -> Vec<Result<Verdict, StoreError>> {
         match self {
-            AnyStore::Memory(s) => s.check(keys, now_ms).await,
-            AnyStore::Redis(s) => s.check(keys, now_ms).await,
-        }
-    }
-
-    async fn charge(
-        &self,
-        items: &[Charge<'_>],
-        now_ms: u64,
-    ) -> Vec<Result<WindowState, StoreError>> {
-        match self {
-            AnyStore::Memory(s) => s.charge(items, now_ms).await,
-            AnyStore::Redis(s) => s.charge(items, now_ms).await,
+            AnyStore::Memory(s) => s.apply(items, now_ms).await,
+            AnyStore::Redis(s) => s.apply(items, now_ms).await,
         }
     }
 

@@ -5,7 +5,7 @@
 //! reply, collects what arrives meanwhile into the next call. An idle shard adds no
 //! delay (a lone request is sent at once); a busy one sends fewer, larger calls, so
 //! Redis runs one script per batch instead of one per request. The scripts take any
-//! number of keys (`lua/check.lua`, `lua/charge.lua`); a request's own items always
+//! number of keys (`lua/apply.lua`); a request's own items always
 //! travel in one call.
 
 use super::StoreError;
@@ -17,8 +17,11 @@ use tokio::sync::{mpsc, oneshot};
 /// Most keys sent in one script call (a Lua call blocks Redis while it runs).
 pub(super) const MAX_KEYS: usize = 256;
 
+/// Integers `lua/apply.lua` answers per key.
+pub(super) const REPLY_WIDTH: usize = 5;
+
 /// Sends one script call for a batch: keys, their arguments (a fixed number per key, in
-/// key order) → two integers per key.
+/// key order) → [`REPLY_WIDTH`] integers per key.
 pub(super) type Flush = Box<
     dyn Fn(
             Vec<String>,
@@ -53,7 +56,7 @@ impl Batcher {
     }
 
     /// Send `keys` with `args` (the same number per key) in the next call; returns two
-    /// integers per key. Bounded by twice `store.timeout`: one call ahead in the queue,
+    /// integers per key ([`REPLY_WIDTH`]). Bounded by twice `store.timeout`: one call ahead in the queue,
     /// then this one.
     pub(super) async fn submit(
         &self,
@@ -100,18 +103,18 @@ async fn run(mut rx: mpsc::UnboundedReceiver<Pending>, flush: Flush) {
     }
 }
 
-/// Give each request its slice of the reply (two integers per key), or the error.
+/// Give each request its slice of the reply ([`REPLY_WIDTH`] integers per key), or the error.
 fn deliver(
     replies: Vec<oneshot::Sender<Result<Vec<i64>, StoreError>>>,
     counts: &[usize],
     result: Result<Vec<i64>, StoreError>,
 ) {
     match result {
-        Ok(reply) if reply.len() == 2 * counts.iter().sum::<usize>() => {
+        Ok(reply) if reply.len() == REPLY_WIDTH * counts.iter().sum::<usize>() => {
             let mut at = 0;
             for (tx, n) in replies.into_iter().zip(counts) {
-                let _ = tx.send(Ok(reply[at..at + 2 * n].to_vec()));
-                at += 2 * n;
+                let _ = tx.send(Ok(reply[at..at + REPLY_WIDTH * n].to_vec()));
+                at += REPLY_WIDTH * n;
             }
         }
         Ok(reply) => {

@@ -28,7 +28,8 @@ pub mod stats;
 
 pub use breaker::BreakerState;
 
-use super::{Charge, Grant, Store, StoreError, WindowState};
+use super::{Grant, Item, Store, StoreError, WindowState};
+use crate::limiter::algorithm::{OpKind, Verdict};
 use crate::config::{Problems, ReadFrom, StoreConfig, StoreMode};
 use crate::limiter::key::{jump_consistent_hash, LimitKey};
 use arc_swap::ArcSwap;
@@ -42,10 +43,8 @@ use stats::{bump, Counts, ShardStats};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 
-/// `lua/check.lua`: read windows, treating past ones as empty.
-pub static CHECK_LUA: &str = include_str!("../../../../lua/check.lua");
-/// `lua/charge.lua`: add cost to windows, starting new ones when needed.
-pub static CHARGE_LUA: &str = include_str!("../../../../lua/charge.lua");
+/// `lua/apply.lua`: one operation on each of several limits, every algorithm.
+pub static APPLY_LUA: &str = include_str!("../../../../lua/apply.lua");
 /// `lua/lease.lua`: take up to N units of a window for local admission.
 pub static LEASE_LUA: &str = include_str!("../../../../lua/lease.lua");
 /// `lua/refund.lua`: give back unused units of a window.
@@ -54,8 +53,7 @@ pub static REFUND_LUA: &str = include_str!("../../../../lua/refund.lua");
 /// Every script the store runs, loaded on each new connection.
 #[derive(Debug)]
 pub(crate) struct Scripts {
-    check: Script,
-    charge: Script,
+    apply: Script,
     lease: Script,
     refund: Script,
 }
@@ -63,15 +61,14 @@ pub(crate) struct Scripts {
 impl Scripts {
     fn new() -> Self {
         Self {
-            check: Script::new(CHECK_LUA),
-            charge: Script::new(CHARGE_LUA),
+            apply: Script::new(APPLY_LUA),
             lease: Script::new(LEASE_LUA),
             refund: Script::new(REFUND_LUA),
         }
     }
 
-    fn all(&self) -> [&Script; 4] {
-        [&self.check, &self.charge, &self.lease, &self.refund]
+    fn all(&self) -> [&Script; 3] {
+        [&self.apply, &self.lease, &self.refund]
     }
 }
 
@@ -93,15 +90,26 @@ async fn invoke(
     Ok(invocation.invoke_async::<Vec<i64>>(conn).await?)
 }
 
-/// The two integers per key that check.lua and charge.lua answer, as windows.
-fn windows(reply: &[i64]) -> Vec<Result<WindowState, StoreError>> {
+/// The integers per key that `lua/apply.lua` answers ([`batch::REPLY_WIDTH`]), as verdicts.
+fn verdicts(reply: &[i64]) -> Vec<Result<Verdict, StoreError>> {
     reply
-        .chunks(2)
-        .map(|pair| match pair {
-            [used, reset_at] if *used >= 0 && *reset_at >= 0 => Ok(WindowState {
-                used: *used as u64,
-                reset_at_ms: *reset_at as u64,
-            }),
+        .chunks(batch::REPLY_WIDTH)
+        .map(|v| match v {
+            [admitted, used, reset_at, retry_at, epoch]
+                if (0..=1).contains(admitted)
+                    && *used >= 0
+                    && *reset_at >= 0
+                    && *retry_at >= 0
+                    && *epoch >= 0 =>
+            {
+                Ok(Verdict {
+                    admitted: *admitted == 1,
+                    used: *used as u64,
+                    reset_at_ms: *reset_at as u64,
+                    retry_at_ms: *retry_at as u64,
+                    epoch: *epoch as u64,
+                })
+            }
             other => Err(StoreError::BadReply(format!("{other:?}"))),
         })
         .collect()
@@ -117,9 +125,10 @@ pub(crate) struct Shard {
     next_replica: AtomicUsize,
     stats: ShardStats,
     sentinel: Option<Arc<SentinelWatch>>,
-    /// CHECKs of concurrent requests, sent together ([`batch`]).
+    /// Peeks (CHECKs) of concurrent requests, sent together ([`batch`]), to a replica
+    /// when reads go to replicas.
     checks: Batcher,
-    /// CHARGEs of concurrent requests, sent together to the primary.
+    /// Writing operations of concurrent requests, sent together to the primary.
     charges: Batcher,
 }
 
@@ -140,7 +149,7 @@ impl Shard {
                         let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
                         match kind {
                             Kind::Check => shard.check(&s, &keys, &args).await,
-                            Kind::Charge => shard.on_primary(&s.charge, &keys, &args).await,
+                            Kind::Charge => shard.on_primary(&s.apply, &keys, &args).await,
                         }
                     })
                 }),
@@ -150,7 +159,7 @@ impl Shard {
         (make(Kind::Check), make(Kind::Charge))
     }
 
-    /// CHECK `keys` (one `now` per key in `args`) on a healthy replica when reads go to
+    /// Peek `keys` (arguments per key in `args`) on a healthy replica when reads go to
     /// replicas, else (or when the replica fails) on the primary.
     async fn check(
         &self,
@@ -167,7 +176,7 @@ impl Shard {
                     .find(|r| r.is_available());
                 if let Some(replica) = candidate {
                     match replica
-                        .call(&scripts.check, keys, args, WhenDisconnected::FailFast)
+                        .call(&scripts.apply, keys, args, WhenDisconnected::FailFast)
                         .await
                     {
                         Ok(reply) => return Ok(reply),
@@ -179,7 +188,7 @@ impl Shard {
                 bump(&self.stats.replica_fallbacks);
             }
         }
-        self.on_primary(&scripts.check, keys, args).await
+        self.on_primary(&scripts.apply, keys, args).await
     }
 
     async fn on_primary(
@@ -449,8 +458,8 @@ impl RedisStore {
         }
     }
 
-    /// Send `items` (key, arguments; the same number of arguments per key) with `script`
-    /// (check.lua or charge.lua): one call per shard, through the shard's batcher (so
+    /// Send `keys` with their arguments (the same number per key) to `lua/apply.lua`:
+    /// one call per shard, through the shard's batcher (so
     /// concurrent requests share calls), or per hash tag in cluster mode. Shards are
     /// called concurrently; one result per item, in order.
     async fn run_many(
@@ -458,7 +467,7 @@ impl RedisStore {
         kind: Kind,
         keys: &[&LimitKey],
         args: impl Fn(usize) -> Vec<u64>,
-    ) -> Vec<Result<WindowState, StoreError>> {
+    ) -> Vec<Result<Verdict, StoreError>> {
         let Some(live) = self.live.get() else {
             return keys.iter().map(|_| Err(StoreError::NotStarted)).collect();
         };
@@ -487,7 +496,7 @@ impl RedisStore {
                 .map(|(g, m)| self.call_group(live, kind, *g, keys, m, &args)),
         )
         .await;
-        let mut out: Vec<Option<Result<WindowState, StoreError>>> =
+        let mut out: Vec<Option<Result<Verdict, StoreError>>> =
             keys.iter().map(|_| None).collect();
         for ((_, members), results) in groups.iter().zip(replies) {
             for (&i, r) in members.iter().zip(results) {
@@ -509,17 +518,13 @@ impl RedisStore {
         keys: &[&LimitKey],
         members: &[usize],
         args: &impl Fn(usize) -> Vec<u64>,
-    ) -> Vec<Result<WindowState, StoreError>> {
+    ) -> Vec<Result<Verdict, StoreError>> {
         let names: Vec<String> = members.iter().map(|&i| keys[i].key.clone()).collect();
         let flat: Vec<u64> = members.iter().flat_map(|&i| args(i)).collect();
         let reply = match live {
             Topology::Cluster(c) => {
-                let script = match kind {
-                    Kind::Check => &self.scripts.check,
-                    Kind::Charge => &self.scripts.charge,
-                };
                 let names: Vec<&str> = names.iter().map(String::as_str).collect();
-                c.call(script, &names, &flat).await
+                c.call(&self.scripts.apply, &names, &flat).await
             }
             Topology::Sharded(shards) => match shards.get(group as usize) {
                 None => Err(StoreError::NotStarted),
@@ -530,7 +535,7 @@ impl RedisStore {
             },
         };
         match reply {
-            Ok(r) if r.len() == 2 * members.len() => windows(&r),
+            Ok(r) if r.len() == batch::REPLY_WIDTH * members.len() => verdicts(&r),
             Ok(r) => vec![
                 Err(StoreError::BadReply(format!(
                     "{} integers for {} keys",
@@ -609,12 +614,12 @@ impl RedisStore {
     }
 }
 
-/// Which batched script a call runs.
+/// Where a batched `lua/apply.lua` call may run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kind {
-    /// check.lua: one `now` per key.
+    /// Only peeks: a replica may answer.
     Check,
-    /// charge.lua: cost, window, now per key.
+    /// Writes: the primary.
     Charge,
 }
 
@@ -656,20 +661,49 @@ pub struct NodeReport {
 }
 
 impl Store for RedisStore {
-    async fn check(&self, keys: &[&LimitKey], now_ms: u64) -> Vec<Result<WindowState, StoreError>> {
-        self.run_many(Kind::Check, keys, |_| vec![now_ms]).await
-    }
-
-    async fn charge(
-        &self,
-        items: &[Charge<'_>],
-        now_ms: u64,
-    ) -> Vec<Result<WindowState, StoreError>> {
-        let keys: Vec<&LimitKey> = items.iter().map(|c| c.key).collect();
-        self.run_many(Kind::Charge, &keys, |i| {
-            vec![items[i].cost, items[i].window_ms, now_ms]
-        })
-        .await
+    async fn apply(&self, items: &[Item<'_>], now_ms: u64) -> Vec<Result<Verdict, StoreError>> {
+        let args = |i: &Item<'_>| {
+            let p = i.policy;
+            vec![
+                i.op.kind.code(),
+                p.algorithm.code(),
+                p.quota,
+                p.window_ms,
+                p.burst,
+                p.align.code(),
+                i.op.cost,
+                now_ms,
+                i.op.id,
+            ]
+        };
+        let is_peek = |i: &Item<'_>| i.op.kind == OpKind::Peek;
+        let (peeks, writes): (Vec<usize>, Vec<usize>) =
+            (0..items.len()).partition(|&i| is_peek(&items[i]));
+        let run = |kind: Kind, which: &[usize]| {
+            let keys: Vec<&LimitKey> = which.iter().map(|&i| items[i].key).collect();
+            let which = which.to_vec();
+            async move {
+                if which.is_empty() {
+                    return Vec::new();
+                }
+                self.run_many(kind, &keys, |j| args(&items[which[j]])).await
+            }
+        };
+        if writes.is_empty() {
+            return run(Kind::Check, &peeks).await;
+        }
+        if peeks.is_empty() {
+            return run(Kind::Charge, &writes).await;
+        }
+        let (peeked, written) =
+            futures_util::future::join(run(Kind::Check, &peeks), run(Kind::Charge, &writes)).await;
+        let mut out: Vec<Option<Result<Verdict, StoreError>>> = vec![None; items.len()];
+        for (i, r) in peeks.iter().zip(peeked).chain(writes.iter().zip(written)) {
+            out[*i] = Some(r);
+        }
+        out.into_iter()
+            .map(|r| r.unwrap_or(Err(StoreError::NotStarted)))
+            .collect()
     }
 
     async fn lease(
@@ -706,8 +740,12 @@ impl Store for RedisStore {
         let reply = self
             .on_primary(&self.scripts.refund, key, &[units, reset_at_ms])
             .await?;
-        windows(&reply)
-            .pop()
-            .unwrap_or(Err(StoreError::BadReply("empty".into())))
+        match reply.as_slice() {
+            [used, reset_at] if *used >= 0 && *reset_at >= 0 => Ok(WindowState {
+                used: *used as u64,
+                reset_at_ms: *reset_at as u64,
+            }),
+            other => Err(StoreError::BadReply(format!("{other:?}"))),
+        }
     }
 }

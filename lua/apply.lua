@@ -1,0 +1,297 @@
+-- apply.lua: one operation on each of several limits (every limit algorithm).
+--
+-- The same rules as src/limiter/algorithm.rs, the reference model: the
+-- store-contract tests replay random timelines against both and require the
+-- same answers. Times are milliseconds since the Unix epoch from the gateway's
+-- clock (ARGV), never a Redis TTL: keys expire only as clean-up, after the
+-- gateway has stopped trusting them.
+--
+-- Operations: 0 PEEK (read only: safe on a replica), 1 CHARGE (add whatever
+-- the state), 2 RESERVE (add only if admitted; concurrency: take a slot),
+-- 3 REFUND (undo a charge or reservation; concurrency: give the slot back).
+--
+-- One call handles any number of keys on one shard: every limit of a request
+-- that lives there, and the operations of concurrent requests batched together
+-- (src/limiter/store/redis/batch.rs).
+--
+-- KEYS[i]          one limit's state for one subject; by algorithm:
+--                  0 fixed_window   hash  count, reset_at
+--                  1 sliding_window hash  start, prev, cur
+--                  2 sliding_log    zset  member "ID:COST", score = charge time
+--                  3 gcra           hash  tat
+--                  4 concurrency    zset  member "ID", score = slot expiry
+-- ARGV[9i-8 .. 9i] op, algorithm, quota, window ms, burst, align (0 first
+--                  request, 1 epoch multiples, 2 UTC month), cost, now ms, id
+--                  (the entry / slot id for CHARGE and RESERVE; the epoch the
+--                  charge reported for REFUND)
+--
+-- Returns 5 integers per key: admitted (0/1), used, reset_at ms, retry_at ms
+-- (0 when admitted), epoch.
+
+local PEEK, CHARGE, RESERVE, REFUND = 0, 1, 2, 3
+local CONCURRENCY_RETRY_MS = 1000
+
+-- Days since 1970-01-01 -> year, month (Howard Hinnant's civil_from_days).
+local function civil_from_days(z)
+  z = z + 719468
+  local era = math.floor(z / 146097)
+  local doe = z - era * 146097
+  local yoe = math.floor((doe - math.floor(doe / 1460) + math.floor(doe / 36524) - math.floor(doe / 146096)) / 365)
+  local y = yoe + era * 400
+  local doy = doe - (365 * yoe + math.floor(yoe / 4) - math.floor(yoe / 100))
+  local mp = math.floor((5 * doy + 2) / 153)
+  local m = mp < 10 and mp + 3 or mp - 9
+  if m <= 2 then y = y + 1 end
+  return y, m
+end
+
+local function days_from_civil(y, m, d)
+  if m <= 2 then y = y - 1 end
+  local era = math.floor(y / 400)
+  local yoe = y - era * 400
+  local mp = m > 2 and m - 3 or m + 9
+  local doy = math.floor((153 * mp + 2) / 5) + d - 1
+  local doe = yoe * 365 + math.floor(yoe / 4) - math.floor(yoe / 100) + doy
+  return era * 146097 + doe - 719468
+end
+
+local function new_window_end(window, align, now)
+  if align == 1 then
+    return (math.floor(now / window) + 1) * window
+  elseif align == 2 then
+    local y, m = civil_from_days(math.floor(now / 86400000))
+    if m == 12 then y, m = y + 1, 1 else m = m + 1 end
+    return days_from_civil(y, m, 1) * 86400000
+  end
+  return now + window
+end
+
+local function fixed_window(key, op, quota, window, align, cost, now, id)
+  local f = redis.call("HMGET", key, "count", "reset_at")
+  local used, reset_at = tonumber(f[1]), tonumber(f[2])
+  local live = used and reset_at and reset_at > now
+  if not live then
+    used, reset_at = 0, new_window_end(window, align, now)
+  end
+  local admitted = used + cost <= quota
+  if op == PEEK or (op == RESERVE and not admitted) then
+    -- nothing written
+  elseif op == REFUND then
+    if live and reset_at == tonumber(id) then
+      used = math.max(used - cost, 0)
+      redis.call("HSET", key, "count", used)
+    end
+    admitted = true
+  else
+    used = used + cost
+    if live then
+      redis.call("HINCRBY", key, "count", cost)
+    else
+      redis.call("HSET", key, "count", used, "reset_at", reset_at)
+      redis.call("PEXPIREAT", key, reset_at + 1000)
+    end
+  end
+  local retry = 0
+  if not admitted then retry = reset_at end
+  return admitted, used, reset_at, retry, reset_at
+end
+
+local function sliding_window(key, op, quota, w, cost, now, id)
+  local f = redis.call("HMGET", key, "start", "prev", "cur")
+  local s, p, c = tonumber(f[1]), tonumber(f[2]), tonumber(f[3])
+  local start = math.floor(now / w) * w
+  local prev, cur = 0, 0
+  if s and p and c then
+    if s == start then
+      prev, cur = p, c
+    elseif s + w == start then
+      prev, cur = c, 0
+    end
+  end
+  local function estimate(pv, cu)
+    return pv * (w - (now - start)) / w + cu
+  end
+  local function reset_of(pv, cu)
+    if cu > 0 then return start + 2 * w end
+    if pv > 0 then return start + w end
+    return now
+  end
+  local function retry_of(pv, cu)
+    if cost > quota then return reset_of(pv, cu) end
+    local room = quota - cost - cu
+    if room >= 0 and pv > 0 then
+      return math.max(math.ceil((start + w) - room * w / pv), now)
+    end
+    if cu == 0 then return now end
+    return math.max(math.ceil((start + 2 * w) - (quota - cost) * w / cu), now)
+  end
+  local admitted = estimate(prev, cur) + cost <= quota
+  local retry = 0
+  if op == PEEK or (op == RESERVE and not admitted) then
+    if not admitted then retry = retry_of(prev, cur) end
+  elseif op == REFUND then
+    local wrote = true
+    if tonumber(id) == start then
+      cur = math.max(cur - cost, 0)
+    elseif tonumber(id) + w == start then
+      prev = math.max(prev - cost, 0)
+    else
+      wrote = false
+    end
+    if wrote and s then
+      redis.call("HSET", key, "start", start, "prev", prev, "cur", cur)
+    end
+    admitted = true
+  else
+    cur = cur + cost
+    redis.call("HSET", key, "start", start, "prev", prev, "cur", cur)
+    redis.call("PEXPIREAT", key, start + 2 * w + 1000)
+    if not admitted then retry = reset_of(prev, cur) end
+  end
+  return admitted, math.ceil(estimate(prev, cur)), reset_of(prev, cur), retry, start
+end
+
+local function sliding_log(key, op, quota, w, cost_arg, now, id)
+  local cost = tonumber(cost_arg)
+  local entries = redis.call("ZRANGEBYSCORE", key, "(" .. (now - w), "+inf", "WITHSCORES")
+  local times, costs = {}, {}
+  local used, newest = 0, nil
+  for i = 1, #entries, 2 do
+    local t = tonumber(entries[i + 1])
+    local n = tonumber(string.match(entries[i], ":(%d+)$")) or 0
+    times[#times + 1] = t
+    costs[#costs + 1] = n
+    used = used + n
+    if not newest or t > newest then newest = t end
+  end
+  local function reset_of()
+    if newest then return newest + w end
+    return now
+  end
+  local admitted = used + cost <= quota
+  local function retry_of()
+    if cost > quota then return reset_of() end
+    local acc = used
+    -- ZRANGEBYSCORE answers oldest first.
+    for i = 1, #times do
+      acc = acc - costs[i]
+      if acc + cost <= quota then return times[i] + w end
+    end
+    return reset_of()
+  end
+  if op == PEEK or (op == RESERVE and not admitted) then
+    local retry = 0
+    if not admitted then retry = retry_of() end
+    return admitted, used, reset_of(), retry, 0
+  elseif op == REFUND then
+    local member = id .. ":" .. cost_arg
+    local score = redis.call("ZSCORE", key, member)
+    if score and tonumber(score) + w > now then
+      redis.call("ZREM", key, member)
+      used = used - cost
+    end
+    redis.call("ZREMRANGEBYSCORE", key, "-inf", now - w)
+    -- The newest entry may have been the one refunded.
+    local last = redis.call("ZRANGEBYSCORE", key, "(" .. (now - w), "+inf", "WITHSCORES")
+    newest = nil
+    for i = 2, #last, 2 do
+      local t = tonumber(last[i])
+      if not newest or t > newest then newest = t end
+    end
+    return true, used, reset_of(), 0, 0
+  end
+  redis.call("ZREMRANGEBYSCORE", key, "-inf", now - w)
+  redis.call("ZADD", key, now, id .. ":" .. cost_arg)
+  redis.call("PEXPIREAT", key, now + w + 1000)
+  used = used + cost
+  if not newest or now > newest then newest = now end
+  local retry = 0
+  if not admitted then retry = reset_of() end
+  return admitted, used, reset_of(), retry, tonumber(id)
+end
+
+local function gcra(key, op, quota, w, burst, cost, now)
+  local t = math.max(math.ceil(w / math.max(quota, 1)), 1)
+  local cap = burst * t
+  local stored = tonumber(redis.call("HGET", key, "tat")) or 0
+  local base = math.max(stored, now)
+  local new_tat = base + cost * t
+  local admitted = new_tat - now <= cap
+  local function answer(adm, tat)
+    tat = math.max(tat, now)
+    local retry = 0
+    if not adm then retry = math.max(new_tat - cap, now) end
+    return adm, math.ceil((tat - now) / t), tat, retry, 0
+  end
+  if op == PEEK or (op == RESERVE and not admitted) then
+    return answer(admitted, base)
+  elseif op == REFUND then
+    if stored <= now then return answer(true, now) end
+    local tat = math.max(stored - cost * t, now)
+    redis.call("HSET", key, "tat", tat)
+    redis.call("PEXPIREAT", key, tat + 1000)
+    return answer(true, tat)
+  end
+  redis.call("HSET", key, "tat", new_tat)
+  redis.call("PEXPIREAT", key, new_tat + 1000)
+  return answer(admitted, new_tat)
+end
+
+local function concurrency(key, op, quota, w, now, id)
+  if op ~= PEEK and op ~= CHARGE then
+    redis.call("ZREMRANGEBYSCORE", key, "-inf", now)
+  end
+  if op == REFUND then
+    redis.call("ZREM", key, id)
+  end
+  local used = redis.call("ZCOUNT", key, "(" .. now, "+inf")
+  local admitted = used < quota
+  local epoch = 0
+  if op == RESERVE and admitted then
+    redis.call("ZADD", key, now + w, id)
+    redis.call("PEXPIREAT", key, now + w + 1000)
+    used = used + 1
+    epoch = tonumber(id)
+  end
+  if op == REFUND then admitted = true end
+  local reset_at = now
+  local top = redis.call("ZREVRANGEBYSCORE", key, "+inf", "(" .. now, "WITHSCORES", "LIMIT", 0, 1)
+  if #top == 2 then reset_at = tonumber(top[2]) end
+  local retry = 0
+  if not admitted then retry = now + CONCURRENCY_RETRY_MS end
+  return admitted, used, reset_at, retry, epoch
+end
+
+local out = {}
+for i = 1, #KEYS do
+  local a = 9 * (i - 1)
+  local op = tonumber(ARGV[a + 1])
+  local alg = tonumber(ARGV[a + 2])
+  local quota = tonumber(ARGV[a + 3])
+  local window = tonumber(ARGV[a + 4])
+  local burst = tonumber(ARGV[a + 5])
+  local align = tonumber(ARGV[a + 6])
+  local cost = tonumber(ARGV[a + 7])
+  local now = tonumber(ARGV[a + 8])
+  local id = ARGV[a + 9]
+  local key = KEYS[i]
+  local admitted, used, reset_at, retry, epoch
+  if alg == 0 then
+    admitted, used, reset_at, retry, epoch = fixed_window(key, op, quota, window, align, cost, now, id)
+  elseif alg == 1 then
+    admitted, used, reset_at, retry, epoch = sliding_window(key, op, quota, window, cost, now, id)
+  elseif alg == 2 then
+    admitted, used, reset_at, retry, epoch = sliding_log(key, op, quota, window, ARGV[a + 7], now, id)
+  elseif alg == 3 then
+    admitted, used, reset_at, retry, epoch = gcra(key, op, quota, window, burst, cost, now)
+  else
+    admitted, used, reset_at, retry, epoch = concurrency(key, op, quota, window, now, id)
+  end
+  local b = 5 * (i - 1)
+  out[b + 1] = admitted and 1 or 0
+  out[b + 2] = used
+  out[b + 3] = reset_at
+  out[b + 4] = retry
+  out[b + 5] = epoch
+end
+return out

@@ -1,0 +1,251 @@
+#!/usr/bin/env bash
+# benches/memory_usage.sh: how many bytes of Redis one caller's state takes, per limit
+# algorithm. The numbers are quoted in docs/algorithms.md.
+#
+# Usage (from anywhere inside the repo):
+#   bash benches/memory_usage.sh
+#   REDIS_SERVER=/opt/redis/bin/redis-server bash benches/memory_usage.sh
+#
+# Env knobs [default]:
+#   REDIS_SERVER [redis-server on PATH]  the server binary to start
+#   REDIS_CLI    [redis-cli next to REDIS_SERVER, else on PATH]
+#   CALLERS      [10000]  callers per algorithm for the used_memory cross-check (0: skip it)
+#
+# What it does:
+#   1. Starts its own redis-server on 127.0.0.1 and a free port, with no persistence
+#      (--save "" --appendonly no), and kills it by PID on exit.
+#   2. Loads lua/apply.lua (SCRIPT LOAD) and applies operations with EVALSHA, using the
+#      ARGV layout from the script's header: 9 arguments per key (op, algorithm code,
+#      quota, window ms, burst, align, cost, now ms, id), window 60000 ms, quota 100,
+#      burst = quota, align 0 (first request), cost 1, now = the current epoch ms.
+#        fixed_window, sliding_window, gcra: 1 and 100 charges (op 1) on one key.
+#        sliding_log: 1, 10, 100 and 1000 charges (op 1), one sorted-set member each.
+#        concurrency: 1, 10, 100 and 1000 slots taken (op 2, RESERVE).
+#      Entries and slots get distinct ids 4503599627370000+i and times now+i ms. For
+#      1000 entries or slots the quota is 1000 (so that 1000 slots can be held at once).
+#   3. Prints `MEMORY USAGE key SAMPLES 0` (exact: every element counted) and
+#      `OBJECT ENCODING key` per row, as a markdown table.
+#   4. Cross-check: with CALLERS keys of one charge each per algorithm (on an emptied
+#      database), the growth of INFO's used_memory divided by CALLERS. That includes what
+#      MEMORY USAGE leaves out: the key's entry in the expiry table and the growth of
+#      Redis's hash tables.
+#
+# Keys look like the gateway's (store.key_prefix "tollgate:", limit "core"):
+#   tollgate:core:{0123456789abcdef0123456789abcdef}              fixed_window
+#   tollgate:core:ALGORITHM:{0123456789abcdef0123456789abcdef}    every other algorithm
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+SCRIPT="$ROOT/lua/apply.lua"
+CALLERS="${CALLERS:-10000}"
+
+die() {
+  echo "memory_usage.sh: $*" >&2
+  exit 1
+}
+
+SERVER="${REDIS_SERVER:-$(command -v redis-server || true)}"
+[ -n "$SERVER" ] && [ -x "$SERVER" ] ||
+  die "redis-server not found: install it (apt-get install redis-server) or set REDIS_SERVER=/path/to/redis-server"
+CLI="${REDIS_CLI:-}"
+if [ -z "$CLI" ]; then
+  if [ -x "$(dirname "$SERVER")/redis-cli" ]; then
+    CLI="$(dirname "$SERVER")/redis-cli"
+  else
+    CLI="$(command -v redis-cli || true)"
+  fi
+fi
+[ -n "$CLI" ] && [ -x "$CLI" ] ||
+  die "redis-cli not found: install it (apt-get install redis-tools) or set REDIS_CLI=/path/to/redis-cli"
+[ -f "$SCRIPT" ] || die "$SCRIPT not found"
+
+WORK="$(mktemp -d /tmp/tollgate-memory.XXXXXX)"
+PID=""
+cleanup() {
+  if [ -n "$PID" ]; then
+    kill "$PID" 2>/dev/null || true
+    wait "$PID" 2>/dev/null || true
+  fi
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+# --- start redis-server on a free loopback port ---------------------------------------
+
+port_in_use() {
+  (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null
+}
+
+candidates() {
+  if command -v python3 >/dev/null 2>&1; then
+    python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])' || true
+  fi
+  seq 6400 6499
+}
+
+PORT=""
+for p in $(candidates); do
+  port_in_use "$p" && continue
+  "$SERVER" --port "$p" --bind 127.0.0.1 --save "" --appendonly no \
+    --dir "$WORK" --logfile "$WORK/redis.log" --daemonize no &
+  PID=$!
+  for _ in $(seq 50); do
+    if "$CLI" -h 127.0.0.1 -p "$p" PING 2>/dev/null | grep -q PONG; then
+      PORT="$p"
+      break
+    fi
+    kill -0 "$PID" 2>/dev/null || break
+    sleep 0.1
+  done
+  [ -n "$PORT" ] && break
+  kill "$PID" 2>/dev/null || true
+  wait "$PID" 2>/dev/null || true
+  PID=""
+done
+[ -n "$PORT" ] || die "could not start $SERVER on a free port (see a log in $WORK/redis.log)"
+
+rc() {
+  "$CLI" -h 127.0.0.1 -p "$PORT" "$@"
+}
+
+SHA="$(rc SCRIPT LOAD "$(cat "$SCRIPT")")"
+[[ "$SHA" =~ ^[0-9a-f]{40}$ ]] || die "SCRIPT LOAD failed: $SHA"
+
+# --- applying operations ------------------------------------------------------------
+
+WINDOW=60000
+BASE_ID=4503599627370000
+DIGEST=0123456789abcdef0123456789abcdef
+
+code_of() {
+  case "$1" in
+    fixed_window) echo 0 ;;
+    sliding_window) echo 1 ;;
+    sliding_log) echo 2 ;;
+    gcra) echo 3 ;;
+    concurrency) echo 4 ;;
+  esac
+}
+
+key_of() { # algorithm digest
+  if [ "$1" = fixed_window ]; then
+    echo "tollgate:core:{$2}"
+  else
+    echo "tollgate:core:$1:{$2}"
+  fi
+}
+
+# apply ALGORITHM KEY QUOTA N NOW: N operations on KEY (charges; concurrency: slots
+# taken), 100 per EVALSHA (one call may list the same key several times).
+apply() {
+  local alg="$1" key="$2" quota="$3" n="$4" now="$5"
+  local code op
+  code="$(code_of "$alg")"
+  op=1
+  [ "$alg" = concurrency ] && op=2
+  local i=0
+  while [ "$i" -lt "$n" ]; do
+    local keys=() args=() k=0
+    while [ "$k" -lt 100 ] && [ "$i" -lt "$n" ]; do
+      keys+=("$key")
+      args+=("$op" "$code" "$quota" "$WINDOW" "$quota" 0 1 "$((now + i))" "$((BASE_ID + i))")
+      i=$((i + 1))
+      k=$((k + 1))
+    done
+    local out
+    out="$(rc EVALSHA "$SHA" "${#keys[@]}" "${keys[@]}" "${args[@]}")" ||
+      die "EVALSHA failed for $alg: $out"
+    # 5 integers per key: admitted, used, reset_at, retry_at, epoch. Every one of these
+    # operations must be admitted, or the state measured is not the one described.
+    if [ "$(awk 'NR % 5 == 1 && $1 != 1' <<<"$out" | wc -l)" -ne 0 ]; then
+      die "an operation was refused for $alg (quota $quota, $n operations): $out"
+    fi
+  done
+}
+
+# --- one key per row: MEMORY USAGE ----------------------------------------------------
+
+rows() {
+  for n in 1 100; do echo "fixed_window $n"; done
+  for n in 1 100; do echo "sliding_window $n"; done
+  for n in 1 10 100 1000; do echo "sliding_log $n"; done
+  for n in 1 100; do echo "gcra $n"; done
+  for n in 1 10 100 1000; do echo "concurrency $n"; done
+}
+
+type_of() {
+  case "$1" in
+    sliding_log | concurrency) echo "sorted set" ;;
+    *) echo "hash" ;;
+  esac
+}
+
+what_of() { # algorithm n
+  case "$1" in
+    sliding_log) echo "$2 entries" ;;
+    concurrency) echo "$2 slots" ;;
+    *) if [ "$2" = 1 ]; then echo "1 charge"; else echo "$2 charges"; fi ;;
+  esac
+}
+
+version="$(rc INFO server | tr -d '\r' | sed -n 's/^redis_version://p')"
+echo "redis-server $version on 127.0.0.1:$PORT; window $WINDOW ms, cost 1, ids $BASE_ID+i"
+echo
+echo "| algorithm | key type | state | quota | encoding | MEMORY USAGE (bytes) |"
+echo "| --- | --- | --- | --- | --- | --- |"
+while read -r alg n; do
+  rc FLUSHALL >/dev/null
+  key="$(key_of "$alg" "$DIGEST")"
+  quota=100
+  [ "$n" -gt 100 ] && quota="$n"
+  now="$(date +%s%3N)"
+  apply "$alg" "$key" "$quota" "$n" "$now"
+  bytes="$(rc MEMORY USAGE "$key" SAMPLES 0)"
+  enc="$(rc OBJECT ENCODING "$key")"
+  echo "| $alg | $(type_of "$alg") | $(what_of "$alg" "$n") | $quota | $enc | $bytes |"
+done < <(rows)
+
+echo
+echo "Encoding thresholds of this server (a hash or sorted set with more elements, or a longer"
+echo "element, moves from listpack to a hash table / skiplist, which takes more per element):"
+for p in hash-max-listpack-entries hash-max-listpack-value zset-max-listpack-entries zset-max-listpack-value; do
+  echo "  $p $(rc CONFIG GET "$p" | tail -n 1)"
+done
+
+# --- cross-check: used_memory over many callers -------------------------------------
+
+if [ "$CALLERS" -gt 0 ]; then
+  used_memory() {
+    rc INFO memory | tr -d '\r' | sed -n 's/^used_memory://p'
+  }
+  echo
+  echo "Cross-check: used_memory growth per caller, $CALLERS callers with one charge (slot) each"
+  echo
+  echo "| algorithm | bytes per caller |"
+  echo "| --- | --- |"
+  for alg in fixed_window sliding_window sliding_log gcra concurrency; do
+    rc FLUSHALL >/dev/null
+    code="$(code_of "$alg")"
+    op=1
+    [ "$alg" = concurrency ] && op=2
+    before="$(used_memory)"
+    now="$(date +%s%3N)"
+    i=0
+    while [ "$i" -lt "$CALLERS" ]; do
+      keys=()
+      args=()
+      k=0
+      while [ "$k" -lt 100 ] && [ "$i" -lt "$CALLERS" ]; do
+        keys+=("$(key_of "$alg" "$(printf '%032x' "$i")")")
+        args+=("$op" "$code" 100 "$WINDOW" 100 0 1 "$now" "$((BASE_ID + i))")
+        i=$((i + 1))
+        k=$((k + 1))
+      done
+      rc EVALSHA "$SHA" "${#keys[@]}" "${keys[@]}" "${args[@]}" >/dev/null
+    done
+    [ "$(rc DBSIZE)" -eq "$CALLERS" ] || die "expected $CALLERS keys for $alg, found $(rc DBSIZE)"
+    after="$(used_memory)"
+    echo "| $alg | $(((after - before) / CALLERS)) |"
+  done
+fi

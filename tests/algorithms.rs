@@ -1,0 +1,237 @@
+//! The limit algorithms, held to one reference model.
+//!
+//! Random timelines of (time step, caller, cost, operation) are replayed against the pure
+//! model (`tollgate::limiter::algorithm::apply`), the memory store and the Redis store
+//! (`lua/apply.lua` on a real `redis-server`); every verdict (admitted, used, reset_at,
+//! retry_at, epoch) must be identical. proptest shrinks a failing timeline to the
+//! smallest one that still disagrees.
+
+mod support;
+
+use proptest::prelude::*;
+use std::collections::HashMap;
+use support::RedisServer;
+use tollgate::config::{Problems, StoreConfig};
+use tollgate::limiter::algorithm::{self, Algorithm, Align, Op, OpKind, Policy, State, Verdict};
+use tollgate::limiter::key::{KeyScheme, LimitKey};
+use tollgate::limiter::store::memory::MemoryStore;
+use tollgate::limiter::store::redis::RedisStore;
+use tollgate::limiter::store::{Item, Store};
+
+/// One step of a timeline.
+#[derive(Debug, Clone)]
+struct Step {
+    /// Milliseconds since the previous step.
+    dt: u64,
+    caller: usize,
+    cost: u64,
+    /// 0 peek, 1 charge, 2 reserve, 3 refund (of an earlier charge or reservation).
+    op: u8,
+    /// Which earlier charge or reservation a refund takes back (modulo how many).
+    pick: usize,
+}
+
+fn steps() -> impl Strategy<Value = Vec<Step>> {
+    prop::collection::vec(
+        (0u64..700, 0usize..3, 1u64..4, 0u8..4, 0usize..16).prop_map(
+            |(dt, caller, cost, op, pick)| Step {
+                dt,
+                caller,
+                cost,
+                op,
+                pick,
+            },
+        ),
+        1..40,
+    )
+}
+
+fn policies() -> Vec<Policy> {
+    let base = |algorithm, quota, window_ms| Policy {
+        algorithm,
+        quota,
+        window_ms,
+        burst: quota,
+        align: Align::FirstRequest,
+    };
+    vec![
+        base(Algorithm::FixedWindow, 5, 2_000),
+        Policy {
+            align: Align::Epoch,
+            ..base(Algorithm::FixedWindow, 4, 1_000)
+        },
+        Policy {
+            align: Align::Month,
+            ..base(Algorithm::FixedWindow, 6, 2_630_016_000)
+        },
+        base(Algorithm::SlidingWindow, 6, 1_000),
+        base(Algorithm::SlidingLog, 5, 1_500),
+        base(Algorithm::Gcra, 4, 1_000),
+        Policy {
+            burst: 2,
+            ..base(Algorithm::Gcra, 7, 3_000)
+        },
+        base(Algorithm::Concurrency, 2, 1_200),
+    ]
+}
+
+struct Stores {
+    rt: tokio::runtime::Runtime,
+    memory: MemoryStore,
+    redis: RedisStore,
+    _server: RedisServer,
+}
+
+fn stores() -> Stores {
+    let server = RedisServer::start();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let cfg: StoreConfig = toml::from_str(&format!(
+        "backend = \"redis\"\ntimeout = \"2s\"\n[[shards]]\nprimary = \"{}\"\n",
+        server.url()
+    ))
+    .unwrap();
+    let mut problems = Problems::default();
+    let redis = RedisStore::from_config(&cfg, &mut problems).expect("store config");
+    rt.block_on(async {
+        redis.start();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !tollgate::limiter::store::primaries_ready(&redis.report()) {
+            assert!(std::time::Instant::now() < deadline, "redis store never became ready");
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    });
+    Stores {
+        rt,
+        memory: MemoryStore::new(),
+        redis,
+        _server: server,
+    }
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
+/// Replay `timeline` under `policy` against the model and both stores; the verdicts of
+/// every step, or the first disagreement.
+fn replay(stores: &Stores, policy: &Policy, timeline: &[Step], case: u64) -> Result<(), String> {
+    // Ahead of the real clock, so that Redis never expires a key the timeline still uses
+    // (keys expire by Redis's clock, one second after the gateway stops trusting them).
+    let mut now = now_ms() + 3_600_000;
+    let scheme = KeyScheme::new(&format!("prop{case}:"), None);
+    let keys: Vec<LimitKey> = (0..3)
+        .map(|c| scheme.key(policy.algorithm.name(), &format!("caller:{c}")))
+        .collect();
+    let mut model: Vec<State> = vec![State::Empty; 3];
+    let mut taken: HashMap<usize, Vec<(u64, u64)>> = HashMap::new(); // caller → (cost, epoch)
+    let mut next_id = case * 1_000_000 + 1;
+    for (n, step) in timeline.iter().enumerate() {
+        now += step.dt;
+        let op = match step.op {
+            0 => Op { kind: OpKind::Peek, cost: step.cost, id: 0 },
+            1 | 2 => {
+                next_id += 1;
+                Op {
+                    kind: if step.op == 1 { OpKind::Charge } else { OpKind::Reserve },
+                    cost: step.cost,
+                    id: next_id,
+                }
+            }
+            _ => match taken.get(&step.caller).filter(|t| !t.is_empty()) {
+                Some(t) => {
+                    let (cost, epoch) = t[step.pick % t.len()];
+                    Op { kind: OpKind::Refund, cost, id: epoch }
+                }
+                None => Op { kind: OpKind::Peek, cost: step.cost, id: 0 },
+            },
+        };
+        let expected = algorithm::apply(policy, &mut model[step.caller], op, now);
+        let item = Item { key: &keys[step.caller], policy, op };
+        let (memory, redis): (Verdict, Verdict) = stores.rt.block_on(async {
+            let m = stores.memory.apply(&[item], now).await.remove(0).unwrap();
+            let r = stores.redis.apply(&[item], now).await.remove(0).map_err(|e| e.to_string());
+            (m, r.expect("redis answers"))
+        });
+        if memory != expected || redis != expected {
+            return Err(format!(
+                "step {n} {op:?} at +{} ms, caller {}:\n  model  {expected:?}\n  memory {memory:?}\n  redis  {redis:?}",
+                now % 100_000, step.caller
+            ));
+        }
+        if matches!(op.kind, OpKind::Charge | OpKind::Reserve) && expected.admitted {
+            taken.entry(step.caller).or_default().push((op.cost, expected.epoch));
+        }
+        if op.kind == OpKind::Refund {
+            if let Some(t) = taken.get_mut(&step.caller) {
+                t.retain(|&(c, e)| (c, e) != (op.cost, op.id));
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn every_algorithm_answers_alike_in_the_model_the_memory_store_and_redis() {
+    let stores = stores();
+    let case = std::sync::atomic::AtomicU64::new(1);
+    for policy in policies() {
+        let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig {
+            cases: 48,
+            failure_persistence: None,
+            ..ProptestConfig::default()
+        });
+        let result = runner.run(&steps(), |timeline| {
+            let c = case.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            replay(&stores, &policy, &timeline, c).map_err(TestCaseError::fail)
+        });
+        if let Err(e) = result {
+            panic!("{policy:?}: {e}");
+        }
+    }
+}
+
+/// The sliding window is an estimate: on one random trace of reservations, count how
+/// often it decides otherwise than the exact sliding log.
+#[test]
+fn sliding_window_disagrees_rarely_with_the_sliding_log() {
+    let (quota, window_ms) = (20, 10_000);
+    let log = Policy {
+        algorithm: Algorithm::SlidingLog,
+        ..Policy::fixed(quota, window_ms)
+    };
+    let estimate = Policy {
+        algorithm: Algorithm::SlidingWindow,
+        ..log
+    };
+    let (mut a, mut b) = (State::Empty, State::Empty);
+    // A deterministic pseudo-random trace: gaps of 0-999 ms, about as many requests as
+    // the quota allows (2 a second), so that many decisions are close calls.
+    let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+    let mut now = 1_000_000_000_000;
+    let (mut total, mut differ) = (0u32, 0u32);
+    for id in 1..=20_000u64 {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        now += x % 1_000;
+        let op = Op { kind: OpKind::Reserve, cost: 1, id };
+        let exact = algorithm::apply(&log, &mut a, op, now).admitted;
+        let estimated = algorithm::apply(&estimate, &mut b, op, now).admitted;
+        total += 1;
+        differ += u32::from(exact != estimated);
+    }
+    let rate = f64::from(differ) / f64::from(total);
+    println!(
+        "sliding_window vs sliding_log: {differ} of {total} decisions differ ({:.2}%)",
+        rate * 100.0
+    );
+    assert!(differ > 0, "the estimate is not exact: some decisions must differ");
+    assert!(rate < 0.15, "disagreement {rate}");
+}

@@ -19,9 +19,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tollgate::config::{ClientConfig, IdentityConfig, Problems};
 use tollgate::identity::Identities;
+use tollgate::limiter::algorithm::{Op, OpKind, Policy};
 use tollgate::limiter::key::KeyScheme;
 use tollgate::limiter::store::memory::MemoryStore;
-use tollgate::limiter::algorithm::{Op, OpKind, Policy};
 use tollgate::limiter::store::redis::{APPLY_LUA, LEASE_LUA, REFUND_LUA};
 use tollgate::limiter::store::Item;
 use tollgate::limiter::Usage;
@@ -239,7 +239,11 @@ fn memory_store(c: &mut Criterion) {
     let item = |key, kind| Item {
         key,
         policy: &policy,
-        op: Op { kind, cost: 1, id: 0 },
+        op: Op {
+            kind,
+            cost: 1,
+            id: 0,
+        },
     };
     store.apply_now(&item(&hot, OpKind::Charge), NOW_MS);
     for k in &keys {
@@ -463,7 +467,10 @@ fn redis_scripts(c: &mut Criterion) {
 
     // Each invocation must answer as the script's header says before it is timed.
     let r: Vec<u64> = check1.invoke(&mut con).unwrap();
-    assert!(r.len() == 5 && r[1] >= 1 && r[2] > now, "apply.lua peek: {r:?}");
+    assert!(
+        r.len() == 5 && r[1] >= 1 && r[2] > now,
+        "apply.lua peek: {r:?}"
+    );
     let r: Vec<u64> = check3.invoke(&mut con).unwrap();
     assert_eq!(r.len(), 15, "apply.lua peek: {r:?}");
     let r: Vec<u64> = lease1.invoke(&mut con).unwrap();

@@ -30,7 +30,11 @@ pub fn json_bytes_response(status: StatusCode, bytes: Vec<u8>) -> Response<Body>
 /// failed, or the client went away. (Used to give back concurrency slots when the
 /// response ends, not when its headers are sent.)
 pub fn with_guard<G: Send + Sync + Unpin + 'static>(body: Body, guard: G) -> Body {
-    Guarded { body, _guard: guard }.boxed()
+    Guarded {
+        body,
+        _guard: guard,
+    }
+    .boxed()
 }
 
 /// A body that holds a value until it is dropped.

@@ -100,7 +100,10 @@ fn stores() -> Stores {
         redis.start();
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
         while !tollgate::limiter::store::primaries_ready(&redis.report()) {
-            assert!(std::time::Instant::now() < deadline, "redis store never became ready");
+            assert!(
+                std::time::Instant::now() < deadline,
+                "redis store never became ready"
+            );
             tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         }
     });
@@ -135,11 +138,19 @@ fn replay(stores: &Stores, policy: &Policy, timeline: &[Step], case: u64) -> Res
     for (n, step) in timeline.iter().enumerate() {
         now += step.dt;
         let op = match step.op {
-            0 => Op { kind: OpKind::Peek, cost: step.cost, id: 0 },
+            0 => Op {
+                kind: OpKind::Peek,
+                cost: step.cost,
+                id: 0,
+            },
             1 | 2 => {
                 next_id += 1;
                 Op {
-                    kind: if step.op == 1 { OpKind::Charge } else { OpKind::Reserve },
+                    kind: if step.op == 1 {
+                        OpKind::Charge
+                    } else {
+                        OpKind::Reserve
+                    },
                     cost: step.cost,
                     id: next_id,
                 }
@@ -147,16 +158,33 @@ fn replay(stores: &Stores, policy: &Policy, timeline: &[Step], case: u64) -> Res
             _ => match taken.get(&step.caller).filter(|t| !t.is_empty()) {
                 Some(t) => {
                     let (cost, epoch) = t[step.pick % t.len()];
-                    Op { kind: OpKind::Refund, cost, id: epoch }
+                    Op {
+                        kind: OpKind::Refund,
+                        cost,
+                        id: epoch,
+                    }
                 }
-                None => Op { kind: OpKind::Peek, cost: step.cost, id: 0 },
+                None => Op {
+                    kind: OpKind::Peek,
+                    cost: step.cost,
+                    id: 0,
+                },
             },
         };
         let expected = algorithm::apply(policy, &mut model[step.caller], op, now);
-        let item = Item { key: &keys[step.caller], policy, op };
+        let item = Item {
+            key: &keys[step.caller],
+            policy,
+            op,
+        };
         let (memory, redis): (Verdict, Verdict) = stores.rt.block_on(async {
             let m = stores.memory.apply(&[item], now).await.remove(0).unwrap();
-            let r = stores.redis.apply(&[item], now).await.remove(0).map_err(|e| e.to_string());
+            let r = stores
+                .redis
+                .apply(&[item], now)
+                .await
+                .remove(0)
+                .map_err(|e| e.to_string());
             (m, r.expect("redis answers"))
         });
         if memory != expected || redis != expected {
@@ -166,7 +194,10 @@ fn replay(stores: &Stores, policy: &Policy, timeline: &[Step], case: u64) -> Res
             ));
         }
         if matches!(op.kind, OpKind::Charge | OpKind::Reserve) && expected.admitted {
-            taken.entry(step.caller).or_default().push((op.cost, expected.epoch));
+            taken
+                .entry(step.caller)
+                .or_default()
+                .push((op.cost, expected.epoch));
         }
         if op.kind == OpKind::Refund {
             if let Some(t) = taken.get_mut(&step.caller) {
@@ -221,7 +252,11 @@ fn sliding_window_disagrees_rarely_with_the_sliding_log() {
         x ^= x >> 7;
         x ^= x << 17;
         now += x % 1_000;
-        let op = Op { kind: OpKind::Reserve, cost: 1, id };
+        let op = Op {
+            kind: OpKind::Reserve,
+            cost: 1,
+            id,
+        };
         let exact = algorithm::apply(&log, &mut a, op, now).admitted;
         let estimated = algorithm::apply(&estimate, &mut b, op, now).admitted;
         total += 1;
@@ -232,6 +267,193 @@ fn sliding_window_disagrees_rarely_with_the_sliding_log() {
         "sliding_window vs sliding_log: {differ} of {total} decisions differ ({:.2}%)",
         rate * 100.0
     );
-    assert!(differ > 0, "the estimate is not exact: some decisions must differ");
+    assert!(
+        differ > 0,
+        "the estimate is not exact: some decisions must differ"
+    );
     assert!(rate < 0.15, "disagreement {rate}");
+}
+
+// ----- end to end, through the gateway, on both stores -----
+
+use support::{get, store_toml, Backend, TestGateway, Upstream};
+
+fn gateway_config(upstream: &Upstream, store: &str, limit: &str, route_extra: &str) -> String {
+    format!(
+        r#"
+[server]
+listen = "127.0.0.1:0"
+
+{store}
+
+[[upstreams]]
+name = "api"
+targets = ["{up}"]
+
+[[limits]]
+name = "l"
+{limit}
+
+[[routes]]
+path_prefix = "/"
+upstream = "api"
+limits = ["l"]
+{route_extra}
+"#,
+        up = upstream.url()
+    )
+}
+
+async fn each_backend(test: impl AsyncFn(Backend, String, Option<&RedisServer>)) {
+    test(
+        Backend::Memory,
+        store_toml(Backend::Memory, &[], "allow", "1s"),
+        None,
+    )
+    .await;
+    let redis = RedisServer::start();
+    let toml = store_toml(Backend::Redis, &[&redis], "allow", "1s");
+    test(Backend::Redis, toml, Some(&redis)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gcra_admits_a_burst_then_one_request_per_emission_interval() {
+    each_backend(async |backend, store, _redis| {
+        let upstream = Upstream::start().await;
+        let limit = "algorithm = \"gcra\"\nwindow = \"10s\"\nquota = { anonymous = 2 }\nburst = 2";
+        let gw = TestGateway::start(&gateway_config(&upstream, &store, limit, "")).await;
+        let url = gw.url("/x");
+        let first = get(&url).await;
+        assert_eq!(first.status, 200, "{backend:?}");
+        assert_eq!(first.header("x-ratelimit-limit"), "2");
+        assert_eq!(first.header("x-ratelimit-remaining"), "1");
+        assert_eq!(get(&url).await.status, 200);
+        let refused = get(&url).await;
+        assert_eq!(refused.status, 429, "{backend:?}");
+        // Emission interval 10 s / 2 = 5 s: the next unit fits 5 s from now.
+        assert_eq!(refused.header("retry-after"), "5");
+        assert_eq!(refused.header("x-ratelimit-remaining"), "0");
+        gw.clock.advance(std::time::Duration::from_millis(5_000));
+        let again = get(&url).await;
+        assert_eq!(again.status, 200, "{backend:?}");
+        assert_eq!(again.header("x-ratelimit-remaining"), "0");
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sliding_log_counts_the_last_window_exactly() {
+    each_backend(async |backend, store, redis| {
+        let upstream = Upstream::start().await;
+        let limit = "algorithm = \"sliding_log\"\nwindow = \"10s\"\nquota = { anonymous = 3 }";
+        let gw = TestGateway::start(&gateway_config(&upstream, &store, limit, "")).await;
+        let url = gw.url("/x");
+        assert_eq!(get(&url).await.status, 200);
+        gw.clock.advance(std::time::Duration::from_secs(4));
+        assert_eq!(get(&url).await.status, 200);
+        assert_eq!(get(&url).await.status, 200);
+        let refused = get(&url).await;
+        assert_eq!(refused.status, 429, "{backend:?}");
+        // The first entry ages out 10 s after it was made: 6 s from now.
+        assert_eq!(refused.header("retry-after"), "6");
+        if let Some(redis) = redis {
+            let keys = redis.keys();
+            assert_eq!(keys.len(), 1, "{keys:?}");
+            assert!(keys[0].contains(":l:sliding_log:{"), "{keys:?}");
+            let n: u64 = redis.cmd(&["ZCARD", &keys[0]]);
+            assert_eq!(n, 3, "one member per charge; the refused request left none");
+        }
+        gw.clock.advance(std::time::Duration::from_secs(6));
+        assert_eq!(get(&url).await.status, 200, "{backend:?}");
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrency_limits_requests_in_flight_and_frees_slots_when_the_body_ends() {
+    each_backend(async |backend, store, redis| {
+        let upstream = Upstream::start().await;
+        let limit = "algorithm = \"concurrency\"\nwindow = \"30s\"\nquota = { anonymous = 2 }";
+        let gw = TestGateway::start(&gateway_config(&upstream, &store, limit, "")).await;
+        let slow = gw.url("/slow/700");
+        let a = tokio::spawn(get_owned(slow.clone()));
+        let b = tokio::spawn(get_owned(slow.clone()));
+        tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+        let refused = get(&gw.url("/x")).await;
+        assert_eq!(refused.status, 429, "{backend:?}: two in flight of 2");
+        assert_eq!(refused.header("x-ratelimit-used"), "2");
+        assert_eq!(refused.header("retry-after"), "1");
+        assert_eq!(a.await.unwrap(), 200);
+        assert_eq!(b.await.unwrap(), 200);
+        // Slots are given back when the response bodies end.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(3);
+        loop {
+            let r = get(&gw.url("/x")).await;
+            if r.status == 200 && r.header("x-ratelimit-used") == "1" {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "slots never came back: {}",
+                r.status
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        if let Some(redis) = redis {
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            let keys = redis.keys();
+            let held: u64 = keys.iter().map(|k| redis.cmd::<u64>(&["ZCARD", k])).sum();
+            assert_eq!(held, 0, "every slot given back in Redis: {keys:?}");
+        }
+    })
+    .await;
+}
+
+async fn get_owned(url: String) -> u16 {
+    get(&url).await.status.as_u16()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn charge_on_request_never_admits_more_than_the_quota_and_refunds_uncharged() {
+    each_backend(async |backend, store, _redis| {
+        let upstream = Upstream::start().await;
+        let limit = "window = \"1h\"\nquota = { anonymous = 10 }";
+        let gw = TestGateway::start(&gateway_config(
+            &upstream,
+            &store,
+            limit,
+            "charge = \"on_request\"\nuncharged_statuses = [304]",
+        ))
+        .await;
+        // 40 concurrent requests, each in flight for 300 ms: exactly 10 get through.
+        let tasks: Vec<_> = (0..40)
+            .map(|_| tokio::spawn(get_owned(gw.url("/slow/300"))))
+            .collect();
+        let mut ok = 0;
+        for t in tasks {
+            let status = t.await.unwrap();
+            assert!(status == 200 || status == 429, "{status}");
+            ok += u32::from(status == 200);
+        }
+        assert_eq!(ok, 10, "{backend:?}: on_request admits exactly the quota");
+        // An uncharged status gives its reservation back.
+        gw.clock.advance(std::time::Duration::from_secs(3_600));
+        let r = get(&gw.url("/status/304")).await;
+        assert_eq!(r.status, 304);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(3);
+        loop {
+            let r = get(&gw.url("/x")).await;
+            assert_eq!(r.status, 200);
+            if r.header("x-ratelimit-used") == "1" {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "304 never refunded: used {}",
+                r.header("x-ratelimit-used")
+            );
+            gw.clock.advance(std::time::Duration::from_secs(3_600));
+        }
+    })
+    .await;
 }

@@ -383,7 +383,8 @@ fn sliding_log(p: &Policy, state: &mut State, op: Op, now: u64) -> Verdict {
     };
     let used: u64 = entries.iter().map(|e| e.1).sum();
     let admitted = used.saturating_add(op.cost) <= p.quota;
-    let reset_of = |entries: &[(u64, u64, u64)]| entries.iter().map(|e| e.0 + w).max().unwrap_or(now);
+    let reset_of =
+        |entries: &[(u64, u64, u64)]| entries.iter().map(|e| e.0 + w).max().unwrap_or(now);
     let retry_of = |entries: &[(u64, u64, u64)], used: u64| -> u64 {
         if op.cost > p.quota {
             return reset_of(entries);
@@ -404,7 +405,11 @@ fn sliding_log(p: &Policy, state: &mut State, op: Op, now: u64) -> Verdict {
             admitted,
             used,
             reset_at_ms: reset_of(&entries),
-            retry_at_ms: if admitted { 0 } else { retry_of(&entries, used) },
+            retry_at_ms: if admitted {
+                0
+            } else {
+                retry_of(&entries, used)
+            },
             epoch: 0,
         },
         OpKind::Reserve if !admitted => Verdict {

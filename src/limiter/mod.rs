@@ -22,8 +22,8 @@ pub mod sharded;
 pub mod store;
 
 use crate::config::{LimitConfig, OnError, Problems};
-use algorithm::{Algorithm, Align, Op, OpKind, Policy, Verdict};
 use crate::identity::Caller;
+use algorithm::{Algorithm, Align, Op, OpKind, Policy, Verdict};
 use cache::OverLimitCache;
 use http::{HeaderMap, HeaderName};
 use key::{KeyScheme, LimitKey, SubjectDigest};
@@ -396,9 +396,7 @@ pub struct Admission {
 fn next_id() -> u64 {
     use std::sync::OnceLock;
     static NEXT: OnceLock<AtomicU64> = OnceLock::new();
-    let next = NEXT.get_or_init(|| {
-        AtomicU64::new(uuid::Uuid::new_v4().as_u64_pair().0 >> 12)
-    });
+    let next = NEXT.get_or_init(|| AtomicU64::new(uuid::Uuid::new_v4().as_u64_pair().0 >> 12));
     (next.fetch_add(1, Ordering::Relaxed) & ((1 << 53) - 1)).max(1)
 }
 
@@ -513,7 +511,9 @@ impl Limiter {
         ip_subject(ip, &mut subject);
         let applied = [Applied {
             limit: limit.clone(),
-            key: self.keys.key_for(&limit.key_name, &self.keys.digest(&subject)),
+            key: self
+                .keys
+                .key_for(&limit.key_name, &self.keys.digest(&subject)),
             policy: limit.policy(quota),
         }];
         match self.check(&applied, 1, false, now_ms).await {
@@ -853,7 +853,11 @@ impl Limiter {
         let refund = async move {
             let items: Vec<Item<'_>> = refunds
                 .iter()
-                .map(|(key, policy, op)| Item { key, policy, op: *op })
+                .map(|(key, policy, op)| Item {
+                    key,
+                    policy,
+                    op: *op,
+                })
                 .collect();
             store.apply(&items, now_ms).await;
         };

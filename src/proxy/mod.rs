@@ -175,7 +175,9 @@ pub async fn serve(
     }
     // Concurrency slots are given back when the response body ends (or fails, or the
     // client goes away): the guard travels with the body.
-    let slots = snap.limiter.slots(&applied, &admission, ctx.shared_clock.clone());
+    let slots = snap
+        .limiter
+        .slots(&applied, &admission, ctx.shared_clock.clone());
 
     // 4. Forward upstream, streaming both bodies.
     let down = Downstream {

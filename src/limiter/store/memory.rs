@@ -8,8 +8,8 @@
 //! bounded by the callers active within one window, however many come and go.
 
 use super::{Grant, Item, Store, StoreError, WindowState};
-use crate::limiter::algorithm::{self, State, Verdict};
 use crate::clock::SharedClock;
+use crate::limiter::algorithm::{self, State, Verdict};
 use crate::limiter::key::LimitKey;
 use crate::limiter::sharded::ShardedMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -178,7 +178,10 @@ fn drop_expired(windows: &ShardedMap<Held>, now_ms: u64) -> usize {
 
 impl Store for MemoryStore {
     async fn apply(&self, items: &[Item<'_>], now_ms: u64) -> Vec<Result<Verdict, StoreError>> {
-        items.iter().map(|i| Ok(self.apply_now(i, now_ms))).collect()
+        items
+            .iter()
+            .map(|i| Ok(self.apply_now(i, now_ms)))
+            .collect()
     }
 
     async fn lease(

@@ -29,8 +29,8 @@ pub mod stats;
 pub use breaker::BreakerState;
 
 use super::{Grant, Item, Store, StoreError, WindowState};
-use crate::limiter::algorithm::{OpKind, Verdict};
 use crate::config::{Problems, ReadFrom, StoreConfig, StoreMode};
+use crate::limiter::algorithm::{OpKind, Verdict};
 use crate::limiter::key::{jump_consistent_hash, LimitKey};
 use arc_swap::ArcSwap;
 use batch::Batcher;
@@ -496,8 +496,7 @@ impl RedisStore {
                 .map(|(g, m)| self.call_group(live, kind, *g, keys, m, &args)),
         )
         .await;
-        let mut out: Vec<Option<Result<Verdict, StoreError>>> =
-            keys.iter().map(|_| None).collect();
+        let mut out: Vec<Option<Result<Verdict, StoreError>>> = keys.iter().map(|_| None).collect();
         for ((_, members), results) in groups.iter().zip(replies) {
             for (&i, r) in members.iter().zip(results) {
                 out[i] = Some(r);

@@ -6,8 +6,11 @@
 //! 3. **check** every limit ([`crate::limiter::Limiter::check`]): over a limit → 429 whose
 //!    headers come from that same read; store failing → `store.on_error`.
 //! 4. **forward** to the upstream ([`forward`]), streaming both bodies; 502 / 504.
-//! 5. **charge** every limit once the response status is known, unless it is uncharged.
-//! 6. **headers**: `X-RateLimit-*` of the most constrained limit ([`headers`]).
+//! 5. **charge** every limit once the response status is known, unless it is uncharged:
+//!    the route's `cost`, or what the upstream's cost header says
+//!    ([`forward::Upstream::take_cost`]).
+//! 6. **headers**: `X-RateLimit-*` of the most constrained limit, and/or the IETF
+//!    `RateLimit-Policy` (every applied limit) and `RateLimit` ([`headers`]).
 //!
 //! [`serve`] is that list as code; [`handle`] wraps it with the request id, the metrics
 //! and the access log ([`access`]).
@@ -22,12 +25,12 @@ pub mod route;
 use crate::clock::Clock;
 use crate::config::LogClientIp;
 use crate::identity::Identities;
-use crate::limiter::Limiter;
-use crate::limiter::{most_constrained, Refusal};
+use crate::limiter::{most_constrained, Applied, Limiter, Refusal, Usage};
 use crate::metrics::Metrics;
 use access::{AccessLog, Decision};
 use error::ProxyError;
 use forward::{Downstream, Peer};
+use headers::{Policy, Styles};
 use http::{header, Request, Response};
 use hyper::body::Incoming;
 use route::Router;
@@ -36,7 +39,7 @@ pub use crate::response::Body;
 
 /// The parts of a config snapshot that the request path reads, borrowed from the
 /// snapshot the request started with (`Snapshot::gate`). The request path does not
-/// know the snapshot type itself: it sees only these four parts.
+/// know the snapshot type itself: it sees only these parts.
 #[derive(Debug, Clone, Copy)]
 pub struct Gate<'a> {
     /// Step 1: API keys, tiers, trusted proxies.
@@ -47,6 +50,8 @@ pub struct Gate<'a> {
     pub limiter: &'a Limiter,
     /// `log.client_ip`: how the access log shows the client.
     pub log_client_ip: LogClientIp,
+    /// `headers.style`: which rate-limit headers responses carry.
+    pub headers: Styles,
 }
 
 impl Gate<'_> {
@@ -112,13 +117,19 @@ pub async fn serve(
             if let Some(usage) = snap.limiter.failed_auth(ip, clock.now_ms()).await {
                 log.decision = Decision::Rejected;
                 log.usage = Some(usage.clone());
-                let retry_after_s = usage.retry_after_s(clock.now_ms());
-                return ProxyError::OverLimit {
-                    usage,
-                    retry_after_s,
+                let now_ms = clock.now_ms();
+                let policy = snap
+                    .limiter
+                    .failed_auth_limit()
+                    .map(|limit| Policy::of_limit(limit, usage.quota));
+                let mut response = ProxyError::OverLimit {
+                    usage: usage.clone(),
+                    retry_after_s: usage.retry_after_s(now_ms),
                     caller: ip.to_string(),
                 }
                 .into_response();
+                headers::put(response.headers_mut(), snap.headers, &usage, policy, now_ms);
+                return response;
             }
             log.decision = Decision::Unauthenticated;
             return ProxyError::BadCredentials.into_response();
@@ -153,13 +164,15 @@ pub async fn serve(
                 })
                 .inc();
             log.usage = Some(usage.clone());
-            let retry_after_s = usage.retry_after_s(clock.now_ms());
-            return ProxyError::OverLimit {
-                usage,
-                retry_after_s,
+            let now_ms = clock.now_ms();
+            let mut response = ProxyError::OverLimit {
+                usage: usage.clone(),
+                retry_after_s: usage.retry_after_s(now_ms),
                 caller: caller.label(),
             }
             .into_response();
+            put_headers(snap, &mut response, &usage, &applied, now_ms);
+            return response;
         }
         Err(Refusal::StoreDenied(_)) => {
             log.decision = Decision::StoreErrorDenied;
@@ -187,10 +200,11 @@ pub async fn serve(
     let mut response = match forwarded {
         Ok(response) => response,
         Err(e) => {
-            snap.limiter.release(&applied, route.cost, &checked);
+            let mut checked = checked;
+            give_back(snap.limiter, &applied, route.cost, &mut checked);
             let mut response = e.into_response();
             if let Some(usage) = most_constrained(&checked) {
-                headers::put_usage(response.headers_mut(), usage);
+                put_headers(snap, &mut response, usage, &applied, clock.now_ms());
                 log.usage = Some(usage.clone());
             }
             return response;
@@ -198,22 +212,109 @@ pub async fn serve(
     };
 
     // 5. Charge, unless the status is uncharged (then the check's numbers stand, and
-    //    lease-mode limits get their units back).
-    let usages = if route.charges(response.status()) {
+    //    lease-mode limits get their units back). The upstream may say what the request
+    //    cost (upstreams.cost_header; the header never reaches the client); the check
+    //    above used the route's cost.
+    let cost = route
+        .upstream
+        .take_cost(response.headers_mut())
+        .unwrap_or(route.cost);
+    let usages = if route.charges(response.status()) && cost > 0 {
+        let mut checked = checked;
+        settle_leases(
+            snap.limiter,
+            &applied,
+            route.cost,
+            cost,
+            &mut checked,
+            clock,
+        )
+        .await;
         snap.limiter
-            .charge(&applied, route.cost, clock.now_ms(), checked)
+            .charge(&applied, cost, clock.now_ms(), checked)
             .await
     } else {
-        snap.limiter.release(&applied, route.cost, &checked);
+        let mut checked = checked;
+        give_back(snap.limiter, &applied, route.cost, &mut checked);
         checked
     };
 
-    // 6. Headers of the limit with the fewest remaining units.
+    // 6. Headers of the limit with the fewest remaining units (and every applied limit's
+    //    policy, for the IETF style).
     if let Some(usage) = most_constrained(&usages) {
-        headers::put_usage(response.headers_mut(), usage);
+        put_headers(snap, &mut response, usage, &applied, clock.now_ms());
         log.usage = Some(usage.clone());
     }
     response
+}
+
+/// The rate-limit headers of a request in the styles of `headers.style`: `usage` is the
+/// limit they describe, `applied` every limit that applied (for `RateLimit-Policy`),
+/// `now_ms` milliseconds since the Unix epoch.
+fn put_headers(
+    snap: &Gate<'_>,
+    response: &mut Response<Body>,
+    usage: &Usage,
+    applied: &[Applied],
+    now_ms: u64,
+) {
+    headers::put(
+        response.headers_mut(),
+        snap.headers,
+        usage,
+        applied.iter().map(Policy::of),
+        now_ms,
+    );
+}
+
+/// The request that the check admitted is charged `units` less than it took: lease-mode
+/// limits get those units back ([`Limiter::release`]), and their usage in `usages` no
+/// longer counts them. (Limits checked in the store took nothing yet.)
+fn give_back(limiter: &Limiter, applied: &[Applied], units: u64, usages: &mut [Option<Usage>]) {
+    limiter.release(applied, units, usages);
+    for (a, usage) in applied.iter().zip(usages.iter_mut()) {
+        if let (true, Some(u)) = (a.limit().lease > 0, usage) {
+            u.used = u.used.saturating_sub(units);
+        }
+    }
+}
+
+/// Lease-mode limits took `admitted` units (the route's cost) from this gateway's lease
+/// when the check admitted the request; when the upstream says it cost `actual` instead,
+/// give the difference back, or take the extra units too (as far as the window has room:
+/// the response is already on its way). Updates their usage in `usages`. Limits checked
+/// in the store are charged `actual` by [`Limiter::charge`] itself.
+async fn settle_leases(
+    limiter: &Limiter,
+    applied: &[Applied],
+    admitted: u64,
+    actual: u64,
+    usages: &mut [Option<Usage>],
+    clock: &dyn Clock,
+) {
+    if actual <= admitted {
+        if actual < admitted {
+            give_back(limiter, applied, admitted - actual, usages);
+        }
+        return;
+    }
+    let leased: Vec<usize> = (0..applied.len())
+        .filter(|&i| applied[i].limit().lease > 0 && usages[i].is_some())
+        .collect();
+    if leased.is_empty() {
+        return;
+    }
+    let subset: Vec<Applied> = leased.iter().map(|&i| applied[i].clone()).collect();
+    if let Ok(taken) = limiter
+        .check(&subset, actual - admitted, clock.now_ms())
+        .await
+    {
+        for (i, usage) in leased.into_iter().zip(taken) {
+            if usage.is_some() {
+                usages[i] = usage;
+            }
+        }
+    }
 }
 
 /// The host a request is for: the `Host` header, or the URI authority (HTTP/2).

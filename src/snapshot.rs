@@ -58,6 +58,7 @@ impl Snapshot {
             router: &self.router,
             limiter: &self.limiter,
             log_client_ip: self.config.log.client_ip,
+            headers: crate::proxy::headers::Styles::new(&self.config.headers.style),
         }
     }
 
@@ -135,6 +136,8 @@ impl Snapshot {
                 limits.insert(l.name.clone(), Arc::new(limit));
             }
         }
+
+        check_headers(cfg, &mut problems);
 
         let declared: HashSet<&str> = cfg
             .upstreams
@@ -272,6 +275,30 @@ fn parse_addr(path: &str, value: &str, problems: &mut Problems) -> Option<Socket
                 format!("{value:?} is not an address like \"127.0.0.1:8080\""),
             );
             None
+        }
+    }
+}
+
+/// Validate `[headers]`: each style at most once; with the IETF style, limit names must
+/// be printable ASCII (`RateLimit` headers carry them as structured-field strings).
+fn check_headers(cfg: &Config, problems: &mut Problems) {
+    let styles = &cfg.headers.style;
+    for (i, style) in styles.iter().enumerate() {
+        if styles[..i].contains(style) {
+            problems.error(
+                format!("headers.style[{i}]"),
+                format!("{:?} is listed twice", style.name()),
+            );
+        }
+    }
+    if styles.contains(&crate::config::HeaderStyle::Ietf) {
+        for (i, l) in cfg.limits.iter().enumerate() {
+            if !crate::proxy::headers::is_sf_string(&l.name) {
+                problems.error(
+                    format!("limits[{i}].name"),
+                    "must be printable ASCII with headers.style \"ietf\" (RateLimit headers carry it as a structured-field string)",
+                );
+            }
         }
     }
 }

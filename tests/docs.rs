@@ -62,6 +62,7 @@ fn full_config() -> Config {
             targets: vec!["http://127.0.0.1:9000".into()],
             connect_timeout: Dur::from_secs(2),
             response_timeout: Dur::from_secs(60),
+            cost_header: Some("x-tollgate-cost".into()),
         }],
         limits: vec![LimitConfig {
             name: "core".into(),
@@ -82,6 +83,9 @@ fn full_config() -> Config {
             uncharged_statuses: vec![304],
             charge: "after_response".into(),
         }],
+        headers: HeadersConfig {
+            style: vec![HeaderStyle::Github, HeaderStyle::Ietf],
+        },
     }
 }
 

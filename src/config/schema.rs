@@ -32,6 +32,9 @@ pub struct Config {
     /// `[[routes]]`: host and path prefix → upstream and limits.
     #[serde(default)]
     pub routes: Vec<RouteConfig>,
+    /// `[headers]`: which rate-limit header fields responses carry.
+    #[serde(default)]
+    pub headers: HeadersConfig,
 }
 
 /// `[server]`.
@@ -335,6 +338,12 @@ pub struct UpstreamConfig {
     /// past it the caller gets 504.
     #[serde(default = "default_response_timeout")]
     pub response_timeout: Dur,
+    /// Optional response header (e.g. `"x-tollgate-cost"`) in which the upstream says what
+    /// a request cost, in cost units: a non-negative integer there is charged instead of
+    /// the route's `cost`, and the header is removed before the client sees it. The check
+    /// before forwarding still uses the route's `cost`. Default: none (off).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cost_header: Option<String>,
 }
 
 fn default_connect_timeout() -> Dur {
@@ -438,4 +447,43 @@ fn default_uncharged() -> Vec<u16> {
 
 fn default_charge() -> String {
     "after_response".into()
+}
+
+/// `[headers]`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HeadersConfig {
+    /// The rate-limit header styles responses carry, each at most once. Default
+    /// `["github"]`; an empty list sends no rate-limit headers.
+    pub style: Vec<HeaderStyle>,
+}
+
+impl Default for HeadersConfig {
+    fn default() -> Self {
+        Self {
+            style: vec![HeaderStyle::Github],
+        }
+    }
+}
+
+/// One style of rate-limit headers (`headers.style`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum HeaderStyle {
+    /// GitHub's `X-RateLimit-Limit`, `-Remaining`, `-Used`, `-Reset` and `-Resource`.
+    Github,
+    /// The IETF draft's structured fields (draft-ietf-httpapi-ratelimit-headers):
+    /// `RateLimit-Policy` (every limit that applied) and `RateLimit` (the most
+    /// constrained one).
+    Ietf,
+}
+
+impl HeaderStyle {
+    /// The name in the config file: `"github"` or `"ietf"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            HeaderStyle::Github => "github",
+            HeaderStyle::Ietf => "ietf",
+        }
+    }
 }

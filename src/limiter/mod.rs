@@ -321,7 +321,7 @@ impl Applied {
         &self.key
     }
 
-    /// The limit.
+    /// The limit applied (its name, window length in milliseconds, lease mode).
     pub fn limit(&self) -> &Arc<Limit> {
         &self.limit
     }
@@ -339,6 +339,11 @@ impl Applied {
             reset_at_ms: v.reset_at_ms,
             retry_at_ms: v.retry_at_ms,
         }
+    }
+
+    /// The caller's quota in this limit: cost units per window.
+    pub fn quota(&self) -> u64 {
+        self.policy.quota
     }
 
     fn usage_at(&self, used: u64, reset_at_ms: u64) -> Usage {
@@ -526,6 +531,11 @@ impl Limiter {
                 Some(applied[0].usage_at(quota, now_ms + limit.window_ms))
             }
         }
+    }
+
+    /// The built-in limit on failed authentications (`identity.failed_auth_limit`), when on.
+    pub fn failed_auth_limit(&self) -> Option<&Arc<Limit>> {
+        self.failed_auth.as_ref()
     }
 
     /// The 32 hex digits that stand for a client IP in storage keys (its by-IP windows).

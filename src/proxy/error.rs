@@ -1,6 +1,5 @@
 //! Every way the gateway itself answers a request, with its status and JSON body.
 
-use super::headers::put_usage;
 use crate::limiter::Usage;
 use crate::response::{json_bytes_response, Body};
 use http::{header, HeaderValue, Response, StatusCode};
@@ -53,7 +52,9 @@ impl ProxyError {
     }
 
     /// The JSON response: `{"message": ...}` plus, for 429, `limit`, `remaining`, `reset`,
-    /// `resource` and `retry_after`, with `Retry-After` and `X-RateLimit-*` headers.
+    /// `resource` and `retry_after`, with a `Retry-After` header (whole seconds). The
+    /// rate-limit headers are the request path's to add ([`super::headers::put`]), in the
+    /// styles `headers.style` selects.
     pub fn into_response(self) -> Response<Body> {
         let status = self.status();
         let message = self.to_string();
@@ -80,13 +81,7 @@ impl ProxyError {
         // Serializing a struct of plain fields cannot fail.
         let bytes = serde_json::to_vec(&body).unwrap_or_default();
         let mut response = json_bytes_response(status, bytes);
-        if let ProxyError::OverLimit {
-            usage,
-            retry_after_s,
-            ..
-        } = &self
-        {
-            put_usage(response.headers_mut(), usage);
+        if let ProxyError::OverLimit { retry_after_s, .. } = &self {
             response
                 .headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(*retry_after_s));

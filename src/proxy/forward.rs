@@ -11,7 +11,7 @@ use http::{Request, Response, Uri, Version};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use std::net::IpAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -32,12 +32,19 @@ pub struct Upstream {
     targets: Vec<(Target, Arc<Pool>)>,
     next: AtomicUsize,
     response_timeout: Duration,
+    /// `upstreams.cost_header` (lowercase): the response header in which the upstream
+    /// says what a request cost, in cost units. `None`: off.
+    pub cost_header: Option<HeaderName>,
+    /// Warnings about invalid cost headers: at most one per [`COST_WARN_INTERVAL_MS`].
+    cost_warnings: WarnEvery,
 }
 
 /// Idle keep-alive connections kept per target.
 const MAX_IDLE_PER_TARGET: usize = 256;
 /// How long an idle connection is kept.
 const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
+/// Milliseconds between two warnings about an upstream's invalid cost headers.
+pub const COST_WARN_INTERVAL_MS: u64 = 10_000;
 
 impl Upstream {
     /// Build from config (no I/O), recording problems under `upstreams[index]`.
@@ -66,6 +73,25 @@ impl Upstream {
         if cfg.response_timeout.0.is_zero() {
             problems.error(format!("{at}.response_timeout"), "must be more than 0");
         }
+        let cost_header = cfg.cost_header.as_ref().and_then(|h| {
+            match HeaderName::from_bytes(h.to_ascii_lowercase().as_bytes()) {
+                Ok(name) if always_hop_by_hop(&name) => {
+                    problems.error(
+                        format!("{at}.cost_header"),
+                        format!("{h:?} is a hop-by-hop header, which is never passed on: pick another name, e.g. \"x-tollgate-cost\""),
+                    );
+                    None
+                }
+                Ok(name) => Some(name),
+                Err(_) => {
+                    problems.error(
+                        format!("{at}.cost_header"),
+                        format!("{h:?} is not a valid header name (e.g. \"x-tollgate-cost\")"),
+                    );
+                    None
+                }
+            }
+        });
         if problems.errors.len() != before {
             return None;
         }
@@ -86,12 +112,78 @@ impl Upstream {
             targets,
             next: AtomicUsize::new(0),
             response_timeout: cfg.response_timeout.0,
+            cost_header,
+            cost_warnings: WarnEvery::default(),
         })
+    }
+
+    /// Remove the cost header (`upstreams.cost_header`) from a response of this upstream
+    /// and return the cost it gives, in cost units: `Some` for one value that is a
+    /// non-negative integer; `None` when the upstream has no cost header, or the response
+    /// none, or an invalid one (several values, not an integer), which is logged at warn
+    /// (at most once per [`COST_WARN_INTERVAL_MS`] per upstream). The header is removed
+    /// whatever it holds.
+    pub fn take_cost(&self, headers: &mut HeaderMap) -> Option<u64> {
+        let name = self.cost_header.as_ref()?;
+        let mut values = headers.get_all(name).iter();
+        let value = values.next()?;
+        let cost = match values.next() {
+            None => parse_cost(value.as_bytes()),
+            Some(_) => None,
+        };
+        if cost.is_none() {
+            if let Some(suppressed) = self.cost_warnings.due() {
+                let shown = &value.as_bytes()[..value.len().min(64)];
+                tracing::warn!(
+                    upstream = %self.name,
+                    header = %name,
+                    value = %String::from_utf8_lossy(shown),
+                    suppressed,
+                    "invalid cost header (expected one non-negative integer); charging the route's cost"
+                );
+            }
+        }
+        headers.remove(name);
+        cost
     }
 
     fn pick(&self) -> &(Target, Arc<Pool>) {
         let i = self.next.fetch_add(1, Ordering::Relaxed) % self.targets.len();
         &self.targets[i]
+    }
+}
+
+/// A cost header's value: ASCII digits only (no sign, no space), fitting a `u64`.
+fn parse_cost(value: &[u8]) -> Option<u64> {
+    if value.is_empty() || !value.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    std::str::from_utf8(value).ok()?.parse().ok()
+}
+
+/// Lets a warning through at most once per [`COST_WARN_INTERVAL_MS`], counting the
+/// ones held back in between.
+#[derive(Debug, Default)]
+struct WarnEvery {
+    last_ms: AtomicU64,
+    suppressed: AtomicU64,
+}
+
+impl WarnEvery {
+    /// `Some(number held back since the last one)` when a warning may be logged now.
+    fn due(&self) -> Option<u64> {
+        let now = crate::clock::Clock::now_ms(&crate::clock::SystemClock);
+        let last = self.last_ms.load(Ordering::Relaxed);
+        if (last == 0 || now.saturating_sub(last) >= COST_WARN_INTERVAL_MS)
+            && self
+                .last_ms
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            return Some(self.suppressed.swap(0, Ordering::Relaxed));
+        }
+        self.suppressed.fetch_add(1, Ordering::Relaxed);
+        None
     }
 }
 
@@ -382,6 +474,25 @@ mod tests {
         }
         strip_hop_by_hop(&mut h);
         assert_eq!(h.keys().map(|k| k.as_str()).collect::<Vec<_>>(), ["x-kept"]);
+    }
+
+    #[test]
+    fn cost_values_parse() {
+        assert_eq!(parse_cost(b"0"), Some(0));
+        assert_eq!(parse_cost(b"17"), Some(17));
+        assert_eq!(parse_cost(b"007"), Some(7));
+        for bad in [
+            &b""[..],
+            b"-1",
+            b"+1",
+            b"1.5",
+            b" 1",
+            b"1e3",
+            b"abc",
+            b"99999999999999999999",
+        ] {
+            assert_eq!(parse_cost(bad), None, "{:?}", String::from_utf8_lossy(bad));
+        }
     }
 
     #[test]

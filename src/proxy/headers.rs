@@ -1,7 +1,11 @@
-//! Step 6 of the request path: the `X-RateLimit-*` headers (GitHub's names).
+//! Step 6 of the request path: the rate-limit headers, in the styles `headers.style`
+//! selects: GitHub's `X-RateLimit-*`, and the IETF draft's `RateLimit-Policy` and
+//! `RateLimit` (draft-ietf-httpapi-ratelimit-headers, RFC 8941 structured fields).
 
-use crate::limiter::Usage;
+use crate::config::HeaderStyle;
+use crate::limiter::{Applied, Limit, Usage};
 use http::{HeaderMap, HeaderName, HeaderValue};
+use std::fmt::Write;
 
 /// `X-RateLimit-Limit`: the quota of the caller's tier, units per window.
 pub static LIMIT: HeaderName = HeaderName::from_static("x-ratelimit-limit");
@@ -13,6 +17,97 @@ pub static USED: HeaderName = HeaderName::from_static("x-ratelimit-used");
 pub static RESET: HeaderName = HeaderName::from_static("x-ratelimit-reset");
 /// `X-RateLimit-Resource`: the limit's name.
 pub static RESOURCE: HeaderName = HeaderName::from_static("x-ratelimit-resource");
+/// `RateLimit-Policy` (IETF): every limit that applied, as a list of
+/// `"name";q=QUOTA;w=WINDOW_SECONDS`.
+pub static RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
+/// `RateLimit` (IETF): the most constrained limit, as
+/// `"name";r=REMAINING;t=SECONDS_UNTIL_RESET`.
+pub static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
+
+/// The largest integer an RFC 8941 sf-integer may hold (15 digits).
+const SF_INTEGER_MAX: u64 = 999_999_999_999_999;
+
+/// Which rate-limit header styles responses carry (`headers.style`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Styles {
+    /// GitHub's `X-RateLimit-*`.
+    pub github: bool,
+    /// The IETF draft's `RateLimit-Policy` and `RateLimit`.
+    pub ietf: bool,
+}
+
+impl Styles {
+    /// The styles listed in `headers.style`.
+    pub fn new(styles: &[HeaderStyle]) -> Self {
+        Self {
+            github: styles.contains(&HeaderStyle::Github),
+            ietf: styles.contains(&HeaderStyle::Ietf),
+        }
+    }
+}
+
+impl Default for Styles {
+    /// `["github"]`, the default of `headers.style`.
+    fn default() -> Self {
+        Self {
+            github: true,
+            ietf: false,
+        }
+    }
+}
+
+/// One limit that applied to a request, as `RateLimit-Policy` lists it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Policy<'a> {
+    /// The limit's name.
+    pub name: &'a str,
+    /// The caller's quota: cost units per window.
+    pub quota: u64,
+    /// The window's length in milliseconds (the header gives whole seconds, rounded up).
+    pub window_ms: u64,
+}
+
+impl<'a> Policy<'a> {
+    /// The policy of a limit as it applied to one request (the caller's tier's quota).
+    pub fn of(applied: &'a Applied) -> Self {
+        Self::of_limit(applied.limit(), applied.quota())
+    }
+
+    /// The policy of `limit` for a caller whose quota in it is `quota` units per window.
+    pub fn of_limit(limit: &'a Limit, quota: u64) -> Self {
+        Self {
+            name: &limit.name,
+            quota,
+            window_ms: limit.window_ms,
+        }
+    }
+
+    /// The window in whole seconds, rounded up (`w`).
+    pub fn window_s(&self) -> u64 {
+        self.window_ms.div_ceil(1000)
+    }
+}
+
+/// Put the rate-limit headers of one request on its response, in the styles `styles`
+/// selects, replacing any of them that the upstream sent: `usage` is the limit the
+/// headers describe (the most constrained one, or the one that refused), `policies`
+/// every limit that applied, and `now_ms` the time in milliseconds since the Unix epoch
+/// (for `RateLimit`'s seconds until the reset). Headers of a style not selected are
+/// left as the upstream sent them.
+pub fn put<'a>(
+    headers: &mut HeaderMap,
+    styles: Styles,
+    usage: &Usage,
+    policies: impl IntoIterator<Item = Policy<'a>>,
+    now_ms: u64,
+) {
+    if styles.github {
+        put_usage(headers, usage);
+    }
+    if styles.ietf {
+        put_ietf(headers, usage, policies, now_ms);
+    }
+}
 
 /// Put `usage` on a response as `X-RateLimit-Limit`, `-Remaining`, `-Used`, `-Reset`
 /// (UTC epoch seconds) and `-Resource`, replacing any the upstream sent.
@@ -23,5 +118,172 @@ pub fn put_usage(headers: &mut HeaderMap, usage: &Usage) {
     headers.insert(RESET.clone(), HeaderValue::from(usage.reset_epoch_s()));
     if let Ok(v) = HeaderValue::from_str(&usage.resource) {
         headers.insert(RESOURCE.clone(), v);
+    }
+}
+
+/// Put `RateLimit-Policy` (every limit in `policies`) and `RateLimit` (`usage`, with the
+/// seconds from `now_ms` until its reset) on a response, replacing any the upstream
+/// sent. A field that cannot be serialized (a name that is not printable ASCII) is
+/// removed instead.
+pub fn put_ietf<'a>(
+    headers: &mut HeaderMap,
+    usage: &Usage,
+    policies: impl IntoIterator<Item = Policy<'a>>,
+    now_ms: u64,
+) {
+    match policy_value(policies) {
+        Some(v) => headers.insert(RATELIMIT_POLICY.clone(), v),
+        None => headers.remove(&RATELIMIT_POLICY),
+    };
+    match ratelimit_value(usage, now_ms) {
+        Some(v) => headers.insert(RATELIMIT.clone(), v),
+        None => headers.remove(&RATELIMIT),
+    };
+}
+
+/// `"burst";q=100;w=60, "daily";q=1000;w=86400`; `None` for an empty list or a name that
+/// is not printable ASCII.
+pub fn policy_value<'a>(policies: impl IntoIterator<Item = Policy<'a>>) -> Option<HeaderValue> {
+    let mut out = String::with_capacity(64);
+    for p in policies {
+        if !out.is_empty() {
+            out.push_str(", ");
+        }
+        push_sf_string(&mut out, p.name)?;
+        let _ = write!(
+            out,
+            ";q={};w={}",
+            p.quota.min(SF_INTEGER_MAX),
+            p.window_s().min(SF_INTEGER_MAX)
+        );
+    }
+    if out.is_empty() {
+        return None;
+    }
+    HeaderValue::try_from(out).ok()
+}
+
+/// `"burst";r=42;t=17`: remaining units, and whole seconds from `now_ms` until the
+/// reset (rounded up, at least 0); `None` for a name that is not printable ASCII.
+pub fn ratelimit_value(usage: &Usage, now_ms: u64) -> Option<HeaderValue> {
+    let mut out = String::with_capacity(32);
+    push_sf_string(&mut out, &usage.resource)?;
+    let t = usage.reset_at_ms.saturating_sub(now_ms).div_ceil(1000);
+    let _ = write!(
+        out,
+        ";r={};t={}",
+        usage.remaining().min(SF_INTEGER_MAX),
+        t.min(SF_INTEGER_MAX)
+    );
+    HeaderValue::try_from(out).ok()
+}
+
+/// Whether `name` can be written as an RFC 8941 sf-string (printable ASCII only).
+pub fn is_sf_string(name: &str) -> bool {
+    name.bytes().all(|b| (b' '..=b'~').contains(&b))
+}
+
+/// Append `s` as an RFC 8941 sf-string (`"` and `\` escaped); `None` when it holds a
+/// character outside printable ASCII, which an sf-string cannot carry.
+fn push_sf_string(out: &mut String, s: &str) -> Option<()> {
+    if !is_sf_string(s) {
+        return None;
+    }
+    out.push('"');
+    for c in s.chars() {
+        if c == '"' || c == '\\' {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out.push('"');
+    Some(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn usage(name: &str, quota: u64, used: u64, reset_at_ms: u64) -> Usage {
+        Usage {
+            resource: name.into(),
+            quota,
+            used,
+            reset_at_ms,
+            retry_at_ms: 0,
+        }
+    }
+
+    fn policy(name: &str, quota: u64, window_ms: u64) -> Policy<'_> {
+        Policy {
+            name,
+            quota,
+            window_ms,
+        }
+    }
+
+    #[test]
+    fn policy_lists_every_limit() {
+        let v = policy_value([
+            policy("burst", 100, 60_000),
+            policy("daily", 1000, 86_400_000),
+        ]);
+        assert_eq!(
+            v.unwrap().to_str().unwrap(),
+            r#""burst";q=100;w=60, "daily";q=1000;w=86400"#
+        );
+        assert_eq!(policy_value([]), None);
+        // Whole seconds, rounded up.
+        let v = policy_value([policy("x", 1, 1_500)]).unwrap();
+        assert_eq!(v.to_str().unwrap(), r#""x";q=1;w=2"#);
+    }
+
+    #[test]
+    fn ratelimit_counts_seconds_up_and_never_below_zero() {
+        let u = usage("burst", 100, 58, 17_000);
+        assert_eq!(ratelimit_value(&u, 0).unwrap(), r#""burst";r=42;t=17"#);
+        assert_eq!(ratelimit_value(&u, 16_001).unwrap(), r#""burst";r=42;t=1"#);
+        assert_eq!(ratelimit_value(&u, 17_000).unwrap(), r#""burst";r=42;t=0"#);
+        assert_eq!(ratelimit_value(&u, 20_000).unwrap(), r#""burst";r=42;t=0"#);
+        let over = usage("burst", 100, 130, 17_000);
+        assert_eq!(ratelimit_value(&over, 0).unwrap(), r#""burst";r=0;t=17"#);
+    }
+
+    #[test]
+    fn names_are_escaped_and_non_ascii_is_refused() {
+        let v = policy_value([policy(r#"a"b\c"#, 1, 1_000)]).unwrap();
+        assert_eq!(v.to_str().unwrap(), r#""a\"b\\c";q=1;w=1"#);
+        assert_eq!(policy_value([policy("café", 1, 1_000)]), None);
+        assert_eq!(ratelimit_value(&usage("café", 1, 0, 0), 0), None);
+    }
+
+    #[test]
+    fn integers_are_clamped_to_the_sf_integer_range() {
+        let v = policy_value([policy("x", u64::MAX, u64::MAX)]).unwrap();
+        assert_eq!(
+            v.to_str().unwrap(),
+            r#""x";q=999999999999999;w=999999999999999"#
+        );
+    }
+
+    #[test]
+    fn styles_select_the_fields() {
+        let u = usage("core", 10, 3, 5_000);
+        let p = [policy("core", 10, 60_000)];
+        let mut h = HeaderMap::new();
+        h.insert("ratelimit", HeaderValue::from_static("upstream"));
+        put(&mut h, Styles::new(&[HeaderStyle::Ietf]), &u, p, 1_000);
+        assert_eq!(h["ratelimit"], r#""core";r=7;t=4"#, "replaced");
+        assert_eq!(h["ratelimit-policy"], r#""core";q=10;w=60"#);
+        assert!(h.get("x-ratelimit-limit").is_none());
+
+        let mut h = HeaderMap::new();
+        put(&mut h, Styles::new(&[]), &u, p, 1_000);
+        assert!(h.is_empty());
+
+        let mut h = HeaderMap::new();
+        put(&mut h, Styles::default(), &u, p, 1_000);
+        assert_eq!(h["x-ratelimit-remaining"], "7");
+        assert!(h.get("ratelimit").is_none());
     }
 }

@@ -6,8 +6,11 @@
 //! 3. **check** every limit ([`crate::limiter::Limiter::check`]): over a limit → 429 whose
 //!    headers come from that same read; store failing → `store.on_error`.
 //! 4. **forward** to the upstream ([`forward`]), streaming both bodies; 502 / 504.
-//! 5. **charge** every limit once the response status is known, unless it is uncharged.
-//! 6. **headers**: `X-RateLimit-*` of the most constrained limit ([`headers`]).
+//! 5. **charge** every limit once the response status is known, unless it is uncharged:
+//!    the route's `cost`, or what the upstream's cost header says
+//!    ([`forward::Upstream::take_cost`]).
+//! 6. **headers**: `X-RateLimit-*` of the most constrained limit, and/or the IETF
+//!    `RateLimit-Policy` (every applied limit) and `RateLimit` ([`headers`]).
 //!
 //! [`serve`] is that list as code; [`handle`] wraps it with the request id, the metrics
 //! and the access log ([`access`]).
@@ -22,12 +25,12 @@ pub mod route;
 use crate::clock::Clock;
 use crate::config::LogClientIp;
 use crate::identity::Identities;
-use crate::limiter::Limiter;
-use crate::limiter::{most_constrained, Refusal};
+use crate::limiter::{most_constrained, Applied, Limiter, Refusal, Usage};
 use crate::metrics::Metrics;
 use access::{AccessLog, Decision};
 use error::ProxyError;
 use forward::{Downstream, Peer};
+use headers::{Policy, Styles};
 use http::{header, Request, Response};
 use hyper::body::Incoming;
 use route::Router;
@@ -36,7 +39,7 @@ pub use crate::response::Body;
 
 /// The parts of a config snapshot that the request path reads, borrowed from the
 /// snapshot the request started with (`Snapshot::gate`). The request path does not
-/// know the snapshot type itself: it sees only these four parts.
+/// know the snapshot type itself: it sees only these parts.
 #[derive(Debug, Clone, Copy)]
 pub struct Gate<'a> {
     /// Step 1: API keys, tiers, trusted proxies.
@@ -47,6 +50,8 @@ pub struct Gate<'a> {
     pub limiter: &'a Limiter,
     /// `log.client_ip`: how the access log shows the client.
     pub log_client_ip: LogClientIp,
+    /// `headers.style`: which rate-limit headers responses carry.
+    pub headers: Styles,
 }
 
 impl Gate<'_> {
@@ -115,13 +120,19 @@ pub async fn serve(
             if let Some(usage) = snap.limiter.failed_auth(ip, clock.now_ms()).await {
                 log.decision = Decision::Rejected;
                 log.usage = Some(usage.clone());
-                let retry_after_s = usage.retry_after_s(clock.now_ms());
-                return ProxyError::OverLimit {
-                    usage,
-                    retry_after_s,
+                let now_ms = clock.now_ms();
+                let policy = snap
+                    .limiter
+                    .failed_auth_limit()
+                    .map(|limit| Policy::of_limit(limit, usage.quota));
+                let mut response = ProxyError::OverLimit {
+                    usage: usage.clone(),
+                    retry_after_s: usage.retry_after_s(now_ms),
                     caller: ip.to_string(),
                 }
                 .into_response();
+                headers::put(response.headers_mut(), snap.headers, &usage, policy, now_ms);
+                return response;
             }
             log.decision = Decision::Unauthenticated;
             return ProxyError::BadCredentials.into_response();
@@ -157,13 +168,15 @@ pub async fn serve(
                 })
                 .inc();
             log.usage = Some(usage.clone());
-            let retry_after_s = usage.retry_after_s(clock.now_ms());
-            return ProxyError::OverLimit {
-                usage,
-                retry_after_s,
+            let now_ms = clock.now_ms();
+            let mut response = ProxyError::OverLimit {
+                usage: usage.clone(),
+                retry_after_s: usage.retry_after_s(now_ms),
                 caller: caller.label(),
             }
             .into_response();
+            put_headers(snap, &mut response, &usage, &applied, now_ms);
+            return response;
         }
         Err(Refusal::StoreDenied(_)) => {
             log.decision = Decision::StoreErrorDenied;
@@ -200,7 +213,7 @@ pub async fn serve(
                 .release(&applied, route.cost, &admission, clock.now_ms());
             let mut response = e.into_response();
             if let Some(usage) = most_constrained(&admission.usages) {
-                headers::put_usage(response.headers_mut(), usage);
+                put_headers(snap, &mut response, usage, &applied, clock.now_ms());
                 log.usage = Some(usage.clone());
             }
             return response; // dropping `slots` gives them back
@@ -208,10 +221,17 @@ pub async fn serve(
     };
 
     // 5. Charge, unless the status is uncharged (then the check's numbers stand, and
-    //    reservations and lease units are given back).
-    let usages = if route.charges(response.status()) {
+    //    reservations and lease units are given back). The upstream may say what the
+    //    request cost (upstreams.cost_header; the header never reaches the client): that
+    //    is what limits checked before forwarding are charged. Reserved (on_request) and
+    //    lease-mode limits keep the route's cost, taken before forwarding.
+    let cost = route
+        .upstream
+        .take_cost(response.headers_mut())
+        .unwrap_or(route.cost);
+    let usages = if route.charges(response.status()) && cost > 0 {
         snap.limiter
-            .charge(&applied, route.cost, clock.now_ms(), admission)
+            .charge(&applied, cost, clock.now_ms(), admission)
             .await
     } else {
         snap.limiter
@@ -219,15 +239,35 @@ pub async fn serve(
         admission.usages
     };
 
-    // 6. Headers of the limit with the fewest remaining units.
+    // 6. Headers of the limit with the fewest remaining units (and every applied limit's
+    //    policy, for the IETF style).
     if let Some(usage) = most_constrained(&usages) {
-        headers::put_usage(response.headers_mut(), usage);
+        put_headers(snap, &mut response, usage, &applied, clock.now_ms());
         log.usage = Some(usage.clone());
     }
     if let Some(guard) = slots {
         response = response.map(|body| crate::response::with_guard(body, guard));
     }
     response
+}
+
+/// The rate-limit headers of a request in the styles of `headers.style`: `usage` is the
+/// limit they describe, `applied` every limit that applied (for `RateLimit-Policy`),
+/// `now_ms` milliseconds since the Unix epoch.
+fn put_headers(
+    snap: &Gate<'_>,
+    response: &mut Response<Body>,
+    usage: &Usage,
+    applied: &[Applied],
+    now_ms: u64,
+) {
+    headers::put(
+        response.headers_mut(),
+        snap.headers,
+        usage,
+        applied.iter().map(Policy::of),
+        now_ms,
+    );
 }
 
 /// The host a request is for: the `Host` header, or the URI authority (HTTP/2).

@@ -5,6 +5,10 @@
 //! - `/download/N`: streams N bytes in 64 KiB chunks.
 //! - `/upload`: reads the body as it streams, answers `{"bytes": N}`.
 //! - `/slow/MS`: waits MS milliseconds, then answers 200.
+//! - `/cost/N`: answers 200 with `x-tollgate-cost: N` (N as written, valid or not).
+//! - `/set-headers?NAME=VALUE&...`: answers with each pair as a response header
+//!   (percent-decoded; a repeated name gives several values), and with the status of a
+//!   `status=NNN` pair (default 200).
 //! - anything else: 200 "ok".
 
 use bytes::Bytes;
@@ -162,5 +166,51 @@ async fn serve(req: Request<Incoming>) -> Result<Response<Body>, Infallible> {
         tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
         return Ok(full(StatusCode::OK, "slow ok"));
     }
+    if let Some(cost) = path.strip_prefix("/cost/") {
+        let mut r = full(StatusCode::OK, "ok");
+        r.headers_mut().insert(
+            "x-tollgate-cost",
+            http::HeaderValue::from_str(cost).unwrap(),
+        );
+        return Ok(r);
+    }
+    if path == "/set-headers" {
+        let mut r = full(StatusCode::OK, "ok");
+        for pair in req.uri().query().unwrap_or("").split('&') {
+            let Some((name, value)) = pair.split_once('=') else {
+                continue;
+            };
+            let value = percent_decode(value);
+            if name == "status" {
+                *r.status_mut() = StatusCode::from_u16(value.parse().unwrap()).unwrap();
+                continue;
+            }
+            r.headers_mut().append(
+                http::HeaderName::from_bytes(percent_decode(name).as_bytes()).unwrap(),
+                http::HeaderValue::from_str(&value).unwrap(),
+            );
+        }
+        return Ok(r);
+    }
     Ok(full(StatusCode::OK, "ok"))
+}
+
+/// `%22a%20b%22` → `"a b"`.
+fn percent_decode(s: &str) -> String {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' && i + 2 < bytes.len() {
+            let hex = std::str::from_utf8(&bytes[i + 1..i + 3]).unwrap_or("");
+            if let Ok(b) = u8::from_str_radix(hex, 16) {
+                out.push(b);
+                i += 3;
+                continue;
+            }
+        }
+        out.push(bytes[i]);
+        i += 1;
+    }
+    String::from_utf8(out).unwrap()
 }

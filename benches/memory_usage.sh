@@ -106,7 +106,10 @@ for p in $(candidates); do
   wait "$PID" 2>/dev/null || true
   PID=""
 done
-[ -n "$PORT" ] || die "could not start $SERVER on a free port (see a log in $WORK/redis.log)"
+if [ -z "$PORT" ]; then
+  tail -n 20 "$WORK/redis.log" >&2 2>/dev/null || true
+  die "could not start $SERVER on a free loopback port (its log, above)"
+fi
 
 rc() {
   "$CLI" -h 127.0.0.1 -p "$PORT" "$@"

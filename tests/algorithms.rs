@@ -304,6 +304,13 @@ limits = ["l"]
     )
 }
 
+/// An upstream and a gateway in front of it with one limit `l` (its TOML lines) on `/`.
+async fn start(store: &str, limit: &str, route_extra: &str) -> (Upstream, TestGateway) {
+    let upstream = Upstream::start().await;
+    let gw = TestGateway::start(&gateway_config(&upstream, store, limit, route_extra)).await;
+    (upstream, gw)
+}
+
 async fn each_backend(test: impl AsyncFn(Backend, String, Option<&RedisServer>)) {
     test(
         Backend::Memory,
@@ -319,9 +326,8 @@ async fn each_backend(test: impl AsyncFn(Backend, String, Option<&RedisServer>))
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gcra_admits_a_burst_then_one_request_per_emission_interval() {
     each_backend(async |backend, store, _redis| {
-        let upstream = Upstream::start().await;
         let limit = "algorithm = \"gcra\"\nwindow = \"10s\"\nquota = { anonymous = 2 }\nburst = 2";
-        let gw = TestGateway::start(&gateway_config(&upstream, &store, limit, "")).await;
+        let (_upstream, gw) = start(&store, limit, "").await;
         let url = gw.url("/x");
         let first = get(&url).await;
         assert_eq!(first.status, 200, "{backend:?}");
@@ -344,9 +350,8 @@ async fn gcra_admits_a_burst_then_one_request_per_emission_interval() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sliding_log_counts_the_last_window_exactly() {
     each_backend(async |backend, store, redis| {
-        let upstream = Upstream::start().await;
         let limit = "algorithm = \"sliding_log\"\nwindow = \"10s\"\nquota = { anonymous = 3 }";
-        let gw = TestGateway::start(&gateway_config(&upstream, &store, limit, "")).await;
+        let (_upstream, gw) = start(&store, limit, "").await;
         let url = gw.url("/x");
         assert_eq!(get(&url).await.status, 200);
         gw.clock.advance(std::time::Duration::from_secs(4));
@@ -372,9 +377,8 @@ async fn sliding_log_counts_the_last_window_exactly() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrency_limits_requests_in_flight_and_frees_slots_when_the_body_ends() {
     each_backend(async |backend, store, redis| {
-        let upstream = Upstream::start().await;
         let limit = "algorithm = \"concurrency\"\nwindow = \"30s\"\nquota = { anonymous = 2 }";
-        let gw = TestGateway::start(&gateway_config(&upstream, &store, limit, "")).await;
+        let (_upstream, gw) = start(&store, limit, "").await;
         let slow = gw.url("/slow/700");
         let a = tokio::spawn(get_owned(slow.clone()));
         let b = tokio::spawn(get_owned(slow.clone()));
@@ -416,15 +420,9 @@ async fn get_owned(url: String) -> u16 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn charge_on_request_never_admits_more_than_the_quota_and_refunds_uncharged() {
     each_backend(async |backend, store, _redis| {
-        let upstream = Upstream::start().await;
         let limit = "window = \"1h\"\nquota = { anonymous = 10 }";
-        let gw = TestGateway::start(&gateway_config(
-            &upstream,
-            &store,
-            limit,
-            "charge = \"on_request\"\nuncharged_statuses = [304]",
-        ))
-        .await;
+        let route = "charge = \"on_request\"\nuncharged_statuses = [304]";
+        let (_upstream, gw) = start(&store, limit, route).await;
         // 40 concurrent requests, each in flight for 300 ms: exactly 10 get through.
         let tasks: Vec<_> = (0..40)
             .map(|_| tokio::spawn(get_owned(gw.url("/slow/300"))))

@@ -6,26 +6,7 @@ use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-use support::{get, sha256_hex, Upstream};
-
-fn tollgate() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_tollgate"));
-    c.env_remove("TOLLGATE_CONFIG").env_remove("RUST_LOG");
-    c
-}
-
-fn check(path: &Path) -> (i32, String, String) {
-    let out = tollgate()
-        .args(["check", "--config"])
-        .arg(path)
-        .output()
-        .unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
+use support::{check, get, sha256_hex, tollgate, Upstream};
 
 fn write(dir: &Path, name: &str, text: &str) -> std::path::PathBuf {
     let p = dir.join(name);

@@ -4,7 +4,6 @@
 
 mod support;
 
-use std::process::Command;
 use std::time::Duration;
 use support::client::Reply;
 use support::{get, get_with, sha256_hex, TestGateway, Upstream};
@@ -302,21 +301,13 @@ async fn lease_mode_limits_keep_the_route_cost_taken_before_forwarding() {
     assert_eq!(get(&gw.url("/")).await.num("x-ratelimit-used"), 6);
 }
 
+/// `tollgate check` on `text`: exit code and stderr.
 fn check(text: &str) -> (i32, String) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("t.toml");
     std::fs::write(&path, text).unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_tollgate"))
-        .env_remove("TOLLGATE_CONFIG")
-        .env_remove("RUST_LOG")
-        .args(["check", "--config"])
-        .arg(&path)
-        .output()
-        .unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    let (code, _, stderr) = support::check(&path);
+    (code, stderr)
 }
 
 #[test]

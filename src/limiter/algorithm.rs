@@ -345,12 +345,13 @@ fn sliding_window(p: &Policy, state: &mut State, op: Op, now: u64) -> Verdict {
         OpKind::Charge | OpKind::Reserve => {
             let cur = cur.saturating_add(op.cost);
             *state = State::Sliding { start, prev, cur };
-            let mut v = verdict(admitted, prev, cur);
-            v.retry_at_ms = 0;
-            if !admitted {
-                v.retry_at_ms = v.reset_at_ms;
+            // Charged past the limit: the whole limit is back at the reset.
+            let reset_at_ms = reset_of(prev, cur);
+            Verdict {
+                admitted,
+                retry_at_ms: if admitted { 0 } else { reset_at_ms },
+                ..verdict(true, prev, cur)
             }
-            v
         }
         OpKind::Refund => {
             let (prev, cur) = if op.id == start {
@@ -370,15 +371,10 @@ fn sliding_window(p: &Policy, state: &mut State, op: Op, now: u64) -> Verdict {
 
 fn sliding_log(p: &Policy, state: &mut State, op: Op, now: u64) -> Verdict {
     let w = p.window_ms;
-    // Entries count while their time is within (now - w, now].
-    let live = |log: &VecDeque<(u64, u64, u64)>| -> Vec<(u64, u64, u64)> {
-        log.iter()
-            .filter(|e| e.0 + w > now)
-            .copied()
-            .collect::<Vec<_>>()
-    };
-    let entries = match state {
-        State::Log(log) => live(log),
+    // Entries count while their time is within (now - w, now]; the log is kept oldest
+    // first.
+    let entries: Vec<(u64, u64, u64)> = match state {
+        State::Log(log) => log.iter().filter(|e| e.0 + w > now).copied().collect(),
         _ => Vec::new(),
     };
     let used: u64 = entries.iter().map(|e| e.1).sum();
@@ -389,10 +385,8 @@ fn sliding_log(p: &Policy, state: &mut State, op: Op, now: u64) -> Verdict {
         if op.cost > p.quota {
             return reset_of(entries);
         }
-        let mut sorted = entries.to_vec();
-        sorted.sort_by_key(|e| e.0);
         let mut acc = used;
-        for e in &sorted {
+        for e in entries {
             acc -= e.1;
             if acc + op.cost <= p.quota {
                 return e.0 + w;
@@ -400,8 +394,9 @@ fn sliding_log(p: &Policy, state: &mut State, op: Op, now: u64) -> Verdict {
         }
         reset_of(entries)
     };
-    match op.kind {
-        OpKind::Peek => Verdict {
+    // Read only, or a reservation that does not fit: nothing changes.
+    if op.kind == OpKind::Peek || (op.kind == OpKind::Reserve && !admitted) {
+        return Verdict {
             admitted,
             used,
             reset_at_ms: reset_of(&entries),
@@ -411,15 +406,11 @@ fn sliding_log(p: &Policy, state: &mut State, op: Op, now: u64) -> Verdict {
                 retry_of(&entries, used)
             },
             epoch: 0,
-        },
-        OpKind::Reserve if !admitted => Verdict {
-            admitted: false,
-            used,
-            reset_at_ms: reset_of(&entries),
-            retry_at_ms: retry_of(&entries, used),
-            epoch: 0,
-        },
-        OpKind::Charge | OpKind::Reserve => {
+        };
+    }
+    match op.kind {
+        // Charges and reservations that fit (peeks answered above).
+        OpKind::Peek | OpKind::Charge | OpKind::Reserve => {
             let mut log: VecDeque<_> = entries.into_iter().collect();
             let at = log.partition_point(|e| e.0 <= now);
             log.insert(at, (now, op.cost, op.id));
@@ -486,11 +477,7 @@ fn gcra(p: &Policy, state: &mut State, op: Op, now: u64) -> Verdict {
         OpKind::Reserve if !admitted => verdict(false, base),
         OpKind::Charge | OpKind::Reserve => {
             *state = State::Gcra { tat: new_tat };
-            let mut v = verdict(admitted, new_tat);
-            if !admitted {
-                v.retry_at_ms = new_tat.saturating_sub(cap).max(now);
-            }
-            v
+            verdict(admitted, new_tat)
         }
         OpKind::Refund => {
             if stored <= now {

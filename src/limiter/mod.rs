@@ -390,10 +390,17 @@ enum Stage {
 pub struct Admission {
     /// The usage of each applied limit, in order.
     pub usages: Vec<Option<Usage>>,
-    /// Per applied limit: the epoch a refund quotes, for reservations and slots that
-    /// were taken.
-    held: Vec<Option<u64>>,
-    on_request: bool,
+    /// Per applied limit: how it is held, and the epoch a refund quotes for a
+    /// reservation or slot that was taken.
+    holds: Vec<Hold>,
+}
+
+/// How one applied limit is held, decided once by [`Limiter::check`].
+#[derive(Debug, Clone, Copy)]
+struct Hold {
+    stage: Stage,
+    /// The verdict's epoch, for a reservation or slot that was taken.
+    epoch: Option<u64>,
 }
 
 /// Ids for sliding-log entries and concurrency slots: unique within the process,
@@ -411,32 +418,63 @@ fn next_id() -> u64 {
 pub struct SlotGuard {
     store: Arc<AnyStore>,
     clock: crate::clock::SharedClock,
-    slots: Vec<(LimitKey, Policy, u64)>,
+    /// The refund of each slot.
+    slots: Vec<Refund>,
 }
 
 impl Drop for SlotGuard {
     fn drop(&mut self) {
         let slots = std::mem::take(&mut self.slots);
-        let (store, clock) = (self.store.clone(), self.clock.clone());
-        let Ok(rt) = tokio::runtime::Handle::try_current() else {
-            return; // no runtime: the slots expire by themselves after their window
-        };
-        rt.spawn(async move {
-            let items: Vec<Item<'_>> = slots
-                .iter()
-                .map(|(key, policy, id)| Item {
-                    key,
-                    policy,
-                    op: Op {
-                        kind: OpKind::Refund,
-                        cost: 1,
-                        id: *id,
-                    },
-                })
-                .collect();
-            store.apply(&items, clock.now_ms()).await;
-        });
+        spawn_refunds(self.store.clone(), slots, self.clock.now_ms());
     }
+}
+
+/// One refund to send: what [`OpKind::Refund`] takes back from which state.
+type Refund = (LimitKey, Policy, Op);
+
+/// The refunds of the reservations and slots `admission` took for the limits whose
+/// stage `which` picks: `cost` units back from each (slots ignore the cost).
+fn refunds(
+    applied: &[Applied],
+    admission: &Admission,
+    cost: u64,
+    which: impl Fn(Stage) -> bool,
+) -> Vec<Refund> {
+    applied
+        .iter()
+        .zip(&admission.holds)
+        .filter(|(_, h)| which(h.stage))
+        .filter_map(|(a, h)| {
+            let op = Op {
+                kind: OpKind::Refund,
+                cost,
+                id: h.epoch?,
+            };
+            Some((a.key.clone(), a.policy, op))
+        })
+        .collect()
+}
+
+/// Send `refunds` in the background (one store call per shard). Without a runtime
+/// nothing is sent: reservations then stand and slots expire after their window.
+fn spawn_refunds(store: Arc<AnyStore>, refunds: Vec<Refund>, now_ms: u64) {
+    if refunds.is_empty() {
+        return;
+    }
+    let Ok(rt) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    rt.spawn(async move {
+        let items: Vec<Item<'_>> = refunds
+            .iter()
+            .map(|(key, policy, op)| Item {
+                key,
+                policy,
+                op: *op,
+            })
+            .collect();
+        store.apply(&items, now_ms).await;
+    });
 }
 
 /// Why a CHECK did not admit a request.
@@ -618,11 +656,20 @@ impl Limiter {
         {
             return Err(Refusal::OverLimit(usage));
         }
-        let stages: Vec<Stage> = applied.iter().map(|a| a.stage(on_request)).collect();
+        let mut admission = Admission {
+            usages: Vec::with_capacity(applied.len()),
+            holds: applied
+                .iter()
+                .map(|a| Hold {
+                    stage: a.stage(on_request),
+                    epoch: None,
+                })
+                .collect(),
+        };
         let items: Vec<Item<'_>> = applied
             .iter()
-            .zip(&stages)
-            .filter(|(_, st)| **st != Stage::Lease)
+            .zip(admission.holds.iter().map(|h| h.stage))
+            .filter(|(_, st)| *st != Stage::Lease)
             .map(|(a, st)| Item {
                 key: &a.key,
                 policy: &a.policy,
@@ -646,15 +693,10 @@ impl Limiter {
             self.store.apply(&items, now_ms).await
         }
         .into_iter();
-        let mut admission = Admission {
-            usages: Vec::with_capacity(applied.len()),
-            held: vec![None; applied.len()],
-            on_request,
-        };
         let mut over: Option<Usage> = None;
         let mut denied: Option<StoreError> = None;
         for (i, a) in applied.iter().enumerate() {
-            if stages[i] == Stage::Lease {
+            if admission.holds[i].stage == Stage::Lease {
                 admission.usages.push(None); // filled in below, once nothing else refused
                 continue;
             }
@@ -662,8 +704,8 @@ impl Limiter {
                 Ok(v) => {
                     let u = a.usage(&v);
                     if v.admitted {
-                        if stages[i] != Stage::Peek {
-                            admission.held[i] = Some(v.epoch);
+                        if admission.holds[i].stage != Stage::Peek {
+                            admission.holds[i].epoch = Some(v.epoch);
                         }
                     } else {
                         self.remember_refusal(a, &u, cost, now_ms);
@@ -691,7 +733,7 @@ impl Limiter {
         }
         // Lease-mode limits: take units; if one refuses, give back what the others took.
         for (i, a) in applied.iter().enumerate() {
-            if stages[i] != Stage::Lease {
+            if admission.holds[i].stage != Stage::Lease {
                 continue;
             }
             let taken = self
@@ -775,9 +817,8 @@ impl Limiter {
         now_ms: u64,
         admission: Admission,
     ) -> Vec<Option<Usage>> {
-        let on_request = admission.on_request;
         let charged: Vec<usize> = (0..applied.len())
-            .filter(|&i| applied[i].stage(on_request) == Stage::Peek)
+            .filter(|&i| admission.holds[i].stage == Stage::Peek)
             .collect();
         let mut usages = admission.usages;
         if charged.is_empty() || cost == 0 {
@@ -828,52 +869,17 @@ impl Limiter {
         now_ms: u64,
         which: impl Fn(Stage) -> bool,
     ) {
-        let mut refunds: Vec<(LimitKey, Policy, Op)> = Vec::new();
         for (i, a) in applied.iter().enumerate() {
-            let stage = a.stage(admission.on_request);
-            if !which(stage) {
-                continue;
-            }
-            match stage {
-                Stage::Lease => {
-                    if let Some(Some(u)) = admission.usages.get(i) {
-                        self.leases.give_back(&a.key, cost, u.reset_at_ms);
-                    }
+            if admission.holds[i].stage == Stage::Lease && which(Stage::Lease) {
+                if let Some(Some(u)) = admission.usages.get(i) {
+                    self.leases.give_back(&a.key, cost, u.reset_at_ms);
                 }
-                Stage::Reserve | Stage::Slot => {
-                    if let Some(Some(epoch)) = admission.held.get(i) {
-                        refunds.push((
-                            a.key.clone(),
-                            a.policy,
-                            Op {
-                                kind: OpKind::Refund,
-                                cost,
-                                id: *epoch,
-                            },
-                        ));
-                    }
-                }
-                Stage::Peek => {}
             }
         }
-        if refunds.is_empty() {
-            return;
-        }
-        let store = self.store.clone();
-        let refund = async move {
-            let items: Vec<Item<'_>> = refunds
-                .iter()
-                .map(|(key, policy, op)| Item {
-                    key,
-                    policy,
-                    op: *op,
-                })
-                .collect();
-            store.apply(&items, now_ms).await;
-        };
-        if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            rt.spawn(refund);
-        }
+        let refunds = refunds(applied, admission, cost, |st| {
+            matches!(st, Stage::Reserve | Stage::Slot) && which(st)
+        });
+        spawn_refunds(self.store.clone(), refunds, now_ms);
     }
 
     /// A guard that gives back the concurrency slots `admission` holds when dropped
@@ -884,12 +890,7 @@ impl Limiter {
         admission: &Admission,
         clock: crate::clock::SharedClock,
     ) -> Option<SlotGuard> {
-        let slots: Vec<(LimitKey, Policy, u64)> = applied
-            .iter()
-            .zip(&admission.held)
-            .filter(|(a, _)| a.stage(admission.on_request) == Stage::Slot)
-            .filter_map(|(a, held)| Some((a.key.clone(), a.policy, (*held)?)))
-            .collect();
+        let slots = refunds(applied, admission, 1, |st| st == Stage::Slot);
         (!slots.is_empty()).then(|| SlotGuard {
             store: self.store.clone(),
             clock,
@@ -916,25 +917,12 @@ pub fn most_constrained(usages: &[Option<Usage>]) -> Option<&Usage> {
 
 /// Logs store failures at most once per 10 s, with the number suppressed since.
 #[derive(Debug, Default)]
-struct WarnGate {
-    last_ms: AtomicU64,
-    suppressed: AtomicU64,
-}
+struct WarnGate(crate::logging::Throttle);
 
 impl WarnGate {
     fn warn(&self, error: &StoreError, what: &str) {
-        let now = crate::clock::Clock::now_ms(&crate::clock::SystemClock);
-        let last = self.last_ms.load(Ordering::Relaxed);
-        if now.saturating_sub(last) >= 10_000
-            && self
-                .last_ms
-                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok()
-        {
-            let suppressed = self.suppressed.swap(0, Ordering::Relaxed);
+        if let Some(suppressed) = self.0.due(10_000) {
             tracing::warn!(error = %error, suppressed, "store failure: {what}");
-        } else {
-            self.suppressed.fetch_add(1, Ordering::Relaxed);
         }
     }
 }

@@ -11,7 +11,7 @@ use http::{Request, Response, Uri, Version};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use std::net::IpAddr;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -36,7 +36,7 @@ pub struct Upstream {
     /// says what a request cost, in cost units. `None`: off.
     pub cost_header: Option<HeaderName>,
     /// Warnings about invalid cost headers: at most one per [`COST_WARN_INTERVAL_MS`].
-    cost_warnings: WarnEvery,
+    cost_warnings: crate::logging::Throttle,
 }
 
 /// Idle keep-alive connections kept per target.
@@ -113,7 +113,7 @@ impl Upstream {
             next: AtomicUsize::new(0),
             response_timeout: cfg.response_timeout.0,
             cost_header,
-            cost_warnings: WarnEvery::default(),
+            cost_warnings: crate::logging::Throttle::default(),
         })
     }
 
@@ -132,7 +132,7 @@ impl Upstream {
             Some(_) => None,
         };
         if cost.is_none() {
-            if let Some(suppressed) = self.cost_warnings.due() {
+            if let Some(suppressed) = self.cost_warnings.due(COST_WARN_INTERVAL_MS) {
                 let shown = &value.as_bytes()[..value.len().min(64)];
                 tracing::warn!(
                     upstream = %self.name,
@@ -159,32 +159,6 @@ fn parse_cost(value: &[u8]) -> Option<u64> {
         return None;
     }
     std::str::from_utf8(value).ok()?.parse().ok()
-}
-
-/// Lets a warning through at most once per [`COST_WARN_INTERVAL_MS`], counting the
-/// ones held back in between.
-#[derive(Debug, Default)]
-struct WarnEvery {
-    last_ms: AtomicU64,
-    suppressed: AtomicU64,
-}
-
-impl WarnEvery {
-    /// `Some(number held back since the last one)` when a warning may be logged now.
-    fn due(&self) -> Option<u64> {
-        let now = crate::clock::Clock::now_ms(&crate::clock::SystemClock);
-        let last = self.last_ms.load(Ordering::Relaxed);
-        if (last == 0 || now.saturating_sub(last) >= COST_WARN_INTERVAL_MS)
-            && self
-                .last_ms
-                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok()
-        {
-            return Some(self.suppressed.swap(0, Ordering::Relaxed));
-        }
-        self.suppressed.fetch_add(1, Ordering::Relaxed);
-        None
-    }
 }
 
 fn parse_target(s: &str) -> Result<Target, String> {

@@ -69,11 +69,9 @@ impl Gate<'_> {
 /// What the request path needs besides the snapshot: the clock and the metrics.
 #[derive(Debug)]
 pub struct Context<'a> {
-    /// Where "now" comes from.
-    pub clock: &'a dyn Clock,
-    /// The same clock, shared (for work that outlives the request's future, such as
-    /// giving back concurrency slots when the body ends).
-    pub shared_clock: &'a crate::clock::SharedClock,
+    /// Where "now" comes from (shared: work that outlives the request's future, such as
+    /// giving back concurrency slots when the body ends, holds it too).
+    pub clock: &'a crate::clock::SharedClock,
     /// Where request metrics go.
     pub metrics: &'a Metrics,
 }
@@ -101,7 +99,7 @@ pub async fn serve(
     peer: &Peer,
     log: &mut AccessLog,
 ) -> Response<Body> {
-    let clock = ctx.clock;
+    let clock: &dyn Clock = &**ctx.clock;
 
     // 1. Identify the caller.
     let identified = snap.identities.identify(req.headers(), peer.ip());
@@ -168,7 +166,6 @@ pub async fn serve(
                 })
                 .inc();
             log.usage = Some(usage.clone());
-            let now_ms = clock.now_ms();
             let mut response = ProxyError::OverLimit {
                 usage: usage.clone(),
                 retry_after_s: usage.retry_after_s(now_ms),
@@ -188,9 +185,7 @@ pub async fn serve(
     }
     // Concurrency slots are given back when the response body ends (or fails, or the
     // client goes away): the guard travels with the body.
-    let slots = snap
-        .limiter
-        .slots(&applied, &admission, ctx.shared_clock.clone());
+    let slots = snap.limiter.slots(&applied, &admission, ctx.clock.clone());
 
     // 4. Forward upstream, streaming both bodies.
     let down = Downstream {

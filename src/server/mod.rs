@@ -243,7 +243,7 @@ async fn accept_loop(
                     let peer = conn_peer.clone();
                     async move {
                         let snap = shared.snapshot.load_full();
-                        let ctx = proxy::Context { clock: &*shared.clock, shared_clock: &shared.clock, metrics: &shared.metrics };
+                        let ctx = proxy::Context { clock: &shared.clock, metrics: &shared.metrics };
                         Ok::<_, Infallible>(proxy::handle(&snap.gate(), &ctx, req, &peer).await)
                     }
                 });

@@ -11,7 +11,8 @@ pub use self::redis::RedisServer;
 pub use client::{get, get_with};
 pub use upstream::Upstream;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::sync::Arc;
 use tollgate::clock::ManualClock;
 use tollgate::config::ConfigFile;
@@ -101,4 +102,26 @@ pub fn store_toml(
             s
         }
     }
+}
+
+/// The `tollgate` binary, with the environment an operator's shell would not pass on
+/// (`TOLLGATE_CONFIG`, `RUST_LOG`) removed.
+pub fn tollgate() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_tollgate"));
+    c.env_remove("TOLLGATE_CONFIG").env_remove("RUST_LOG");
+    c
+}
+
+/// `tollgate check --config PATH`: exit code, stdout, stderr.
+pub fn check(path: &Path) -> (i32, String, String) {
+    let out = tollgate()
+        .args(["check", "--config"])
+        .arg(path)
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }

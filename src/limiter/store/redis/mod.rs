@@ -675,25 +675,27 @@ impl Store for RedisStore {
                 i.op.id,
             ]
         };
+        // Usually every item is a peek (the check) or every one writes (the charge):
+        // one group, where peeks may go to a replica. A request that does both at once
+        // (a peek and a reservation) sends the two groups concurrently.
         let is_peek = |i: &Item<'_>| i.op.kind == OpKind::Peek;
+        let peeks = items.iter().filter(|i| is_peek(i)).count();
+        if peeks == 0 || peeks == items.len() {
+            let kind = if peeks == 0 {
+                Kind::Charge
+            } else {
+                Kind::Check
+            };
+            let keys: Vec<&LimitKey> = items.iter().map(|i| i.key).collect();
+            return self.run_many(kind, &keys, |j| args(&items[j])).await;
+        }
         let (peeks, writes): (Vec<usize>, Vec<usize>) =
             (0..items.len()).partition(|&i| is_peek(&items[i]));
         let run = |kind: Kind, which: &[usize]| {
             let keys: Vec<&LimitKey> = which.iter().map(|&i| items[i].key).collect();
             let which = which.to_vec();
-            async move {
-                if which.is_empty() {
-                    return Vec::new();
-                }
-                self.run_many(kind, &keys, |j| args(&items[which[j]])).await
-            }
+            async move { self.run_many(kind, &keys, |j| args(&items[which[j]])).await }
         };
-        if writes.is_empty() {
-            return run(Kind::Check, &peeks).await;
-        }
-        if peeks.is_empty() {
-            return run(Kind::Charge, &writes).await;
-        }
         let (peeked, written) =
             futures_util::future::join(run(Kind::Check, &peeks), run(Kind::Charge, &writes)).await;
         let mut out: Vec<Option<Result<Verdict, StoreError>>> = vec![None; items.len()];

@@ -30,6 +30,14 @@ pub struct Throttle {
 }
 
 impl Throttle {
+    /// A throttle that lets the first line through (usable in a `static`).
+    pub const fn new() -> Self {
+        Self {
+            last_ms: AtomicU64::new(0),
+            suppressed: AtomicU64::new(0),
+        }
+    }
+
     /// `Some(number of lines held back since the last one)` when a line may be logged
     /// now, at most once per `every_ms` milliseconds of the system clock; else `None`
     /// (and the line is counted as held back).

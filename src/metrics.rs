@@ -64,6 +64,9 @@ pub struct Metrics {
     pub reloads: Family<ReloadLabels, Counter>,
     /// 429s by limit and tier.
     pub rejections: Family<RejectionLabels, Counter>,
+    /// `tollgate_shadow_rejections_total{limit, tier}`: requests a limit in shadow mode
+    /// (or outside its `enforce_percent`) would have refused, and let through.
+    pub shadow_rejections: Family<RejectionLabels, Counter>,
     /// Generation of the active config (1 at start, +1 per successful reload).
     pub config_generation: Gauge,
     /// Requests being served now.
@@ -98,6 +101,12 @@ impl Metrics {
             "Requests refused with 429, by limit and caller tier",
             rejections.clone(),
         );
+        let shadow_rejections = Family::<RejectionLabels, Counter>::default();
+        registry.register(
+            "shadow_rejections",
+            "Requests a limit in shadow mode would have refused with 429 and let through, by limit and caller tier",
+            shadow_rejections.clone(),
+        );
         let reloads = Family::<ReloadLabels, Counter>::default();
         registry.register("reloads", "Config reloads by result", reloads.clone());
         let config_generation = Gauge::default();
@@ -125,6 +134,7 @@ impl Metrics {
             upstream_latency,
             reloads,
             rejections,
+            shadow_rejections,
             config_generation,
             in_flight,
             open_connections,

@@ -30,6 +30,8 @@ pub struct Snapshot {
     pub config: Config,
     /// Step 1: API keys, tiers, trusted proxies.
     pub identities: Identities,
+    /// Every `[[limits]]` entry, in config order (for `GET /rate_limit`).
+    pub limits: Vec<Arc<Limit>>,
     /// Step 2: routes.
     pub router: Router,
     /// Steps 3 and 5: the store and its policy.
@@ -57,6 +59,8 @@ impl Snapshot {
             identities: &self.identities,
             router: &self.router,
             limiter: &self.limiter,
+            limits: &self.limits,
+            rate_limit_path: self.config.rate_limit_endpoint.path.as_deref(),
             log_client_ip: self.config.log.client_ip,
             headers: crate::proxy::headers::Styles::new(&self.config.headers.style),
         }
@@ -138,6 +142,14 @@ impl Snapshot {
         }
 
         check_headers(cfg, &mut problems);
+        if let Some(path) = &cfg.rate_limit_endpoint.path {
+            if !path.starts_with('/') {
+                problems.error(
+                    "rate_limit_endpoint.path",
+                    "must start with `/`, e.g. \"/rate_limit\"",
+                );
+            }
+        }
 
         let declared: HashSet<&str> = cfg
             .upstreams
@@ -219,6 +231,11 @@ impl Snapshot {
             config: cfg.clone(),
             identities,
             router: Router::new(routes),
+            limits: cfg
+                .limits
+                .iter()
+                .filter_map(|l| limits.get(&l.name).cloned())
+                .collect(),
             limiter: Limiter::new(store, cache, leases, keys, cfg.store.on_error)
                 .with_failed_auth_limit(
                     cfg.identity.failed_auth_limit.quota,

@@ -1,4 +1,5 @@
-//! The limit algorithms, held to one reference model.
+//! The limit algorithms, held to one reference model, and the policies around them
+//! (on_request, shadow mode, enforce_percent, delay, the rate-limit endpoint).
 //!
 //! Random timelines of (time step, caller, cost, operation) are replayed against the pure
 //! model (`tollgate::limiter::algorithm::apply`), the memory store and the Redis store
@@ -452,6 +453,130 @@ async fn charge_on_request_never_admits_more_than_the_quota_and_refunds_uncharge
             );
             gw.clock.advance(std::time::Duration::from_secs(3_600));
         }
+    })
+    .await;
+}
+
+// ----- policies: shadow mode, gradual rollout, delay, the rate-limit endpoint -----
+
+fn metric(gw: &TestGateway, series: &str) -> u64 {
+    let text = gw.gateway.metrics().render();
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shadow_limit_reports_but_never_refuses() {
+    each_backend(async |backend, store, _redis| {
+        let limit = "window = \"1h\"\nquota = { anonymous = 2 }\nmode = \"shadow\"";
+        let (_upstream, gw) = start(&store, limit, "").await;
+        for i in 1..=5u64 {
+            let r = get(&gw.url("/x")).await;
+            assert_eq!(r.status, 200, "{backend:?}: request {i} let through");
+            assert_eq!(r.num("x-ratelimit-used"), i, "still counted");
+        }
+        assert_eq!(
+            metric(
+                &gw,
+                "tollgate_shadow_rejections_total{limit=\"l\",tier=\"anonymous\"}"
+            ),
+            3,
+            "{backend:?}: three would have been refused"
+        );
+        assert_eq!(
+            metric(
+                &gw,
+                "tollgate_rejections_total{limit=\"l\",tier=\"anonymous\"}"
+            ),
+            0
+        );
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn enforce_percent_refuses_a_stable_share_of_callers() {
+    let limit = "window = \"1h\"\nquota = { anonymous = 1 }\nenforce_percent = 25";
+    let (_upstream, gw) = start(&store_toml(Backend::Memory, &[], "allow", "1s"), limit, "").await;
+    // 200 callers: the limit counts a header's value, so each tenant is one subject.
+    let text = std::fs::read_to_string(&gw.path).unwrap().replace(
+        "quota = { anonymous = 1 }",
+        "quota = { anonymous = 1 }\nby = \"header:x-tenant\"",
+    );
+    gw.reload(&text).unwrap();
+    let mut enforced = 0;
+    for tenant in 0..200 {
+        let t = tenant.to_string();
+        let h = [("x-tenant", t.as_str())];
+        assert_eq!(support::get_with(&gw.url("/x"), &h).await.status, 200);
+        let second = support::get_with(&gw.url("/x"), &h).await.status;
+        let third = support::get_with(&gw.url("/x"), &h).await.status;
+        assert_eq!(
+            second, third,
+            "tenant {tenant}: the same decision every time"
+        );
+        enforced += u32::from(second == 429);
+    }
+    assert!(
+        (30..=70).contains(&enforced),
+        "about 25% of 200 enforced: {enforced}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_limit_delay_holds_a_request_until_the_limit_admits_it() {
+    each_backend(async |backend, store, _redis| {
+        let limit = "algorithm = \"gcra\"\nwindow = \"1s\"\nquota = { anonymous = 1 }\non_limit = \"delay\"\nmax_delay = \"2s\"\nmax_waiting = 1";
+        let (_upstream, gw) = start(&store, limit, "").await;
+        assert_eq!(get(&gw.url("/x")).await.status, 200);
+        // The next unit fits 1 s later (by the gateway's clock): the request waits.
+        let started = std::time::Instant::now();
+        let held = tokio::spawn(get_owned(gw.url("/x")));
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        // A second request of the same caller beyond max_waiting = 1: 429 at once.
+        let refused = get(&gw.url("/x")).await;
+        assert_eq!(refused.status, 429, "{backend:?}: only one may wait");
+        gw.clock.advance(std::time::Duration::from_millis(1_000));
+        assert_eq!(held.await.unwrap(), 200, "{backend:?}: admitted after waiting");
+        assert!(started.elapsed() >= std::time::Duration::from_millis(700));
+        // Past max_delay: refused at once.
+        let limit_far = "algorithm = \"gcra\"\nwindow = \"10s\"\nquota = { anonymous = 1 }\non_limit = \"delay\"\nmax_delay = \"2s\"";
+        let (_upstream, gw) = start(&store, limit_far, "").await;
+        assert_eq!(get(&gw.url("/x")).await.status, 200);
+        let t = std::time::Instant::now();
+        let r = get(&gw.url("/x")).await;
+        assert_eq!(r.status, 429, "{backend:?}: 10 s away is past max_delay");
+        assert_eq!(r.header("retry-after"), "10");
+        assert!(t.elapsed() < std::time::Duration::from_millis(500));
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_rate_limit_endpoint_shows_every_limit_and_is_never_charged() {
+    each_backend(async |backend, store, _redis| {
+        let upstream = Upstream::start().await;
+        let text = format!(
+            "{}\n[[limits]]\nname = \"daily\"\nwindow = \"1d\"\nalign = \"calendar\"\nquota = {{ anonymous = 100 }}\n\n[rate_limit_endpoint]\npath = \"/rate_limit\"\n",
+            gateway_config(&upstream, &store, "window = \"1h\"\nquota = { anonymous = 10 }", "")
+        );
+        let gw = TestGateway::start(&text).await;
+        assert_eq!(get(&gw.url("/x")).await.status, 200);
+        for _ in 0..3 {
+            let r = get(&gw.url("/rate_limit")).await;
+            assert_eq!(r.status, 200, "{backend:?}");
+            let body = r.json();
+            assert_eq!(body["resources"]["l"]["used"], 1, "{body}");
+            assert_eq!(body["resources"]["l"]["remaining"], 9);
+            assert_eq!(body["resources"]["l"]["limit"], 10);
+            assert_eq!(body["resources"]["l"]["window"], 3600);
+            assert_eq!(body["resources"]["l"]["algorithm"], "fixed_window");
+            assert_eq!(body["resources"]["daily"]["used"], 0);
+            assert_eq!(body["rate"]["limit"], 10, "the most constrained: {body}");
+        }
+        // Not charged: the route's next request is the second.
+        assert_eq!(get(&gw.url("/x")).await.num("x-ratelimit-used"), 2);
     })
     .await;
 }

@@ -103,6 +103,9 @@ fn check_rejects_syntax_unknown_keys_bad_durations_and_unsupported_features() {
         ("[[limits]]\nname = \"x\"\nalgorithm = \"gcra\"\nwindow = \"1m\"\nlease = 5\nquota = { anonymous = 1 }\n", "limits[0].lease: lease mode is for fixed windows only"),
         ("[[limits]]\nname = \"x\"\nwindow = \"7d\"\nalign = \"calendar\"\nquota = { anonymous = 1 }\n", "limits[0].align: a calendar window must divide a day"),
         ("[[limits]]\nname = \"x\"\nwindow = \"1m\"\nburst = 3\nquota = { anonymous = 1 }\n", "limits[0].burst: burst is for algorithm = \"gcra\" only"),
+        ("[[limits]]\nname = \"x\"\nwindow = \"1m\"\nmode = \"shadow\"\nenforce_percent = 10\nquota = { anonymous = 1 }\n", "limits[0].enforce_percent: a limit in mode = \"shadow\" enforces for nobody"),
+        ("[[limits]]\nname = \"x\"\nalgorithm = \"concurrency\"\nwindow = \"1m\"\non_limit = \"delay\"\nquota = { anonymous = 1 }\n", "limits[0].on_limit: a concurrency limit cannot delay"),
+        ("[rate_limit_endpoint]\npath = \"rate_limit\"\n", "rate_limit_endpoint.path: must start with `/`"),
         (
             "[[upstreams]]\nname = \"a\"\ntargets = [\"http://x:1\"]\n[[routes]]\npath_prefix = \"/\"\nupstream = \"a\"\ncharge = \"later\"\n",
             "routes[0].charge: \"later\": expected \"after_response\" or \"on_request\"",

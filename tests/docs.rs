@@ -73,6 +73,11 @@ fn full_config() -> Config {
             quota: [("anonymous".to_string(), 60)].into(),
             by: "caller".into(),
             lease: Some(100),
+            mode: "enforce".into(),
+            enforce_percent: 25,
+            on_limit: "delay".into(),
+            max_delay: Dur::from_secs(2),
+            max_waiting: 8,
         }],
         routes: vec![RouteConfig {
             host: Some("api.example.com".into()),
@@ -85,6 +90,9 @@ fn full_config() -> Config {
         }],
         headers: HeadersConfig {
             style: vec![HeaderStyle::Github, HeaderStyle::Ietf],
+        },
+        rate_limit_endpoint: tollgate::config::RateLimitEndpointConfig {
+            path: Some("/rate_limit".into()),
         },
     }
 }

@@ -35,6 +35,20 @@ pub struct Config {
     /// `[headers]`: which rate-limit header fields responses carry.
     #[serde(default)]
     pub headers: HeadersConfig,
+    /// `[rate_limit_endpoint]`: where callers read their own limits (off by default).
+    #[serde(default)]
+    pub rate_limit_endpoint: RateLimitEndpointConfig,
+}
+
+/// `[rate_limit_endpoint]`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RateLimitEndpointConfig {
+    /// The path on the proxy listener where a `GET` answers the caller's state of every
+    /// limit that applies to it, as JSON (like GitHub's `GET /rate_limit`); never
+    /// charged, never forwarded. `None`: off.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
 }
 
 /// `[server]`.
@@ -373,6 +387,25 @@ pub struct LimitConfig {
     /// day, the month for `window = "1mo"`).
     #[serde(default = "default_align")]
     pub align: String,
+    /// `"enforce"` (default) or `"shadow"`: evaluate and report (log, metric, headers)
+    /// but never refuse.
+    #[serde(default = "default_mode")]
+    pub mode: String,
+    /// Percent of callers (0-100, chosen by a stable hash of what the limit counts) for
+    /// whom an enforcing limit refuses; the others are shadowed. Default 100.
+    #[serde(default = "default_enforce_percent")]
+    pub enforce_percent: u8,
+    /// `"reject"` (default: 429 at once) or `"delay"`: hold a refused request until this
+    /// limit would admit it, at most `max_delay`, with at most `max_waiting` requests of
+    /// one subject waiting on one gateway; beyond either, 429.
+    #[serde(default = "default_on_limit")]
+    pub on_limit: String,
+    /// `on_limit = "delay"`: the longest a request is held. Default 1s.
+    #[serde(default = "default_max_delay")]
+    pub max_delay: Dur,
+    /// `on_limit = "delay"`: requests of one subject held at once per gateway. Default 16.
+    #[serde(default = "default_max_waiting")]
+    pub max_waiting: u32,
     /// Window length.
     pub window: Dur,
     /// Cost units per window, by tier.
@@ -402,6 +435,26 @@ pub enum Algorithm {
     Gcra,
     /// Requests in flight.
     Concurrency,
+}
+
+fn default_on_limit() -> String {
+    "reject".into()
+}
+
+fn default_max_delay() -> Dur {
+    Dur::from_secs(1)
+}
+
+fn default_max_waiting() -> u32 {
+    16
+}
+
+fn default_mode() -> String {
+    "enforce".into()
+}
+
+fn default_enforce_percent() -> u8 {
+    100
 }
 
 fn default_align() -> String {

@@ -69,6 +69,14 @@ pub struct Limit {
     /// The name in storage keys: the limit's name, plus `:ALGORITHM` for every algorithm
     /// but the fixed window (so a changed algorithm starts from fresh state).
     pub key_name: Arc<str>,
+    /// Percent of subjects (0-100) for whom a refusal is enforced; the others are
+    /// shadowed: reported, never refused. `mode = "shadow"` is 0.
+    pub enforce_percent: u8,
+    /// `on_limit = "delay"`: hold a refused request up to this many milliseconds until
+    /// the limit admits it (0: refuse at once).
+    pub max_delay_ms: u64,
+    /// `on_limit = "delay"`: requests of one subject held at once on this gateway.
+    pub max_waiting: u32,
 }
 
 /// `window = "1mo"` in milliseconds (humantime's month: 30.44 days).
@@ -131,6 +139,53 @@ impl Limit {
             ),
             Some(0) => problems.error(format!("{at}.burst"), "must be at least 1"),
             _ => {}
+        }
+        let enforce_percent = match cfg.mode.as_str() {
+            "enforce" => cfg.enforce_percent,
+            "shadow" => 0,
+            other => {
+                problems.error(
+                    format!("{at}.mode"),
+                    format!("{other:?}: expected \"enforce\" or \"shadow\""),
+                );
+                100
+            }
+        };
+        if cfg.enforce_percent > 100 {
+            problems.error(format!("{at}.enforce_percent"), "must be between 0 and 100");
+        } else if cfg.mode == "shadow" && cfg.enforce_percent != 100 {
+            problems.error(
+                format!("{at}.enforce_percent"),
+                "a limit in mode = \"shadow\" enforces for nobody: leave enforce_percent out",
+            );
+        }
+        let max_delay_ms = match cfg.on_limit.as_str() {
+            "reject" => 0,
+            "delay" if cfg.max_delay.as_millis() == 0 || cfg.max_delay.as_millis() > 60_000 => {
+                problems.error(
+                    format!("{at}.max_delay"),
+                    "must be more than 0 and at most 1m",
+                );
+                0
+            }
+            "delay" if algorithm == Algorithm::Concurrency => {
+                problems.error(
+                    format!("{at}.on_limit"),
+                    "a concurrency limit cannot delay (when a slot frees is unknown)",
+                );
+                0
+            }
+            "delay" => cfg.max_delay.as_millis(),
+            other => {
+                problems.error(
+                    format!("{at}.on_limit"),
+                    format!("{other:?}: expected \"reject\" or \"delay\""),
+                );
+                0
+            }
+        };
+        if cfg.max_waiting == 0 {
+            problems.error(format!("{at}.max_waiting"), "must be at least 1");
         }
         if cfg.lease.is_some() && algorithm != Algorithm::FixedWindow {
             problems.error(
@@ -207,6 +262,9 @@ impl Limit {
             algorithm,
             burst: cfg.burst,
             align,
+            enforce_percent,
+            max_delay_ms,
+            max_waiting: cfg.max_waiting,
             key_name: match algorithm {
                 Algorithm::FixedWindow => cfg.name.as_str().into(),
                 other => format!("{}:{}", cfg.name, other.name()).into(),
@@ -356,6 +414,17 @@ impl Applied {
         }
     }
 
+    /// Whether a refusal of this limit is enforced for this subject (`enforce_percent`,
+    /// by a stable hash of the subject, the same on every gateway); otherwise it is
+    /// shadowed: reported, not refused.
+    pub fn enforced(&self) -> bool {
+        match self.limit.enforce_percent {
+            100 => true,
+            0 => false,
+            p => self.key.shard_hash.rotate_right(32) % 100 < u64::from(p),
+        }
+    }
+
     /// How this limit is held between the check and the end of the request.
     fn stage(&self, on_request: bool) -> Stage {
         if self.limit.lease > 0 {
@@ -393,6 +462,9 @@ pub struct Admission {
     /// Per applied limit: how it is held, and the epoch a refund quotes for a
     /// reservation or slot that was taken.
     holds: Vec<Hold>,
+    /// Refusals of limits in shadow mode (or outside their `enforce_percent`): the
+    /// request was let through; report them ("would reject").
+    pub shadowed: Vec<Usage>,
 }
 
 /// How one applied limit is held, decided once by [`Limiter::check`].
@@ -498,6 +570,8 @@ pub struct Limiter {
     warn_gate: Arc<WarnGate>,
     /// `identity.failed_auth_limit`, as a limit on the client IP; `None` when off.
     failed_auth: Option<Arc<Limit>>,
+    /// Requests held by `on_limit = "delay"`, per storage key of the refusing limit.
+    waiting: Arc<sharded::ShardedMap<u32>>,
 }
 
 /// The name of the built-in limit on failed authentications (reserved: part of its keys).
@@ -521,6 +595,7 @@ impl Limiter {
             on_error,
             warn_gate: Arc::new(WarnGate::default()),
             failed_auth: None,
+            waiting: Arc::default(),
         }
     }
 
@@ -538,6 +613,9 @@ impl Limiter {
                 burst: None,
                 align: Align::FirstRequest,
                 key_name: FAILED_AUTH.into(),
+                enforce_percent: 100,
+                max_delay_ms: 0,
+                max_waiting: 1,
             })
         });
         self
@@ -665,6 +743,7 @@ impl Limiter {
                     epoch: None,
                 })
                 .collect(),
+            shadowed: Vec::new(),
         };
         let items: Vec<Item<'_>> = applied
             .iter()
@@ -707,6 +786,8 @@ impl Limiter {
                         if admission.holds[i].stage != Stage::Peek {
                             admission.holds[i].epoch = Some(v.epoch);
                         }
+                    } else if !a.enforced() {
+                        admission.shadowed.push(u.clone());
                     } else {
                         self.remember_refusal(a, &u, cost, now_ms);
                         let frees = |u: &Usage| u.retry_at_ms.max(u.reset_at_ms);
@@ -757,6 +838,14 @@ impl Limiter {
                 Ok(Take::Exhausted { used, reset_at_ms }) => {
                     let mut u = a.usage_at(used.max(a.policy.quota), reset_at_ms);
                     u.retry_at_ms = reset_at_ms;
+                    if !a.enforced() {
+                        // Let through without lease units: it is charged to the window
+                        // in the store after the response, like a checked limit.
+                        admission.shadowed.push(u.clone());
+                        admission.usages[i] = Some(u);
+                        admission.holds[i].stage = Stage::Peek;
+                        continue;
+                    }
                     // Other gateways may give leased units back: trust the refusal only
                     // until their leases could have gone idle.
                     self.cache
@@ -775,6 +864,80 @@ impl Limiter {
             }
         }
         Ok(admission)
+    }
+
+    /// [`Limiter::check`], and when the refusing limit has `on_limit = "delay"` and would
+    /// admit within its `max_delay` (with fewer than `max_waiting` requests of the same
+    /// subject already held), wait until it would and check again, until admitted or
+    /// past `max_delay` from the first check. Waits by `clock` (milliseconds since the
+    /// epoch) and real time.
+    ///
+    /// Errors: as [`Limiter::check`]; a request that cannot wait gets the refusal of
+    /// its latest check.
+    pub async fn check_or_delay(
+        &self,
+        applied: &[Applied],
+        cost: u64,
+        on_request: bool,
+        clock: &dyn crate::clock::Clock,
+    ) -> Result<Admission, Refusal> {
+        let started = clock.now_ms();
+        let mut held: Option<Waiting<'_>> = None;
+        loop {
+            let now_ms = clock.now_ms();
+            let refusal = match self.check(applied, cost, on_request, now_ms).await {
+                Err(Refusal::OverLimit(u)) => u,
+                other => return other,
+            };
+            let Some(a) = applied.iter().find(|a| a.limit.name == refusal.resource) else {
+                return Err(Refusal::OverLimit(refusal));
+            };
+            let deadline = started + a.limit.max_delay_ms;
+            let at = refusal.retry_at_ms.max(now_ms + 1);
+            if a.limit.max_delay_ms == 0 || at > deadline {
+                return Err(Refusal::OverLimit(refusal));
+            }
+            if held.is_none() {
+                match Waiting::enter(&self.waiting, &a.key, a.limit.max_waiting) {
+                    Some(w) => held = Some(w),
+                    None => return Err(Refusal::OverLimit(refusal)),
+                }
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(at - now_ms)).await;
+        }
+    }
+
+    /// Read the state of every applied limit (one peek per shard; changes nothing): the
+    /// usage a request of one unit would see, `None` where the store failed. For the
+    /// rate-limit endpoint.
+    pub async fn peek(&self, applied: &[Applied], now_ms: u64) -> Vec<Option<Usage>> {
+        let items: Vec<Item<'_>> = applied
+            .iter()
+            .map(|a| Item {
+                key: &a.key,
+                policy: &a.policy,
+                op: Op {
+                    kind: OpKind::Peek,
+                    cost: 1,
+                    id: 0,
+                },
+            })
+            .collect();
+        if items.is_empty() {
+            return Vec::new();
+        }
+        let results = self.store.apply(&items, now_ms).await;
+        applied
+            .iter()
+            .zip(results)
+            .map(|(a, r)| match r {
+                Ok(v) => Some(a.usage(&v)),
+                Err(e) => {
+                    self.warn_gate.warn(&e, "rate-limit endpoint: read failed");
+                    None
+                }
+            })
+            .collect()
     }
 
     /// Keep a refusal in the over-limit cache while it surely holds: a fixed window's
@@ -913,6 +1076,37 @@ pub fn most_constrained(usages: &[Option<Usage>]) -> Option<&Usage> {
             .cmp(&b.remaining())
             .then(b.reset_at_ms.cmp(&a.reset_at_ms))
     })
+}
+
+/// One request held by `on_limit = "delay"`, counted against `max_waiting` until dropped.
+struct Waiting<'a> {
+    map: &'a sharded::ShardedMap<u32>,
+    key: &'a LimitKey,
+}
+
+impl<'a> Waiting<'a> {
+    /// Count one more request waiting on `key`, unless `max` already are.
+    fn enter(map: &'a sharded::ShardedMap<u32>, key: &'a LimitKey, max: u32) -> Option<Self> {
+        let mut shard = map.shard(key);
+        let n = shard.entry(key.key.clone()).or_insert(0);
+        if *n >= max {
+            return None;
+        }
+        *n += 1;
+        Some(Self { map, key })
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        let mut shard = self.map.shard(self.key);
+        if let Some(n) = shard.get_mut(&self.key.key) {
+            *n -= 1;
+            if *n == 0 {
+                shard.remove(&self.key.key);
+            }
+        }
+    }
 }
 
 /// Logs store failures at most once per 10 s, with the number suppressed since.

@@ -25,8 +25,11 @@ pub enum Decision {
     Allowed,
     /// A limit rejected it (429).
     Rejected,
-    /// A limit would have rejected it but only reports (reserved for shadow mode).
+    /// A limit in shadow mode (or outside its `enforce_percent`) would have rejected it;
+    /// it was let through.
     ShadowRejected,
+    /// Answered by the rate-limit endpoint (`rate_limit_endpoint.path`).
+    RateLimitStatus,
     /// The store failed and `on_error = "allow"` let it through unlimited.
     StoreErrorAllowed,
     /// The store failed and `on_error = "deny"` answered 503.
@@ -44,6 +47,7 @@ impl Decision {
             Decision::Allowed => "allowed",
             Decision::Rejected => "rejected",
             Decision::ShadowRejected => "shadow_rejected",
+            Decision::RateLimitStatus => "rate_limit_status",
             Decision::StoreErrorAllowed => "store_error_allowed",
             Decision::StoreErrorDenied => "store_error_denied",
             Decision::Unauthenticated => "unauthenticated",

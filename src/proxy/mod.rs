@@ -48,6 +48,10 @@ pub struct Gate<'a> {
     pub router: &'a Router,
     /// Steps 3 and 5: the store and its policy.
     pub limiter: &'a Limiter,
+    /// Every `[[limits]]` entry (for the rate-limit endpoint).
+    pub limits: &'a [std::sync::Arc<crate::limiter::Limit>],
+    /// `rate_limit_endpoint.path`: where a `GET` answers the caller's limits.
+    pub rate_limit_path: Option<&'a str>,
     /// `log.client_ip`: how the access log shows the client.
     pub log_client_ip: LogClientIp,
     /// `headers.style`: which rate-limit headers responses carry.
@@ -138,6 +142,15 @@ pub async fn serve(
     };
     log.caller = caller.client.as_ref().map(|c| c.id.clone());
 
+    // The caller's own limits (rate_limit_endpoint.path): answered here, never charged.
+    if req.method() == http::Method::GET && snap.rate_limit_path == Some(req.uri().path()) {
+        log.decision = Decision::RateLimitStatus;
+        let applied = snap.limiter.applicable(snap.limits, &caller, req.headers());
+        let now_ms = clock.now_ms();
+        let usages = snap.limiter.peek(&applied, now_ms).await;
+        return rate_limit_status(&applied, &usages);
+    }
+
     // 2. Route by host and longest path prefix.
     let Some(route) = snap.router.find(request_host(&req), req.uri().path()) else {
         log.decision = Decision::NoRoute;
@@ -149,10 +162,9 @@ pub async fn serve(
     let applied = snap
         .limiter
         .applicable(&route.limits, &caller, req.headers());
-    let now_ms = clock.now_ms();
     let admission = match snap
         .limiter
-        .check(&applied, route.cost, route.on_request, now_ms)
+        .check_or_delay(&applied, route.cost, route.on_request, clock)
         .await
     {
         Ok(admission) => admission,
@@ -166,6 +178,7 @@ pub async fn serve(
                 })
                 .inc();
             log.usage = Some(usage.clone());
+            let now_ms = clock.now_ms();
             let mut response = ProxyError::OverLimit {
                 usage: usage.clone(),
                 retry_after_s: usage.retry_after_s(now_ms),
@@ -182,6 +195,10 @@ pub async fn serve(
     };
     if admission.usages.iter().any(Option::is_none) {
         log.decision = Decision::StoreErrorAllowed;
+    }
+    for usage in &admission.shadowed {
+        log.decision = Decision::ShadowRejected;
+        shadow_rejection(ctx.metrics, usage, &caller);
     }
     // Concurrency slots are given back when the response body ends (or fails, or the
     // client goes away): the guard travels with the body.
@@ -244,6 +261,62 @@ pub async fn serve(
         response = response.map(|body| crate::response::with_guard(body, guard));
     }
     response
+}
+
+/// The answer of the rate-limit endpoint: `{"resources": {NAME: {...}}, "rate": {...}}`
+/// with, per limit that applies to the caller, its `algorithm`, `limit`, `used`,
+/// `remaining`, `reset` (UTC epoch seconds) and `window` (seconds); `rate` is the most
+/// constrained one (like GitHub's `GET /rate_limit`). A limit whose store failed is
+/// left out.
+fn rate_limit_status(applied: &[Applied], usages: &[Option<Usage>]) -> Response<Body> {
+    let entry = |a: &Applied, u: &Usage| {
+        serde_json::json!({
+            "algorithm": a.policy().algorithm.name(),
+            "limit": u.quota,
+            "used": u.used,
+            "remaining": u.remaining(),
+            "reset": u.reset_epoch_s(),
+            "window": a.limit().window_ms.div_ceil(1000),
+        })
+    };
+    let mut resources = serde_json::Map::new();
+    for (a, u) in applied.iter().zip(usages) {
+        if let Some(u) = u {
+            resources.insert(a.limit().name.to_string(), entry(a, u));
+        }
+    }
+    let rate = most_constrained(usages).and_then(|u| {
+        let a = applied.iter().find(|a| a.limit().name == u.resource)?;
+        Some(entry(a, u))
+    });
+    crate::response::json_response(
+        http::StatusCode::OK,
+        &serde_json::json!({ "resources": resources, "rate": rate }),
+    )
+}
+
+/// A limit in shadow mode (or outside its `enforce_percent`) would have refused this
+/// request: count it in `tollgate_shadow_rejections_total` and log it (at most once a
+/// second, with the number held back).
+fn shadow_rejection(metrics: &Metrics, usage: &Usage, caller: &crate::identity::Caller) {
+    static LOG: crate::logging::Throttle = crate::logging::Throttle::new();
+    metrics
+        .shadow_rejections
+        .get_or_create(&crate::metrics::RejectionLabels {
+            limit: usage.resource.clone(),
+            tier: caller.tier.clone(),
+        })
+        .inc();
+    if let Some(suppressed) = LOG.due(1_000) {
+        tracing::info!(
+            limit = %usage.resource,
+            tier = %caller.tier,
+            used = usage.used,
+            limit_units = usage.quota,
+            suppressed,
+            "shadow: would have refused with 429; let through"
+        );
+    }
 }
 
 /// The rate-limit headers of a request in the styles of `headers.style`: `usage` is the

@@ -912,3 +912,41 @@ async fn admin_listener_drains_on_shutdown() {
         .expect("gateway and admin listener stop well before the 5 s grace");
     assert!(started.elapsed() < Duration::from_secs(4));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_is_in_flight_until_its_response_body_ends() {
+    use http_body_util::BodyExt;
+    let upstream = Upstream::start().await;
+    let gw = TestGateway::start(&config(&upstream, 100, "", "")).await;
+    let in_flight = |gw: &TestGateway| -> i64 {
+        gw.gateway
+            .metrics()
+            .render()
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix("tollgate_in_flight_requests ")?
+                    .trim()
+                    .parse()
+                    .ok()
+            })
+            .unwrap_or(-1)
+    };
+    assert_eq!(in_flight(&gw), 0);
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<http_body_util::Empty<bytes::Bytes>>();
+    // 64 MiB the client does not read yet: the headers arrive, the body waits.
+    let resp = client
+        .get(gw.url("/download/67108864").parse().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(in_flight(&gw), 1, "headers sent, body still streaming");
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(body.len(), 64 << 20);
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while in_flight(&gw) != 0 {
+        assert!(Instant::now() < deadline, "in flight after the body ended");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}

@@ -135,13 +135,18 @@ impl AccessLog {
         out
     }
 
-    /// Put the request id on the response, count the request, write the log line.
-    pub fn finish(self, response: &mut Response<Body>, metrics: &Metrics) {
+    /// Put the request id on the response and count the request; the log line is
+    /// written when the returned [`AccessLine`] is dropped (with the response body, so
+    /// that `total_ms` covers the whole response). `None` when access lines are off.
+    pub fn finish(self, response: &mut Response<Body>, metrics: &Metrics) -> Option<AccessLine> {
         response
             .headers_mut()
             .insert(REQUEST_ID, self.request_id.clone());
         let status = response.status().as_u16();
-        let route = self.route.unwrap_or_else(|| NO_ROUTE.with(Arc::clone));
+        let route = self
+            .route
+            .clone()
+            .unwrap_or_else(|| NO_ROUTE.with(Arc::clone));
         metrics
             .requests
             .get_or_create(&RequestLabels {
@@ -150,26 +155,46 @@ impl AccessLog {
                 decision: self.decision.as_str(),
             })
             .inc();
-        let route = &*route;
-        let total_ms = self.started.elapsed().as_secs_f64() * 1000.0;
-        tracing::info!(
-            target: "tollgate::access",
-            method = %self.method,
-            path = self.path.as_str(),
+        enabled().then(|| AccessLine {
+            log: self,
             route,
             status,
-            client = self.client.as_deref().unwrap_or("-"),
-            caller = match (self.decision, self.caller.as_deref()) {
+        })
+    }
+}
+
+/// A finished request's access line, written when dropped: when its response body has
+/// been sent, has failed, or the client went away.
+#[derive(Debug)]
+pub struct AccessLine {
+    log: AccessLog,
+    route: Arc<str>,
+    status: u16,
+}
+
+impl Drop for AccessLine {
+    fn drop(&mut self) {
+        let (route, status) = (&*self.route, self.status);
+        let this = &self.log;
+        let total_ms = this.started.elapsed().as_secs_f64() * 1000.0;
+        tracing::info!(
+            target: "tollgate::access",
+            method = %this.method,
+            path = this.path.as_str(),
+            route,
+            status,
+            client = this.client.as_deref().unwrap_or("-"),
+            caller = match (this.decision, this.caller.as_deref()) {
                 (Decision::Unauthenticated, _) => "-",
                 (_, Some(id)) => id,
                 (_, None) => "anonymous",
             },
-            decision = self.decision.as_str(),
-            limit = self.usage.as_ref().map(|u| &*u.resource).unwrap_or("-"),
-            remaining = self.usage.as_ref().map(|u| u.remaining() as i64).unwrap_or(-1),
-            upstream_ms = self.upstream_ms.map(|m| (m * 1000.0).round() / 1000.0).unwrap_or(-1.0),
+            decision = this.decision.as_str(),
+            limit = this.usage.as_ref().map(|u| &*u.resource).unwrap_or("-"),
+            remaining = this.usage.as_ref().map(|u| u.remaining() as i64).unwrap_or(-1),
+            upstream_ms = this.upstream_ms.map(|m| (m * 1000.0).round() / 1000.0).unwrap_or(-1.0),
             total_ms = (total_ms * 1000.0).round() / 1000.0,
-            request_id = self.request_id.to_str().unwrap_or("-"),
+            request_id = this.request_id.to_str().unwrap_or("-"),
             "request"
         );
     }
@@ -202,19 +227,20 @@ fn new_request_id() -> HeaderValue {
     HeaderValue::from_str(id).unwrap_or(HeaderValue::from_static("-"))
 }
 
-/// Counts a request in `tollgate_in_flight_requests` while it lives.
+/// Counts a request in `tollgate_in_flight_requests` while it lives (kept with the
+/// response body, so until the response has been sent).
 #[derive(Debug)]
-pub struct InFlight<'a>(&'a Gauge);
+pub struct InFlight(Gauge);
 
-impl<'a> InFlight<'a> {
+impl InFlight {
     /// Increment the gauge now; decrement when dropped.
-    pub fn new(gauge: &'a Gauge) -> Self {
+    pub fn new(gauge: &Gauge) -> Self {
         gauge.inc();
-        Self(gauge)
+        Self(gauge.clone())
     }
 }
 
-impl Drop for InFlight<'_> {
+impl Drop for InFlight {
     fn drop(&mut self) {
         self.0.dec();
     }

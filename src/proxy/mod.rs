@@ -88,11 +88,12 @@ pub async fn handle(
     mut req: Request<Incoming>,
     peer: &Peer,
 ) -> Response<Body> {
-    let _in_flight = access::InFlight::new(&ctx.metrics.in_flight);
+    let in_flight = access::InFlight::new(&ctx.metrics.in_flight);
     let mut log = AccessLog::start(&mut req);
     let mut response = serve(snap, ctx, req, peer, &mut log).await;
-    log.finish(&mut response, ctx.metrics);
-    response
+    let line = log.finish(&mut response, ctx.metrics);
+    // The request is in flight, and its log line waits, until the response body ends.
+    response.map(|body| crate::response::with_guard(body, (in_flight, line)))
 }
 
 /// The six steps of the request path.

@@ -580,3 +580,84 @@ async fn the_rate_limit_endpoint_shows_every_limit_and_is_never_charged() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sliding_window_counts_the_previous_window_by_its_overlap() {
+    use tollgate::clock::Clock;
+    each_backend(async |backend, store, _redis| {
+        let limit = "algorithm = \"sliding_window\"\nwindow = \"10s\"\nquota = { anonymous = 4 }";
+        let (_upstream, gw) = start(&store, limit, "").await;
+        // Move to 1 s into a 10 s window (windows start at multiples of 10 s).
+        let now = gw.clock.now_ms();
+        gw.clock.advance(std::time::Duration::from_millis(
+            10_000 - now % 10_000 + 1_000,
+        ));
+        for _ in 0..4 {
+            assert_eq!(get(&gw.url("/x")).await.status, 200, "{backend:?}");
+        }
+        assert_eq!(get(&gw.url("/x")).await.status, 429);
+        // 5 s into the next window the 4 count for half: 2 used, 2 left.
+        gw.clock.advance(std::time::Duration::from_secs(14));
+        let r = get(&gw.url("/x")).await;
+        assert_eq!(r.status, 200, "{backend:?}");
+        assert_eq!(r.num("x-ratelimit-used"), 3, "2 (weighted) + 1");
+        assert_eq!(get(&gw.url("/x")).await.status, 200);
+        let refused = get(&gw.url("/x")).await;
+        assert_eq!(refused.status, 429, "{backend:?}");
+        // 4 * (10 - t) / 10 + 2 <= 3 once 7.5 s into the window: 2.5 s from now.
+        assert_eq!(refused.header("retry-after"), "3");
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_calendar_day_resets_at_utc_midnight() {
+    use tollgate::clock::Clock;
+    each_backend(async |backend, store, _redis| {
+        let limit = "window = \"1d\"\nalign = \"calendar\"\nquota = { anonymous = 2 }";
+        let (_upstream, gw) = start(&store, limit, "").await;
+        let r = get(&gw.url("/x")).await;
+        let midnight_s = (gw.clock.now_ms() / 86_400_000 + 1) * 86_400;
+        assert_eq!(r.num("x-ratelimit-reset"), midnight_s, "{backend:?}");
+        assert_eq!(get(&gw.url("/x")).await.status, 200);
+        assert_eq!(get(&gw.url("/x")).await.status, 429);
+        // Right after midnight UTC: a new day, a new window.
+        let to_midnight = midnight_s * 1000 - gw.clock.now_ms();
+        gw.clock
+            .advance(std::time::Duration::from_millis(to_midnight + 1));
+        let r = get(&gw.url("/x")).await;
+        assert_eq!(r.status, 200, "{backend:?}");
+        assert_eq!(r.num("x-ratelimit-reset"), midnight_s + 86_400);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn several_limits_admit_only_together_and_keep_nothing_of_a_refused_request() {
+    each_backend(async |backend, store, _redis| {
+        let upstream = Upstream::start().await;
+        let text = gateway_config(&upstream, &store, "window = \"1h\"\nquota = { anonymous = 100 }", "charge = \"on_request\"")
+            .replace("limits = [\"l\"]", "limits = [\"l\", \"tight\"]")
+            + "\n[[limits]]\nname = \"tight\"\nalgorithm = \"gcra\"\nwindow = \"1h\"\nquota = { anonymous = 1 }\n\n[rate_limit_endpoint]\npath = \"/rate_limit\"\n";
+        let gw = TestGateway::start(&text).await;
+        let first = get(&gw.url("/x")).await;
+        assert_eq!(first.status, 200, "{backend:?}");
+        assert_eq!(first.header("x-ratelimit-resource"), "tight", "the tightest limit");
+        for _ in 0..3 {
+            let r = get(&gw.url("/x")).await;
+            assert_eq!(r.status, 429, "{backend:?}");
+            assert_eq!(r.header("x-ratelimit-resource"), "tight");
+        }
+        // What "l" reserved for the refused requests was given back.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(3);
+        loop {
+            let used = get(&gw.url("/rate_limit")).await.json()["resources"]["l"]["used"].clone();
+            if used == 1 {
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "{backend:?}: l still holds {used}");
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+}

@@ -2,9 +2,14 @@
 --
 -- The same rules as src/limiter/algorithm.rs, the reference model: the
 -- store-contract tests replay random timelines against both and require the
--- same answers. Times are milliseconds since the Unix epoch from the gateway's
--- clock (ARGV), never a Redis TTL: keys expire only as clean-up, after the
--- gateway has stopped trusting them.
+-- same answers. Times are milliseconds since the Unix epoch, never a Redis TTL:
+-- keys expire only as clean-up, after the rules have stopped trusting them.
+-- "now" is the gateway's clock, passed in ARGV (store.clock = "gateway"), or,
+-- when ARGV carries now = 0 (store.clock = "redis"), this node's TIME, read once
+-- per call so that every key of the call sees the same instant. TIME is
+-- non-deterministic; Redis 5 and later replicate a script's effects (its
+-- writes), not the script, so a writing script may call it, and a read-only
+-- one (a PEEK on a replica) always could.
 --
 -- Operations: 0 PEEK (read only: safe on a replica), 1 CHARGE (add whatever
 -- the state), 2 RESERVE (add only if admitted; concurrency: take a slot),
@@ -21,7 +26,8 @@
 --                  3 gcra           hash  tat
 --                  4 concurrency    zset  member "ID", score = slot expiry
 -- ARGV[9i-8 .. 9i] op, algorithm, quota, window ms, burst, align (0 first
---                  request, 1 epoch multiples, 2 UTC month), cost, now ms, id
+--                  request, 1 epoch multiples, 2 UTC month), cost, now ms
+--                  (0: read TIME), id
 --                  (the entry / slot id for CHARGE and RESERVE; the epoch the
 --                  charge reported for REFUND)
 --
@@ -262,6 +268,19 @@ local function concurrency(key, op, quota, w, now, id)
   return admitted, used, reset_at, retry, epoch
 end
 
+-- now = 0 in ARGV: this node's clock, TIME (seconds, microseconds) floored to
+-- milliseconds, read at most once per call.
+local redis_now
+local function now_of(arg)
+  local n = tonumber(arg)
+  if n ~= 0 then return n end
+  if not redis_now then
+    local t = redis.call("TIME")
+    redis_now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  end
+  return redis_now
+end
+
 local out = {}
 for i = 1, #KEYS do
   local a = 9 * (i - 1)
@@ -272,7 +291,7 @@ for i = 1, #KEYS do
   local burst = tonumber(ARGV[a + 5])
   local align = tonumber(ARGV[a + 6])
   local cost = tonumber(ARGV[a + 7])
-  local now = tonumber(ARGV[a + 8])
+  local now = now_of(ARGV[a + 8])
   local id = ARGV[a + 9]
   local key = KEYS[i]
   local admitted, used, reset_at, retry, epoch

@@ -4,13 +4,14 @@
 -- Runs on the shard's primary. The units granted are counted in the window at
 -- once, so the units admitted by all gateways together never exceed the quota:
 -- a gateway admits only units it was granted here. Starts a window (like
--- charge.lua) when none is live and something is granted.
+-- apply.lua's CHARGE) when none is live and something is granted.
 --
 -- KEYS[1]  the window hash: fields `count` and `reset_at` (ms since epoch)
 -- ARGV[1]  want: units asked for (>= 1)
 -- ARGV[2]  quota: units per window for this caller's tier
 -- ARGV[3]  window length, milliseconds
--- ARGV[4]  now, milliseconds since the Unix epoch, from the gateway's clock
+-- ARGV[4]  now, milliseconds since the Unix epoch, from the gateway's clock; 0
+--          (store.clock = "redis"): this node's TIME, floored to milliseconds
 --
 -- Returns {granted, used, reset_at}: units granted (0 when the window is full),
 -- the window's count after the grant, and its reset (now + window when no window
@@ -20,6 +21,10 @@ local want = tonumber(ARGV[1])
 local quota = tonumber(ARGV[2])
 local window = tonumber(ARGV[3])
 local now = tonumber(ARGV[4])
+if now == 0 then
+  local t = redis.call("TIME")
+  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
 
 local fields = redis.call("HMGET", key, "count", "reset_at")
 local used = tonumber(fields[1])

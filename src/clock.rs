@@ -1,9 +1,12 @@
 //! Where "now" comes from.
 //!
-//! Every limiter decision takes the time from the gateway, never from Redis: window
-//! expiry is judged by comparing the stored `reset_at` with [`Clock::now_ms`]. That keeps
-//! the `X-RateLimit-Reset` header stable (GitHub's "wobble" came from TTL arithmetic)
-//! and lets tests move time with [`ManualClock`].
+//! By default (`store.clock = "gateway"`) every limiter decision takes the time from the
+//! gateway, never from Redis: window expiry is judged by comparing the stored `reset_at`
+//! with [`Clock::now_ms`]. With `store.clock = "redis"`, the Redis scripts read `TIME`
+//! instead, and this clock is left with the gateway's own arithmetic: `Retry-After`, the
+//! IETF `t`, the over-limit cache and lease expiry. Either way, expiry is never derived
+//! from a TTL, which keeps the `X-RateLimit-Reset` header stable (GitHub's "wobble" came
+//! from TTL arithmetic), and tests move time with [`ManualClock`].
 
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;

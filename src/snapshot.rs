@@ -7,7 +7,8 @@
 //! `Arc<Snapshot>` it started with; a reload swaps in a whole new one.
 
 use crate::config::{
-    Backend, Config, ConfigFile, ConfigReport, LogConfig, Problems, ServerConfig, StoreConfig,
+    Backend, Config, ConfigFile, ConfigReport, LogConfig, Problems, ServerConfig, StoreClock,
+    StoreConfig,
 };
 use crate::identity::Identities;
 use crate::limiter::cache::OverLimitCache;
@@ -265,6 +266,10 @@ impl Snapshot {
             }
             Backend::Redis => format!("redis store with {} shard(s)", c.store.shards.len()),
         };
+        let store = match c.store.clock {
+            StoreClock::Gateway => store,
+            StoreClock::Redis => format!("{store}, {} clock", StoreClock::Redis.name()),
+        };
         format!(
             "ok: listen {}, {} route(s), {} upstream(s), {} limit(s), {} client(s), {}",
             self.listen,
@@ -338,6 +343,12 @@ fn build_store(cfg: &StoreConfig, problems: &mut Problems) -> Option<AnyStore> {
         Backend::Memory => {
             if !cfg.shards.is_empty() {
                 problems.warn("store.shards", "ignored: backend is \"memory\"");
+            }
+            if cfg.clock == StoreClock::Redis {
+                problems.error(
+                    "store.clock",
+                    "\"redis\" needs backend = \"redis\" (the memory store has only the gateway's clock); use \"gateway\"",
+                );
             }
             Some(AnyStore::Memory(MemoryStore::new()))
         }

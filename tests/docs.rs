@@ -33,6 +33,7 @@ fn full_config() -> Config {
             read_from: Some(ReadFrom::Primary),
             sweep_interval: Dur::from_secs(5),
             mode: StoreMode::Sharded,
+            clock: StoreClock::Redis,
             breaker_failures: 3,
             breaker_cooloff: Dur::from_secs(1),
             local_cache_size: 10_000,

@@ -154,6 +154,10 @@ pub struct StoreConfig {
     /// With `backend = "redis"`: `"sharded"` (client-side shards, the default) or
     /// `"cluster"` (a Redis Cluster reached through `nodes`).
     pub mode: StoreMode,
+    /// Whose clock the limit rules read "now" from: `"gateway"` (the default: each
+    /// gateway's own clock, in milliseconds since the Unix epoch) or `"redis"` (the
+    /// Redis scripts read `TIME` on the node that runs them; `backend = "redis"` only).
+    pub clock: StoreClock,
     /// Budget for one store call; past it the call counts as failed. Default 50 ms.
     pub timeout: Dur,
     /// What to do when the store fails or is slow: fail open or fail closed.
@@ -189,6 +193,7 @@ impl Default for StoreConfig {
         Self {
             backend: Backend::Memory,
             mode: StoreMode::Sharded,
+            clock: StoreClock::Gateway,
             timeout: Dur::from_millis(50),
             on_error: OnError::Allow,
             key_prefix: "tollgate:".into(),
@@ -222,6 +227,31 @@ pub enum StoreMode {
     Sharded,
     /// A Redis Cluster; the cluster shards by key slot.
     Cluster,
+}
+
+/// Whose clock gives "now" to the limit rules (`store.clock`). Either way, times are
+/// milliseconds since the Unix epoch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StoreClock {
+    /// The gateway's clock: each gateway passes its own time to the store (default).
+    /// Works with every backend and with Redis services that forbid `TIME` in scripts.
+    #[default]
+    Gateway,
+    /// Redis's clock: the scripts read `TIME` on the node that runs them, once per call
+    /// (seconds and microseconds, floored to milliseconds), so every gateway's window
+    /// arithmetic on a key uses one clock. `backend = "redis"` only.
+    Redis,
+}
+
+impl StoreClock {
+    /// The name in the config file: `"gateway"` or `"redis"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            StoreClock::Gateway => "gateway",
+            StoreClock::Redis => "redis",
+        }
+    }
 }
 
 /// Where CHECKs (reads) go.

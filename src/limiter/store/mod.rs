@@ -93,12 +93,14 @@ pub struct Grant {
 }
 
 /// A place to keep limit state. All times are milliseconds since the Unix epoch, from
-/// the gateway's clock. Batch calls answer one result per item, in order; the Redis
-/// store sends the items that live on one shard in one script call.
+/// the gateway's clock (the `now_ms` arguments), except in a Redis store with
+/// `store.clock = "redis"`: it ignores `now_ms` and its scripts read Redis's `TIME`, so
+/// the times in its answers are Redis's. Batch calls answer one result per item, in
+/// order; the Redis store sends the items that live on one shard in one script call.
 pub trait Store: Send + Sync {
-    /// Apply each item's operation (see [`crate::limiter::algorithm::apply`]). Items
-    /// whose operations are all peeks may be answered from a stale copy (a replica);
-    /// the others run on the primary.
+    /// Apply each item's operation at `now_ms` (ms since the Unix epoch; see
+    /// [`crate::limiter::algorithm::apply`]). Items whose operations are all peeks may
+    /// be answered from a stale copy (a replica); the others run on the primary.
     fn apply(
         &self,
         items: &[Item<'_>],
@@ -106,7 +108,8 @@ pub trait Store: Send + Sync {
     ) -> impl Future<Output = Vec<Result<Verdict, StoreError>>> + Send;
 
     /// Take up to `want` units of `key`'s window for local admission (lease mode),
-    /// never past `quota`: the granted units are counted in the window at once.
+    /// never past `quota`: the granted units are counted in the window at once. A new
+    /// window lasts `window_ms` from `now_ms` (ms since the Unix epoch).
     fn lease(
         &self,
         key: &LimitKey,

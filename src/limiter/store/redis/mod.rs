@@ -10,7 +10,11 @@
 //!   that is down, slow, loading or cut off from its primary is skipped and the primary
 //!   answers. CHARGEs always go to the primary. A stale replica can at worst admit a
 //!   request the primary would have rejected: expiry is judged by the stored `reset_at`
-//!   against the gateway's clock, and a 429 carries the numbers of the read that made it.
+//!   against "now", never by Redis's TTLs, and a 429 carries the numbers of the read that
+//!   made it.
+//! - **Clock.** "Now" is the gateway's clock, passed in every call (`store.clock =
+//!   "gateway"`), or, with `store.clock = "redis"`, [`NOW_FROM_REDIS`] in its place: the
+//!   scripts then read `TIME` on the node that runs them, once per call.
 //! - **Failures.** Each node has a multiplexed connection kept up in the background, a
 //!   circuit breaker and counters ([`node`], [`breaker`], [`stats`]); each call is
 //!   bounded by `store.timeout`. A sick shard costs its own callers at most
@@ -29,7 +33,7 @@ pub mod stats;
 pub use breaker::BreakerState;
 
 use super::{Grant, Item, Store, StoreError, WindowState};
-use crate::config::{Problems, ReadFrom, StoreConfig, StoreMode};
+use crate::config::{Problems, ReadFrom, StoreClock, StoreConfig, StoreMode};
 use crate::limiter::algorithm::{OpKind, Verdict};
 use crate::limiter::key::{jump_consistent_hash, LimitKey};
 use arc_swap::ArcSwap;
@@ -49,6 +53,11 @@ pub static APPLY_LUA: &str = include_str!("../../../../lua/apply.lua");
 pub static LEASE_LUA: &str = include_str!("../../../../lua/lease.lua");
 /// `lua/refund.lua`: give back unused units of a window.
 pub static REFUND_LUA: &str = include_str!("../../../../lua/refund.lua");
+
+/// The `now` argument (ms) that tells `lua/apply.lua` and `lua/lease.lua` to read the
+/// time from the Redis node's `TIME` instead (`store.clock = "redis"`): 0, the Unix epoch
+/// itself, which no gateway clock gives.
+pub const NOW_FROM_REDIS: u64 = 0;
 
 /// Every script the store runs, loaded on each new connection.
 #[derive(Debug)]
@@ -320,6 +329,15 @@ impl RedisStore {
             scripts: Arc::new(Scripts::new()),
             live: OnceLock::new(),
         })
+    }
+
+    /// The `now` to pass to the scripts, in ms since the Unix epoch: the gateway's
+    /// `now_ms`, or [`NOW_FROM_REDIS`] with `store.clock = "redis"`.
+    fn now_arg(&self, now_ms: u64) -> u64 {
+        match self.cfg.clock {
+            StoreClock::Gateway => now_ms,
+            StoreClock::Redis => NOW_FROM_REDIS,
+        }
     }
 
     fn settings(&self) -> NodeSettings {
@@ -661,6 +679,7 @@ pub struct NodeReport {
 
 impl Store for RedisStore {
     async fn apply(&self, items: &[Item<'_>], now_ms: u64) -> Vec<Result<Verdict, StoreError>> {
+        let now_ms = self.now_arg(now_ms);
         let args = |i: &Item<'_>| {
             let p = i.policy;
             vec![
@@ -716,7 +735,11 @@ impl Store for RedisStore {
         now_ms: u64,
     ) -> Result<Grant, StoreError> {
         let reply = self
-            .on_primary(&self.scripts.lease, key, &[want, quota, window_ms, now_ms])
+            .on_primary(
+                &self.scripts.lease,
+                key,
+                &[want, quota, window_ms, self.now_arg(now_ms)],
+            )
             .await?;
         match reply.as_slice() {
             [granted, used, reset_at] if *granted >= 0 && *used >= 0 && *reset_at >= 0 => {

@@ -128,13 +128,21 @@ fn route_match(c: &mut Criterion) {
     assert_eq!(router.len(), 50);
     assert_eq!(
         &*router
-            .find(Some("api.example.com"), "/v1/orders/123")
+            .find(
+                Some("api.example.com"),
+                "/v1/orders/123",
+                &http::Method::GET
+            )
             .expect("hit")
             .path_prefix,
         "/v1/orders"
     );
     assert!(router
-        .find(Some("other.example.org"), "/v3/nothing/here")
+        .find(
+            Some("other.example.org"),
+            "/v3/nothing/here",
+            &http::Method::GET
+        )
         .is_none());
 
     let mut g = c.benchmark_group("route");
@@ -143,6 +151,7 @@ fn route_match(c: &mut Criterion) {
             black_box(router.find(
                 black_box(Some("api.example.com")),
                 black_box("/v1/orders/123"),
+                &http::Method::GET,
             ))
         })
     });
@@ -151,6 +160,7 @@ fn route_match(c: &mut Criterion) {
             black_box(router.find(
                 black_box(Some("other.example.org")),
                 black_box("/v3/nothing/here"),
+                &http::Method::GET,
             ))
         })
     });
@@ -285,7 +295,10 @@ fn limiter_memory(c: &mut Criterion) {
         sha256_hex("acme-key")
     );
     let snap = snapshot(&toml);
-    let route = snap.router.find(None, "/v1/orders/123").expect("route");
+    let route = snap
+        .router
+        .find(None, "/v1/orders/123", &http::Method::GET)
+        .expect("route");
     let mut headers = HeaderMap::new();
     headers.insert("authorization", HeaderValue::from_static("Bearer acme-key"));
     let peer: IpAddr = "203.0.113.7".parse().unwrap();

@@ -161,14 +161,18 @@ impl Snapshot {
         let mut routes = Vec::new();
         let mut seen = HashMap::new();
         for (i, r) in cfg.routes.iter().enumerate() {
+            let mut methods = r.methods.clone();
+            methods.sort();
+            methods.dedup();
             let id = (
                 r.host.as_ref().map(|h| h.to_ascii_lowercase()),
                 r.path_prefix.to_string(),
+                methods,
             );
             if let Some(first) = seen.insert(id, i) {
                 problems.error(
                     format!("routes[{i}].path_prefix"),
-                    format!("routes[{first}] already has this host and path_prefix"),
+                    format!("routes[{first}] already has this host, path_prefix and methods"),
                 );
                 continue;
             }

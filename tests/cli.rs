@@ -107,6 +107,10 @@ fn check_rejects_syntax_unknown_keys_bad_durations_and_unsupported_features() {
         ("[[limits]]\nname = \"x\"\nalgorithm = \"concurrency\"\nwindow = \"1m\"\non_limit = \"delay\"\nquota = { anonymous = 1 }\n", "limits[0].on_limit: a concurrency limit cannot delay"),
         ("[rate_limit_endpoint]\npath = \"rate_limit\"\n", "rate_limit_endpoint.path: must start with `/`"),
         (
+            "[[upstreams]]\nname = \"a\"\ntargets = [\"http://x:1\"]\n[[routes]]\npath_prefix = \"/\"\nupstream = \"a\"\nmethods = [\"get\"]\n",
+            "routes[0].methods[0]: \"get\" is not an HTTP method in capitals",
+        ),
+        (
             "[[upstreams]]\nname = \"a\"\ntargets = [\"http://x:1\"]\n[[routes]]\npath_prefix = \"/\"\nupstream = \"a\"\ncharge = \"later\"\n",
             "routes[0].charge: \"later\": expected \"after_response\" or \"on_request\"",
         ),

@@ -83,6 +83,8 @@ fn full_config() -> Config {
         routes: vec![RouteConfig {
             host: Some("api.example.com".into()),
             path_prefix: "/".into(),
+            path_match: "segments".into(),
+            methods: vec!["GET".into(), "POST".into()],
             upstream: "api".into(),
             limits: vec!["core".into()],
             cost: 1,

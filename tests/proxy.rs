@@ -289,3 +289,83 @@ async fn graceful_shutdown_finishes_in_flight_requests() {
         .await
         .expect("gateway stopped after draining");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn routes_match_by_method_and_on_segment_boundaries() {
+    let upstream = Upstream::start().await;
+    let toml = format!(
+        r#"
+[server]
+listen = "127.0.0.1:0"
+
+[[upstreams]]
+name = "api"
+targets = ["{up}"]
+
+[[limits]]
+name = "writes"
+window = "1h"
+quota = {{ anonymous = 1 }}
+
+[[limits]]
+name = "orders"
+window = "1h"
+quota = {{ anonymous = 50 }}
+
+[[limits]]
+name = "other"
+window = "1h"
+quota = {{ anonymous = 100 }}
+
+[[routes]]
+path_prefix = "/v1/orders"
+path_match = "segments"
+methods = ["POST"]
+upstream = "api"
+limits = ["writes"]
+
+[[routes]]
+path_prefix = "/v1/orders"
+path_match = "segments"
+upstream = "api"
+limits = ["orders"]
+
+[[routes]]
+path_prefix = "/"
+upstream = "api"
+limits = ["other"]
+"#,
+        up = upstream.url()
+    );
+    let gw = TestGateway::start(&toml).await;
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<http_body_util::Empty<bytes::Bytes>>();
+    let send = |method: &str, path: &str| {
+        let req = http::Request::builder()
+            .method(method)
+            .uri(gw.url(path))
+            .body(http_body_util::Empty::new())
+            .unwrap();
+        let fut = client.request(req);
+        async move {
+            let r = fut.await.unwrap();
+            (
+                r.status().as_u16(),
+                r.headers()
+                    .get("x-ratelimit-resource")
+                    .map(|v| v.to_str().unwrap().to_string())
+                    .unwrap_or_default(),
+            )
+        }
+    };
+    assert_eq!(send("POST", "/v1/orders").await, (200, "writes".into()));
+    assert_eq!(send("POST", "/v1/orders/7").await, (429, "writes".into()));
+    assert_eq!(send("GET", "/v1/orders").await, (200, "orders".into()));
+    assert_eq!(send("GET", "/v1/orders/7").await, (200, "orders".into()));
+    // Not a segment of /v1/orders: the catch-all route.
+    assert_eq!(send("GET", "/v1/ordersummary").await, (200, "other".into()));
+    assert_eq!(
+        send("POST", "/v1/ordersummary").await,
+        (200, "other".into())
+    );
+}

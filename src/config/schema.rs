@@ -504,6 +504,14 @@ pub struct RouteConfig {
     pub host: Option<String>,
     /// Path prefix; the longest matching prefix wins.
     pub path_prefix: String,
+    /// `"prefix"` (default: the path starts with `path_prefix`, so `/v1/orders` also
+    /// matches `/v1/ordersummary`) or `"segments"` (whole path segments only:
+    /// `/v1/orders` matches `/v1/orders` and `/v1/orders/7`, not `/v1/ordersummary`).
+    #[serde(default = "default_path_match")]
+    pub path_match: String,
+    /// Request methods this route is for (e.g. `["POST"]`); empty (default): any.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub methods: Vec<String>,
     /// Name of an `[[upstreams]]` entry.
     pub upstream: String,
     /// Names of `[[limits]]` entries; every one must admit the request.
@@ -518,6 +526,10 @@ pub struct RouteConfig {
     /// `"after_response"` (default); `"on_request"` is not supported yet.
     #[serde(default = "default_charge")]
     pub charge: String,
+}
+
+fn default_path_match() -> String {
+    "prefix".into()
 }
 
 fn default_cost() -> u64 {

@@ -153,7 +153,10 @@ pub async fn serve(
     }
 
     // 2. Route by host and longest path prefix.
-    let Some(route) = snap.router.find(request_host(&req), req.uri().path()) else {
+    let Some(route) = snap
+        .router
+        .find(request_host(&req), req.uri().path(), req.method())
+    else {
         log.decision = Decision::NoRoute;
         return ProxyError::NoRoute.into_response();
     };

@@ -13,6 +13,10 @@ pub struct Route {
     pub host: Option<String>,
     /// Path prefix; the longest matching prefix wins.
     pub path_prefix: Arc<str>,
+    /// `path_match = "segments"`: the prefix matches whole path segments only.
+    pub segments: bool,
+    /// Methods this route is for; empty: any.
+    pub methods: Vec<http::Method>,
     /// Where matching requests go.
     pub upstream: Arc<Upstream>,
     /// Limits that must all admit a request.
@@ -28,6 +32,19 @@ pub struct Route {
 }
 
 impl Route {
+    /// Whether this route is for a request with `path` and `method` (its host is
+    /// matched by the router).
+    pub fn matches(&self, path: &str, method: &http::Method) -> bool {
+        let prefix = &*self.path_prefix;
+        let path_ok = match path.strip_prefix(prefix) {
+            None => false,
+            Some(rest) => {
+                !self.segments || rest.is_empty() || rest.starts_with('/') || prefix.ends_with('/')
+            }
+        };
+        path_ok && (self.methods.is_empty() || self.methods.contains(method))
+    }
+
     /// Whether a response with `status` is charged.
     pub fn charges(&self, status: http::StatusCode) -> bool {
         !self.uncharged_statuses.contains(&status.as_u16())
@@ -51,6 +68,31 @@ impl Route {
                 format!("{at}.path_prefix"),
                 format!("{:?} must start with \"/\"", cfg.path_prefix),
             );
+        }
+        let segments = match cfg.path_match.as_str() {
+            "prefix" => false,
+            "segments" => true,
+            other => {
+                problems.error(
+                    format!("{at}.path_match"),
+                    format!("{other:?}: expected \"prefix\" or \"segments\""),
+                );
+                false
+            }
+        };
+        let mut methods = Vec::new();
+        for (j, m) in cfg.methods.iter().enumerate() {
+            match http::Method::from_bytes(m.as_bytes()) {
+                Ok(method) if m.bytes().all(|b| b.is_ascii_uppercase()) => {
+                    if !methods.contains(&method) {
+                        methods.push(method);
+                    }
+                }
+                _ => problems.error(
+                    format!("{at}.methods[{j}]"),
+                    format!("{m:?} is not an HTTP method in capitals, e.g. \"GET\" or \"POST\""),
+                ),
+            }
         }
         let host = cfg.host.as_ref().map(|h| h.trim().to_ascii_lowercase());
         if host.as_deref() == Some("") {
@@ -110,6 +152,8 @@ impl Route {
         Some(Self {
             host,
             path_prefix: cfg.path_prefix.as_str().into(),
+            segments,
+            methods,
             upstream: upstream?,
             limits: route_limits,
             cost: cfg.cost,
@@ -126,23 +170,30 @@ pub struct Router {
 }
 
 impl Router {
-    /// A router over `routes`: longer prefixes first, and for equal prefixes host-specific
-    /// routes before host-less ones.
+    /// A router over `routes`: longer prefixes first; for equal prefixes host-specific
+    /// routes before host-less ones, then routes for some methods before routes for any.
     pub fn new(mut routes: Vec<Arc<Route>>) -> Self {
         routes.sort_by(|a, b| {
             b.path_prefix
                 .len()
                 .cmp(&a.path_prefix.len())
                 .then(b.host.is_some().cmp(&a.host.is_some()))
+                .then(a.methods.is_empty().cmp(&b.methods.is_empty()))
         });
         Self { routes }
     }
 
-    /// The route for a request to `host` (any case, port ignored) and `path`.
-    pub fn find(&self, host: Option<&str>, path: &str) -> Option<&Arc<Route>> {
+    /// The route for a `method` request to `host` (any case, port ignored) and `path`:
+    /// the first in the order of [`Router::new`] that matches.
+    pub fn find(
+        &self,
+        host: Option<&str>,
+        path: &str,
+        method: &http::Method,
+    ) -> Option<&Arc<Route>> {
         let host = host.map(strip_port);
         self.routes.iter().find(|r| {
-            path.starts_with(&*r.path_prefix)
+            r.matches(path, method)
                 && r.host
                     .as_deref()
                     .is_none_or(|h| host.is_some_and(|req| req.eq_ignore_ascii_case(h)))

@@ -1,0 +1,120 @@
+//! Abusive requests against the real gateway and a real upstream: request smuggling
+//! shapes are refused with 400 before anything reaches the upstream, and the gateway
+//! keeps serving other callers.
+
+mod support;
+
+use std::time::Duration;
+use support::{get, TestGateway, Upstream};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+fn config(upstream: &Upstream) -> String {
+    format!(
+        r#"
+[server]
+listen = "127.0.0.1:0"
+
+[[upstreams]]
+name = "api"
+targets = ["{up}"]
+
+[[limits]]
+name = "core"
+window = "1h"
+quota = {{ anonymous = 1000 }}
+
+[[routes]]
+path_prefix = "/"
+upstream = "api"
+limits = ["core"]
+"#,
+        up = upstream.url()
+    )
+}
+
+/// Send raw bytes on a new connection; the status line's code of the first answer (0
+/// when the connection closed without one).
+async fn raw(gw: &TestGateway, bytes: &[u8]) -> u16 {
+    let mut s = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    s.write_all(bytes).await.unwrap();
+    let mut buf = vec![0u8; 4096];
+    let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+        .await
+        .expect("an answer or a close")
+        .unwrap_or(0);
+    let head = String::from_utf8_lossy(&buf[..n]);
+    head.split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn smuggling_shapes_are_refused_with_400_and_never_reach_the_upstream() {
+    let upstream = Upstream::start().await;
+    let gw = TestGateway::start(&config(&upstream)).await;
+    let cases: [(&str, &[u8]); 3] = [
+        (
+            "two different Content-Lengths",
+            b"POST /upload HTTP/1.1\r\nhost: a\r\ncontent-length: 4\r\ncontent-length: 5\r\n\r\nabcde",
+        ),
+        (
+            "Transfer-Encoding that does not end in chunked",
+            b"POST /upload HTTP/1.1\r\nhost: a\r\ntransfer-encoding: chunked, identity\r\n\r\n0\r\n\r\n",
+        ),
+        (
+            "a space before the colon",
+            b"POST /upload HTTP/1.1\r\nhost: a\r\ncontent-length : 4\r\n\r\nabcd",
+        ),
+    ];
+    let mut wrong = Vec::new();
+    for (what, bytes) in cases {
+        let status = raw(&gw, bytes).await;
+        if status != 400 {
+            wrong.push(format!("{what}: {status}"));
+        }
+    }
+    assert!(wrong.is_empty(), "not refused with 400: {wrong:?}");
+    assert_eq!(upstream.hits(), 0, "nothing reached the upstream");
+    // The gateway keeps serving.
+    assert_eq!(get(&gw.url("/")).await.status, 200);
+}
+
+/// Content-Length together with Transfer-Encoding: hyper lets chunked framing win (RFC
+/// 9112 section 6.3) and drops the Content-Length, so the gateway and the upstream agree
+/// on where the request ends: the upstream gets one chunked request and no
+/// Content-Length, and the client's connection is closed after the answer, so nothing
+/// smuggled after it can be read as a second request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn content_length_with_transfer_encoding_is_forwarded_chunked_and_the_connection_closed() {
+    let upstream = Upstream::start().await;
+    let gw = TestGateway::start(&config(&upstream)).await;
+    let mut s = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    // After the chunked body: a smuggled second request.
+    s.write_all(
+        b"POST /echo HTTP/1.1\r\nhost: a\r\ncontent-length: 4\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\nGET /smuggled HTTP/1.1\r\nhost: a\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    let mut all = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut all))
+        .await
+        .expect("the connection is closed after the answer")
+        .unwrap();
+    let text = String::from_utf8_lossy(&all).to_lowercase();
+    assert_eq!(
+        text.matches("http/1.1 ").count(),
+        1,
+        "one answer only: {text}"
+    );
+    assert!(text.contains("connection: close"), "{text}");
+    let body = &text[text.find("\r\n\r\n").unwrap() + 4..];
+    let echoed: serde_json::Value = serde_json::from_str(body).unwrap();
+    assert_eq!(echoed["headers"]["transfer-encoding"], "chunked");
+    assert!(echoed["headers"]["content-length"].is_null(), "{echoed}");
+    assert_eq!(
+        upstream.hits(),
+        1,
+        "the smuggled request never reached the upstream"
+    );
+}

@@ -118,3 +118,25 @@ async fn content_length_with_transfer_encoding_is_forwarded_chunked_and_the_conn
         "the smuggled request never reached the upstream"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_larger_than_the_route_allows_gets_413_and_is_not_charged() {
+    let upstream = Upstream::start().await;
+    let text = config(&upstream).replace(
+        "limits = [\"core\"]",
+        "limits = [\"core\"]\nmax_request_bytes = 1024",
+    );
+    let gw = TestGateway::start(&text).await;
+    let mut big = format!(
+        "POST /upload HTTP/1.1\r\nhost: a\r\ncontent-length: {}\r\n\r\n",
+        4096
+    )
+    .into_bytes();
+    big.extend(std::iter::repeat_n(b'x', 4096));
+    assert_eq!(raw(&gw, &big).await, 413);
+    assert_eq!(upstream.hits(), 0, "not forwarded");
+    let small = b"POST /upload HTTP/1.1\r\nhost: a\r\ncontent-length: 3\r\n\r\nabc";
+    assert_eq!(raw(&gw, small).await, 200);
+    // The 413 was not charged: this is the second request counted.
+    assert_eq!(get(&gw.url("/")).await.num("x-ratelimit-used"), 2);
+}

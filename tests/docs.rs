@@ -85,6 +85,7 @@ fn full_config() -> Config {
             path_prefix: "/".into(),
             path_match: "segments".into(),
             methods: vec!["GET".into(), "POST".into()],
+            max_request_bytes: Some(1 << 20),
             upstream: "api".into(),
             limits: vec!["core".into()],
             cost: 1,

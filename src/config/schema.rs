@@ -512,6 +512,10 @@ pub struct RouteConfig {
     /// Request methods this route is for (e.g. `["POST"]`); empty (default): any.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub methods: Vec<String>,
+    /// Largest request body forwarded, in bytes; larger ones get 413 (checked against
+    /// `Content-Length` before forwarding, and counted while streaming). `None`: no limit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_request_bytes: Option<u64>,
     /// Name of an `[[upstreams]]` entry.
     pub upstream: String,
     /// Names of `[[limits]]` entries; every one must admit the request.

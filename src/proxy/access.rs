@@ -38,6 +38,8 @@ pub enum Decision {
     Unauthenticated,
     /// No route matched (404).
     NoRoute,
+    /// The request body was larger than the route allows (413); not charged.
+    TooLarge,
 }
 
 impl Decision {
@@ -52,6 +54,7 @@ impl Decision {
             Decision::StoreErrorDenied => "store_error_denied",
             Decision::Unauthenticated => "unauthenticated",
             Decision::NoRoute => "no_route",
+            Decision::TooLarge => "too_large",
         }
     }
 }

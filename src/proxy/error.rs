@@ -32,6 +32,9 @@ pub enum ProxyError {
     /// The upstream took too long to connect or to send response headers: 504.
     #[error("upstream {0:?} timed out")]
     UpstreamTimeout(String),
+    /// The request body is larger than the route's `max_request_bytes` (bytes): 413.
+    #[error("request body larger than {0} bytes")]
+    BodyTooLarge(u64),
     /// The request cannot be forwarded as sent: 400.
     #[error("bad request: {0}")]
     BadRequest(String),
@@ -48,6 +51,7 @@ impl ProxyError {
             ProxyError::UpstreamUnreachable(..) => StatusCode::BAD_GATEWAY,
             ProxyError::UpstreamTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
             ProxyError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            ProxyError::BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
         }
     }
 

@@ -161,6 +161,16 @@ pub async fn serve(
         return ProxyError::NoRoute.into_response();
     };
     log.route = Some(route.path_prefix.clone()); // an Arc: no copy
+    if let Some(max) = route.max_request_bytes {
+        let declared = req
+            .headers()
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+        if declared.is_some_and(|n| n > max) {
+            log.decision = Decision::TooLarge;
+            return ProxyError::BodyTooLarge(max).into_response();
+        }
+    }
 
     // 3. Check every limit of the route (a read; may be stale, never written).
     let applied = snap

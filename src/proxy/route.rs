@@ -17,6 +17,8 @@ pub struct Route {
     pub segments: bool,
     /// Methods this route is for; empty: any.
     pub methods: Vec<http::Method>,
+    /// `max_request_bytes`: the largest request body forwarded, in bytes.
+    pub max_request_bytes: Option<u64>,
     /// Where matching requests go.
     pub upstream: Arc<Upstream>,
     /// Limits that must all admit a request.
@@ -154,6 +156,7 @@ impl Route {
             path_prefix: cfg.path_prefix.as_str().into(),
             segments,
             methods,
+            max_request_bytes: cfg.max_request_bytes,
             upstream: upstream?,
             limits: route_limits,
             cost: cfg.cost,

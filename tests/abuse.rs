@@ -140,3 +140,75 @@ async fn a_body_larger_than_the_route_allows_gets_413_and_is_not_charged() {
     // The 413 was not charged: this is the second request counted.
     assert_eq!(get(&gw.url("/")).await.num("x-ratelimit-used"), 2);
 }
+
+/// Send one raw request; (status, whole answer) of the first answer.
+async fn raw_answer(gw: &TestGateway, bytes: &[u8]) -> (u16, String) {
+    let mut s = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    s.write_all(bytes).await.unwrap();
+    let mut all = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut all)).await;
+    let text = String::from_utf8_lossy(&all).to_string();
+    let status = text
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    (status, text)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn path_spellings_and_host_spellings_cannot_dodge_a_routes_limits() {
+    let upstream = Upstream::start().await;
+    let text = config(&upstream).replace(
+        "[[routes]]\npath_prefix = \"/\"",
+        "[[routes]]\npath_prefix = \"/echo\"\nupstream = \"api\"\nlimits = [\"search\"]\n\n[[routes]]\nhost = \"api.example.com\"\npath_prefix = \"/\"\nupstream = \"api\"\nlimits = [\"search\"]\n\n[[routes]]\npath_prefix = \"/\"",
+    ) + "\n[[limits]]\nname = \"search\"\nwindow = \"1h\"\nquota = { anonymous = 100 }\n";
+    let gw = TestGateway::start(&text).await;
+    for spelling in [
+        "/echo",
+        "//echo",
+        "/./echo",
+        "/x/../echo",
+        "/%65cho",
+        "/%2e/echo",
+        "/echo/.",
+    ] {
+        let req = format!("GET {spelling}?q=1 HTTP/1.1\r\nhost: a\r\nconnection: close\r\n\r\n");
+        let (status, answer) = raw_answer(&gw, req.as_bytes()).await;
+        assert_eq!(status, 200, "{spelling}: {answer}");
+        let lower = answer.to_lowercase();
+        assert!(
+            lower.contains("x-ratelimit-resource: search"),
+            "{spelling} is limited by the /echo route: {answer}"
+        );
+        assert!(
+            answer.contains("\"path\":\"/echo?q=1\"") || answer.contains("\"path\":\"/echo/?q=1\""),
+            "{spelling}: the upstream gets the normal path: {answer}"
+        );
+    }
+    for bad in ["/%2Fecho", "/echo%5c..", "/ech%o"] {
+        let req = format!("GET {bad} HTTP/1.1\r\nhost: a\r\nconnection: close\r\n\r\n");
+        let (status, answer) = raw_answer(&gw, req.as_bytes()).await;
+        assert_eq!(status, 400, "{bad}: {answer}");
+        assert!(answer.contains("\"message\""), "a JSON body: {answer}");
+    }
+    // A trailing dot is the same host; a bad port is refused, not routed host-less.
+    let (status, answer) = raw_answer(
+        &gw,
+        b"GET /x HTTP/1.1\r\nhost: API.example.com.\r\nconnection: close\r\n\r\n",
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert!(
+        answer
+            .to_lowercase()
+            .contains("x-ratelimit-resource: search"),
+        "{answer}"
+    );
+    let (status, _) = raw_answer(
+        &gw,
+        b"GET /x HTTP/1.1\r\nhost: api.example.com:abc\r\nconnection: close\r\n\r\n",
+    )
+    .await;
+    assert_eq!(status, 400);
+}

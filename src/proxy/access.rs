@@ -40,6 +40,9 @@ pub enum Decision {
     NoRoute,
     /// The request body was larger than the route allows (413); not charged.
     TooLarge,
+    /// A malformed request (400: bad path escape, bad Host), answered before anything
+    /// else.
+    BadRequest,
 }
 
 impl Decision {
@@ -55,6 +58,7 @@ impl Decision {
             Decision::Unauthenticated => "unauthenticated",
             Decision::NoRoute => "no_route",
             Decision::TooLarge => "too_large",
+            Decision::BadRequest => "bad_request",
         }
     }
 }

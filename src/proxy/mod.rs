@@ -19,6 +19,7 @@ pub mod access;
 pub mod error;
 pub mod forward;
 pub mod headers;
+pub mod path;
 pub mod pool;
 pub mod route;
 
@@ -100,11 +101,24 @@ pub async fn handle(
 pub async fn serve(
     snap: &Gate<'_>,
     ctx: &Context<'_>,
-    req: Request<Incoming>,
+    mut req: Request<Incoming>,
     peer: &Peer,
     log: &mut AccessLog,
 ) -> Response<Body> {
     let clock: &dyn Clock = &**ctx.clock;
+
+    // 0. One spelling per path (so no spelling dodges a route's limits), and a sane Host.
+    if let Err(e) = normalize_path(&mut req) {
+        log.decision = Decision::BadRequest;
+        return e.into_response();
+    }
+    let host = match request_host(&req) {
+        Ok(host) => host,
+        Err(e) => {
+            log.decision = Decision::BadRequest;
+            return e.into_response();
+        }
+    };
 
     // 1. Identify the caller.
     let identified = snap.identities.identify(req.headers(), peer.ip());
@@ -155,7 +169,7 @@ pub async fn serve(
     // 2. Route by host and longest path prefix.
     let Some(route) = snap
         .router
-        .find(request_host(&req), req.uri().path(), req.method())
+        .find(host.as_deref(), req.uri().path(), req.method())
     else {
         log.decision = Decision::NoRoute;
         return ProxyError::NoRoute.into_response();
@@ -353,9 +367,73 @@ fn put_headers(
 }
 
 /// The host a request is for: the `Host` header, or the URI authority (HTTP/2).
-fn request_host(req: &Request<Incoming>) -> Option<&str> {
-    req.headers()
-        .get(header::HOST)
-        .and_then(|h| h.to_str().ok())
-        .or_else(|| req.uri().authority().map(|a| a.as_str()))
+/// Without its port, and without a trailing dot (`api.example.com.` is
+/// `api.example.com`), lowercase.
+///
+/// Errors: 400 for a Host that is not ASCII or whose port is not a number (it must not
+/// fall through to a host-less route).
+fn request_host(req: &Request<Incoming>) -> Result<Option<String>, ProxyError> {
+    let raw = match req.headers().get(header::HOST) {
+        Some(h) => h
+            .to_str()
+            .map_err(|_| ProxyError::BadRequest("Host is not ASCII".into()))?,
+        None => match req.uri().authority() {
+            Some(a) => a.as_str(),
+            None => return Ok(None),
+        },
+    };
+    let name = if raw.starts_with('[') {
+        // [v6]:port
+        let end = raw.find(']').map_or(raw.len(), |i| i + 1);
+        check_port(&raw[end..])?;
+        &raw[..end]
+    } else {
+        match raw.rsplit_once(':') {
+            Some((name, port)) => {
+                check_port(&format!(":{port}"))?;
+                name
+            }
+            None => raw,
+        }
+    };
+    let name = name.strip_suffix('.').unwrap_or(name);
+    if name.is_empty() {
+        return Err(ProxyError::BadRequest("empty Host".into()));
+    }
+    Ok(Some(name.to_ascii_lowercase()))
+}
+
+/// `rest` after the host name: empty, or `:` and a port number.
+fn check_port(rest: &str) -> Result<(), ProxyError> {
+    match rest.strip_prefix(':') {
+        None if rest.is_empty() => Ok(()),
+        Some(p) if !p.is_empty() && p.len() <= 5 && p.bytes().all(|b| b.is_ascii_digit()) => Ok(()),
+        _ => Err(ProxyError::BadRequest(format!(
+            "Host has a bad port: {rest:?}"
+        ))),
+    }
+}
+
+/// Rewrite the request's path to its normal form ([`path::normalize`]), keeping the
+/// query, so that routing and the upstream see the same path.
+///
+/// Errors: 400 for a path with an encoded slash or a malformed escape.
+fn normalize_path(req: &mut Request<Incoming>) -> Result<(), ProxyError> {
+    let normal =
+        path::normalize(req.uri().path()).map_err(|e| ProxyError::BadRequest(e.to_string()))?;
+    let Some(normal) = normal else {
+        return Ok(());
+    };
+    let pq = match req.uri().query() {
+        Some(q) => format!("{normal}?{q}"),
+        None => normal,
+    };
+    let mut parts = req.uri().clone().into_parts();
+    parts.path_and_query = Some(
+        pq.parse()
+            .map_err(|_| ProxyError::BadRequest("path cannot be normalised".into()))?,
+    );
+    *req.uri_mut() = http::Uri::from_parts(parts)
+        .map_err(|_| ProxyError::BadRequest("path cannot be normalised".into()))?;
+    Ok(())
 }

@@ -212,3 +212,51 @@ async fn path_spellings_and_host_spellings_cannot_dodge_a_routes_limits() {
     .await;
     assert_eq!(status, 400);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_goes_away_is_charged_counted_and_logged() {
+    for redis in [None, Some(support::RedisServer::start())] {
+        let upstream = Upstream::start().await;
+        let store = match &redis {
+            None => String::new(),
+            Some(r) => format!(
+                "[store]\nbackend = \"redis\"\n[[store.shards]]\nprimary = \"{}\"\n",
+                r.url()
+            ),
+        };
+        let text = config(&upstream).replace("[[upstreams]]", &format!("{store}\n[[upstreams]]"));
+        let gw = TestGateway::start(&text).await;
+        // 20 requests on one HTTP/2 connection, each reset by the client (the task is
+        // dropped) while the upstream is still working on it.
+        let client =
+            hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+                .http2_only(true)
+                .build_http::<http_body_util::Empty<bytes::Bytes>>();
+        let mut tasks = Vec::new();
+        for _ in 0..20 {
+            let fut = client.get(gw.url("/slow/400").parse().unwrap());
+            tasks.push(tokio::spawn(fut));
+        }
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        for t in &tasks {
+            t.abort();
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        // Every forwarded request was charged: this one is the 21st.
+        let r = get(&gw.url("/")).await;
+        assert_eq!(r.num("x-ratelimit-used"), 21, "redis: {}", redis.is_some());
+        let metrics = gw.gateway.metrics().render();
+        let aborted: u64 = metrics
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix(
+                    "tollgate_requests_total{route=\"/\",status=\"499\",decision=\"allowed\"}",
+                )?
+                .trim()
+                .parse()
+                .ok()
+            })
+            .unwrap_or(0);
+        assert_eq!(aborted, 20, "counted as 499: {metrics}");
+    }
+}

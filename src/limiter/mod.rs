@@ -484,6 +484,55 @@ fn next_id() -> u64 {
     (next.fetch_add(1, Ordering::Relaxed) & ((1 << 53) - 1)).max(1)
 }
 
+/// Charges a forwarded request that is dropped before its charge: the client went away
+/// (closed the connection, or reset its HTTP/2 stream) while the upstream worked on it.
+/// The upstream may have served it, so it counts: limits that were only checked get
+/// `cost` added (in the background), reservations and leased units stand. Made by
+/// [`Limiter::pending_charge`]; [`PendingCharge::settled`] disarms it once the request
+/// was charged or released the usual way.
+#[derive(Debug)]
+pub struct PendingCharge {
+    store: Arc<AnyStore>,
+    clock: crate::clock::SharedClock,
+    applied: Arc<[Applied]>,
+    cost: u64,
+    on_request: bool,
+    armed: bool,
+}
+
+impl PendingCharge {
+    /// The request was charged or released: nothing to do when dropped.
+    pub fn settled(&mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for PendingCharge {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let charges: Vec<Refund> = self
+            .applied
+            .iter()
+            .filter(|a| a.stage(self.on_request) == Stage::Peek)
+            .map(|a| {
+                let op = Op {
+                    kind: OpKind::Charge,
+                    cost: self.cost,
+                    id: next_id(),
+                };
+                (a.key.clone(), a.policy, op)
+            })
+            .collect();
+        tracing::debug!(
+            limits = charges.len(),
+            "client went away; charging the forwarded request"
+        );
+        spawn_refunds(self.store.clone(), charges, self.clock.now_ms());
+    }
+}
+
 /// Gives back concurrency slots when dropped: when the response body ends, fails, or
 /// the client goes away (see [`Limiter::slots`]).
 #[derive(Debug)]
@@ -501,7 +550,8 @@ impl Drop for SlotGuard {
     }
 }
 
-/// One refund to send: what [`OpKind::Refund`] takes back from which state.
+/// One operation to send in the background: a refund ([`OpKind::Refund`]), or the
+/// charge of a request whose client went away.
 type Refund = (LimitKey, Policy, Op);
 
 /// The refunds of the reservations and slots `admission` took for the limits whose
@@ -527,7 +577,7 @@ fn refunds(
         .collect()
 }
 
-/// Send `refunds` in the background (one store call per shard). Without a runtime
+/// Send `refunds` (or charges) in the background (one store call per shard). Without a runtime
 /// nothing is sent: reservations then stand and slots expire after their window.
 fn spawn_refunds(store: Arc<AnyStore>, refunds: Vec<Refund>, now_ms: u64) {
     if refunds.is_empty() {
@@ -1043,6 +1093,26 @@ impl Limiter {
             matches!(st, Stage::Reserve | Stage::Slot) && which(st)
         });
         spawn_refunds(self.store.clone(), refunds, now_ms);
+    }
+
+    /// A guard that charges `applied` (`cost` units) if it is dropped before
+    /// [`PendingCharge::settled`]: arm it before forwarding, so that a client that goes
+    /// away while the upstream works is charged all the same.
+    pub fn pending_charge(
+        &self,
+        applied: Arc<[Applied]>,
+        cost: u64,
+        on_request: bool,
+        clock: crate::clock::SharedClock,
+    ) -> PendingCharge {
+        PendingCharge {
+            store: self.store.clone(),
+            clock,
+            applied,
+            cost,
+            on_request,
+            armed: true,
+        }
     }
 
     /// A guard that gives back the concurrency slots `admission` holds when dropped

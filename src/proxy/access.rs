@@ -81,12 +81,47 @@ pub struct AccessLog {
     /// The usage reported in the headers.
     pub usage: Option<Usage>,
     upstream_ms: Option<f64>,
+    /// `tollgate_requests_total`, to count a request whose client went away.
+    requests: prometheus_client::metrics::family::Family<
+        RequestLabels,
+        prometheus_client::metrics::counter::Counter,
+    >,
+    /// Finished ([`AccessLog::finish`]): counted, and its line written or not wanted.
+    done: bool,
+}
+
+/// The status logged and counted for a request whose client went away before the
+/// response (closed the connection, or reset its HTTP/2 stream): nginx's 499.
+pub const CLIENT_CLOSED: u16 = 499;
+
+impl Drop for AccessLog {
+    /// A request dropped before [`AccessLog::finish`]: its client went away. Count it
+    /// and log it with status 499, so that no forwarded request goes unseen.
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        let route = self
+            .route
+            .clone()
+            .unwrap_or_else(|| NO_ROUTE.with(Arc::clone));
+        self.requests
+            .get_or_create(&RequestLabels {
+                route: route.clone(),
+                status: CLIENT_CLOSED,
+                decision: self.decision.as_str(),
+            })
+            .inc();
+        if enabled() {
+            write_line(self, &route, CLIENT_CLOSED);
+        }
+    }
 }
 
 impl AccessLog {
     /// Start timing `req`; give it a request id (kept from the client when it sent a
     /// sane one, else a new UUID) that is forwarded upstream.
-    pub fn start<B>(req: &mut Request<B>) -> Self {
+    pub fn start<B>(req: &mut Request<B>, metrics: &Metrics) -> Self {
         let request_id = req
             .headers()
             .get(REQUEST_ID)
@@ -114,6 +149,8 @@ impl AccessLog {
             decision: Decision::Allowed,
             usage: None,
             upstream_ms: None,
+            requests: metrics.requests.clone(),
+            done: false,
         }
     }
 
@@ -145,7 +182,12 @@ impl AccessLog {
     /// Put the request id on the response and count the request; the log line is
     /// written when the returned [`AccessLine`] is dropped (with the response body, so
     /// that `total_ms` covers the whole response). `None` when access lines are off.
-    pub fn finish(self, response: &mut Response<Body>, metrics: &Metrics) -> Option<AccessLine> {
+    pub fn finish(
+        mut self,
+        response: &mut Response<Body>,
+        metrics: &Metrics,
+    ) -> Option<AccessLine> {
+        self.done = true;
         response
             .headers_mut()
             .insert(REQUEST_ID, self.request_id.clone());
@@ -181,30 +223,33 @@ pub struct AccessLine {
 
 impl Drop for AccessLine {
     fn drop(&mut self) {
-        let (route, status) = (&*self.route, self.status);
-        let this = &self.log;
-        let total_ms = this.started.elapsed().as_secs_f64() * 1000.0;
-        tracing::info!(
-            target: "tollgate::access",
-            method = %this.method,
-            path = this.path.as_str(),
-            route,
-            status,
-            client = this.client.as_deref().unwrap_or("-"),
-            caller = match (this.decision, this.caller.as_deref()) {
-                (Decision::Unauthenticated, _) => "-",
-                (_, Some(id)) => id,
-                (_, None) => "anonymous",
-            },
-            decision = this.decision.as_str(),
-            limit = this.usage.as_ref().map(|u| &*u.resource).unwrap_or("-"),
-            remaining = this.usage.as_ref().map(|u| u.remaining() as i64).unwrap_or(-1),
-            upstream_ms = this.upstream_ms.map(|m| (m * 1000.0).round() / 1000.0).unwrap_or(-1.0),
-            total_ms = (total_ms * 1000.0).round() / 1000.0,
-            request_id = this.request_id.to_str().unwrap_or("-"),
-            "request"
-        );
+        write_line(&self.log, &self.route, self.status);
     }
+}
+
+/// Write the access line of `this`, answered with `status` on `route`.
+fn write_line(this: &AccessLog, route: &str, status: u16) {
+    let total_ms = this.started.elapsed().as_secs_f64() * 1000.0;
+    tracing::info!(
+        target: "tollgate::access",
+        method = %this.method,
+        path = this.path.as_str(),
+        route,
+        status,
+        client = this.client.as_deref().unwrap_or("-"),
+        caller = match (this.decision, this.caller.as_deref()) {
+            (Decision::Unauthenticated, _) => "-",
+            (_, Some(id)) => id,
+            (_, None) => "anonymous",
+        },
+        decision = this.decision.as_str(),
+        limit = this.usage.as_ref().map(|u| &*u.resource).unwrap_or("-"),
+        remaining = this.usage.as_ref().map(|u| u.remaining() as i64).unwrap_or(-1),
+        upstream_ms = this.upstream_ms.map(|m| (m * 1000.0).round() / 1000.0).unwrap_or(-1.0),
+        total_ms = (total_ms * 1000.0).round() / 1000.0,
+        request_id = this.request_id.to_str().unwrap_or("-"),
+        "request"
+    );
 }
 
 /// Whether access lines are written (so that what only they need is not computed).

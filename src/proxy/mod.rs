@@ -90,7 +90,7 @@ pub async fn handle(
     peer: &Peer,
 ) -> Response<Body> {
     let in_flight = access::InFlight::new(&ctx.metrics.in_flight);
-    let mut log = AccessLog::start(&mut req);
+    let mut log = AccessLog::start(&mut req, ctx.metrics);
     let mut response = serve(snap, ctx, req, peer, &mut log).await;
     let line = log.finish(&mut response, ctx.metrics);
     // The request is in flight, and its log line waits, until the response body ends.
@@ -187,9 +187,10 @@ pub async fn serve(
     }
 
     // 3. Check every limit of the route (a read; may be stale, never written).
-    let applied = snap
+    let applied: std::sync::Arc<[Applied]> = snap
         .limiter
-        .applicable(&route.limits, &caller, req.headers());
+        .applicable(&route.limits, &caller, req.headers())
+        .into();
     let admission = match snap
         .limiter
         .check_or_delay(&applied, route.cost, route.on_request, clock)
@@ -232,6 +233,15 @@ pub async fn serve(
     // client goes away): the guard travels with the body.
     let slots = snap.limiter.slots(&applied, &admission, ctx.clock.clone());
 
+    // From here on the request is the upstream's: if the client goes away before the
+    // charge below, it is charged all the same (when this guard is dropped).
+    let mut pending = snap.limiter.pending_charge(
+        applied.clone(),
+        route.cost,
+        route.on_request,
+        ctx.clock.clone(),
+    );
+
     // 4. Forward upstream, streaming both bodies.
     let down = Downstream {
         peer,
@@ -251,6 +261,7 @@ pub async fn serve(
         Err(e) => {
             snap.limiter
                 .release(&applied, route.cost, &admission, clock.now_ms());
+            pending.settled();
             let mut response = e.into_response();
             if let Some(usage) = most_constrained(&admission.usages) {
                 put_headers(snap, &mut response, usage, &applied, clock.now_ms());
@@ -269,6 +280,9 @@ pub async fn serve(
         .upstream
         .take_cost(response.headers_mut())
         .unwrap_or(route.cost);
+    // Settled now: the charge below is handed to the store in its first poll, so a
+    // client going away from here on does not count it twice.
+    pending.settled();
     let usages = if route.charges(response.status()) && cost > 0 {
         snap.limiter
             .charge(&applied, cost, clock.now_ms(), admission)

@@ -260,3 +260,41 @@ async fn a_client_that_goes_away_is_charged_counted_and_logged() {
         assert_eq!(aborted, 20, "counted as 499: {metrics}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_concurrent_burst_cannot_overshoot_the_quota_on_one_gateway() {
+    for redis in [None, Some(support::RedisServer::start())] {
+        let upstream = Upstream::start().await;
+        let store = match &redis {
+            None => String::new(),
+            Some(r) => format!(
+                "[store]\nbackend = \"redis\"\n[[store.shards]]\nprimary = \"{}\"\n",
+                r.url()
+            ),
+        };
+        let text = config(&upstream)
+            .replace("[[upstreams]]", &format!("{store}\n[[upstreams]]"))
+            .replace("anonymous = 1000", "anonymous = 30");
+        let gw = TestGateway::start(&text).await;
+        // 150 requests at once on HTTP/2, each in flight for 300 ms: checked before any
+        // is charged (charge = "after_response").
+        let client =
+            hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+                .http2_only(true)
+                .build_http::<http_body_util::Empty<bytes::Bytes>>();
+        let tasks: Vec<_> = (0..150)
+            .map(|_| tokio::spawn(client.get(gw.url("/slow/300").parse().unwrap())))
+            .collect();
+        let mut ok = 0;
+        for t in tasks {
+            let status = t.await.unwrap().unwrap().status();
+            ok += u32::from(status == 200);
+        }
+        assert_eq!(
+            ok,
+            30,
+            "redis: {}: exactly the quota admitted",
+            redis.is_some()
+        );
+    }
+}

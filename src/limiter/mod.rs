@@ -465,6 +465,73 @@ pub struct Admission {
     /// Refusals of limits in shadow mode (or outside their `enforce_percent`): the
     /// request was let through; report them ("would reject").
     pub shadowed: Vec<Usage>,
+    /// The units this request adds to its checked limits' in-flight counts until it is
+    /// charged or released (given back when the admission is dropped).
+    in_flight: Option<InFlightGuard>,
+}
+
+/// Units this gateway admitted and has not charged yet, per storage key of a limit
+/// checked before forwarding (`charge = "after_response"`). A check counts them as if
+/// charged, so that concurrent requests of one caller on one gateway cannot all pass
+/// before the first is charged; across gateways the overshoot is bounded by what the
+/// others have in flight (use `charge = "on_request"` for none at all).
+#[derive(Debug, Clone, Default)]
+struct InFlightUnits(Arc<sharded::ShardedMap<u64>>);
+
+impl InFlightUnits {
+    /// Count `cost` units in flight for each of `keys` until the guard is dropped;
+    /// also the units each key had in flight before (in order).
+    fn add(
+        &self,
+        keys: Vec<LimitKey>,
+        cost: u64,
+    ) -> (Option<InFlightGuard>, std::vec::IntoIter<u64>) {
+        if keys.is_empty() {
+            return (None, Vec::new().into_iter());
+        }
+        let mut before = Vec::with_capacity(keys.len());
+        for key in &keys {
+            let mut shard = self.0.shard(key);
+            match shard.get_mut(&key.key) {
+                Some(n) => {
+                    before.push(*n);
+                    *n += cost;
+                }
+                None => {
+                    before.push(0);
+                    shard.insert(key.key.clone(), cost);
+                }
+            }
+        }
+        let guard = InFlightGuard {
+            units: self.clone(),
+            keys,
+            cost,
+        };
+        (Some(guard), before.into_iter())
+    }
+}
+
+/// Takes a request's units out of the in-flight counts when dropped.
+#[derive(Debug)]
+struct InFlightGuard {
+    units: InFlightUnits,
+    keys: Vec<LimitKey>,
+    cost: u64,
+}
+
+impl Drop for InFlightGuard {
+    fn drop(&mut self) {
+        for key in &self.keys {
+            let mut shard = self.units.0.shard(key);
+            if let Some(n) = shard.get_mut(&key.key) {
+                *n = n.saturating_sub(self.cost);
+                if *n == 0 {
+                    shard.remove(&key.key);
+                }
+            }
+        }
+    }
 }
 
 /// How one applied limit is held, decided once by [`Limiter::check`].
@@ -622,6 +689,8 @@ pub struct Limiter {
     failed_auth: Option<Arc<Limit>>,
     /// Requests held by `on_limit = "delay"`, per storage key of the refusing limit.
     waiting: Arc<sharded::ShardedMap<u32>>,
+    /// Units admitted by this gateway and not charged yet, per storage key.
+    in_flight: InFlightUnits,
 }
 
 /// The name of the built-in limit on failed authentications (reserved: part of its keys).
@@ -646,6 +715,7 @@ impl Limiter {
             warn_gate: Arc::new(WarnGate::default()),
             failed_auth: None,
             waiting: Arc::default(),
+            in_flight: InFlightUnits::default(),
         }
     }
 
@@ -794,7 +864,20 @@ impl Limiter {
                 })
                 .collect(),
             shadowed: Vec::new(),
+            in_flight: None,
         };
+        // Requests this gateway admitted and has not charged yet count as charged, so a
+        // burst of concurrent requests cannot all pass one stale check: this request's
+        // units join them now (before the store answers), and leave when the admission
+        // is dropped.
+        let counted: Vec<LimitKey> = applied
+            .iter()
+            .zip(&admission.holds)
+            .filter(|(_, h)| h.stage == Stage::Peek)
+            .map(|(a, _)| a.key.clone())
+            .collect();
+        let (guard, mut before) = self.in_flight.add(counted, cost);
+        admission.in_flight = guard;
         let items: Vec<Item<'_>> = applied
             .iter()
             .zip(admission.holds.iter().map(|h| h.stage))
@@ -805,7 +888,7 @@ impl Limiter {
                 op: match st {
                     Stage::Peek => Op {
                         kind: OpKind::Peek,
-                        cost,
+                        cost: cost.saturating_add(before.next().unwrap_or(0)),
                         id: 0,
                     },
                     _ => Op {
@@ -839,7 +922,11 @@ impl Limiter {
                     } else if !a.enforced() {
                         admission.shadowed.push(u.clone());
                     } else {
-                        self.remember_refusal(a, &u, cost, now_ms);
+                        // A refusal that in-flight requests caused may not last (they
+                        // can be released): keep only what the store alone refuses.
+                        if u.used.saturating_add(cost) > u.quota {
+                            self.remember_refusal(a, &u, cost, now_ms);
+                        }
                         let frees = |u: &Usage| u.retry_at_ms.max(u.reset_at_ms);
                         if over.as_ref().is_none_or(|o| frees(&u) > frees(o)) {
                             over = Some(u.clone());

@@ -21,6 +21,7 @@ pub mod forward;
 pub mod headers;
 pub mod pool;
 pub mod route;
+mod tls;
 
 use crate::clock::Clock;
 use crate::config::LogClientIp;

@@ -72,12 +72,16 @@ fn log_lines(needles: &[&str]) -> Vec<String> {
 struct Pki {
     _dir: tempfile::TempDir,
     ca_pem: PathBuf,
+    /// A client certificate signed by the CA, and its key.
+    client_pem: PathBuf,
+    client_key: PathBuf,
     server: rustls::ServerConfig,
 }
 
 /// A test CA and a certificate for `localhost` signed by it, served with ALPN h2 and
-/// http/1.1.
-fn pki() -> Pki {
+/// http/1.1; with `require_client_cert`, the server asks for a client certificate
+/// signed by the same CA.
+fn pki_with(require_client_cert: bool) -> Pki {
     let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
     ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
     ca_params
@@ -92,21 +96,48 @@ fn pki() -> Pki {
     let dir = tempfile::tempdir().unwrap();
     let ca_pem = dir.path().join("ca.pem");
     std::fs::write(&ca_pem, ca.pem()).unwrap();
+    let client_key_pair = KeyPair::generate().unwrap();
+    let mut client_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    client_params
+        .distinguished_name
+        .push(DnType::CommonName, "tollgate gateway");
+    let client = client_params.signed_by(&client_key_pair, &ca).unwrap();
+    let client_pem = dir.path().join("client.pem");
+    let client_key = dir.path().join("client.key");
+    std::fs::write(&client_pem, client.pem()).unwrap();
+    std::fs::write(&client_key, client_key_pair.serialize_pem()).unwrap();
 
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let key = rustls::pki_types::PrivateKeyDer::try_from(leaf_key.serialize_der()).unwrap();
-    let mut server = rustls::ServerConfig::builder_with_provider(provider)
+    let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
         .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_no_client_auth()
+        .unwrap();
+    let builder = if require_client_cert {
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(ca.der().clone()).unwrap();
+        let verifier =
+            rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
+                .build()
+                .unwrap();
+        builder.with_client_cert_verifier(verifier)
+    } else {
+        builder.with_no_client_auth()
+    };
+    let mut server = builder
         .with_single_cert(vec![leaf.der().clone()], key)
         .unwrap();
     server.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
     Pki {
         _dir: dir,
         ca_pem,
+        client_pem,
+        client_key,
         server,
     }
+}
+
+fn pki() -> Pki {
+    pki_with(false)
 }
 
 // ---- the echoing upstream ----
@@ -310,6 +341,32 @@ async fn https_upstream_over_http2_negotiates_h2_by_alpn() {
 }
 
 #[tokio::test]
+async fn https_upstream_asking_for_a_client_certificate_gets_the_configured_one() {
+    capture_logs();
+    let pki = pki_with(true);
+    let upstream = start_echo(Some(pki.server.clone())).await;
+    let target = format!("https://localhost:{}", upstream.addr.port());
+    let ca = format!("ca = \"{}\"", toml_path(&pki.ca_pem));
+    let with_cert = TestGateway::start(&config(
+        "mtls-on",
+        std::slice::from_ref(&target),
+        &format!(
+            "{ca}\nclient_cert = \"{}\"\nclient_key = \"{}\"",
+            toml_path(&pki.client_pem),
+            toml_path(&pki.client_key)
+        ),
+    ))
+    .await;
+    let (status, _, body) = send(&with_cert, "GET", "/x", "").await;
+    assert_eq!(status, 200, "{body}");
+
+    let without = TestGateway::start(&config("mtls-off", &[target], &ca)).await;
+    let (status, _, body) = send(&without, "GET", "/x", "").await;
+    assert_eq!(status, 502, "{body}");
+    assert_eq!(upstream.hits.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
 async fn https_upstream_not_trusted_is_a_502_with_a_clear_log() {
     capture_logs();
     let pki = pki();
@@ -371,6 +428,46 @@ async fn a_refusing_target_is_ejected_and_gets_are_retried_on_the_live_one() {
     let ejections = log_lines(&["upstream target ejected", "retry-get", &dead_target]);
     assert_eq!(ejections.len(), 1, "{ejections:#?}");
     assert!(ejections[0].contains("WARN"), "{}", ejections[0]);
+}
+
+#[tokio::test]
+async fn an_ejection_ends_after_its_period_and_doubles_on_the_next_refusal() {
+    capture_logs();
+    let live = start_echo(None).await;
+    let dead = closed_port().await;
+    let dead_target = format!("127.0.0.1:{dead}");
+    let targets = [
+        format!("http://{dead_target}"),
+        format!("http://127.0.0.1:{}", live.addr.port()),
+    ];
+    let gw = TestGateway::start(&config("eject-expiry", &targets, "eject_for = \"300ms\"")).await;
+    let ejections = || log_lines(&["upstream target ejected", "eject-expiry", &dead_target]);
+
+    for _ in 0..4 {
+        assert_eq!(send(&gw, "GET", "/x", "").await.0, 200);
+    }
+    let first = ejections();
+    assert_eq!(first.len(), 1, "{first:#?}");
+    assert!(
+        first[0].contains("failures=1") && first[0].contains("eject_ms=300"),
+        "{}",
+        first[0]
+    );
+
+    // Past the period, the dead target is tried again, refuses, and is ejected for twice
+    // as long; the caller still gets its answer from the live one.
+    tokio::time::sleep(std::time::Duration::from_millis(400)).await;
+    for _ in 0..4 {
+        assert_eq!(send(&gw, "GET", "/x", "").await.0, 200);
+    }
+    let both = ejections();
+    assert_eq!(both.len(), 2, "{both:#?}");
+    assert!(
+        both[1].contains("failures=2") && both[1].contains("eject_ms=600"),
+        "{}",
+        both[1]
+    );
+    assert_eq!(live.hits.load(Ordering::SeqCst), 8);
 }
 
 #[tokio::test]

@@ -243,6 +243,10 @@ impl Upstream {
     /// one target.
     fn pick(&self, not: Option<usize>) -> Option<usize> {
         let n = self.targets.len();
+        if n == 1 {
+            // One target: nothing to skip to (and no clock read on the hot path).
+            return (not != Some(0)).then_some(0);
+        }
         let start = self.next.fetch_add(1, Ordering::Relaxed) % n;
         let now = now_ms();
         let candidates = (0..n).map(|k| (start + k) % n).filter(|&i| Some(i) != not);
@@ -261,8 +265,7 @@ impl Upstream {
     fn eject(&self, i: usize, error: &PoolError) {
         let m = &self.targets[i];
         let failures = m.failures.fetch_add(1, Ordering::Relaxed).saturating_add(1);
-        let doubling = 1u32 << (failures - 1).min(16);
-        let back_off = self.eject_for.saturating_mul(doubling).min(MAX_EJECTION);
+        let back_off = back_off(self.eject_for, failures);
         let until =
             now_ms().saturating_add(u64::try_from(back_off.as_millis()).unwrap_or(u64::MAX));
         m.ejected_until_ms.store(until, Ordering::Relaxed);
@@ -284,6 +287,13 @@ impl Upstream {
             m.ejected_until_ms.store(0, Ordering::Relaxed);
         }
     }
+}
+
+/// How long a target is ejected after its `failures`-th consecutive refusal (from 1):
+/// `eject_for`, doubled per earlier refusal, at most [`MAX_EJECTION`].
+fn back_off(eject_for: Duration, failures: u32) -> Duration {
+    let doubling = 1u32 << failures.saturating_sub(1).min(16);
+    eject_for.saturating_mul(doubling).min(MAX_EJECTION)
 }
 
 /// Methods whose request may be sent again (RFC 9110 §9.2.2), when it has no body.
@@ -479,6 +489,10 @@ pub async fn forward(
                 }
                 match unsent {
                     Some(back) if retriable && tried.is_none() => {
+                        if !error.is_refusal() {
+                            // Refusals were logged by the ejection.
+                            failed("failed; trying another target", error_chain(&error));
+                        }
                         tracing::debug!(
                             upstream = %upstream.name,
                             addr = %target.authority,
@@ -691,6 +705,18 @@ mod tests {
         ] {
             assert_eq!(parse_cost(bad), None, "{:?}", String::from_utf8_lossy(bad));
         }
+    }
+
+    #[test]
+    fn ejection_doubles_up_to_five_minutes() {
+        let ten = Duration::from_secs(10);
+        let secs: Vec<u64> = (1..=7).map(|n| back_off(ten, n).as_secs()).collect();
+        assert_eq!(secs, [10, 20, 40, 80, 160, 300, 300]);
+        assert_eq!(back_off(ten, u32::MAX), MAX_EJECTION);
+        assert_eq!(
+            back_off(Duration::from_millis(100), 1),
+            Duration::from_millis(100)
+        );
     }
 
     #[test]

@@ -113,6 +113,12 @@ impl Snapshot {
         let identities = Identities::build(&cfg.identity, &mut problems);
         let tiers = identities.tiers();
 
+        // PEM paths in the config are relative to the config file's directory.
+        let base_dir = file
+            .path
+            .parent()
+            .map(std::path::Path::to_path_buf)
+            .unwrap_or_default();
         let mut upstreams = HashMap::new();
         for (i, u) in cfg.upstreams.iter().enumerate() {
             if upstreams.contains_key(&u.name) {
@@ -120,7 +126,7 @@ impl Snapshot {
                     format!("upstreams[{i}].name"),
                     format!("duplicate upstream name {:?}", u.name),
                 );
-            } else if let Some(up) = Upstream::build(i, u, &mut problems) {
+            } else if let Some(up) = Upstream::build(i, u, &base_dir, &mut problems) {
                 upstreams.insert(u.name.clone(), Arc::new(up));
             }
         }

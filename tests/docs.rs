@@ -64,6 +64,12 @@ fn full_config() -> Config {
             connect_timeout: Dur::from_secs(2),
             response_timeout: Dur::from_secs(60),
             cost_header: Some("x-tollgate-cost".into()),
+            protocol: tollgate::config::UpstreamProtocol::Http2,
+            tls_roots: tollgate::config::TlsRoots::System,
+            ca: Some("ca.pem".into()),
+            client_cert: Some("client.pem".into()),
+            client_key: Some("client.key".into()),
+            eject_for: Dur::from_secs(10),
         }],
         limits: vec![LimitConfig {
             name: "core".into(),

@@ -388,6 +388,59 @@ pub struct UpstreamConfig {
     /// before forwarding still uses the route's `cost`. Default: none (off).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cost_header: Option<String>,
+    /// How requests reach the targets: `"http1"` (default) or `"http2"` (h2c with prior
+    /// knowledge for `http://` targets, ALPN `h2` for `https://` ones; one multiplexed
+    /// connection per target).
+    #[serde(default)]
+    pub protocol: UpstreamProtocol,
+    /// Trusted roots for `https://` targets when `ca` is not set: `"webpki"` (default,
+    /// Mozilla's roots built in) or `"system"` (the operating system's store, read when the
+    /// config is loaded).
+    #[serde(default)]
+    pub tls_roots: TlsRoots,
+    /// PEM file of the CA certificate(s) that sign the `https://` targets' certificates
+    /// (a private CA); replaces `tls_roots`. Relative paths are relative to the config
+    /// file's directory. Default: none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca: Option<String>,
+    /// PEM file of a client certificate (chain) presented to `https://` targets; needs
+    /// `client_key`. Default: none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_cert: Option<String>,
+    /// PEM file of the private key of `client_cert`. Default: none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_key: Option<String>,
+    /// How long a target that refused a connection (connect error or connect timeout) is
+    /// skipped; doubled for each further consecutive failure up to 5 minutes, reset by a
+    /// success. Default 10 s.
+    #[serde(default = "default_eject_for")]
+    pub eject_for: Dur,
+}
+
+/// The HTTP version spoken to an upstream's targets (`upstreams.protocol`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum UpstreamProtocol {
+    /// HTTP/1.1 with a pool of keep-alive connections per target.
+    #[default]
+    Http1,
+    /// HTTP/2: one multiplexed connection per target.
+    Http2,
+}
+
+/// Where trusted roots for `https://` targets come from (`upstreams.tls_roots`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TlsRoots {
+    /// Mozilla's root certificates, compiled in (the webpki-roots crate).
+    #[default]
+    Webpki,
+    /// The operating system's certificate store.
+    System,
+}
+
+fn default_eject_for() -> Dur {
+    Dur::from_secs(10)
 }
 
 fn default_connect_timeout() -> Dur {

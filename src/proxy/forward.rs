@@ -1,37 +1,74 @@
 //! Step 4 of the request path: forward to an upstream target, streaming both bodies.
 
 use super::error::ProxyError;
-use super::pool::{Pool, PoolError};
+use super::pool::{Connector, Pool, PoolError, PooledBody, SendError};
 use super::Body;
-use crate::config::{Problems, UpstreamConfig};
+use crate::config::{Problems, UpstreamConfig, UpstreamProtocol};
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::uri::{Authority, PathAndQuery, Scheme};
-use http::{Request, Response, Uri, Version};
+use http::{Method, Request, Response, Uri, Version};
+use http_body::Body as _;
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use std::net::IpAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
-use std::time::Duration;
+use std::path::Path;
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
 
-/// One `http://HOST:PORT[/BASE]` target.
+/// One `http[s]://HOST:PORT[/BASE]` target.
 #[derive(Debug, Clone)]
 struct Target {
+    /// `http` or `https`.
+    scheme: Scheme,
     authority: Authority,
     /// Path prepended to the request's path, without a trailing `/` ("" for none).
     base_path: String,
 }
 
-/// A named set of targets, used round robin, each with its pool of keep-alive
+/// A target with its connections and its passive health.
+#[derive(Debug)]
+struct Member {
+    target: Target,
+    pool: Arc<Pool>,
+    /// Consecutive refused connections (reset by any response).
+    failures: AtomicU32,
+    /// Skipped until this time, in milliseconds since [`epoch`] (0: not ejected).
+    ejected_until_ms: AtomicU64,
+}
+
+/// The longest a target is ejected for, however many times in a row it refused.
+pub const MAX_EJECTION: Duration = Duration::from_secs(300);
+
+/// The process's reference instant for ejection times.
+fn epoch() -> Instant {
+    static EPOCH: OnceLock<Instant> = OnceLock::new();
+    *EPOCH.get_or_init(Instant::now)
+}
+
+fn now_ms() -> u64 {
+    u64::try_from(epoch().elapsed().as_millis()).unwrap_or(u64::MAX)
+}
+
+impl Member {
+    fn ejected(&self, now_ms: u64) -> bool {
+        self.ejected_until_ms.load(Ordering::Relaxed) > now_ms
+    }
+}
+
+/// A named set of targets, used round robin (skipping ejected ones), each with its
 /// connections.
 #[derive(Debug)]
 pub struct Upstream {
     /// The `[[upstreams]]` name (an `Arc` so that metric labels share it).
     pub name: Arc<str>,
-    targets: Vec<(Target, Arc<Pool>)>,
+    targets: Vec<Member>,
     next: AtomicUsize,
     response_timeout: Duration,
+    protocol: UpstreamProtocol,
+    /// `upstreams.eject_for`: the first ejection of a target that refused a connection.
+    eject_for: Duration,
     /// `upstreams.cost_header` (lowercase): the response header in which the upstream
     /// says what a request cost, in cost units. `None`: off.
     pub cost_header: Option<HeaderName>,
@@ -47,8 +84,15 @@ const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
 pub const COST_WARN_INTERVAL_MS: u64 = 10_000;
 
 impl Upstream {
-    /// Build from config (no I/O), recording problems under `upstreams[index]`.
-    pub fn build(index: usize, cfg: &UpstreamConfig, problems: &mut Problems) -> Option<Self> {
+    /// Build from config, recording problems under `upstreams[index]`. The only I/O is
+    /// reading the PEM files of `https://` targets (`ca`, `client_cert`, `client_key`,
+    /// relative to `base_dir`, the config file's directory) or the system's roots.
+    pub fn build(
+        index: usize,
+        cfg: &UpstreamConfig,
+        base_dir: &Path,
+        problems: &mut Problems,
+    ) -> Option<Self> {
         let at = format!("upstreams[{index}]");
         let before = problems.errors.len();
         if cfg.name.trim().is_empty() {
@@ -73,6 +117,28 @@ impl Upstream {
         if cfg.response_timeout.0.is_zero() {
             problems.error(format!("{at}.response_timeout"), "must be more than 0");
         }
+        if cfg.eject_for.0.is_zero() {
+            problems.error(format!("{at}.eject_for"), "must be more than 0");
+        }
+        let any_tls = targets.iter().any(|t: &Target| t.scheme == Scheme::HTTPS);
+        let tls_keys = [
+            ("ca", cfg.ca.is_some()),
+            ("client_cert", cfg.client_cert.is_some()),
+            ("client_key", cfg.client_key.is_some()),
+        ];
+        let tls = if any_tls {
+            super::tls::client_config(&at, cfg, base_dir, problems)
+        } else {
+            for (key, set) in tls_keys {
+                if set && !targets.is_empty() {
+                    problems.error(
+                        format!("{at}.{key}"),
+                        "applies to https:// targets only, and this upstream has none",
+                    );
+                }
+            }
+            None
+        };
         let cost_header = cfg.cost_header.as_ref().and_then(|h| {
             match HeaderName::from_bytes(h.to_ascii_lowercase().as_bytes()) {
                 Ok(name) if always_hop_by_hop(&name) => {
@@ -95,23 +161,48 @@ impl Upstream {
         if problems.errors.len() != before {
             return None;
         }
-        let targets = targets
-            .into_iter()
-            .map(|t: Target| {
-                let pool = Pool::new(
-                    t.authority.clone(),
-                    MAX_IDLE_PER_TARGET,
-                    IDLE_TIMEOUT,
-                    cfg.connect_timeout.0,
-                );
-                (t, pool)
-            })
-            .collect();
+        let mut members = Vec::with_capacity(targets.len());
+        for (j, t) in targets.into_iter().enumerate() {
+            let tls = match (&tls, t.scheme == Scheme::HTTPS) {
+                (Some(config), true) => {
+                    let host = t
+                        .authority
+                        .host()
+                        .trim_start_matches('[')
+                        .trim_end_matches(']');
+                    match rustls::pki_types::ServerName::try_from(host.to_string()) {
+                        Ok(name) => Some((tokio_rustls::TlsConnector::from(config.clone()), name)),
+                        Err(e) => {
+                            problems.error(
+                                format!("{at}.targets[{j}]"),
+                                format!("{host:?} cannot be a TLS server name: {e}"),
+                            );
+                            return None;
+                        }
+                    }
+                }
+                _ => None,
+            };
+            let connector = Connector {
+                authority: t.authority.clone(),
+                connect_timeout: cfg.connect_timeout.0,
+                tls,
+                protocol: cfg.protocol,
+            };
+            members.push(Member {
+                target: t,
+                pool: Pool::new(connector, MAX_IDLE_PER_TARGET, IDLE_TIMEOUT),
+                failures: AtomicU32::new(0),
+                ejected_until_ms: AtomicU64::new(0),
+            });
+        }
         Some(Self {
             name: cfg.name.as_str().into(),
-            targets,
+            targets: members,
             next: AtomicUsize::new(0),
             response_timeout: cfg.response_timeout.0,
+            protocol: cfg.protocol,
+            eject_for: cfg.eject_for.0,
             cost_header,
             cost_warnings: crate::logging::Throttle::default(),
         })
@@ -147,10 +238,70 @@ impl Upstream {
         cost
     }
 
-    fn pick(&self) -> &(Target, Arc<Pool>) {
-        let i = self.next.fetch_add(1, Ordering::Relaxed) % self.targets.len();
-        &self.targets[i]
+    /// The next target round robin, skipping ejected ones and `not` while any other is
+    /// available; when all are ejected, the next one anyway. `None` only when `not` is the
+    /// one target.
+    fn pick(&self, not: Option<usize>) -> Option<usize> {
+        let n = self.targets.len();
+        if n == 1 {
+            // One target: nothing to skip to (and no clock read on the hot path).
+            return (not != Some(0)).then_some(0);
+        }
+        let start = self.next.fetch_add(1, Ordering::Relaxed) % n;
+        let now = now_ms();
+        let candidates = (0..n).map(|k| (start + k) % n).filter(|&i| Some(i) != not);
+        let mut fallback = None;
+        for i in candidates {
+            if !self.targets[i].ejected(now) {
+                return Some(i);
+            }
+            fallback.get_or_insert(i);
+        }
+        fallback
     }
+
+    /// Record that target `i` refused a connection: eject it for `eject_for`, doubled
+    /// per earlier consecutive refusal, at most [`MAX_EJECTION`].
+    fn eject(&self, i: usize, error: &PoolError) {
+        let m = &self.targets[i];
+        let failures = m.failures.fetch_add(1, Ordering::Relaxed).saturating_add(1);
+        let back_off = back_off(self.eject_for, failures);
+        let until =
+            now_ms().saturating_add(u64::try_from(back_off.as_millis()).unwrap_or(u64::MAX));
+        m.ejected_until_ms.store(until, Ordering::Relaxed);
+        tracing::warn!(
+            upstream = %self.name,
+            target = %m.target.authority,
+            failures,
+            eject_ms = u64::try_from(back_off.as_millis()).unwrap_or(u64::MAX),
+            error = %error_chain(error),
+            "upstream target ejected"
+        );
+    }
+
+    /// Record that target `i` answered: it is healthy again.
+    fn healthy(&self, i: usize) {
+        let m = &self.targets[i];
+        if m.failures.load(Ordering::Relaxed) != 0 {
+            m.failures.store(0, Ordering::Relaxed);
+            m.ejected_until_ms.store(0, Ordering::Relaxed);
+        }
+    }
+}
+
+/// How long a target is ejected after its `failures`-th consecutive refusal (from 1):
+/// `eject_for`, doubled per earlier refusal, at most [`MAX_EJECTION`].
+fn back_off(eject_for: Duration, failures: u32) -> Duration {
+    let doubling = 1u32 << failures.saturating_sub(1).min(16);
+    eject_for.saturating_mul(doubling).min(MAX_EJECTION)
+}
+
+/// Methods whose request may be sent again (RFC 9110 §9.2.2), when it has no body.
+fn idempotent(method: &Method) -> bool {
+    matches!(
+        *method,
+        Method::GET | Method::HEAD | Method::OPTIONS | Method::PUT | Method::DELETE
+    )
 }
 
 /// A cost header's value: ASCII digits only (no sign, no space), fitting a `u64`.
@@ -163,15 +314,14 @@ fn parse_cost(value: &[u8]) -> Option<u64> {
 
 fn parse_target(s: &str) -> Result<Target, String> {
     let uri: Uri = s.parse().map_err(|e| format!("{s:?} is not a URL: {e}"))?;
-    match uri.scheme() {
-        Some(scheme) if *scheme == Scheme::HTTP => {}
-        Some(scheme) if *scheme == Scheme::HTTPS => {
+    let scheme = match uri.scheme() {
+        Some(scheme) if *scheme == Scheme::HTTP || *scheme == Scheme::HTTPS => scheme.clone(),
+        _ => {
             return Err(format!(
-                "{s:?}: https upstreams are not supported yet (TLS comes later)"
+                "{s:?}: expected http://HOST:PORT or https://HOST:PORT"
             ))
         }
-        _ => return Err(format!("{s:?}: expected http://HOST:PORT")),
-    }
+    };
     let authority = uri
         .authority()
         .cloned()
@@ -181,6 +331,7 @@ fn parse_target(s: &str) -> Result<Target, String> {
     }
     let base_path = uri.path().trim_end_matches('/').to_string();
     Ok(Target {
+        scheme,
         authority,
         base_path,
     })
@@ -255,7 +406,6 @@ pub async fn forward(
     req: Request<Incoming>,
     down: Downstream<'_>,
 ) -> Result<Response<Body>, ProxyError> {
-    let (target, pool) = upstream.pick();
     let (mut parts, body) = req.into_parts();
     let downstream_version = parts.version;
 
@@ -266,33 +416,15 @@ pub async fn forward(
             .authority()
             .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
     });
-
     let path = parts
         .uri
         .path_and_query()
         .map(PathAndQuery::as_str)
-        .unwrap_or("/");
-    // Origin-form (`/path?query`): the request line of a request to an origin server.
-    let uri = if target.base_path.is_empty() {
-        Uri::from_maybe_shared(Bytes::copy_from_slice(path.as_bytes()))
-    } else {
-        Uri::try_from(format!("{}{}", target.base_path, path))
-    };
-    parts.uri =
-        uri.map_err(|e| ProxyError::BadRequest(format!("cannot build upstream URI: {e}")))?;
-    parts.version = Version::HTTP_11;
+        .unwrap_or("/")
+        .to_owned();
 
     strip_hop_by_hop(&mut parts.headers);
     let h = &mut parts.headers;
-    match &host {
-        Some(host) => h.insert(header::HOST, host.clone()),
-        // HTTP/1.0 without Host: name the target.
-        None => h.insert(
-            header::HOST,
-            HeaderValue::from_str(target.authority.as_str())
-                .unwrap_or(HeaderValue::from_static("localhost")),
-        ),
-    };
     append_forwarded_for(h, down.peer);
     if !down.peer_trusted || !h.contains_key(&X_FORWARDED_PROTO) {
         h.insert(
@@ -300,49 +432,155 @@ pub async fn forward(
             HeaderValue::from_static(down.scheme),
         );
     }
-    if let Some(host) = host {
+    if let Some(host) = &host {
         if !down.peer_trusted || !h.contains_key(&X_FORWARDED_HOST) {
-            h.insert(X_FORWARDED_HOST.clone(), host);
+            h.insert(X_FORWARDED_HOST.clone(), host.clone());
         }
     }
+    // Sent again to another target only when nothing of it was sent and it carries no
+    // body that would have to be sent twice.
+    let retriable = upstream.targets.len() > 1 && idempotent(&parts.method) && body.is_end_stream();
 
-    let request = Request::from_parts(parts, body);
-    let failed = |what: &str, detail: String| {
-        tracing::warn!(
-            upstream = %upstream.name,
-            addr = %target.authority,
-            request_id = down.request_id.to_str().unwrap_or("-"),
-            error = %detail,
-            "upstream {what}"
-        );
-    };
-    let response = match tokio::time::timeout(upstream.response_timeout, pool.send(request)).await {
-        Err(_) => {
-            failed(
-                "timed out",
-                format!("no response headers within {:?}", upstream.response_timeout),
-            );
-            return Err(ProxyError::UpstreamTimeout(upstream.name.to_string()));
-        }
-        Ok(Err(e)) if matches!(e, PoolError::ConnectTimeout(_)) || is_timeout(&e) => {
-            failed("timed out", error_chain(&e));
-            return Err(ProxyError::UpstreamTimeout(upstream.name.to_string()));
-        }
-        Ok(Err(e)) => {
-            let detail = error_chain(&e);
-            failed("failed", detail.clone());
+    let mut request = Request::from_parts(parts, body);
+    let mut tried = None;
+    let started = tokio::time::Instant::now();
+    loop {
+        let Some(i) = upstream.pick(tried) else {
+            unreachable_target(upstream, &down, tried);
             return Err(ProxyError::UpstreamUnreachable(
                 upstream.name.to_string(),
-                detail,
+                "no target".into(),
             ));
+        };
+        let target = &upstream.targets[i].target;
+        address(
+            upstream.protocol,
+            target,
+            &path,
+            host.as_ref(),
+            &mut request,
+        )?;
+        let failed = |what: &str, detail: String| {
+            tracing::warn!(
+                upstream = %upstream.name,
+                addr = %target.authority,
+                request_id = down.request_id.to_str().unwrap_or("-"),
+                error = %detail,
+                "upstream {what}"
+            );
+        };
+        let budget = upstream.response_timeout.saturating_sub(started.elapsed());
+        let sent = tokio::time::timeout(budget, upstream.targets[i].pool.send(request)).await;
+        let error = match sent {
+            Ok(Ok(response)) => {
+                upstream.healthy(i);
+                return Ok(respond(response, downstream_version));
+            }
+            Err(_) => {
+                failed(
+                    "timed out",
+                    format!("no response headers within {:?}", upstream.response_timeout),
+                );
+                return Err(ProxyError::UpstreamTimeout(upstream.name.to_string()));
+            }
+            Ok(Err(SendError { error, unsent })) => {
+                if error.is_refusal() {
+                    upstream.eject(i, &error);
+                }
+                match unsent {
+                    Some(back) if retriable && tried.is_none() => {
+                        if !error.is_refusal() {
+                            // Refusals were logged by the ejection.
+                            failed("failed; trying another target", error_chain(&error));
+                        }
+                        tracing::debug!(
+                            upstream = %upstream.name,
+                            addr = %target.authority,
+                            error = %error_chain(&error),
+                            "connect failed before the request was sent; trying another target"
+                        );
+                        tried = Some(i);
+                        request = back;
+                        continue;
+                    }
+                    _ => error,
+                }
+            }
+        };
+        if matches!(error, PoolError::ConnectTimeout(_)) || is_timeout(&error) {
+            failed("timed out", error_chain(&error));
+            return Err(ProxyError::UpstreamTimeout(upstream.name.to_string()));
         }
-        Ok(Ok(r)) => r,
-    };
+        let detail = error_chain(&error);
+        failed("failed", detail.clone());
+        return Err(ProxyError::UpstreamUnreachable(
+            upstream.name.to_string(),
+            detail,
+        ));
+    }
+}
+
+fn unreachable_target(upstream: &Upstream, down: &Downstream<'_>, tried: Option<usize>) {
+    tracing::warn!(
+        upstream = %upstream.name,
+        request_id = down.request_id.to_str().unwrap_or("-"),
+        tried = ?tried,
+        "upstream has no target to try"
+    );
+}
+
+/// Point `req` at `target`: for HTTP/1.1 an origin-form URI (`/BASE/path?query`) and
+/// `Host`; for HTTP/2 an absolute URI whose authority is the client's Host (the target's
+/// when the client sent none), and no `Host` header.
+fn address(
+    protocol: UpstreamProtocol,
+    target: &Target,
+    path: &str,
+    host: Option<&HeaderValue>,
+    req: &mut Request<Incoming>,
+) -> Result<(), ProxyError> {
+    let path_and_query = if target.base_path.is_empty() {
+        PathAndQuery::from_maybe_shared(Bytes::copy_from_slice(path.as_bytes()))
+    } else {
+        PathAndQuery::try_from(format!("{}{}", target.base_path, path))
+    }
+    .map_err(|e| ProxyError::BadRequest(format!("cannot build upstream URI: {e}")))?;
+    match protocol {
+        UpstreamProtocol::Http1 => {
+            *req.uri_mut() = Uri::from(path_and_query);
+            *req.version_mut() = Version::HTTP_11;
+            let value = match host {
+                Some(host) => host.clone(),
+                // HTTP/1.0 without Host: name the target.
+                None => HeaderValue::from_str(target.authority.as_str())
+                    .unwrap_or(HeaderValue::from_static("localhost")),
+            };
+            req.headers_mut().insert(header::HOST, value);
+        }
+        UpstreamProtocol::Http2 => {
+            let authority = host
+                .and_then(|h| Authority::try_from(h.as_bytes()).ok())
+                .unwrap_or_else(|| target.authority.clone());
+            let mut uri = http::uri::Parts::default();
+            uri.scheme = Some(target.scheme.clone());
+            uri.authority = Some(authority);
+            uri.path_and_query = Some(path_and_query);
+            *req.uri_mut() = Uri::from_parts(uri)
+                .map_err(|e| ProxyError::BadRequest(format!("cannot build upstream URI: {e}")))?;
+            *req.version_mut() = Version::HTTP_2;
+            req.headers_mut().remove(header::HOST);
+        }
+    }
+    Ok(())
+}
+
+/// The upstream's response for the client: in the client's HTTP version, whatever the
+/// upstream spoke, without hop-by-hop headers.
+fn respond(response: Response<PooledBody>, downstream_version: Version) -> Response<Body> {
     let (mut parts, body) = response.into_parts();
-    // Answer in the client's HTTP version, whatever the upstream spoke.
     parts.version = downstream_version;
     strip_hop_by_hop(&mut parts.headers);
-    Ok(Response::from_parts(parts, body.boxed()))
+    Response::from_parts(parts, body.boxed())
 }
 
 /// The client end of a downstream connection, with what the forwarder adds for it
@@ -470,13 +708,24 @@ mod tests {
     }
 
     #[test]
+    fn ejection_doubles_up_to_five_minutes() {
+        let ten = Duration::from_secs(10);
+        let secs: Vec<u64> = (1..=7).map(|n| back_off(ten, n).as_secs()).collect();
+        assert_eq!(secs, [10, 20, 40, 80, 160, 300, 300]);
+        assert_eq!(back_off(ten, u32::MAX), MAX_EJECTION);
+        assert_eq!(
+            back_off(Duration::from_millis(100), 1),
+            Duration::from_millis(100)
+        );
+    }
+
+    #[test]
     fn targets_parse() {
         let t = parse_target("http://127.0.0.1:9000/base/").unwrap();
         assert_eq!(t.authority.as_str(), "127.0.0.1:9000");
         assert_eq!(t.base_path, "/base");
-        assert!(parse_target("https://x")
-            .unwrap_err()
-            .contains("not supported yet"));
+        let t = parse_target("https://api.example.com").unwrap();
+        assert_eq!(t.scheme, Scheme::HTTPS);
         assert!(parse_target("ftp://x").is_err());
     }
 }

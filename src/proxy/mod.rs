@@ -22,6 +22,7 @@ pub mod headers;
 pub mod path;
 pub mod pool;
 pub mod route;
+mod tls;
 
 use crate::clock::Clock;
 use crate::config::LogClientIp;

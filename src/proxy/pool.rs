@@ -1,5 +1,5 @@
-//! Keep-alive HTTP/1.1 connections to one upstream target, reused most-recently-used
-//! first.
+//! Connections to one upstream target, plain TCP or TLS: keep-alive HTTP/1.1
+//! connections reused most-recently-used first, or one multiplexed HTTP/2 connection.
 //!
 //! A lean pool over hyper's `client::conn::http1`: checking a connection out is a lock,
 //! a pop and a readiness test; it goes back when the response body has been read to its
@@ -8,18 +8,21 @@
 //! the same job with a keyed pool, a connect/checkout race and more boxing per request:
 //! about an eighth of the instructions of a proxied request (see BENCHMARKS.md).
 
+use crate::config::UpstreamProtocol;
 use bytes::Bytes;
 use http::uri::Authority;
 use http::{Request, Response};
 use http_body::{Body as HttpBody, Frame, SizeHint};
 use hyper::body::Incoming;
-use hyper::client::conn::http1::{self, SendRequest};
-use hyper_util::rt::TokioIo;
+use hyper::client::conn::{http1, http2};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use rustls::pki_types::ServerName;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 use tokio::net::TcpStream;
+use tokio_rustls::TlsConnector;
 
 /// Why a request could not be sent or answered.
 #[derive(Debug, thiserror::Error)]
@@ -30,73 +33,218 @@ pub enum PoolError {
     /// The TCP connect failed (refused, unreachable, ...).
     #[error("connect to {0}: {1}")]
     Connect(Authority, std::io::Error),
+    /// The TLS handshake with the target failed (untrusted certificate, wrong name, ...).
+    #[error("TLS handshake with {0}: {1}")]
+    Tls(Authority, std::io::Error),
     /// The HTTP exchange failed (reset, closed early, bad response, ...).
     #[error("{0}")]
     Http(#[from] hyper::Error),
 }
 
-/// Idle connections to one target.
+impl PoolError {
+    /// Whether the target refused the connection (connect error or connect timeout): the
+    /// failures that eject a target for a while.
+    pub fn is_refusal(&self) -> bool {
+        matches!(self, PoolError::ConnectTimeout(_) | PoolError::Connect(..))
+    }
+}
+
+/// A failed [`Pool::send`]: the error, and the request when not a byte of it was sent
+/// (the connection could not be made), so that it may go to another target.
+#[derive(Debug)]
+pub struct SendError {
+    /// What went wrong.
+    pub error: PoolError,
+    /// The request, back untouched, when the failure came before sending it.
+    pub unsent: Option<Request<Incoming>>,
+}
+
+impl From<PoolError> for SendError {
+    fn from(error: PoolError) -> Self {
+        SendError {
+            error,
+            unsent: None,
+        }
+    }
+}
+
+/// How connections to one target are made: TCP, then TLS for `https://` targets.
+pub struct Connector {
+    /// `HOST:PORT` of the target.
+    pub authority: Authority,
+    /// Budget for the TCP connect (the TLS handshake has its own, of the same length).
+    pub connect_timeout: Duration,
+    /// For `https://` targets: the TLS connector and the name sent as SNI and checked
+    /// against the certificate (the target's host).
+    pub tls: Option<(TlsConnector, ServerName<'static>)>,
+    /// The HTTP version spoken on the connections.
+    pub protocol: UpstreamProtocol,
+}
+
+impl std::fmt::Debug for Connector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Connector")
+            .field("authority", &self.authority)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("tls_server_name", &self.tls.as_ref().map(|(_, name)| name))
+            .field("protocol", &self.protocol)
+            .finish()
+    }
+}
+
+/// Connections to one target: a keep-alive stack (HTTP/1.1) or one shared multiplexed
+/// connection (HTTP/2).
 #[derive(Debug)]
 pub struct Pool {
-    authority: Authority,
+    connector: Connector,
     idle: Mutex<Vec<Idle>>,
     max_idle: usize,
     idle_timeout: Duration,
-    connect_timeout: Duration,
+    /// HTTP/2: the shared connection, cloned per request.
+    shared: Mutex<Option<http2::SendRequest<Incoming>>>,
+    /// HTTP/2: held while (re)connecting, so that one connection is made, not many.
+    connecting: tokio::sync::Mutex<()>,
 }
 
 #[derive(Debug)]
 struct Idle {
-    tx: SendRequest<Incoming>,
+    tx: http1::SendRequest<Incoming>,
     since: Instant,
 }
 
 impl Pool {
-    /// A pool for `authority` (`HOST:PORT`) keeping at most `max_idle` idle connections,
-    /// each for at most `idle_timeout`.
-    pub fn new(
-        authority: Authority,
-        max_idle: usize,
-        idle_timeout: Duration,
-        connect_timeout: Duration,
-    ) -> Arc<Self> {
+    /// A pool of connections made by `connector`, keeping at most `max_idle` idle
+    /// HTTP/1.1 connections, each for at most `idle_timeout`.
+    pub fn new(connector: Connector, max_idle: usize, idle_timeout: Duration) -> Arc<Self> {
         Arc::new(Self {
-            authority,
+            connector,
             idle: Mutex::new(Vec::new()),
             max_idle,
             idle_timeout,
-            connect_timeout,
+            shared: Mutex::new(None),
+            connecting: tokio::sync::Mutex::new(()),
         })
     }
 
-    /// Send `req` (origin-form URI, `Host` set) on an idle connection, or a new one. A
-    /// request that an idle connection could not take (it was closed meanwhile) is sent
-    /// again on a new connection; one that was already written is not retried.
+    /// Send `req` (origin-form URI and `Host` for HTTP/1.1; absolute URI for HTTP/2) on
+    /// an idle connection, or a new one. A request that an idle connection could not
+    /// take (it was closed meanwhile) is sent again on a new connection; one that was
+    /// already written is not retried.
     ///
-    /// Errors: [`PoolError`].
+    /// Errors: [`SendError`], with the request when it was not sent at all.
     pub async fn send(
         self: &Arc<Self>,
+        req: Request<Incoming>,
+    ) -> Result<Response<PooledBody>, SendError> {
+        match self.connector.protocol {
+            UpstreamProtocol::Http1 => self.send_h1(req).await,
+            UpstreamProtocol::Http2 => self.send_h2(req).await,
+        }
+    }
+
+    async fn send_h1(
+        self: &Arc<Self>,
         mut req: Request<Incoming>,
-    ) -> Result<Response<PooledBody>, PoolError> {
+    ) -> Result<Response<PooledBody>, SendError> {
         while let Some(mut tx) = self.checkout() {
             if !tx.is_ready() && tx.ready().await.is_err() {
                 continue;
             }
             match tx.try_send_request(req).await {
-                Ok(response) => return Ok(self.wrap(response, tx)),
+                Ok(response) => return Ok(self.wrap(response, Some(tx))),
                 Err(mut e) => match e.take_message() {
                     // Not sent: the connection was closing. Try the next one.
                     Some(back) => req = back,
-                    None => return Err(PoolError::Http(e.into_error())),
+                    None => return Err(PoolError::Http(e.into_error()).into()),
                 },
             }
         }
-        let mut tx = self.connect().await?;
-        let response = tx.send_request(req).await?;
-        Ok(self.wrap(response, tx))
+        let mut tx = match self.connect_h1().await {
+            Ok(tx) => tx,
+            Err(error) => {
+                return Err(SendError {
+                    error,
+                    unsent: Some(req),
+                })
+            }
+        };
+        let response = tx.send_request(req).await.map_err(PoolError::Http)?;
+        Ok(self.wrap(response, Some(tx)))
     }
 
-    fn checkout(&self) -> Option<SendRequest<Incoming>> {
+    async fn send_h2(
+        self: &Arc<Self>,
+        mut req: Request<Incoming>,
+    ) -> Result<Response<PooledBody>, SendError> {
+        // At most two rounds: the shared connection, then a fresh one if it had closed.
+        for _ in 0..2 {
+            let mut tx = match self.h2_sender().await {
+                Ok(tx) => tx,
+                Err(error) => {
+                    return Err(SendError {
+                        error,
+                        unsent: Some(req),
+                    })
+                }
+            };
+            if tx.ready().await.is_err() {
+                self.forget_h2(&tx);
+                continue;
+            }
+            match tx.try_send_request(req).await {
+                Ok(response) => return Ok(self.wrap(response, None)),
+                Err(mut e) => match e.take_message() {
+                    Some(back) => {
+                        self.forget_h2(&tx);
+                        req = back;
+                    }
+                    None => return Err(PoolError::Http(e.into_error()).into()),
+                },
+            }
+        }
+        let mut tx = match self.h2_sender().await {
+            Ok(tx) => tx,
+            Err(error) => {
+                return Err(SendError {
+                    error,
+                    unsent: Some(req),
+                })
+            }
+        };
+        let response = tx.send_request(req).await.map_err(PoolError::Http)?;
+        Ok(self.wrap(response, None))
+    }
+
+    /// The shared HTTP/2 connection, made if there is none or it has closed.
+    async fn h2_sender(&self) -> Result<http2::SendRequest<Incoming>, PoolError> {
+        if let Some(tx) = self.live_h2() {
+            return Ok(tx);
+        }
+        let _connecting = self.connecting.lock().await;
+        if let Some(tx) = self.live_h2() {
+            return Ok(tx);
+        }
+        let tx = self.connect_h2().await?;
+        *self.shared.lock().unwrap_or_else(|e| e.into_inner()) = Some(tx.clone());
+        Ok(tx)
+    }
+
+    fn live_h2(&self) -> Option<http2::SendRequest<Incoming>> {
+        let shared = self.shared.lock().unwrap_or_else(|e| e.into_inner());
+        shared.as_ref().filter(|tx| !tx.is_closed()).cloned()
+    }
+
+    /// Drop the shared connection if it is still `tx`'s and has closed.
+    fn forget_h2(&self, tx: &http2::SendRequest<Incoming>) {
+        if tx.is_closed() {
+            let mut shared = self.shared.lock().unwrap_or_else(|e| e.into_inner());
+            if shared.as_ref().is_some_and(|s| s.is_closed()) {
+                *shared = None;
+            }
+        }
+    }
+
+    fn checkout(&self) -> Option<http1::SendRequest<Incoming>> {
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
         while let Some(c) = idle.pop() {
             if !c.tx.is_closed() && c.since.elapsed() < self.idle_timeout {
@@ -106,7 +254,7 @@ impl Pool {
         None
     }
 
-    fn checkin(&self, tx: SendRequest<Incoming>) {
+    fn checkin(&self, tx: http1::SendRequest<Incoming>) {
         if tx.is_closed() {
             return;
         }
@@ -121,46 +269,104 @@ impl Pool {
         });
     }
 
-    async fn connect(&self) -> Result<SendRequest<Incoming>, PoolError> {
+    async fn tcp(&self) -> Result<TcpStream, PoolError> {
+        let c = &self.connector;
+        let default_port = if c.tls.is_some() { 443 } else { 80 };
         let addr = format!(
             "{}:{}",
-            self.authority.host(),
-            self.authority.port_u16().unwrap_or(80)
+            c.authority.host(),
+            c.authority.port_u16().unwrap_or(default_port)
         );
-        let stream =
-            match tokio::time::timeout(self.connect_timeout, TcpStream::connect(&addr)).await {
-                Err(_) => return Err(PoolError::ConnectTimeout(self.authority.clone())),
-                Ok(Err(e)) => return Err(PoolError::Connect(self.authority.clone(), e)),
-                Ok(Ok(s)) => s,
-            };
+        let stream = match tokio::time::timeout(c.connect_timeout, TcpStream::connect(&addr)).await
+        {
+            Err(_) => return Err(PoolError::ConnectTimeout(c.authority.clone())),
+            Ok(Err(e)) => return Err(PoolError::Connect(c.authority.clone(), e)),
+            Ok(Ok(s)) => s,
+        };
         let _ = stream.set_nodelay(true);
-        let (tx, conn) = http1::handshake(TokioIo::new(stream)).await?;
-        tokio::spawn(async move {
-            if let Err(e) = conn.await {
-                tracing::debug!(error = %e, "upstream connection ended with an error");
-            }
-        });
+        Ok(stream)
+    }
+
+    async fn tls(
+        &self,
+        stream: TcpStream,
+        tls: &(TlsConnector, ServerName<'static>),
+    ) -> Result<tokio_rustls::client::TlsStream<TcpStream>, PoolError> {
+        let c = &self.connector;
+        let (connector, name) = tls;
+        match tokio::time::timeout(c.connect_timeout, connector.connect(name.clone(), stream)).await
+        {
+            Err(_) => Err(PoolError::Tls(
+                c.authority.clone(),
+                std::io::Error::new(std::io::ErrorKind::TimedOut, "handshake timed out"),
+            )),
+            Ok(Err(e)) => Err(PoolError::Tls(c.authority.clone(), e)),
+            Ok(Ok(s)) => Ok(s),
+        }
+    }
+
+    async fn connect_h1(&self) -> Result<http1::SendRequest<Incoming>, PoolError> {
+        let stream = self.tcp().await?;
+        let tx = match &self.connector.tls {
+            None => spawn_h1(TokioIo::new(stream)).await?,
+            Some(tls) => spawn_h1(TokioIo::new(self.tls(stream, tls).await?)).await?,
+        };
+        Ok(tx)
+    }
+
+    async fn connect_h2(&self) -> Result<http2::SendRequest<Incoming>, PoolError> {
+        let stream = self.tcp().await?;
+        let tx = match &self.connector.tls {
+            None => spawn_h2(TokioIo::new(stream)).await?,
+            Some(tls) => spawn_h2(TokioIo::new(self.tls(stream, tls).await?)).await?,
+        };
         Ok(tx)
     }
 
     fn wrap(
         self: &Arc<Self>,
         response: Response<Incoming>,
-        tx: SendRequest<Incoming>,
+        tx: Option<http1::SendRequest<Incoming>>,
     ) -> Response<PooledBody> {
         response.map(|inner| PooledBody {
             inner,
-            slot: Some((self.clone(), tx)),
+            slot: tx.map(|tx| (self.clone(), tx)),
         })
     }
 }
 
+async fn spawn_h1<T>(io: TokioIo<T>) -> Result<http1::SendRequest<Incoming>, PoolError>
+where
+    T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
+{
+    let (tx, conn) = http1::handshake(io).await?;
+    tokio::spawn(async move {
+        if let Err(e) = conn.await {
+            tracing::debug!(error = %e, "upstream connection ended with an error");
+        }
+    });
+    Ok(tx)
+}
+
+async fn spawn_h2<T>(io: TokioIo<T>) -> Result<http2::SendRequest<Incoming>, PoolError>
+where
+    T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
+{
+    let (tx, conn) = http2::handshake(TokioExecutor::new(), io).await?;
+    tokio::spawn(async move {
+        if let Err(e) = conn.await {
+            tracing::debug!(error = %e, "upstream HTTP/2 connection ended with an error");
+        }
+    });
+    Ok(tx)
+}
+
 /// A response body from a pooled connection: when it has been read to its end (or had
-/// none), the connection goes back to its pool.
+/// none), an HTTP/1.1 connection goes back to its pool (an HTTP/2 one is shared anyway).
 #[derive(Debug)]
 pub struct PooledBody {
     inner: Incoming,
-    slot: Option<(Arc<Pool>, SendRequest<Incoming>)>,
+    slot: Option<(Arc<Pool>, http1::SendRequest<Incoming>)>,
 }
 
 impl PooledBody {

@@ -323,10 +323,9 @@ fn load_tls(
 /// has nothing to do.
 pub fn tls_digest(file: &ConfigFile) -> String {
     match &file.config.server.tls {
-        Some(tls) => crate::tls::files_digest(&crate::tls::files(
-            tls,
-            &crate::tls::base_dir(&file.path),
-        )),
+        Some(tls) => {
+            crate::tls::files_digest(&crate::tls::files(tls, &crate::tls::base_dir(&file.path)))
+        }
         None => String::new(),
     }
 }

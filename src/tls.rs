@@ -209,7 +209,11 @@ fn read(path: &Path, at: &str, problems: &mut Problems) -> Option<Vec<u8>> {
     }
 }
 
-fn load_certs(path: &Path, at: &str, problems: &mut Problems) -> Option<Vec<CertificateDer<'static>>> {
+fn load_certs(
+    path: &Path,
+    at: &str,
+    problems: &mut Problems,
+) -> Option<Vec<CertificateDer<'static>>> {
     let bytes = read(path, at, problems)?;
     let certs: Result<Vec<_>, _> = CertificateDer::pem_slice_iter(&bytes).collect();
     match certs {
@@ -217,7 +221,10 @@ fn load_certs(path: &Path, at: &str, problems: &mut Problems) -> Option<Vec<Cert
         Ok(_) => {
             problems.error(
                 at,
-                format!("{}: no PEM certificate (BEGIN CERTIFICATE) found", path.display()),
+                format!(
+                    "{}: no PEM certificate (BEGIN CERTIFICATE) found",
+                    path.display()
+                ),
             );
             None
         }
@@ -238,18 +245,19 @@ fn load_pair(
 ) -> Option<Arc<CertifiedKey>> {
     let (at_cert, at_key) = (format!("{at}.cert"), format!("{at}.key"));
     let chain = load_certs(cert, &at_cert, problems);
-    let key_der = read(key, &at_key, problems).and_then(|bytes| {
-        match PrivateKeyDer::from_pem_slice(&bytes) {
-            Ok(k) => Some(k),
-            Err(e) => {
-                problems.error(
-                    &at_key,
-                    format!("{}: no usable PEM private key: {e}", key.display()),
-                );
-                None
+    let key_der =
+        read(key, &at_key, problems).and_then(|bytes| {
+            match PrivateKeyDer::from_pem_slice(&bytes) {
+                Ok(k) => Some(k),
+                Err(e) => {
+                    problems.error(
+                        &at_key,
+                        format!("{}: no usable PEM private key: {e}", key.display()),
+                    );
+                    None
+                }
             }
-        }
-    })?;
+        })?;
     let chain = chain?;
     if let Err(e) = webpki_end_entity(&chain[0]) {
         problems.error(&at_cert, format!("{}: {e}", cert.display()));
@@ -285,7 +293,10 @@ fn client_verifier(
     let mut roots = rustls::RootCertStore::empty();
     for c in certs {
         if let Err(e) = roots.add(c) {
-            problems.error(at, format!("{}: not a usable CA certificate: {e}", ca.display()));
+            problems.error(
+                at,
+                format!("{}: not a usable CA certificate: {e}", ca.display()),
+            );
             return None;
         }
     }
@@ -378,7 +389,9 @@ fn der_item(input: &[u8], tag: u8) -> Option<(&[u8], &[u8])> {
         if n == 0 || n > 4 || rest.len() < n {
             return None;
         }
-        let len = rest[..n].iter().fold(0usize, |acc, &b| (acc << 8) | b as usize);
+        let len = rest[..n]
+            .iter()
+            .fold(0usize, |acc, &b| (acc << 8) | b as usize);
         (len, &rest[n..])
     };
     if rest.len() < len {
@@ -411,7 +424,12 @@ mod tests {
 
     #[test]
     fn subject_cn_never_panics_on_garbage() {
-        for bytes in [&[][..], &[0x30], &[0x30, 0x84, 0xff, 0xff, 0xff, 0xff], &[0x30, 0x02, 0x30, 0x05]] {
+        for bytes in [
+            &[][..],
+            &[0x30],
+            &[0x30, 0x84, 0xff, 0xff, 0xff, 0xff],
+            &[0x30, 0x02, 0x30, 0x05],
+        ] {
             assert_eq!(subject_cn(bytes), None);
         }
         let key = rcgen::KeyPair::generate().unwrap();

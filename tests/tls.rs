@@ -582,9 +582,7 @@ async fn a_silent_connection_is_closed_at_the_handshake_timeout_while_others_are
 async fn tollgate_check_reports_tls_problems_at_their_key_paths() {
     let pki = Pki::new();
     std::fs::write(pki.dir.path().join("garbage.pem"), "hello").unwrap();
-    let text = format!(
-        "[server.tls]\ncert = \"garbage.pem\"\nkey = \"missing.key\"\nhandshake_timeout = \"0s\"\n[[server.tls.sni]]\nhost = \"a.example\"\ncert = \"api.pem\"\nkey = \"default.key\"\n"
-    );
+    let text = "[server.tls]\ncert = \"garbage.pem\"\nkey = \"missing.key\"\nhandshake_timeout = \"0s\"\n[[server.tls.sni]]\nhost = \"a.example\"\ncert = \"api.pem\"\nkey = \"default.key\"\n";
     let path = pki.dir.path().join("tollgate.toml");
     std::fs::write(&path, text).unwrap();
     let (code, _, stderr) = support::check(&path);

@@ -395,6 +395,35 @@ async fn a_certificate_swap_reaches_new_handshakes_and_spares_open_requests() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_config_watcher_reloads_a_changed_certificate_file() {
+    let pki = Pki::new();
+    let upstream = Upstream::start().await;
+    let gw = TestGateway::start(&config(&pki, &upstream, "", "")).await;
+    let client = client_config(&pki.ca, &["http/1.1"], None);
+    let _watcher = tollgate::reload::watch_file(gw.gateway.reloader(), gw.path.clone()).unwrap();
+    let generation = gw.gateway.snapshot().generation;
+
+    // Only the certificate changes (the certificates live in another directory than the
+    // config file); the key is written first, then the certificate.
+    let leaf = pki.ca.leaf("renewed", &["localhost"]);
+    std::fs::write(&pki.default_key, &leaf.key_pem).unwrap();
+    std::fs::write(&pki.default_cert, &leaf.cert_pem).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let stream = connect(gw.addr, "localhost", client.clone()).await.unwrap();
+        if presented_cn(&stream) == "renewed" {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the renewed certificate was never served"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(gw.gateway.snapshot().generation > generation);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bad_certificate_file_on_reload_keeps_the_old_certificate() {
     let pki = Pki::new();
     let upstream = Upstream::start().await;

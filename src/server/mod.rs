@@ -216,7 +216,7 @@ fn start_store(snap: &Snapshot, clock: SharedClock) {
 /// One accepted connection, ready to serve HTTP once its transport (plain TCP, or TLS
 /// after the handshake) is ready.
 struct Connection {
-    builder: auto::Builder<TokioExecutor>,
+    builder: Arc<auto::Builder<TokioExecutor>>,
     watcher: hyper_util::server::graceful::Watcher,
     shared: Arc<Shared>,
     peer: SocketAddr,
@@ -272,6 +272,7 @@ async fn accept_loop(
         .timer(TokioTimer::new())
         .header_read_timeout(header_read_timeout);
     builder.http2().timer(TokioTimer::new());
+    let builder = Arc::new(builder);
     let graceful = GracefulShutdown::new();
 
     loop {
@@ -290,7 +291,7 @@ async fn accept_loop(
                 // New handshakes use the certificates of the snapshot current now.
                 let tls = if tls_listener { shared.snapshot.load().tls.clone() } else { None };
                 let conn = Connection {
-                    builder: builder.clone(),
+                    builder: builder.clone(), // an Arc
                     watcher: graceful.watcher(),
                     shared: shared.clone(),
                     peer,

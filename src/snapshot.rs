@@ -274,9 +274,17 @@ impl Snapshot {
             StoreClock::Gateway => store,
             StoreClock::Redis => format!("{store}, {} clock", StoreClock::Redis.name()),
         };
+        let listen = match &c.server.tls {
+            Some(tls) => format!(
+                "{} (TLS, {} certificate(s))",
+                self.listen,
+                1 + tls.sni.len()
+            ),
+            None => self.listen.to_string(),
+        };
         format!(
             "ok: listen {}, {} route(s), {} upstream(s), {} limit(s), {} client(s), {}",
-            self.listen,
+            listen,
             self.router.len(),
             c.upstreams.len(),
             c.limits.len(),

@@ -635,4 +635,5 @@ async fn tollgate_check_reports_tls_problems_at_their_key_paths() {
     .unwrap();
     let (code, stdout, stderr) = support::check(&path);
     assert_eq!(code, 0, "{stdout}{stderr}");
+    assert!(stdout.contains("(TLS, 1 certificate(s))"), "{stdout}");
 }

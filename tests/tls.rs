@@ -637,3 +637,81 @@ async fn tollgate_check_reports_tls_problems_at_their_key_paths() {
     assert_eq!(code, 0, "{stdout}{stderr}");
     assert!(stdout.contains("(TLS, 1 certificate(s))"), "{stdout}");
 }
+
+/// The real binary: a failed handshake is logged at debug and the next client is served;
+/// SIGHUP swaps the certificate for new handshakes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_logs_failed_handshakes_and_reloads_certificates_on_sighup() {
+    let pki = Pki::new();
+    let upstream = Upstream::start().await;
+    let port = support::redis::free_port();
+    // SIGHUP only: the file watcher is off.
+    let text = config(&pki, &upstream, "", "")
+        .replace(
+            "listen = \"127.0.0.1:0\"",
+            &format!("listen = \"127.0.0.1:{port}\""),
+        )
+        .replace("shutdown_grace", "watch_config = false\nshutdown_grace");
+    let path = pki.dir.path().join("tollgate.toml");
+    std::fs::write(&path, text).unwrap();
+    let log_path = pki.dir.path().join("tollgate.log");
+    let mut child = support::tollgate()
+        .arg("--config")
+        .arg(&path)
+        .env("RUST_LOG", "tollgate=debug")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log_path).unwrap())
+        .spawn()
+        .unwrap();
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while TcpStream::connect(addr).await.is_err() {
+        assert!(Instant::now() < deadline, "gateway did not start");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let client = client_config(&pki.ca, &["h2", "http/1.1"], None);
+
+    // Plain HTTP on the TLS port: the handshake fails, the connection closes.
+    let mut plain = TcpStream::connect(addr).await.unwrap();
+    plain
+        .write_all(b"GET / HTTP/1.1\r\nhost: localhost\r\n\r\n")
+        .await
+        .unwrap();
+    let mut buf = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), plain.read_to_end(&mut buf)).await;
+    assert_eq!(https_get(addr, client.clone(), "/", &[]).await.status, 200);
+
+    // SIGHUP after writing a new certificate (config file unchanged).
+    pki.ca
+        .leaf("after-hup", &["localhost"])
+        .write(pki.dir.path(), "default");
+    let pid = child.id().to_string();
+    assert!(std::process::Command::new("kill")
+        .args(["-HUP", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let stream = connect(addr, "localhost", client.clone()).await.unwrap();
+        if presented_cn(&stream) == "after-hup" {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "SIGHUP did not swap the certificate"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    let _ = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status();
+    let _ = child.wait();
+    let log = std::fs::read_to_string(&log_path).unwrap();
+    assert!(
+        log.contains("DEBUG") && log.contains("TLS handshake failed"),
+        "{log}"
+    );
+    assert!(log.contains("config reloaded"), "{log}");
+}

@@ -374,9 +374,35 @@ async fn a_certificate_swap_reaches_new_handshakes_and_spares_open_requests() {
         .write(pki.dir.path(), "default");
     // A watcher's reload (skip_unchanged) sees the certificate changed.
     let outcome = gw.gateway.reload_from(&gw.path, true).unwrap();
+    let tollgate::server::ReloadOutcome::Applied { warnings, .. } = outcome else {
+        panic!("{outcome:?}");
+    };
     assert!(
-        matches!(outcome, tollgate::server::ReloadOutcome::Applied { .. }),
-        "{outcome:?}"
+        warnings.is_empty(),
+        "a certificate swap needs no restart: {warnings:?}"
+    );
+
+    // A reload that changes the TLS settings themselves (here the handshake timeout) is
+    // applied too, with no "[server] changed" warning either.
+    let text = std::fs::read_to_string(&gw.path).unwrap();
+    let outcome = gw
+        .reload(&text.replace(
+            "[[server.tls.sni]]",
+            "handshake_timeout = \"5s\"\n[[server.tls.sni]]",
+        ))
+        .unwrap();
+    let tollgate::server::ReloadOutcome::Applied { warnings, .. } = outcome else {
+        panic!("{outcome:?}");
+    };
+    assert!(warnings.is_empty(), "{warnings:?}");
+    assert_eq!(
+        gw.gateway
+            .snapshot()
+            .tls
+            .as_ref()
+            .unwrap()
+            .handshake_timeout,
+        Duration::from_secs(5)
     );
     let fresh = connect(gw.addr, "localhost", client.clone()).await.unwrap();
     assert_eq!(presented_cn(&fresh), "default-2");

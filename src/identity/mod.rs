@@ -315,6 +315,41 @@ mod tests {
     }
 
     #[test]
+    fn a_client_certificate_cn_names_the_client_only_when_enabled() {
+        let peer: IpAddr = "10.1.2.3".parse().unwrap();
+        // Off (the default): the CN is ignored.
+        let c = ids()
+            .identify_with_cert(&HeaderMap::new(), peer, Some("acme"))
+            .unwrap();
+        assert!(c.client.is_none());
+
+        let cfg = IdentityConfig {
+            client_cert_subject_as_caller: true,
+            clients: vec![ClientConfig {
+                id: "acme".into(),
+                key_sha256: hex::encode(Sha256::digest(b"sekrit")),
+                tier: "gold".into(),
+            }],
+            ..Default::default()
+        };
+        let ids = Identities::build(&cfg, &mut Problems::default());
+        let c = ids
+            .identify_with_cert(&HeaderMap::new(), peer, Some("acme"))
+            .unwrap();
+        assert_eq!((c.label().as_str(), &*c.tier), ("acme", "gold"));
+        let c = ids
+            .identify_with_cert(&HeaderMap::new(), peer, Some("ACME"))
+            .unwrap();
+        assert!(c.client.is_none(), "ids are matched exactly");
+        // A key decides, even an unknown one.
+        assert_eq!(
+            ids.identify_with_cert(&headers("Bearer nope"), peer, Some("acme"))
+                .unwrap_err(),
+            IdentityError::BadCredentials
+        );
+    }
+
+    #[test]
     fn bad_entries_are_reported() {
         let cfg = IdentityConfig {
             trusted_proxies: vec!["10.0.0.0/33".into()],

@@ -637,7 +637,7 @@ async fn a_silent_connection_is_closed_at_the_handshake_timeout_while_others_are
 async fn tollgate_check_reports_tls_problems_at_their_key_paths() {
     let pki = Pki::new();
     std::fs::write(pki.dir.path().join("garbage.pem"), "hello").unwrap();
-    let text = "[server.tls]\ncert = \"garbage.pem\"\nkey = \"missing.key\"\nhandshake_timeout = \"0s\"\n[[server.tls.sni]]\nhost = \"a.example\"\ncert = \"api.pem\"\nkey = \"default.key\"\n";
+    let text = "[server.tls]\ncert = \"garbage.pem\"\nkey = \"missing.key\"\nhandshake_timeout = \"0s\"\nclient_auth = \"required\"\n[[server.tls.sni]]\nhost = \"a.example\"\ncert = \"api.pem\"\nkey = \"default.key\"\n";
     let path = pki.dir.path().join("tollgate.toml");
     std::fs::write(&path, text).unwrap();
     let (code, _, stderr) = support::check(&path);
@@ -648,6 +648,7 @@ async fn tollgate_check_reports_tls_problems_at_their_key_paths() {
         "server.tls.key: cannot read ",
         "server.tls.handshake_timeout: must be more than 0",
         "server.tls.sni[0].key: ",
+        "server.tls.client_auth: needs server.tls.client_ca",
         "does not fit",
     ] {
         assert!(stderr.contains(expected), "{expected:?} not in:\n{stderr}");

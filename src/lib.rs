@@ -20,6 +20,7 @@ pub mod reload;
 pub mod response;
 pub mod server;
 pub mod snapshot;
+pub mod tls;
 
 pub use server::Gateway;
 

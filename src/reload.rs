@@ -56,25 +56,43 @@ pub fn reload_on_sighup(reloader: Reloader, path: PathBuf) -> std::io::Result<()
     Ok(())
 }
 
-/// Watch the directory of `path` and reload when the file's content changes. The
-/// returned watcher must be kept alive; dropping it stops watching.
+/// Watch the directory of `path` (and those of the TLS certificate files the running
+/// config names) and reload when the config file's content, or a certificate file's,
+/// changes. The returned watcher must be kept alive; dropping it stops watching.
 ///
 /// Errors: the watcher could not be set up (e.g. no inotify instances left).
 pub fn watch_file(reloader: Reloader, path: PathBuf) -> notify::Result<notify::RecommendedWatcher> {
     let dir = watched_dir(&path);
+    let mut files = vec![path.clone()];
+    files.extend(reloader.tls_files());
     let (tx, mut rx) = mpsc::unbounded_channel::<()>();
-    let file = path.clone();
+    let watched = files.clone();
     let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
         if let Ok(event) = event {
-            // Only events about the config file itself (or the symlink it goes through):
-            // other files in the directory, such as a log file, must not trigger reloads.
-            if !event.kind.is_access() && event.paths.iter().any(|p| concerns(&file, p)) {
+            // Only events about the config file or a certificate file (or the symlink it
+            // goes through): other files in the directory, such as a log file, must not
+            // trigger reloads.
+            if !event.kind.is_access()
+                && event
+                    .paths
+                    .iter()
+                    .any(|p| watched.iter().any(|f| concerns(f, p)))
+            {
                 let _ = tx.send(());
             }
         }
     })?;
     watcher.watch(&dir, RecursiveMode::NonRecursive)?;
     tracing::info!(dir = %dir.display(), "watching the config directory for changes");
+    let mut dirs = vec![dir];
+    for f in &files[1..] {
+        let d = watched_dir(f);
+        if !dirs.contains(&d) {
+            watcher.watch(&d, RecursiveMode::NonRecursive)?;
+            tracing::info!(dir = %d.display(), "watching a TLS certificate directory for changes");
+            dirs.push(d);
+        }
+    }
     tokio::spawn(async move {
         while rx.recv().await.is_some() {
             // Debounce: one reload for a burst of events (write, rename, chmod…).
@@ -169,6 +187,15 @@ impl Reloader {
         }))
     }
 
+    /// The TLS files (certificates, keys, client CA) of the running config.
+    pub fn tls_files(&self) -> Vec<PathBuf> {
+        let snap = self.0.snapshot.load();
+        snap.tls
+            .as_ref()
+            .map(|t| t.files().to_vec())
+            .unwrap_or_default()
+    }
+
     /// Count a reload in `tollgate_reloads_total{result}`.
     fn count(&self, result: &'static str) {
         self.0
@@ -199,7 +226,12 @@ impl Reloader {
         }
         let mut warnings = snap.warnings.clone();
         let (running_server, running_log) = &*snap.running;
-        if snap.config.server != *running_server {
+        // Certificates reload; TLS on or off is decided at start.
+        let mut server = snap.config.server.clone();
+        if server.tls.is_some() && running_server.tls.is_some() {
+            server.tls = running_server.tls.clone();
+        }
+        if server != *running_server {
             warnings.push(
                 "[server] changed: listen addresses and timeouts take effect after a restart"
                     .into(),
@@ -254,10 +286,18 @@ impl Reloader {
                 Err(report)
             }
             Ok(file) => {
-                let hash = crate::snapshot::content_hash(&file.text);
-                if skip_unchanged
-                    && (hash == self.0.snapshot.load().content_hash || failed_before(&hash))
-                {
+                // The config's text and the contents of its TLS files: a changed
+                // certificate is a change to reload even when the text is the same.
+                let text_hash = crate::snapshot::content_hash(&file.text);
+                let tls_hash = crate::snapshot::tls_digest(&file);
+                let hash = format!("{text_hash}{tls_hash}");
+                let running = self.0.snapshot.load();
+                let running_tls = match (&running.config.server.tls, &running.tls) {
+                    (Some(_), Some(tls)) => tls.digest(),
+                    _ => "",
+                };
+                let same = text_hash == running.content_hash && tls_hash == running_tls;
+                if skip_unchanged && (same || failed_before(&hash)) {
                     Ok(ReloadOutcome::Unchanged)
                 } else {
                     notify_systemd_reloading();

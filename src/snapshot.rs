@@ -1,9 +1,10 @@
 //! A config snapshot: everything one request needs, built from a [`Config`] in one go.
 //!
 //! Building is validation: each part records its problems against key paths, and a
-//! snapshot exists only when there are none. Building does no I/O (Redis connections
-//! are opened by [`crate::server::Gateway`] when a new store is first used), so
-//! `tollgate check` builds exactly what the gateway would run. A request holds the
+//! snapshot exists only when there are none. The only I/O of building is reading the
+//! TLS certificate files of `[server.tls]` (Redis connections are opened by
+//! [`crate::server::Gateway`] when a new store is first used), so `tollgate check`
+//! builds exactly what the gateway would run. A request holds the
 //! `Arc<Snapshot>` it started with; a reload swaps in a whole new one.
 
 use crate::config::{
@@ -41,6 +42,10 @@ pub struct Snapshot {
     pub listen: SocketAddr,
     /// `server.admin_listen`, parsed.
     pub admin_listen: Option<SocketAddr>,
+    /// `[server.tls]`, loaded: the certificates new handshakes use. Kept from the
+    /// previous snapshot when a reload removes `[server.tls]` (the listener keeps TLS
+    /// until a restart).
+    pub tls: Option<Arc<crate::tls::Tls>>,
     /// Warnings found while building (already rendered).
     pub warnings: Vec<String>,
     /// SHA-256 of the file's text, hex: tells whether a file really changed.
@@ -83,9 +88,7 @@ impl Snapshot {
             .admin_listen
             .as_ref()
             .and_then(|a| parse_addr("server.admin_listen", a, &mut problems));
-        if cfg.server.tls.is_some() {
-            problems.error("server.tls", "TLS is not supported yet");
-        }
+        let tls = load_tls(file, previous, &mut problems);
         if cfg.identity.failed_auth_limit.window.as_millis() < 1_000 {
             problems.error("identity.failed_auth_limit.window", "must be at least 1s");
         }
@@ -254,6 +257,7 @@ impl Snapshot {
                 ),
             listen,
             admin_listen,
+            tls,
             warnings: report.warning_lines(),
             content_hash: content_hash(&file.text),
             generation: 0,
@@ -280,15 +284,67 @@ impl Snapshot {
             StoreClock::Gateway => store,
             StoreClock::Redis => format!("{store}, {} clock", StoreClock::Redis.name()),
         };
+        let listen = match &c.server.tls {
+            Some(tls) => format!(
+                "{} (TLS, {} certificate(s))",
+                self.listen,
+                1 + tls.sni.len()
+            ),
+            None => self.listen.to_string(),
+        };
         format!(
             "ok: listen {}, {} route(s), {} upstream(s), {} limit(s), {} client(s), {}",
-            self.listen,
+            listen,
             self.router.len(),
             c.upstreams.len(),
             c.limits.len(),
             c.identity.clients.len(),
             store
         )
+    }
+}
+
+/// Load `[server.tls]` (relative paths against the config file's directory), and check
+/// the keys that depend on it. With no `[server.tls]` in a reload of a gateway that
+/// runs TLS, the previous certificates stay (with a warning).
+fn load_tls(
+    file: &ConfigFile,
+    previous: Option<&Snapshot>,
+    problems: &mut Problems,
+) -> Option<Arc<crate::tls::Tls>> {
+    let cfg = &file.config;
+    let client_ca = cfg.server.tls.as_ref().and_then(|t| t.client_ca.as_ref());
+    if cfg.identity.client_cert_subject_as_caller && client_ca.is_none() {
+        problems.error(
+            "identity.client_cert_subject_as_caller",
+            "needs server.tls.client_ca (only verified client certificates name callers)",
+        );
+    }
+    match (&cfg.server.tls, previous) {
+        (Some(tls), _) => {
+            let base = crate::tls::base_dir(&file.path);
+            crate::tls::Tls::build(tls, &base, problems).map(Arc::new)
+        }
+        (None, Some(prev)) if prev.tls.is_some() => {
+            problems.warn(
+                "server.tls",
+                "removed: the listener keeps TLS, with the current certificates, until a restart",
+            );
+            prev.tls.clone()
+        }
+        (None, _) => None,
+    }
+}
+
+/// The digest of the TLS files `file` names (see [`crate::tls::files_digest`]); empty
+/// without `[server.tls]`. A reload whose config text and TLS files are both unchanged
+/// has nothing to do.
+pub fn tls_digest(file: &ConfigFile) -> String {
+    match &file.config.server.tls {
+        Some(tls) => {
+            crate::tls::files_digest(&crate::tls::files(tls, &crate::tls::base_dir(&file.path)))
+        }
+        None => String::new(),
     }
 }
 

@@ -119,8 +119,9 @@ fn check_rejects_syntax_unknown_keys_bad_durations_and_unsupported_features() {
             "[store]\nbackend = \"redis\"\n[[store.shards]]\nreplicas = [\"redis://127.0.0.1:1\"]\n",
             "store.shards[0]: needs `primary = \"redis://HOST:PORT\"` or `sentinel",
         ),
-        ("[server.tls]\ncert = \"a.pem\"\nkey = \"a.key\"\n", "server.tls: TLS is not supported yet"),
-        ("[[upstreams]]\nname = \"a\"\ntargets = [\"https://x:1\"]\n", "upstreams[0].targets[0]: \"https://x:1\": https upstreams are not supported yet"),
+        ("[server.tls]\ncert = \"a.pem\"\nkey = \"a.key\"\n", "server.tls.cert: cannot read "),
+        ("[identity]\nclient_cert_subject_as_caller = true\n", "identity.client_cert_subject_as_caller: needs server.tls.client_ca"),
+        ("[[upstreams]]\nname = \"a\"\ntargets = [\"http://x:1\"]\nca = \"nowhere.pem\"\n", "upstreams[0].ca"),
         ("[store]\nbackend = \"redis\"\n", "store.shards: backend \"redis\" needs at least one"),
     ];
     for (i, (text, expected)) in cases.iter().enumerate() {

@@ -16,6 +16,14 @@ fn full_config() -> Config {
             tls: Some(TlsConfig {
                 cert: "c.pem".into(),
                 key: "k.pem".into(),
+                sni: vec![SniCertConfig {
+                    host: "api.example.com".into(),
+                    cert: "api.pem".into(),
+                    key: "api.key".into(),
+                }],
+                handshake_timeout: Dur::from_secs(10),
+                client_ca: Some("ca.pem".into()),
+                client_auth: Some(ClientAuth::Required),
             }),
             workers: Some(2),
         },
@@ -57,6 +65,7 @@ fn full_config() -> Config {
                 tier: "default".into(),
             }],
             failed_auth_limit: tollgate::config::FailedAuthLimit::default(),
+            client_cert_subject_as_caller: true,
         },
         upstreams: vec![UpstreamConfig {
             name: "api".into(),

@@ -67,7 +67,9 @@ pub struct ServerConfig {
     /// Reload when the config file changes (its directory is watched, so editors'
     /// rename-replace and Kubernetes ConfigMap symlink swaps are seen). Default true.
     pub watch_config: bool,
-    /// TLS on the listener (not supported yet).
+    /// `[server.tls]`: TLS on the proxy listener. Default: none (plain HTTP/1.1 and
+    /// cleartext HTTP/2). Whether the listener speaks TLS is decided at start; the
+    /// certificates reload.
     pub tls: Option<TlsConfig>,
     /// Worker threads of the async runtime. Default: one per CPU the process may use.
     /// Read at start only.
@@ -89,14 +91,61 @@ impl Default for ServerConfig {
     }
 }
 
-/// `[server.tls]` (reserved: rejected as "not supported yet").
+/// `[server.tls]`: TLS on the proxy listener (rustls with the ring provider; TLS 1.2
+/// and 1.3; ALPN `h2` and `http/1.1`). Relative paths are relative to the config
+/// file's directory. Certificates are read when the config is loaded, and again on
+/// every reload (SIGHUP, or a change to the config file or to one of these files).
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct TlsConfig {
-    /// PEM certificate chain.
+    /// PEM certificate chain (leaf first): the default certificate, presented when the
+    /// client sends no SNI or a name no `[[server.tls.sni]]` entry has.
     pub cert: String,
-    /// PEM private key.
+    /// PEM private key of `cert` (PKCS#8, PKCS#1 or SEC1).
     pub key: String,
+    /// `[[server.tls.sni]]`: more certificates, chosen by the SNI host name.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub sni: Vec<SniCertConfig>,
+    /// The TLS handshake of a new connection must finish within this time, or the
+    /// connection is closed. Default 10 s.
+    #[serde(default = "default_handshake_timeout")]
+    pub handshake_timeout: Dur,
+    /// PEM file of the CA certificates that client certificates must chain to. Without
+    /// it, clients are not asked for a certificate. Default: none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_ca: Option<String>,
+    /// With `client_ca`: `"optional"` (default: a client may present no certificate,
+    /// but one it presents must verify) or `"required"` (no verified certificate, no
+    /// connection).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_auth: Option<ClientAuth>,
+}
+
+fn default_handshake_timeout() -> Dur {
+    Dur::from_secs(10)
+}
+
+/// `[[server.tls.sni]]`: one certificate for one host name.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct SniCertConfig {
+    /// The host name, matched exactly (case-insensitive) against the client's SNI.
+    pub host: String,
+    /// PEM certificate chain for `host`.
+    pub cert: String,
+    /// PEM private key of `cert`.
+    pub key: String,
+}
+
+/// `server.tls.client_auth`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ClientAuth {
+    /// A client certificate is asked for, not required.
+    #[default]
+    Optional,
+    /// A verified client certificate is required to connect.
+    Required,
 }
 
 /// `[log]`.
@@ -317,6 +366,11 @@ pub struct IdentityConfig {
     /// Failed authentications (unknown API keys) allowed per client IP and window, in
     /// the same store as the limits; past it, 429 instead of 401. Default 30 a minute.
     pub failed_auth_limit: FailedAuthLimit,
+    /// With `server.tls.client_ca`: a verified client certificate whose subject common
+    /// name (CN) is the `id` of an `[[identity.clients]]` entry identifies the caller as
+    /// that client (its tier), when the request presents no API key (a key wins).
+    /// Default false.
+    pub client_cert_subject_as_caller: bool,
 }
 
 impl Default for IdentityConfig {
@@ -327,6 +381,7 @@ impl Default for IdentityConfig {
             anonymous_tier: "anonymous".into(),
             clients: Vec::new(),
             failed_auth_limit: FailedAuthLimit::default(),
+            client_cert_subject_as_caller: false,
         }
     }
 }

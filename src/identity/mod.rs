@@ -1,7 +1,9 @@
 //! Step 1 of the request path: who is calling.
 //!
 //! An API key (in `identity.api_key_header`) maps to a client id and tier; no key means
-//! an anonymous caller known by client IP; a key that matches no client is a 401.
+//! an anonymous caller known by client IP; a key that matches no client is a 401. With
+//! `identity.client_cert_subject_as_caller`, a request without a key on a TLS connection
+//! whose verified client certificate's CN is a client id is that client.
 
 mod client_ip;
 
@@ -64,6 +66,8 @@ pub struct Identities {
     by_digest: HashMap<[u8; 32], Arc<Client>>,
     trusted_proxies: Vec<IpNet>,
     anonymous_tier: Arc<str>,
+    /// Clients by id, when `client_cert_subject_as_caller` is on (else empty).
+    by_cert_cn: HashMap<Arc<str>, Arc<Client>>,
 }
 
 impl Identities {
@@ -97,6 +101,7 @@ impl Identities {
         }
 
         let mut by_digest = HashMap::new();
+        let mut by_cert_cn = HashMap::new();
         let mut ids = BTreeSet::new();
         for (i, c) in cfg.clients.iter().enumerate() {
             let at = format!("identity.clients[{i}]");
@@ -123,6 +128,9 @@ impl Identities {
                 tier: c.tier.as_str().into(),
                 key_sha256: digest,
             });
+            if cfg.client_cert_subject_as_caller {
+                by_cert_cn.insert(client.id.clone(), client.clone());
+            }
             if by_digest.insert(digest, client).is_some() {
                 problems.error(
                     format!("{at}.key_sha256"),
@@ -137,6 +145,7 @@ impl Identities {
             by_digest,
             trusted_proxies,
             anonymous_tier: cfg.anonymous_tier.as_str().into(),
+            by_cert_cn,
         }
     }
 
@@ -162,13 +171,35 @@ impl Identities {
     ///
     /// Errors: [`IdentityError::BadCredentials`] when a key is presented and unknown.
     pub fn identify(&self, headers: &HeaderMap, peer: IpAddr) -> Result<Caller, IdentityError> {
+        self.identify_with_cert(headers, peer, None)
+    }
+
+    /// [`Identities::identify`], for a request on a connection whose verified client
+    /// certificate has the subject common name `cert_cn`: without an API key, a CN that
+    /// is a client's id (with `identity.client_cert_subject_as_caller`) is that client;
+    /// any other CN leaves the caller anonymous. An API key, when presented, wins.
+    ///
+    /// Errors: [`IdentityError::BadCredentials`] when a key is presented and unknown.
+    pub fn identify_with_cert(
+        &self,
+        headers: &HeaderMap,
+        peer: IpAddr,
+        cert_cn: Option<&str>,
+    ) -> Result<Caller, IdentityError> {
         let ip = client_ip(headers, peer, &self.trusted_proxies);
         match self.presented_key(headers) {
-            None => Ok(Caller {
-                client: None,
-                tier: self.anonymous_tier.clone(),
-                ip,
-            }),
+            None => match cert_cn.and_then(|cn| self.by_cert_cn.get(cn)) {
+                Some(client) => Ok(Caller {
+                    tier: client.tier.clone(),
+                    client: Some(client.clone()),
+                    ip,
+                }),
+                None => Ok(Caller {
+                    client: None,
+                    tier: self.anonymous_tier.clone(),
+                    ip,
+                }),
+            },
             Some(key) => {
                 let client = self.lookup(key).ok_or(IdentityError::BadCredentials)?;
                 Ok(Caller {
@@ -281,6 +312,41 @@ mod tests {
         assert_eq!(&*anon.tier, "anonymous");
         let basic = ids.identify(&headers("Basic dXNlcjpwYXNz"), peer).unwrap();
         assert!(basic.client.is_none());
+    }
+
+    #[test]
+    fn a_client_certificate_cn_names_the_client_only_when_enabled() {
+        let peer: IpAddr = "10.1.2.3".parse().unwrap();
+        // Off (the default): the CN is ignored.
+        let c = ids()
+            .identify_with_cert(&HeaderMap::new(), peer, Some("acme"))
+            .unwrap();
+        assert!(c.client.is_none());
+
+        let cfg = IdentityConfig {
+            client_cert_subject_as_caller: true,
+            clients: vec![ClientConfig {
+                id: "acme".into(),
+                key_sha256: hex::encode(Sha256::digest(b"sekrit")),
+                tier: "gold".into(),
+            }],
+            ..Default::default()
+        };
+        let ids = Identities::build(&cfg, &mut Problems::default());
+        let c = ids
+            .identify_with_cert(&HeaderMap::new(), peer, Some("acme"))
+            .unwrap();
+        assert_eq!((c.label().as_str(), &*c.tier), ("acme", "gold"));
+        let c = ids
+            .identify_with_cert(&HeaderMap::new(), peer, Some("ACME"))
+            .unwrap();
+        assert!(c.client.is_none(), "ids are matched exactly");
+        // A key decides, even an unknown one.
+        assert_eq!(
+            ids.identify_with_cert(&headers("Bearer nope"), peer, Some("acme"))
+                .unwrap_err(),
+            IdentityError::BadCredentials
+        );
     }
 
     #[test]

@@ -121,8 +121,12 @@ pub async fn serve(
         }
     };
 
-    // 1. Identify the caller.
-    let identified = snap.identities.identify(req.headers(), peer.ip());
+    // 1. Identify the caller (on TLS, a verified client certificate's CN may name it).
+    let tls = req.extensions().get::<crate::tls::TlsInfo>().cloned();
+    let cert_cn = tls.as_ref().and_then(|t| t.client_cn.as_deref());
+    let identified = snap
+        .identities
+        .identify_with_cert(req.headers(), peer.ip(), cert_cn);
     if access::enabled() {
         let ip = match &identified {
             Ok(caller) => caller.ip,
@@ -247,7 +251,7 @@ pub async fn serve(
     let down = Downstream {
         peer,
         peer_trusted: snap.identities.trusts(peer.ip()),
-        scheme: "http",
+        scheme: if tls.is_some() { "https" } else { "http" },
         request_id: log.request_id().clone(),
     };
     let forwarded = log

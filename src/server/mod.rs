@@ -1,5 +1,7 @@
-//! The listener: accept loop, HTTP/1.1 and cleartext HTTP/2 on one port, graceful
-//! shutdown, and the running [`Gateway`] that tests and `main` drive.
+//! The listener: accept loop, HTTP/1.1 and cleartext HTTP/2 on one port (or, with
+//! `[server.tls]`, TLS with ALPN `h2` / `http/1.1`, the handshake inside each
+//! connection's task), graceful shutdown, and the running [`Gateway`] that tests and
+//! `main` drive.
 
 use crate::admin;
 use crate::clock::SharedClock;
@@ -86,6 +88,8 @@ impl Gateway {
             None => None,
         };
         let header_read_timeout = snap.config.server.header_read_timeout.0;
+        // Whether the listener speaks TLS is decided here; its certificates reload.
+        let tls_listener = snap.tls.is_some();
         let grace = snap.config.server.shutdown_grace.0;
         let snapshot = Arc::new(ArcSwap::from_pointee(snap));
         // The metrics read the store of whatever snapshot is current at scrape time.
@@ -132,8 +136,9 @@ impl Gateway {
             rx,
             header_read_timeout,
             grace,
+            tls_listener,
         ));
-        tracing::info!(listen = %local_addr, "tollgate listening");
+        tracing::info!(listen = %local_addr, tls = tls_listener, "tollgate listening");
         Ok(Gateway {
             local_addr,
             admin_addr,
@@ -208,12 +213,58 @@ fn start_store(snap: &Snapshot, clock: SharedClock) {
     store.start(clock, snap.config.store.sweep_interval.0);
 }
 
+/// One accepted connection, ready to serve HTTP once its transport (plain TCP, or TLS
+/// after the handshake) is ready.
+struct Connection {
+    builder: Arc<auto::Builder<TokioExecutor>>,
+    watcher: hyper_util::server::graceful::Watcher,
+    shared: Arc<Shared>,
+    peer: SocketAddr,
+}
+
+impl Connection {
+    /// Serve HTTP/1.1 or HTTP/2 on `io` until the connection ends; `tls` (what the
+    /// handshake told) goes into every request's extensions.
+    async fn serve<I>(self, io: I, tls: Option<crate::tls::TlsInfo>)
+    where
+        I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+    {
+        let Connection {
+            builder,
+            watcher,
+            shared,
+            peer,
+        } = self;
+        let conn_peer = Arc::new(proxy::forward::Peer::new(peer));
+        let service = service_fn(move |mut req: http::Request<hyper::body::Incoming>| {
+            let shared = shared.clone();
+            let peer = conn_peer.clone();
+            if let Some(info) = &tls {
+                req.extensions_mut().insert(info.clone());
+            }
+            async move {
+                let snap = shared.snapshot.load_full();
+                let ctx = proxy::Context {
+                    clock: &shared.clock,
+                    metrics: &shared.metrics,
+                };
+                Ok::<_, Infallible>(proxy::handle(&snap.gate(), &ctx, req, &peer).await)
+            }
+        });
+        let conn = builder.serve_connection(io, service);
+        if let Err(e) = watcher.watch(conn).await {
+            tracing::debug!(%peer, error = %e, "connection ended with an error");
+        }
+    }
+}
+
 async fn accept_loop(
     listener: TcpListener,
     shared: Arc<Shared>,
     mut shutdown: watch::Receiver<bool>,
     header_read_timeout: Duration,
     grace: Duration,
+    tls_listener: bool,
 ) {
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
@@ -221,6 +272,7 @@ async fn accept_loop(
         .timer(TokioTimer::new())
         .header_read_timeout(header_read_timeout);
     builder.http2().timer(TokioTimer::new());
+    let builder = Arc::new(builder);
     let graceful = GracefulShutdown::new();
 
     loop {
@@ -236,24 +288,36 @@ async fn accept_loop(
                     }
                 };
                 let _ = stream.set_nodelay(true);
-                let conn_shared = shared.clone();
-                let conn_peer = Arc::new(proxy::forward::Peer::new(peer));
-                let service = service_fn(move |req| {
-                    let shared = conn_shared.clone();
-                    let peer = conn_peer.clone();
-                    async move {
-                        let snap = shared.snapshot.load_full();
-                        let ctx = proxy::Context { clock: &shared.clock, metrics: &shared.metrics };
-                        Ok::<_, Infallible>(proxy::handle(&snap.gate(), &ctx, req, &peer).await)
-                    }
-                });
-                let conn = builder.serve_connection(TokioIo::new(stream), service).into_owned();
-                let conn = graceful.watch(conn);
+                // New handshakes use the certificates of the snapshot current now.
+                let tls = if tls_listener { shared.snapshot.load().tls.clone() } else { None };
+                let conn = Connection {
+                    builder: builder.clone(), // an Arc
+                    watcher: graceful.watcher(),
+                    shared: shared.clone(),
+                    peer,
+                };
                 let open = shared.metrics.open_connections.clone();
                 open.inc();
                 tokio::spawn(async move {
-                    if let Err(e) = conn.await {
-                        tracing::debug!(%peer, error = %e, "connection ended with an error");
+                    match tls {
+                        None => conn.serve(TokioIo::new(stream), None).await,
+                        Some(tls) => {
+                            let handshake = tls.acceptor().accept(stream);
+                            match tokio::time::timeout(tls.handshake_timeout, handshake).await {
+                                Ok(Ok(stream)) => {
+                                    let info = crate::tls::TlsInfo::of(stream.get_ref().1);
+                                    conn.serve(TokioIo::new(stream), Some(info)).await;
+                                }
+                                Ok(Err(e)) => {
+                                    tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                                }
+                                Err(_) => tracing::debug!(
+                                    %peer,
+                                    timeout = ?tls.handshake_timeout,
+                                    "TLS handshake timed out; connection closed"
+                                ),
+                            }
+                        }
                     }
                     open.dec();
                 });

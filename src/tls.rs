@@ -1,0 +1,442 @@
+//! TLS on the proxy listener (`[server.tls]`): certificates loaded from PEM files when a
+//! snapshot is built, chosen by SNI, and optional client certificates.
+//!
+//! Each snapshot carries its own [`Tls`] (a rustls `ServerConfig` with the ring provider,
+//! TLS 1.2 and 1.3 only, ALPN `h2` then `http/1.1`). A new connection's handshake uses the
+//! snapshot that is current when it is accepted, so a reload (SIGHUP, or a change to the
+//! config file or a certificate file) swaps certificates for new handshakes while open
+//! connections keep the session they have. A certificate that cannot be loaded makes the
+//! whole config invalid: a reload then keeps the running snapshot, and its certificates.
+
+use crate::config::{ClientAuth, Problems, TlsConfig};
+use rustls::crypto::CryptoProvider;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::server::{ClientHello, ResolvesServerCert, WebPkiClientVerifier};
+use rustls::sign::CertifiedKey;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The TLS part of a snapshot: what new handshakes on the proxy listener use.
+#[derive(Debug)]
+pub struct Tls {
+    config: Arc<rustls::ServerConfig>,
+    /// `server.tls.handshake_timeout`: the budget of one handshake.
+    pub handshake_timeout: Duration,
+    files: Vec<PathBuf>,
+    digest: String,
+}
+
+/// What the request path learns of a TLS connection; the listener puts it in the
+/// extensions of every request of that connection.
+#[derive(Debug, Clone, Default)]
+pub struct TlsInfo {
+    /// The subject common name (CN) of the client certificate, when the client presented
+    /// one and it verified against `server.tls.client_ca`.
+    pub client_cn: Option<Arc<str>>,
+}
+
+impl TlsInfo {
+    /// What a finished handshake tells: the verified client certificate's CN, if any.
+    pub fn of(conn: &rustls::ServerConnection) -> Self {
+        let client_cn = conn
+            .peer_certificates()
+            .and_then(|chain| chain.first())
+            .and_then(|leaf| subject_cn(leaf.as_ref()))
+            .map(Arc::from);
+        Self { client_cn }
+    }
+}
+
+impl Tls {
+    /// Load every certificate and key of `cfg` (relative paths against `base`, the config
+    /// file's directory) and build the rustls config, recording problems under
+    /// `server.tls.*`. `None` when anything is wrong.
+    pub fn build(cfg: &TlsConfig, base: &Path, problems: &mut Problems) -> Option<Tls> {
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let before = problems.errors.len();
+        if cfg.handshake_timeout.0.is_zero() {
+            problems.error("server.tls.handshake_timeout", "must be more than 0");
+        }
+        let default = load_pair(
+            &resolve(base, &cfg.cert),
+            &resolve(base, &cfg.key),
+            "server.tls",
+            &provider,
+            problems,
+        );
+        let mut by_host = HashMap::new();
+        for (i, sni) in cfg.sni.iter().enumerate() {
+            let at = format!("server.tls.sni[{i}]");
+            let host = sni.host.trim().trim_end_matches('.').to_ascii_lowercase();
+            if host.is_empty() {
+                problems.error(format!("{at}.host"), "must not be empty");
+            }
+            let pair = load_pair(
+                &resolve(base, &sni.cert),
+                &resolve(base, &sni.key),
+                &at,
+                &provider,
+                problems,
+            );
+            if let Some(pair) = pair {
+                if by_host.insert(host, pair).is_some() {
+                    problems.error(
+                        format!("{at}.host"),
+                        format!("{:?} already has a certificate", sni.host),
+                    );
+                }
+            }
+        }
+        let verifier = match &cfg.client_ca {
+            None => {
+                if cfg.client_auth.is_some() {
+                    problems.error(
+                        "server.tls.client_auth",
+                        "needs server.tls.client_ca (the CA that client certificates chain to)",
+                    );
+                }
+                None
+            }
+            Some(ca) => client_verifier(
+                &resolve(base, ca),
+                cfg.client_auth.unwrap_or_default(),
+                &provider,
+                problems,
+            ),
+        };
+        if problems.errors.len() > before {
+            return None;
+        }
+        let default = default?;
+        let builder = rustls::ServerConfig::builder_with_provider(provider)
+            .with_protocol_versions(&[&rustls::version::TLS13, &rustls::version::TLS12]);
+        let builder = match builder {
+            Ok(b) => b,
+            Err(e) => {
+                problems.error("server.tls", format!("cannot build the TLS config: {e}"));
+                return None;
+            }
+        };
+        let builder = match cfg.client_ca {
+            Some(_) => builder.with_client_cert_verifier(verifier?),
+            None => builder.with_no_client_auth(),
+        };
+        let mut config = builder.with_cert_resolver(Arc::new(SniResolver { default, by_host }));
+        config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+        let files = files(cfg, base);
+        let digest = files_digest(&files);
+        Some(Tls {
+            config: Arc::new(config),
+            handshake_timeout: cfg.handshake_timeout.0,
+            files,
+            digest,
+        })
+    }
+
+    /// An acceptor for one new connection.
+    pub fn acceptor(&self) -> tokio_rustls::TlsAcceptor {
+        tokio_rustls::TlsAcceptor::from(self.config.clone())
+    }
+
+    /// Every file this config was loaded from (certificates, keys, client CA).
+    pub fn files(&self) -> &[PathBuf] {
+        &self.files
+    }
+
+    /// SHA-256 over the contents of [`Tls::files`] when they were loaded, hex.
+    pub fn digest(&self) -> &str {
+        &self.digest
+    }
+}
+
+/// Every file `cfg` names, resolved against `base`.
+pub fn files(cfg: &TlsConfig, base: &Path) -> Vec<PathBuf> {
+    let mut v = vec![resolve(base, &cfg.cert), resolve(base, &cfg.key)];
+    for s in &cfg.sni {
+        v.push(resolve(base, &s.cert));
+        v.push(resolve(base, &s.key));
+    }
+    if let Some(ca) = &cfg.client_ca {
+        v.push(resolve(base, ca));
+    }
+    v
+}
+
+/// SHA-256 over the contents of `files` (an unreadable file counts as its error), hex:
+/// tells a reload whether a certificate file changed.
+pub fn files_digest(files: &[PathBuf]) -> String {
+    use sha2::Digest;
+    let mut h = sha2::Sha256::new();
+    for f in files {
+        match std::fs::read(f) {
+            Ok(bytes) => {
+                h.update((bytes.len() as u64).to_be_bytes());
+                h.update(&bytes);
+            }
+            Err(e) => h.update(format!("error: {e}").as_bytes()),
+        }
+    }
+    hex::encode(h.finalize())
+}
+
+/// The directory relative paths in a config file are resolved against.
+pub fn base_dir(config_path: &Path) -> PathBuf {
+    match config_path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    }
+}
+
+fn resolve(base: &Path, path: &str) -> PathBuf {
+    let p = Path::new(path);
+    if p.is_absolute() {
+        p.to_path_buf()
+    } else {
+        base.join(p)
+    }
+}
+
+fn read(path: &Path, at: &str, problems: &mut Problems) -> Option<Vec<u8>> {
+    match std::fs::read(path) {
+        Ok(b) => Some(b),
+        Err(e) => {
+            problems.error(at, format!("cannot read {}: {e}", path.display()));
+            None
+        }
+    }
+}
+
+fn load_certs(
+    path: &Path,
+    at: &str,
+    problems: &mut Problems,
+) -> Option<Vec<CertificateDer<'static>>> {
+    let bytes = read(path, at, problems)?;
+    let certs: Result<Vec<_>, _> = CertificateDer::pem_slice_iter(&bytes).collect();
+    match certs {
+        Ok(certs) if !certs.is_empty() => Some(certs),
+        Ok(_) => {
+            problems.error(
+                at,
+                format!(
+                    "{}: no PEM certificate (BEGIN CERTIFICATE) found",
+                    path.display()
+                ),
+            );
+            None
+        }
+        Err(e) => {
+            problems.error(at, format!("{}: invalid PEM: {e}", path.display()));
+            None
+        }
+    }
+}
+
+/// Load a certificate chain and its key; problems go to `{at}.cert` and `{at}.key`.
+fn load_pair(
+    cert: &Path,
+    key: &Path,
+    at: &str,
+    provider: &CryptoProvider,
+    problems: &mut Problems,
+) -> Option<Arc<CertifiedKey>> {
+    let (at_cert, at_key) = (format!("{at}.cert"), format!("{at}.key"));
+    let chain = load_certs(cert, &at_cert, problems);
+    let key_der =
+        read(key, &at_key, problems).and_then(|bytes| {
+            match PrivateKeyDer::from_pem_slice(&bytes) {
+                Ok(k) => Some(k),
+                Err(e) => {
+                    problems.error(
+                        &at_key,
+                        format!("{}: no usable PEM private key: {e}", key.display()),
+                    );
+                    None
+                }
+            }
+        })?;
+    let chain = chain?;
+    if let Err(e) = webpki_end_entity(&chain[0]) {
+        problems.error(&at_cert, format!("{}: {e}", cert.display()));
+        return None;
+    }
+    match CertifiedKey::from_der(chain, key_der, provider) {
+        Ok(k) => Some(Arc::new(k)),
+        Err(e) => {
+            problems.error(
+                &at_key,
+                format!("{}: does not fit {}: {e}", key.display(), cert.display()),
+            );
+            None
+        }
+    }
+}
+
+/// Whether the leaf parses as an X.509 certificate.
+fn webpki_end_entity(leaf: &CertificateDer<'_>) -> Result<(), String> {
+    rustls::server::ParsedCertificate::try_from(leaf)
+        .map(|_| ())
+        .map_err(|e| format!("not a valid X.509 certificate: {e}"))
+}
+
+fn client_verifier(
+    ca: &Path,
+    auth: ClientAuth,
+    provider: &Arc<CryptoProvider>,
+    problems: &mut Problems,
+) -> Option<Arc<dyn rustls::server::danger::ClientCertVerifier>> {
+    let at = "server.tls.client_ca";
+    let certs = load_certs(ca, at, problems)?;
+    let mut roots = rustls::RootCertStore::empty();
+    for c in certs {
+        if let Err(e) = roots.add(c) {
+            problems.error(
+                at,
+                format!("{}: not a usable CA certificate: {e}", ca.display()),
+            );
+            return None;
+        }
+    }
+    let builder = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone());
+    let builder = match auth {
+        ClientAuth::Optional => builder.allow_unauthenticated(),
+        ClientAuth::Required => builder,
+    };
+    match builder.build() {
+        Ok(v) => Some(v),
+        Err(e) => {
+            problems.error(at, format!("{}: {e}", ca.display()));
+            None
+        }
+    }
+}
+
+/// Picks the certificate by SNI: an exact, case-insensitive match of a
+/// `[[server.tls.sni]]` host, else the default.
+#[derive(Debug)]
+struct SniResolver {
+    default: Arc<CertifiedKey>,
+    by_host: HashMap<String, Arc<CertifiedKey>>,
+}
+
+impl ResolvesServerCert for SniResolver {
+    fn resolve(&self, hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        let named = hello.server_name().and_then(|name| {
+            let name = name.trim_end_matches('.');
+            if name.bytes().any(|b| b.is_ascii_uppercase()) {
+                self.by_host.get(&name.to_ascii_lowercase())
+            } else {
+                self.by_host.get(name)
+            }
+        });
+        Some(named.unwrap_or(&self.default).clone())
+    }
+}
+
+/// The subject common name (OID 2.5.4.3) of a DER X.509 certificate: the last CN of the
+/// subject, as text. `None` when the certificate has none or does not parse.
+pub fn subject_cn(der: &[u8]) -> Option<String> {
+    // Certificate ::= SEQUENCE { tbsCertificate SEQUENCE { [0] version OPTIONAL,
+    //   serialNumber, signature, issuer, validity, subject, ... }, ... }
+    let (cert, _) = der_item(der, 0x30)?;
+    let (mut tbs, _) = der_item(cert, 0x30)?;
+    if tbs.first() == Some(&0xa0) {
+        tbs = der_item(tbs, 0xa0)?.1;
+    }
+    let rest = der_item(tbs, 0x02)?.1; // serialNumber
+    let rest = der_item(rest, 0x30)?.1; // signature
+    let rest = der_item(rest, 0x30)?.1; // issuer
+    let rest = der_item(rest, 0x30)?.1; // validity
+    let (mut subject, _) = der_item(rest, 0x30)?;
+    let mut cn = None;
+    // Name ::= SEQUENCE OF SET OF SEQUENCE { type OID, value ANY }
+    while !subject.is_empty() {
+        let (mut set, rest) = der_item(subject, 0x31)?;
+        subject = rest;
+        while !set.is_empty() {
+            let (atv, rest) = der_item(set, 0x30)?;
+            set = rest;
+            let (oid, value) = der_item(atv, 0x06)?;
+            if oid == [0x55, 0x04, 0x03] {
+                let tag = *value.first()?;
+                let (text, _) = der_item(value, tag)?;
+                // UTF8String, PrintableString, IA5String, T61String (read as Latin-1 text).
+                cn = match tag {
+                    0x0c | 0x13 | 0x16 => std::str::from_utf8(text).ok().map(str::to_owned),
+                    0x14 => Some(text.iter().map(|&b| b as char).collect()),
+                    _ => None,
+                };
+            }
+        }
+    }
+    cn
+}
+
+/// One DER item with tag `tag` at the start of `input`: (its contents, what follows).
+fn der_item(input: &[u8], tag: u8) -> Option<(&[u8], &[u8])> {
+    let (&t, rest) = input.split_first()?;
+    if t != tag {
+        return None;
+    }
+    let (&first, rest) = rest.split_first()?;
+    let (len, rest) = if first < 0x80 {
+        (first as usize, rest)
+    } else {
+        let n = (first & 0x7f) as usize;
+        if n == 0 || n > 4 || rest.len() < n {
+            return None;
+        }
+        let len = rest[..n]
+            .iter()
+            .fold(0usize, |acc, &b| (acc << 8) | b as usize);
+        (len, &rest[n..])
+    };
+    if rest.len() < len {
+        return None;
+    }
+    Some(rest.split_at(len))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn subject_cn_reads_the_common_name() {
+        let mut params = rcgen::CertificateParams::new(vec!["a.example".into()]).unwrap();
+        params
+            .distinguished_name
+            .push(rcgen::DnType::OrganizationName, "Org");
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "client-7");
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = params.self_signed(&key).unwrap();
+        assert_eq!(subject_cn(cert.der()).as_deref(), Some("client-7"));
+        let mut params = rcgen::CertificateParams::new(vec!["a.example".into()]).unwrap();
+        params.distinguished_name = rcgen::DistinguishedName::new();
+        let cert = params.self_signed(&key).unwrap();
+        assert_eq!(subject_cn(cert.der()), None);
+    }
+
+    #[test]
+    fn subject_cn_never_panics_on_garbage() {
+        for bytes in [
+            &[][..],
+            &[0x30],
+            &[0x30, 0x84, 0xff, 0xff, 0xff, 0xff],
+            &[0x30, 0x02, 0x30, 0x05],
+        ] {
+            assert_eq!(subject_cn(bytes), None);
+        }
+        let key = rcgen::KeyPair::generate().unwrap();
+        let params = rcgen::CertificateParams::new(vec!["a.example".into()]).unwrap();
+        let der = params.self_signed(&key).unwrap().der().to_vec();
+        for cut in 0..der.len() {
+            let _ = subject_cn(&der[..cut]);
+        }
+    }
+}

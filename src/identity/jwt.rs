@@ -131,7 +131,11 @@ impl JwtVerifier {
         if cfg.id_claim.trim().is_empty() {
             problems.error(format!("{at}.id_claim"), "must not be empty");
         }
-        if cfg.tier_claim.as_deref().is_some_and(|t| t.trim().is_empty()) {
+        if cfg
+            .tier_claim
+            .as_deref()
+            .is_some_and(|t| t.trim().is_empty())
+        {
             problems.error(format!("{at}.tier_claim"), "must not be empty");
         }
         if cfg.default_tier.trim().is_empty() {
@@ -242,9 +246,7 @@ fn reason(kind: &ErrorKind) -> String {
         ErrorKind::InvalidSignature => "bad signature".into(),
         ErrorKind::InvalidAudience => "wrong audience".into(),
         ErrorKind::InvalidIssuer => "wrong issuer".into(),
-        ErrorKind::InvalidAlgorithm | ErrorKind::MissingAlgorithm => {
-            "algorithm not allowed".into()
-        }
+        ErrorKind::InvalidAlgorithm | ErrorKind::MissingAlgorithm => "algorithm not allowed".into(),
         ErrorKind::MissingRequiredClaim(c) => format!("missing claim {c:?}"),
         ErrorKind::InvalidClaimFormat(c) => format!("claim {c:?} is malformed"),
         _ => "malformed".into(),
@@ -253,7 +255,12 @@ fn reason(kind: &ErrorKind) -> String {
 
 /// The allowed algorithms usable with `key`: those of its family (and, for a JWK that
 /// names its algorithm, only that one).
-fn key_with(key: DecodingKey, allowed: &[Algorithm], only: Option<Algorithm>, base: &Validation) -> Option<Key> {
+fn key_with(
+    key: DecodingKey,
+    allowed: &[Algorithm],
+    only: Option<Algorithm>,
+    base: &Validation,
+) -> Option<Key> {
     let algorithms: Vec<Algorithm> = allowed
         .iter()
         .copied()
@@ -314,7 +321,12 @@ fn load_keys(
             );
             return None;
         }
-        let key = key_with(DecodingKey::from_secret(secret.as_bytes()), allowed, None, base);
+        let key = key_with(
+            DecodingKey::from_secret(secret.as_bytes()),
+            allowed,
+            None,
+            base,
+        );
         if key.is_none() {
             no_alg(problems, name, "HMAC secret");
         }

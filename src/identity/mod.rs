@@ -227,7 +227,10 @@ impl Identities {
     /// the caller's id and tier (identified callers only); with `strip_credentials`,
     /// remove the credential header the caller was identified by.
     pub fn to_upstream(&self, caller: &Caller, headers: &mut HeaderMap) {
-        for name in [&self.forward_caller, &self.forward_tier].into_iter().flatten() {
+        for name in [&self.forward_caller, &self.forward_tier]
+            .into_iter()
+            .flatten()
+        {
             headers.remove(name);
         }
         let Some(client) = &caller.client else {
@@ -273,7 +276,9 @@ impl Identities {
             }),
             Some(token) if self.jwt.is_some() && jwt::looks_like_jwt(token) => {
                 let verifier = self.jwt.as_ref().ok_or(IdentityError::BadCredentials)?;
-                let found = verifier.verify(token).map_err(IdentityError::InvalidToken)?;
+                let found = verifier
+                    .verify(token)
+                    .map_err(IdentityError::InvalidToken)?;
                 Ok(Caller {
                     tier: found.tier.clone(),
                     client: Some(Arc::new(Client {

@@ -26,7 +26,7 @@ struct Key {
 /// Where the key of a token comes from.
 enum Keys {
     /// One key (a secret or a PEM public key) for every token.
-    Single(Key),
+    Single(Box<Key>),
     /// A JWKS: the token's `kid` selects the key.
     ByKid(HashMap<String, Key>),
 }
@@ -330,7 +330,7 @@ fn load_keys(
         if key.is_none() {
             no_alg(problems, name, "HMAC secret");
         }
-        return key.map(Keys::Single);
+        return key.map(|k| Keys::Single(Box::new(k)));
     }
     if let Some(path) = &cfg.public_key {
         let pem = read(path, base_dir, &format!("{at}.public_key"), problems)?;
@@ -348,7 +348,7 @@ fn load_keys(
         if key.is_none() {
             no_alg(problems, "public_key", "key");
         }
-        return key.map(Keys::Single);
+        return key.map(|k| Keys::Single(Box::new(k)));
     }
     let path = cfg.jwks.as_ref()?;
     let bytes = read(path, base_dir, &format!("{at}.jwks"), problems)?;

@@ -232,6 +232,7 @@ impl Identities {
             .flatten()
         {
             headers.remove(name);
+            unlist_from_connection(headers, name);
         }
         let Some(client) = &caller.client else {
             return;
@@ -333,6 +334,35 @@ impl Identities {
         let digest: [u8; 32] = Sha256::digest(key).into();
         let candidate = self.by_digest.get(&digest)?;
         bool::from(candidate.key_sha256.ct_eq(&digest)).then(|| candidate.clone())
+    }
+}
+
+/// Remove `name` from the `Connection` header's list, so that a client cannot make the
+/// forwarder drop a header the gateway sets (headers listed in `Connection` are
+/// hop-by-hop and never forwarded).
+fn unlist_from_connection(headers: &mut HeaderMap, name: &HeaderName) {
+    let is_name = |t: &[u8]| t.eq_ignore_ascii_case(name.as_str().as_bytes());
+    let tokens = |headers: &HeaderMap| -> Vec<Vec<u8>> {
+        headers
+            .get_all(http::header::CONNECTION)
+            .iter()
+            .flat_map(|v| v.as_bytes().split(|b| *b == b','))
+            .map(<[u8]>::trim_ascii)
+            .filter(|t| !t.is_empty())
+            .map(<[u8]>::to_vec)
+            .collect()
+    };
+    let all = tokens(headers);
+    if !all.iter().any(|t| is_name(t)) {
+        return;
+    }
+    let kept: Vec<Vec<u8>> = all.into_iter().filter(|t| !is_name(t)).collect();
+    headers.remove(http::header::CONNECTION);
+    if kept.is_empty() {
+        return;
+    }
+    if let Ok(v) = HeaderValue::from_bytes(&kept.join(&b", "[..])) {
+        headers.insert(http::header::CONNECTION, v);
     }
 }
 

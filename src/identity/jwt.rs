@@ -109,6 +109,11 @@ impl JwtVerifier {
             }
         }
 
+        // The library adds and subtracts the leeway from "now" in u64 seconds: a bounded
+        // leeway keeps that arithmetic far from overflow.
+        if cfg.leeway.0.as_secs() > 86_400 {
+            problems.error(format!("{at}.leeway"), "must be at most \"1d\"");
+        }
         let mut base = Validation::new(Algorithm::HS256);
         base.leeway = cfg.leeway.0.as_secs();
         base.validate_nbf = true;

@@ -113,7 +113,12 @@ impl Snapshot {
             );
         }
 
-        let identities = Identities::build(&cfg.identity, &mut problems);
+        let base_dir = file
+            .path
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(std::path::Path::new("."));
+        let identities = Identities::build_in(&cfg.identity, base_dir, &mut problems);
         let tiers = identities.tiers();
 
         // PEM paths in the config are relative to the config file's directory.

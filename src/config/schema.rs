@@ -371,6 +371,80 @@ pub struct IdentityConfig {
     /// that client (its tier), when the request presents no API key (a key wins).
     /// Default false.
     pub client_cert_subject_as_caller: bool,
+    /// `[identity.jwt]`: callers that present a signed JWT instead of an API key.
+    /// Default: none (bearer tokens are API keys only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub jwt: Option<JwtConfig>,
+    /// Request header set to the caller id before forwarding (e.g. `"x-consumer-id"`),
+    /// or removed for anonymous callers; the client's own value is always removed first.
+    /// Default: none (off).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub forward_caller_header: Option<String>,
+    /// Request header set to the caller's tier before forwarding (e.g.
+    /// `"x-consumer-tier"`), or removed for anonymous callers; the client's own value is
+    /// always removed first. Default: none (off).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub forward_tier_header: Option<String>,
+    /// Remove the credential header (`api_key_header`) before forwarding when the
+    /// gateway identified the caller from it. Default false.
+    pub strip_credentials: bool,
+}
+
+/// `[identity.jwt]`: how bearer tokens shaped like JWTs are verified. Exactly one of
+/// `secret`, `secret_env`, `public_key` and `jwks` gives the key(s).
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct JwtConfig {
+    /// HMAC secret (HS256/HS384/HS512), as written.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret: Option<String>,
+    /// Name of an environment variable holding the HMAC secret (read at each load).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret_env: Option<String>,
+    /// Path of a PEM public key (RSA or EC; relative paths are relative to the config
+    /// file's directory).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub public_key: Option<String>,
+    /// Path of a JWKS file (`{"keys": [...]}`): the token's `kid` selects the key. Read
+    /// again on every reload.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub jwks: Option<String>,
+    /// Signature algorithms accepted, e.g. `["RS256"]`. Required; `none` is never
+    /// accepted.
+    #[serde(default)]
+    pub algorithms: Vec<String>,
+    /// Tolerance for `exp` and `nbf` against this gateway's clock (whole seconds are
+    /// used). Default 30 s.
+    #[serde(default = "default_jwt_leeway")]
+    pub leeway: Dur,
+    /// Required `iss` claim. Default: none (not checked).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub issuer: Option<String>,
+    /// Required `aud` claim value. Default: none (a token carrying `aud` is accepted).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub audience: Option<String>,
+    /// Claim holding the caller id (a string or an integer). Default `"sub"`.
+    #[serde(default = "default_id_claim")]
+    pub id_claim: String,
+    /// Claim holding the caller's tier. Default: none (every JWT caller gets
+    /// `default_tier`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tier_claim: Option<String>,
+    /// Tier of JWT callers whose token has no tier claim. Default `"default"`.
+    #[serde(default = "default_tier")]
+    pub default_tier: String,
+    /// Further tiers a token's tier claim may name (besides `default_tier` and the
+    /// tiers of `[[identity.clients]]`); limits' quotas may use them. Default: none.
+    #[serde(default)]
+    pub tiers: Vec<String>,
+}
+
+fn default_jwt_leeway() -> Dur {
+    Dur::from_secs(30)
+}
+
+fn default_id_claim() -> String {
+    "sub".into()
 }
 
 impl Default for IdentityConfig {
@@ -382,6 +456,10 @@ impl Default for IdentityConfig {
             clients: Vec::new(),
             failed_auth_limit: FailedAuthLimit::default(),
             client_cert_subject_as_caller: false,
+            jwt: None,
+            forward_caller_header: None,
+            forward_tier_header: None,
+            strip_credentials: false,
         }
     }
 }

@@ -4,17 +4,26 @@
 //! an anonymous caller known by client IP; a key that matches no client is a 401. With
 //! `identity.client_cert_subject_as_caller`, a request without a key on a TLS connection
 //! whose verified client certificate's CN is a client id is that client.
+//! `[identity.jwt]`, a bearer token shaped like a JWT is verified instead ([`jwt`]) and
+//! names the caller by a claim; a JWT caller and an API-key client with the same id are
+//! the same caller for every limit.
+//!
+//! Before forwarding, [`Identities::to_upstream`] tells the upstream who called
+//! (`forward_caller_header`, `forward_tier_header`) and may strip the credential.
 
 mod client_ip;
+pub mod jwt;
 
 pub use client_ip::client_ip;
+pub use jwt::{JwtCaller, JwtVerifier};
 
 use crate::config::{IdentityConfig, Problems};
-use http::{HeaderMap, HeaderName};
+use http::{HeaderMap, HeaderName, HeaderValue};
 use ipnet::IpNet;
 use sha2::{Digest, Sha256};
 use std::collections::{BTreeSet, HashMap};
 use std::net::IpAddr;
+use std::path::Path;
 use std::sync::Arc;
 use subtle::ConstantTimeEq;
 
@@ -25,7 +34,20 @@ pub struct Client {
     pub id: Arc<str>,
     /// Tier, which selects the quota of each limit.
     pub tier: Arc<str>,
+    /// How the caller proved who it is.
+    pub source: Source,
+    /// SHA-256 of the API key (all zeros for JWT callers, which are never looked up by
+    /// digest).
     key_sha256: [u8; 32],
+}
+
+/// How a caller was identified.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    /// An API key of `[[identity.clients]]`.
+    ApiKey,
+    /// A JWT verified with `[identity.jwt]`.
+    Jwt,
 }
 
 /// The caller of one request.
@@ -56,6 +78,10 @@ pub enum IdentityError {
     /// An API key was presented but matches no client (HTTP 401).
     #[error("Bad credentials")]
     BadCredentials,
+    /// A JWT was presented and failed verification (HTTP 401); the reason, e.g.
+    /// `expired`.
+    #[error("invalid token: {0}")]
+    InvalidToken(String),
 }
 
 /// The identity part of a config snapshot.
@@ -68,11 +94,23 @@ pub struct Identities {
     anonymous_tier: Arc<str>,
     /// Clients by id, when `client_cert_subject_as_caller` is on (else empty).
     by_cert_cn: HashMap<Arc<str>, Arc<Client>>,
+    jwt: Option<JwtVerifier>,
+    forward_caller: Option<HeaderName>,
+    forward_tier: Option<HeaderName>,
+    strip_credentials: bool,
 }
 
 impl Identities {
-    /// Build from `[identity]`, recording problems under `identity.*`.
+    /// Build from `[identity]`, recording problems under `identity.*`; key files of
+    /// `[identity.jwt]` are relative to the working directory.
     pub fn build(cfg: &IdentityConfig, problems: &mut Problems) -> Self {
+        Self::build_in(cfg, Path::new("."), problems)
+    }
+
+    /// Build from `[identity]`, recording problems under `identity.*`; key files of
+    /// `[identity.jwt]` are read now, relative to `base_dir` (the config file's
+    /// directory).
+    pub fn build_in(cfg: &IdentityConfig, base_dir: &Path, problems: &mut Problems) -> Self {
         let header =
             match HeaderName::from_bytes(cfg.api_key_header.to_ascii_lowercase().as_bytes()) {
                 Ok(h) => h,
@@ -126,6 +164,7 @@ impl Identities {
             let client = Arc::new(Client {
                 id: c.id.as_str().into(),
                 tier: c.tier.as_str().into(),
+                source: Source::ApiKey,
                 key_sha256: digest,
             });
             if cfg.client_cert_subject_as_caller {
@@ -139,21 +178,87 @@ impl Identities {
             }
         }
 
-        Self {
+        let jwt = cfg
+            .jwt
+            .as_ref()
+            .and_then(|j| JwtVerifier::build(j, base_dir, problems));
+        let forward_caller = upstream_header(
+            "identity.forward_caller_header",
+            cfg.forward_caller_header.as_deref(),
+            &header,
+            problems,
+        );
+        let forward_tier = upstream_header(
+            "identity.forward_tier_header",
+            cfg.forward_tier_header.as_deref(),
+            &header,
+            problems,
+        );
+        if forward_caller.is_some() && forward_caller == forward_tier {
+            problems.error(
+                "identity.forward_tier_header",
+                "must differ from identity.forward_caller_header",
+            );
+        }
+
+        let mut identities = Self {
             header,
             scheme_prefixed,
             by_digest,
             trusted_proxies,
             anonymous_tier: cfg.anonymous_tier.as_str().into(),
             by_cert_cn,
+            jwt,
+            forward_caller,
+            forward_tier,
+            strip_credentials: cfg.strip_credentials,
+        };
+        let tiers = identities.tiers();
+        if let Some(jwt) = &mut identities.jwt {
+            jwt.known_tiers = tiers;
         }
+        identities
     }
 
-    /// Every tier a caller can have: the anonymous tier and each client's tier.
+    /// Every tier a caller can have: the anonymous tier, each client's tier, and the
+    /// tiers `[identity.jwt]` declares (`default_tier`, `tiers`).
     pub fn tiers(&self) -> BTreeSet<Arc<str>> {
         let mut t: BTreeSet<Arc<str>> = self.by_digest.values().map(|c| c.tier.clone()).collect();
         t.insert(self.anonymous_tier.clone());
+        if let Some(jwt) = &self.jwt {
+            t.extend(jwt.declared_tiers.iter().cloned());
+        }
         t
+    }
+
+    /// Tell the upstream who called, just before forwarding: remove any
+    /// `forward_caller_header` / `forward_tier_header` the client sent, then set them to
+    /// the caller's id and tier (identified callers only); with `strip_credentials`,
+    /// remove the credential header the caller was identified by.
+    pub fn to_upstream(&self, caller: &Caller, headers: &mut HeaderMap) {
+        for name in [&self.forward_caller, &self.forward_tier]
+            .into_iter()
+            .flatten()
+        {
+            headers.remove(name);
+            unlist_from_connection(headers, name);
+        }
+        let Some(client) = &caller.client else {
+            return;
+        };
+        if let Some(name) = &self.forward_caller {
+            if let Ok(v) = HeaderValue::from_str(&client.id) {
+                headers.insert(name.clone(), v);
+            }
+        }
+        if let Some(name) = &self.forward_tier {
+            if let Ok(v) = HeaderValue::from_str(&client.tier) {
+                headers.insert(name.clone(), v);
+            }
+        }
+        if self.strip_credentials {
+            headers.remove(&self.header);
+        }
     }
 
     /// Whether `ip` is a trusted proxy (its `X-Forwarded-*` headers are believed).
@@ -169,7 +274,8 @@ impl Identities {
 
     /// Identify the caller of a request from its headers and socket peer.
     ///
-    /// Errors: [`IdentityError::BadCredentials`] when a key is presented and unknown.
+    /// Errors: [`IdentityError::BadCredentials`] when a key is presented and unknown;
+    /// [`IdentityError::InvalidToken`] when a JWT is presented and fails verification.
     pub fn identify(&self, headers: &HeaderMap, peer: IpAddr) -> Result<Caller, IdentityError> {
         self.identify_with_cert(headers, peer, None)
     }
@@ -200,6 +306,22 @@ impl Identities {
                     ip,
                 }),
             },
+            Some(token) if self.jwt.is_some() && jwt::looks_like_jwt(token) => {
+                let verifier = self.jwt.as_ref().ok_or(IdentityError::BadCredentials)?;
+                let found = verifier
+                    .verify(token)
+                    .map_err(IdentityError::InvalidToken)?;
+                Ok(Caller {
+                    tier: found.tier.clone(),
+                    client: Some(Arc::new(Client {
+                        id: found.id.into(),
+                        tier: found.tier,
+                        source: Source::Jwt,
+                        key_sha256: [0; 32],
+                    })),
+                    ip,
+                })
+            }
             Some(key) => {
                 let client = self.lookup(key).ok_or(IdentityError::BadCredentials)?;
                 Ok(Caller {
@@ -244,6 +366,74 @@ impl Identities {
         let candidate = self.by_digest.get(&digest)?;
         bool::from(candidate.key_sha256.ct_eq(&digest)).then(|| candidate.clone())
     }
+}
+
+/// Remove `name` from the `Connection` header's list, so that a client cannot make the
+/// forwarder drop a header the gateway sets (headers listed in `Connection` are
+/// hop-by-hop and never forwarded).
+fn unlist_from_connection(headers: &mut HeaderMap, name: &HeaderName) {
+    let is_name = |t: &[u8]| t.eq_ignore_ascii_case(name.as_str().as_bytes());
+    let tokens = |headers: &HeaderMap| -> Vec<Vec<u8>> {
+        headers
+            .get_all(http::header::CONNECTION)
+            .iter()
+            .flat_map(|v| v.as_bytes().split(|b| *b == b','))
+            .map(<[u8]>::trim_ascii)
+            .filter(|t| !t.is_empty())
+            .map(<[u8]>::to_vec)
+            .collect()
+    };
+    let all = tokens(headers);
+    if !all.iter().any(|t| is_name(t)) {
+        return;
+    }
+    let kept: Vec<Vec<u8>> = all.into_iter().filter(|t| !is_name(t)).collect();
+    headers.remove(http::header::CONNECTION);
+    if kept.is_empty() {
+        return;
+    }
+    if let Ok(v) = HeaderValue::from_bytes(&kept.join(&b", "[..])) {
+        headers.insert(http::header::CONNECTION, v);
+    }
+}
+
+/// Validate a `forward_*_header` name: a valid header name that is not hop-by-hop,
+/// `host`, framing, or the credential header itself.
+fn upstream_header(
+    key: &str,
+    name: Option<&str>,
+    credential: &HeaderName,
+    problems: &mut Problems,
+) -> Option<HeaderName> {
+    let name = name?;
+    let Ok(h) = HeaderName::from_bytes(name.trim().to_ascii_lowercase().as_bytes()) else {
+        problems.error(
+            key,
+            format!("{name:?} is not a valid header name (e.g. \"x-consumer-id\")"),
+        );
+        return None;
+    };
+    let reserved = [
+        "connection",
+        "keep-alive",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+        "x-forwarded-for",
+        "x-forwarded-proto",
+        "x-forwarded-host",
+    ];
+    if reserved.contains(&h.as_str()) || h.as_str().starts_with("proxy-") || h == *credential {
+        problems.error(
+            key,
+            format!("{name:?} is a header the gateway manages otherwise; pick another name, e.g. \"x-consumer-id\""),
+        );
+        return None;
+    }
+    Some(h)
 }
 
 fn parse_sha256(s: &str) -> Option<[u8; 32]> {

@@ -10,6 +10,9 @@ pub enum ProxyError {
     /// An API key was presented and matches no client: 401.
     #[error("Bad credentials")]
     BadCredentials,
+    /// A JWT was presented and failed verification: 401 with the reason.
+    #[error("invalid token: {0}")]
+    InvalidToken(String),
     /// No route matches the host and path: 404.
     #[error("no route for this host and path")]
     NoRoute,
@@ -44,7 +47,7 @@ impl ProxyError {
     /// The HTTP status the caller sees.
     pub fn status(&self) -> StatusCode {
         match self {
-            ProxyError::BadCredentials => StatusCode::UNAUTHORIZED,
+            ProxyError::BadCredentials | ProxyError::InvalidToken(_) => StatusCode::UNAUTHORIZED,
             ProxyError::NoRoute => StatusCode::NOT_FOUND,
             ProxyError::OverLimit { .. } => StatusCode::TOO_MANY_REQUESTS,
             ProxyError::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,

@@ -1,7 +1,7 @@
 //! The request path, in order:
 //!
-//! 1. **identify** the caller ([`crate::identity`]): API key → client and tier; no key →
-//!    client IP; unknown key → 401.
+//! 1. **identify** the caller ([`crate::identity`]): API key or JWT → client and tier;
+//!    no key → client IP; unknown key or invalid JWT → 401.
 //! 2. **route** by host and longest path prefix ([`route`]) → upstream and limits; none → 404.
 //! 3. **check** every limit ([`crate::limiter::Limiter::check`]): over a limit → 429 whose
 //!    headers come from that same read; store failing → `store.on_error`.
@@ -26,7 +26,7 @@ mod tls;
 
 use crate::clock::Clock;
 use crate::config::LogClientIp;
-use crate::identity::Identities;
+use crate::identity::{Identities, IdentityError};
 use crate::limiter::{most_constrained, Applied, Limiter, Refusal, Usage};
 use crate::metrics::Metrics;
 use access::{AccessLog, Decision};
@@ -136,7 +136,7 @@ pub async fn serve(
     }
     let caller = match identified {
         Ok(caller) => caller,
-        Err(_) => {
+        Err(failure) => {
             // Guessing keys is limited per client IP (identity.failed_auth_limit).
             let ip = snap.identities.client_ip(req.headers(), peer.ip());
             if let Some(usage) = snap.limiter.failed_auth(ip, clock.now_ms()).await {
@@ -157,7 +157,11 @@ pub async fn serve(
                 return response;
             }
             log.decision = Decision::Unauthenticated;
-            return ProxyError::BadCredentials.into_response();
+            return match failure {
+                IdentityError::BadCredentials => ProxyError::BadCredentials,
+                IdentityError::InvalidToken(reason) => ProxyError::InvalidToken(reason),
+            }
+            .into_response();
         }
     };
     log.caller = caller.client.as_ref().map(|c| c.id.clone());
@@ -247,7 +251,9 @@ pub async fn serve(
         ctx.clock.clone(),
     );
 
-    // 4. Forward upstream, streaming both bodies.
+    // 4. Forward upstream, streaming both bodies (telling the upstream who called).
+    let mut req = req;
+    snap.identities.to_upstream(&caller, req.headers_mut());
     let down = Downstream {
         peer,
         peer_trusted: snap.identities.trusts(peer.ip()),

@@ -287,8 +287,12 @@ async fn a_concurrent_burst_cannot_overshoot_the_quota_on_one_gateway() {
             .collect();
         let mut ok = 0;
         for t in tasks {
-            let status = t.await.unwrap().unwrap().status();
-            ok += u32::from(status == 200);
+            let r = t.await.unwrap().unwrap();
+            ok += u32::from(r.status() == 200);
+            if r.status() == 429 {
+                // A refusal that requests in flight caused never shows a full Remaining.
+                assert_eq!(r.headers()["x-ratelimit-remaining"], "0");
+            }
         }
         assert_eq!(
             ok,
@@ -297,4 +301,106 @@ async fn a_concurrent_burst_cannot_overshoot_the_quota_on_one_gateway() {
             redis.is_some()
         );
     }
+}
+
+fn with_server(upstream: &Upstream, server: &str) -> String {
+    config(upstream).replace(
+        "listen = \"127.0.0.1:0\"",
+        &format!("listen = \"127.0.0.1:0\"\n{server}"),
+    )
+}
+
+/// A keep-alive connection that has been answered one request (200).
+async fn kept_alive(gw: &TestGateway) -> tokio::net::TcpStream {
+    let mut s = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    s.write_all(b"GET / HTTP/1.1\r\nhost: a\r\n\r\n")
+        .await
+        .unwrap();
+    let mut buf = [0u8; 2048];
+    let n = s.read(&mut buf).await.unwrap();
+    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
+    s
+}
+
+/// Whether the server closes `s` within `within` (reads EOF or a reset).
+async fn closed_within(s: &mut tokio::net::TcpStream, within: Duration) -> bool {
+    let mut buf = [0u8; 1024];
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        match tokio::time::timeout_at(deadline, s.read(&mut buf)).await {
+            Err(_) => return false,
+            Ok(Ok(0)) | Ok(Err(_)) => return true,
+            Ok(Ok(_)) => continue, // e.g. the HTTP/2 server preface
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_and_silent_connections_are_closed() {
+    let upstream = Upstream::start().await;
+    let gw = TestGateway::start(&with_server(&upstream, "idle_timeout = \"1s\"")).await;
+    // Silent from the start, only the HTTP/2 preface, and a keep-alive connection
+    // after one request.
+    let mut silent = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    let mut preface = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    preface
+        .write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+        .await
+        .unwrap();
+    let mut kept = kept_alive(&gw).await;
+    // Meanwhile the gateway serves others.
+    assert_eq!(get(&gw.url("/")).await.status, 200);
+    for (what, s) in [
+        ("silent", &mut silent),
+        ("preface only", &mut preface),
+        ("keep-alive", &mut kept),
+    ] {
+        assert!(
+            closed_within(s, Duration::from_secs(4)).await,
+            "{what} connection closed"
+        );
+    }
+    assert_eq!(get(&gw.url("/")).await.status, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_past_max_connections_get_503_and_others_are_served_again() {
+    let upstream = Upstream::start().await;
+    let gw = TestGateway::start(&with_server(
+        &upstream,
+        "max_connections = 3\nidle_timeout = \"30s\"",
+    ))
+    .await;
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        held.push(kept_alive(&gw).await);
+    }
+    let (status, answer) = raw_answer(&gw, b"GET / HTTP/1.1\r\nhost: a\r\n\r\n").await;
+    assert_eq!(status, 503, "{answer}");
+    assert!(answer.contains("too many connections"));
+    drop(held.pop());
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let (status, _) = raw_answer(
+        &gw,
+        b"GET / HTTP/1.1\r\nhost: a\r\nconnection: close\r\n\r\n",
+    )
+    .await;
+    assert_eq!(status, 200, "a freed slot is used again");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_request_headers_get_431() {
+    let upstream = Upstream::start().await;
+    let gw = TestGateway::start(&with_server(&upstream, "max_header_bytes = 16384")).await;
+    let big = format!(
+        "GET / HTTP/1.1\r\nhost: a\r\nx-big: {}\r\n\r\n",
+        "x".repeat(40_000)
+    );
+    assert_eq!(raw(&gw, big.as_bytes()).await, 431);
+    let fits = format!(
+        "GET / HTTP/1.1\r\nhost: a\r\nx-big: {}\r\nconnection: close\r\n\r\n",
+        "x".repeat(8_000)
+    );
+    assert_eq!(raw(&gw, fits.as_bytes()).await, 200);
+    assert_eq!(upstream.hits(), 1);
 }

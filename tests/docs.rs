@@ -12,6 +12,10 @@ fn full_config() -> Config {
             admin_listen: Some("127.0.0.1:9901".into()),
             shutdown_grace: Dur::from_secs(30),
             header_read_timeout: Dur::from_secs(10),
+            idle_timeout: Dur::from_secs(60),
+            max_connections: 10_000,
+            max_header_bytes: 32 * 1024,
+            http2_max_streams: 100,
             watch_config: true,
             tls: Some(TlsConfig {
                 cert: "c.pem".into(),

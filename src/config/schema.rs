@@ -75,6 +75,17 @@ pub struct ServerConfig {
     /// Read at start only.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub workers: Option<usize>,
+    /// A client connection with no request being handled for this long is closed
+    /// (gracefully). Default 60 s.
+    pub idle_timeout: Dur,
+    /// Client connections open at once on the proxy listener; more are answered 503
+    /// and closed. The admin listener is not counted. Default 10000.
+    pub max_connections: usize,
+    /// Largest request head (request line and headers), in bytes; larger ones get 431.
+    /// Default 32768 (at least 8192).
+    pub max_header_bytes: usize,
+    /// HTTP/2 streams a client may have open at once on one connection. Default 100.
+    pub http2_max_streams: u32,
 }
 
 impl Default for ServerConfig {
@@ -87,6 +98,10 @@ impl Default for ServerConfig {
             watch_config: true,
             tls: None,
             workers: None,
+            idle_timeout: Dur::from_secs(60),
+            max_connections: 10_000,
+            max_header_bytes: 32 * 1024,
+            http2_max_streams: 100,
         }
     }
 }

@@ -100,7 +100,27 @@ impl LeaseTable {
                 now_ms,
             )
             .await?;
-        Ok(self.add_and_take(ask.key, grant, ask.cost, now_ms))
+        let taken = self.add_and_take(ask.key, grant, ask.cost, now_ms);
+        if matches!(taken, Take::Exhausted { .. }) {
+            // Concurrent takers asked the store at the same time, and one that was granted
+            // units may not have added them yet (replies come in order, their tasks run in
+            // any order): let them, then look again before refusing.
+            for _ in 0..4 {
+                tokio::task::yield_now().await;
+                if let Some(t) = self.take_local(ask.key, ask.cost, now_ms) {
+                    return Ok(t);
+                }
+            }
+        }
+        Ok(taken)
+    }
+
+    /// Whether this gateway's lease of `key` holds `cost` units now (then a cached
+    /// refusal of the shared window does not apply to it).
+    pub fn holds(&self, key: &LimitKey, cost: u64, now_ms: u64) -> bool {
+        let map = self.leases.shard(key);
+        map.get(&key.key)
+            .is_some_and(|l| l.reset_at_ms > now_ms && l.remaining >= cost)
     }
 
     fn take_local(&self, key: &LimitKey, cost: u64, now_ms: u64) -> Option<Take> {

@@ -847,11 +847,14 @@ impl Limiter {
         on_request: bool,
         now_ms: u64,
     ) -> Result<Admission, Refusal> {
-        // A caller known to be over a limit is answered without the store.
-        if let Some(usage) = applied
-            .iter()
-            .find_map(|a| self.cache.get(&a.key, a.policy.limit(), cost, now_ms))
-        {
+        // A caller known to be over a limit is answered without the store (unless this
+        // gateway still holds lease units of it: those were granted within the quota).
+        if let Some(usage) = applied.iter().find_map(|a| {
+            let leased = a.limit.lease > 0 && self.leases.holds(&a.key, cost, now_ms);
+            (!leased)
+                .then(|| self.cache.get(&a.key, a.policy.limit(), cost, now_ms))
+                .flatten()
+        }) {
             return Err(Refusal::OverLimit(usage));
         }
         let mut admission = Admission {
@@ -876,19 +879,33 @@ impl Limiter {
             .filter(|(_, h)| h.stage == Stage::Peek)
             .map(|(a, _)| a.key.clone())
             .collect();
-        let (guard, mut before) = self.in_flight.add(counted, cost);
+        let (guard, before) = self.in_flight.add(counted, cost);
         admission.in_flight = guard;
+        // Per applied limit: the units in flight before this request (checked limits).
+        let mut before = before;
+        let in_flight_before: Vec<u64> = admission
+            .holds
+            .iter()
+            .map(|h| {
+                if h.stage == Stage::Peek {
+                    before.next().unwrap_or(0)
+                } else {
+                    0
+                }
+            })
+            .collect();
         let items: Vec<Item<'_>> = applied
             .iter()
             .zip(admission.holds.iter().map(|h| h.stage))
-            .filter(|(_, st)| *st != Stage::Lease)
-            .map(|(a, st)| Item {
+            .enumerate()
+            .filter(|(_, (_, st))| *st != Stage::Lease)
+            .map(|(i, (a, st))| Item {
                 key: &a.key,
                 policy: &a.policy,
                 op: match st {
                     Stage::Peek => Op {
                         kind: OpKind::Peek,
-                        cost: cost.saturating_add(before.next().unwrap_or(0)),
+                        cost: cost.saturating_add(in_flight_before[i]),
                         id: 0,
                     },
                     _ => Op {
@@ -914,7 +931,10 @@ impl Limiter {
             }
             match results.next().unwrap_or(Err(StoreError::NotStarted)) {
                 Ok(v) => {
-                    let u = a.usage(&v);
+                    // Units in flight count as used, so that a refusal they caused
+                    // does not show a full Remaining.
+                    let mut u = a.usage(&v);
+                    u.used = u.used.saturating_add(in_flight_before[i]);
                     if v.admitted {
                         if admission.holds[i].stage != Stage::Peek {
                             admission.holds[i].epoch = Some(v.epoch);

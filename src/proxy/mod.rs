@@ -83,19 +83,21 @@ pub struct Context<'a> {
 }
 
 /// Serve one request on the snapshot it started with (its [`Gate`]): set its request id, run
-/// [`serve`], record metrics and write one access log line.
-pub async fn handle(
+/// [`serve`], record metrics and write one access log line. `held` (e.g. what marks
+/// the connection busy) is kept until the response body ends.
+pub async fn handle<H: Send + Sync + Unpin + 'static>(
     snap: &Gate<'_>,
     ctx: &Context<'_>,
     mut req: Request<Incoming>,
     peer: &Peer,
+    held: H,
 ) -> Response<Body> {
     let in_flight = access::InFlight::new(&ctx.metrics.in_flight);
     let mut log = AccessLog::start(&mut req, ctx.metrics);
     let mut response = serve(snap, ctx, req, peer, &mut log).await;
     let line = log.finish(&mut response, ctx.metrics);
     // The request is in flight, and its log line waits, until the response body ends.
-    response.map(|body| crate::response::with_guard(body, (in_flight, line)))
+    response.map(|body| crate::response::with_guard(body, (in_flight, line, held)))
 }
 
 /// The six steps of the request path.

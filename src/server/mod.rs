@@ -3,6 +3,8 @@
 //! connection's task), graceful shutdown, and the running [`Gateway`] that tests and
 //! `main` drive.
 
+mod limits;
+
 use crate::admin;
 use crate::clock::SharedClock;
 use crate::config::{ConfigFile, ConfigReport};
@@ -15,13 +17,12 @@ use arc_swap::ArcSwap;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::GracefulShutdown;
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
 /// Why the gateway could not start.
@@ -87,7 +88,7 @@ impl Gateway {
             Some(addr) => Some(bind(addr).await?),
             None => None,
         };
-        let header_read_timeout = snap.config.server.header_read_timeout.0;
+        let limits = ConnLimits::of(&snap.config.server);
         // Whether the listener speaks TLS is decided here; its certificates reload.
         let tls_listener = snap.tls.is_some();
         let grace = snap.config.server.shutdown_grace.0;
@@ -134,7 +135,7 @@ impl Gateway {
             listener,
             shared.clone(),
             rx,
-            header_read_timeout,
+            limits,
             grace,
             tls_listener,
         ));
@@ -217,9 +218,35 @@ fn start_store(snap: &Snapshot, clock: SharedClock) {
 /// after the handshake) is ready.
 struct Connection {
     builder: Arc<auto::Builder<TokioExecutor>>,
-    watcher: hyper_util::server::graceful::Watcher,
+    shutdown: watch::Receiver<bool>,
+    idle_timeout: Duration,
     shared: Arc<Shared>,
     peer: SocketAddr,
+    /// Held until the connection ends: the accept loop waits for every one at shutdown,
+    /// and `server.max_connections` counts them.
+    _held: (mpsc::Sender<()>, tokio::sync::OwnedSemaphorePermit),
+}
+
+/// The `[server]` settings that bound client connections (read at start).
+#[derive(Debug, Clone, Copy)]
+struct ConnLimits {
+    header_read_timeout: Duration,
+    idle_timeout: Duration,
+    max_connections: usize,
+    max_header_bytes: usize,
+    http2_max_streams: u32,
+}
+
+impl ConnLimits {
+    fn of(cfg: &crate::config::ServerConfig) -> Self {
+        Self {
+            header_read_timeout: cfg.header_read_timeout.0,
+            idle_timeout: cfg.idle_timeout.0,
+            max_connections: cfg.max_connections,
+            max_header_bytes: cfg.max_header_bytes,
+            http2_max_streams: cfg.http2_max_streams,
+        }
+    }
 }
 
 impl Connection {
@@ -231,38 +258,96 @@ impl Connection {
     {
         let Connection {
             builder,
-            watcher,
+            mut shutdown,
+            idle_timeout,
             shared,
             peer,
+            _held,
         } = self;
         let conn_peer = Arc::new(proxy::forward::Peer::new(peer));
+        let activity = limits::Activity::new();
+        let conn_activity = activity.clone();
         let service = service_fn(move |mut req: http::Request<hyper::body::Incoming>| {
             let shared = shared.clone();
             let peer = conn_peer.clone();
             if let Some(info) = &tls {
                 req.extensions_mut().insert(info.clone());
             }
+            // Busy until the response body ends (the guard travels with it).
+            let busy = conn_activity.request();
             async move {
                 let snap = shared.snapshot.load_full();
                 let ctx = proxy::Context {
                     clock: &shared.clock,
                     metrics: &shared.metrics,
                 };
-                Ok::<_, Infallible>(proxy::handle(&snap.gate(), &ctx, req, &peer).await)
+                Ok::<_, Infallible>(proxy::handle(&snap.gate(), &ctx, req, &peer, busy).await)
             }
         });
-        let conn = builder.serve_connection(io, service);
-        if let Err(e) = watcher.watch(conn).await {
-            tracing::debug!(%peer, error = %e, "connection ended with an error");
+        let conn = builder.serve_connection_with_upgrades(io, service);
+        tokio::pin!(conn);
+        // Close gracefully (a response under way finishes first) at shutdown, or once
+        // no request has been handled for `idle_timeout`.
+        let mut closing = *shutdown.borrow();
+        if closing {
+            conn.as_mut().graceful_shutdown();
+        }
+        let idle_check = tokio::time::sleep(idle_timeout);
+        tokio::pin!(idle_check);
+        loop {
+            tokio::select! {
+                ended = conn.as_mut() => {
+                    if let Err(e) = ended {
+                        tracing::debug!(%peer, error = %e, "connection ended with an error");
+                    }
+                    return;
+                }
+                _ = shutdown.changed(), if !closing => {
+                    closing = true;
+                    conn.as_mut().graceful_shutdown();
+                }
+                _ = idle_check.as_mut() => {
+                    let idle_for = activity.idle_for();
+                    if closing && idle_for > Duration::ZERO {
+                        // Shut down gracefully, yet a client still holds the connection
+                        // with nothing in flight (e.g. it never answers HTTP/2's closing
+                        // PING): close it.
+                        return;
+                    }
+                    if !closing && idle_for >= idle_timeout {
+                        tracing::debug!(%peer, ?idle_for, "idle connection closed");
+                        closing = true;
+                        conn.as_mut().graceful_shutdown();
+                        idle_check.as_mut().reset(tokio::time::Instant::now() + Duration::from_secs(1));
+                    } else if closing {
+                        idle_check.as_mut().reset(tokio::time::Instant::now() + Duration::from_secs(1));
+                    } else {
+                        let left = (idle_timeout - idle_for).max(Duration::from_millis(10));
+                        idle_check.as_mut().reset(tokio::time::Instant::now() + left);
+                    }
+                }
+            }
         }
     }
+}
+
+/// Answer a connection past `server.max_connections` with 503 and close it.
+async fn refuse(mut stream: tokio::net::TcpStream) {
+    use tokio::io::AsyncWriteExt;
+    let body = r#"{"message":"too many connections"}"#;
+    let answer = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\nretry-after: 1\r\n\r\n{body}",
+        body.len()
+    );
+    let _ = tokio::time::timeout(Duration::from_secs(1), stream.write_all(answer.as_bytes())).await;
+    let _ = stream.shutdown().await;
 }
 
 async fn accept_loop(
     listener: TcpListener,
     shared: Arc<Shared>,
     mut shutdown: watch::Receiver<bool>,
-    header_read_timeout: Duration,
+    limits: ConnLimits,
     grace: Duration,
     tls_listener: bool,
 ) {
@@ -270,10 +355,27 @@ async fn accept_loop(
     builder
         .http1()
         .timer(TokioTimer::new())
-        .header_read_timeout(header_read_timeout);
-    builder.http2().timer(TokioTimer::new());
+        .header_read_timeout(limits.header_read_timeout)
+        // A head past this gets 431 (hyper's buffer holds at least 8 KiB).
+        .max_buf_size(limits.max_header_bytes.max(8192));
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .max_header_list_size(limits.max_header_bytes.min(u32::MAX as usize) as u32)
+        .max_concurrent_streams(limits.http2_max_streams)
+        // Rapid reset (CVE-2023-44487): a client that resets streams faster than they
+        // are accepted, or makes the server reset many, gets GOAWAY.
+        .max_pending_accept_reset_streams(20)
+        .max_local_error_reset_streams(256)
+        // A peer that stops answering PINGs is dropped.
+        .keep_alive_interval(Duration::from_secs(20))
+        .keep_alive_timeout(Duration::from_secs(20));
     let builder = Arc::new(builder);
-    let graceful = GracefulShutdown::new();
+    // Every connection holds a sender: when all are dropped, every connection ended.
+    let (drained_tx, mut drained) = mpsc::channel::<()>(1);
+    let permits = Arc::new(tokio::sync::Semaphore::new(limits.max_connections.max(1)));
+    let refused_log = crate::logging::Throttle::new();
+    let accept_log = crate::logging::Throttle::new();
 
     loop {
         tokio::select! {
@@ -281,20 +383,32 @@ async fn accept_loop(
                 let (stream, peer) = match accepted {
                     Ok(a) => a,
                     Err(e) => {
-                        // e.g. EMFILE: back off instead of spinning.
-                        tracing::warn!(error = %e, "accept failed");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        // e.g. EMFILE: back off instead of spinning, and say so at most
+                        // once a second.
+                        if let Some(suppressed) = accept_log.due(1_000) {
+                            tracing::warn!(error = %e, suppressed, "accept failed; backing off");
+                        }
+                        tokio::time::sleep(Duration::from_millis(100)).await;
                         continue;
                     }
+                };
+                let Ok(permit) = permits.clone().try_acquire_owned() else {
+                    if let Some(suppressed) = refused_log.due(1_000) {
+                        tracing::warn!(%peer, max_connections = limits.max_connections, suppressed, "connection refused: server.max_connections open");
+                    }
+                    tokio::spawn(refuse(stream));
+                    continue;
                 };
                 let _ = stream.set_nodelay(true);
                 // New handshakes use the certificates of the snapshot current now.
                 let tls = if tls_listener { shared.snapshot.load().tls.clone() } else { None };
                 let conn = Connection {
                     builder: builder.clone(), // an Arc
-                    watcher: graceful.watcher(),
+                    shutdown: shutdown.clone(),
+                    idle_timeout: limits.idle_timeout,
                     shared: shared.clone(),
                     peer,
+                    _held: (drained_tx.clone(), permit),
                 };
                 let open = shared.metrics.open_connections.clone();
                 open.inc();
@@ -327,9 +441,10 @@ async fn accept_loop(
     }
 
     drop(listener);
+    drop(drained_tx);
     tracing::info!(grace = ?grace, "shutting down: no new connections, draining in-flight requests");
     tokio::select! {
-        _ = graceful.shutdown() => tracing::info!("all connections drained"),
+        _ = drained.recv() => tracing::info!("all connections drained"),
         _ = tokio::time::sleep(grace) => tracing::warn!("shutdown_grace elapsed; closing remaining connections"),
     }
     // Lease mode: give the units this gateway still holds back to the fleet.

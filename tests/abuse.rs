@@ -135,6 +135,16 @@ async fn a_body_larger_than_the_route_allows_gets_413_and_is_not_charged() {
     big.extend(std::iter::repeat_n(b'x', 4096));
     assert_eq!(raw(&gw, &big).await, 413);
     assert_eq!(upstream.hits(), 0, "not forwarded");
+    // Without a length (chunked), the body is counted while it streams.
+    let mut chunked =
+        b"POST /upload HTTP/1.1\r\nhost: a\r\ntransfer-encoding: chunked\r\n\r\n".to_vec();
+    for _ in 0..8 {
+        chunked.extend_from_slice(b"200\r\n");
+        chunked.extend(std::iter::repeat_n(b'y', 512));
+        chunked.extend_from_slice(b"\r\n");
+    }
+    chunked.extend_from_slice(b"0\r\n\r\n");
+    assert_eq!(raw(&gw, &chunked).await, 413, "4 KiB streamed past 1 KiB");
     let small = b"POST /upload HTTP/1.1\r\nhost: a\r\ncontent-length: 3\r\n\r\nabc";
     assert_eq!(raw(&gw, small).await, 200);
     // The 413 was not charged: this is the second request counted.

@@ -1,5 +1,6 @@
 //! Step 4 of the request path: forward to an upstream target, streaming both bodies.
 
+use super::body::RequestBody;
 use super::error::ProxyError;
 use super::pool::{Connector, Pool, PoolError, PooledBody, SendError};
 use super::Body;
@@ -393,6 +394,8 @@ pub struct Downstream<'a> {
     pub scheme: &'static str,
     /// The request id, named in the log line of an upstream failure.
     pub request_id: HeaderValue,
+    /// The route's `max_request_bytes`: the request body is cut off past it (413).
+    pub max_request_bytes: Option<u64>,
 }
 
 /// Send `req` to the next target of `upstream` and return its response, whose body
@@ -441,7 +444,7 @@ pub async fn forward(
     // body that would have to be sent twice.
     let retriable = upstream.targets.len() > 1 && idempotent(&parts.method) && body.is_end_stream();
 
-    let mut request = Request::from_parts(parts, body);
+    let mut request = Request::from_parts(parts, RequestBody::new(body, down.max_request_bytes));
     let mut tried = None;
     let started = tokio::time::Instant::now();
     loop {
@@ -507,6 +510,10 @@ pub async fn forward(
                 }
             }
         };
+        if let Some(super::body::TooLarge(max)) = super::body::too_large(&error) {
+            // The client's body went past the route's limit: its fault, not the upstream's.
+            return Err(ProxyError::BodyTooLarge(max));
+        }
         if matches!(error, PoolError::ConnectTimeout(_)) || is_timeout(&error) {
             failed("timed out", error_chain(&error));
             return Err(ProxyError::UpstreamTimeout(upstream.name.to_string()));
@@ -537,7 +544,7 @@ fn address(
     target: &Target,
     path: &str,
     host: Option<&HeaderValue>,
-    req: &mut Request<Incoming>,
+    req: &mut Request<RequestBody>,
 ) -> Result<(), ProxyError> {
     let path_and_query = if target.base_path.is_empty() {
         PathAndQuery::from_maybe_shared(Bytes::copy_from_slice(path.as_bytes()))

@@ -16,6 +16,7 @@
 //! and the access log ([`access`]).
 
 pub mod access;
+pub mod body;
 pub mod error;
 pub mod forward;
 pub mod headers;
@@ -261,6 +262,7 @@ pub async fn serve(
         peer_trusted: snap.identities.trusts(peer.ip()),
         scheme: if tls.is_some() { "https" } else { "http" },
         request_id: log.request_id().clone(),
+        max_request_bytes: route.max_request_bytes,
     };
     let forwarded = log
         .time_upstream(

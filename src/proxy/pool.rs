@@ -8,6 +8,7 @@
 //! the same job with a keyed pool, a connect/checkout race and more boxing per request:
 //! about an eighth of the instructions of a proxied request (see BENCHMARKS.md).
 
+use super::body::RequestBody;
 use crate::config::UpstreamProtocol;
 use bytes::Bytes;
 use http::uri::Authority;
@@ -56,7 +57,7 @@ pub struct SendError {
     /// What went wrong.
     pub error: PoolError,
     /// The request, back untouched, when the failure came before sending it.
-    pub unsent: Option<Request<Incoming>>,
+    pub unsent: Option<Request<RequestBody>>,
 }
 
 impl From<PoolError> for SendError {
@@ -101,14 +102,14 @@ pub struct Pool {
     max_idle: usize,
     idle_timeout: Duration,
     /// HTTP/2: the shared connection, cloned per request.
-    shared: Mutex<Option<http2::SendRequest<Incoming>>>,
+    shared: Mutex<Option<http2::SendRequest<RequestBody>>>,
     /// HTTP/2: held while (re)connecting, so that one connection is made, not many.
     connecting: tokio::sync::Mutex<()>,
 }
 
 #[derive(Debug)]
 struct Idle {
-    tx: http1::SendRequest<Incoming>,
+    tx: http1::SendRequest<RequestBody>,
     since: Instant,
 }
 
@@ -134,7 +135,7 @@ impl Pool {
     /// Errors: [`SendError`], with the request when it was not sent at all.
     pub async fn send(
         self: &Arc<Self>,
-        req: Request<Incoming>,
+        req: Request<RequestBody>,
     ) -> Result<Response<PooledBody>, SendError> {
         match self.connector.protocol {
             UpstreamProtocol::Http1 => self.send_h1(req).await,
@@ -144,7 +145,7 @@ impl Pool {
 
     async fn send_h1(
         self: &Arc<Self>,
-        mut req: Request<Incoming>,
+        mut req: Request<RequestBody>,
     ) -> Result<Response<PooledBody>, SendError> {
         while let Some(mut tx) = self.checkout() {
             if !tx.is_ready() && tx.ready().await.is_err() {
@@ -174,7 +175,7 @@ impl Pool {
 
     async fn send_h2(
         self: &Arc<Self>,
-        mut req: Request<Incoming>,
+        mut req: Request<RequestBody>,
     ) -> Result<Response<PooledBody>, SendError> {
         // At most two rounds: the shared connection, then a fresh one if it had closed.
         for _ in 0..2 {
@@ -216,7 +217,7 @@ impl Pool {
     }
 
     /// The shared HTTP/2 connection, made if there is none or it has closed.
-    async fn h2_sender(&self) -> Result<http2::SendRequest<Incoming>, PoolError> {
+    async fn h2_sender(&self) -> Result<http2::SendRequest<RequestBody>, PoolError> {
         if let Some(tx) = self.live_h2() {
             return Ok(tx);
         }
@@ -229,13 +230,13 @@ impl Pool {
         Ok(tx)
     }
 
-    fn live_h2(&self) -> Option<http2::SendRequest<Incoming>> {
+    fn live_h2(&self) -> Option<http2::SendRequest<RequestBody>> {
         let shared = self.shared.lock().unwrap_or_else(|e| e.into_inner());
         shared.as_ref().filter(|tx| !tx.is_closed()).cloned()
     }
 
     /// Drop the shared connection if it is still `tx`'s and has closed.
-    fn forget_h2(&self, tx: &http2::SendRequest<Incoming>) {
+    fn forget_h2(&self, tx: &http2::SendRequest<RequestBody>) {
         if tx.is_closed() {
             let mut shared = self.shared.lock().unwrap_or_else(|e| e.into_inner());
             if shared.as_ref().is_some_and(|s| s.is_closed()) {
@@ -244,7 +245,7 @@ impl Pool {
         }
     }
 
-    fn checkout(&self) -> Option<http1::SendRequest<Incoming>> {
+    fn checkout(&self) -> Option<http1::SendRequest<RequestBody>> {
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
         while let Some(c) = idle.pop() {
             if !c.tx.is_closed() && c.since.elapsed() < self.idle_timeout {
@@ -254,7 +255,7 @@ impl Pool {
         None
     }
 
-    fn checkin(&self, tx: http1::SendRequest<Incoming>) {
+    fn checkin(&self, tx: http1::SendRequest<RequestBody>) {
         if tx.is_closed() {
             return;
         }
@@ -305,7 +306,7 @@ impl Pool {
         }
     }
 
-    async fn connect_h1(&self) -> Result<http1::SendRequest<Incoming>, PoolError> {
+    async fn connect_h1(&self) -> Result<http1::SendRequest<RequestBody>, PoolError> {
         let stream = self.tcp().await?;
         let tx = match &self.connector.tls {
             None => spawn_h1(TokioIo::new(stream)).await?,
@@ -314,7 +315,7 @@ impl Pool {
         Ok(tx)
     }
 
-    async fn connect_h2(&self) -> Result<http2::SendRequest<Incoming>, PoolError> {
+    async fn connect_h2(&self) -> Result<http2::SendRequest<RequestBody>, PoolError> {
         let stream = self.tcp().await?;
         let tx = match &self.connector.tls {
             None => spawn_h2(TokioIo::new(stream)).await?,
@@ -326,7 +327,7 @@ impl Pool {
     fn wrap(
         self: &Arc<Self>,
         response: Response<Incoming>,
-        tx: Option<http1::SendRequest<Incoming>>,
+        tx: Option<http1::SendRequest<RequestBody>>,
     ) -> Response<PooledBody> {
         response.map(|inner| PooledBody {
             inner,
@@ -335,7 +336,7 @@ impl Pool {
     }
 }
 
-async fn spawn_h1<T>(io: TokioIo<T>) -> Result<http1::SendRequest<Incoming>, PoolError>
+async fn spawn_h1<T>(io: TokioIo<T>) -> Result<http1::SendRequest<RequestBody>, PoolError>
 where
     T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
 {
@@ -348,7 +349,7 @@ where
     Ok(tx)
 }
 
-async fn spawn_h2<T>(io: TokioIo<T>) -> Result<http2::SendRequest<Incoming>, PoolError>
+async fn spawn_h2<T>(io: TokioIo<T>) -> Result<http2::SendRequest<RequestBody>, PoolError>
 where
     T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
 {
@@ -366,7 +367,7 @@ where
 #[derive(Debug)]
 pub struct PooledBody {
     inner: Incoming,
-    slot: Option<(Arc<Pool>, http1::SendRequest<Incoming>)>,
+    slot: Option<(Arc<Pool>, http1::SendRequest<RequestBody>)>,
 }
 
 impl PooledBody {

@@ -1,0 +1,85 @@
+//! The request body as it goes upstream: the client's body, streamed, counted against the
+//! route's `max_request_bytes`.
+
+use bytes::Bytes;
+use http_body::{Body as HttpBody, Frame, SizeHint};
+use hyper::body::Incoming;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+/// The client's request body on its way upstream. Past `limit` bytes it fails with
+/// [`TooLarge`], which cuts the upload off; the request path then answers 413.
+#[derive(Debug)]
+pub struct RequestBody {
+    inner: Incoming,
+    /// Bytes still allowed; `None`: no limit.
+    left: Option<u64>,
+    /// The limit, bytes (for the error).
+    limit: u64,
+}
+
+impl RequestBody {
+    /// `inner`, allowed at most `limit` bytes (`None`: any number).
+    pub fn new(inner: Incoming, limit: Option<u64>) -> Self {
+        Self {
+            inner,
+            left: limit,
+            limit: limit.unwrap_or(u64::MAX),
+        }
+    }
+}
+
+/// A request body went past the route's `max_request_bytes` (the limit, in bytes).
+#[derive(Debug, Clone, Copy, thiserror::Error)]
+#[error("request body larger than {0} bytes")]
+pub struct TooLarge(pub u64);
+
+/// The error of a [`RequestBody`]: the client's, or [`TooLarge`].
+pub type BodyError = Box<dyn std::error::Error + Send + Sync>;
+
+impl HttpBody for RequestBody {
+    type Data = Bytes;
+    type Error = BodyError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        match polled {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let (Some(left), Some(data)) = (self.left, frame.data_ref()) {
+                    let n = data.len() as u64;
+                    if n > left {
+                        return Poll::Ready(Some(Err(Box::new(TooLarge(self.limit)))));
+                    }
+                    self.left = Some(left - n);
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(Box::new(e)))),
+            Poll::Ready(None) => Poll::Ready(None),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// Whether `error` (or one of its sources) is a [`TooLarge`] request body.
+pub fn too_large(error: &(dyn std::error::Error + 'static)) -> Option<TooLarge> {
+    let mut cur = Some(error);
+    while let Some(e) = cur {
+        if let Some(t) = e.downcast_ref::<TooLarge>() {
+            return Some(*t);
+        }
+        cur = e.source();
+    }
+    None
+}

@@ -8,10 +8,11 @@ use crate::config::{Problems, UpstreamConfig, UpstreamProtocol};
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::uri::{Authority, PathAndQuery, Scheme};
-use http::{Method, Request, Response, Uri, Version};
+use http::{Method, Request, Response, StatusCode, Uri, Version};
 use http_body::Body as _;
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
 use std::net::IpAddr;
 use std::path::Path;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
@@ -406,9 +407,21 @@ pub struct Downstream<'a> {
 /// refuses, resets or cannot be reached (502).
 pub async fn forward(
     upstream: &Upstream,
-    req: Request<Incoming>,
+    mut req: Request<Incoming>,
     down: Downstream<'_>,
 ) -> Result<Response<Body>, ProxyError> {
+    // An HTTP/1.1 Upgrade (WebSocket): the request goes upstream with its Upgrade, and a
+    // 101 answer turns both connections into one tunnel.
+    let upgrade = upgrade_of(&req);
+    let client_upgrade = match &upgrade {
+        Some(_) if upstream.protocol == UpstreamProtocol::Http2 => {
+            return Err(ProxyError::BadRequest(
+                "protocol upgrades (WebSocket) need an HTTP/1.1 upstream".into(),
+            ))
+        }
+        Some(_) => Some(hyper::upgrade::on(&mut req)),
+        None => None,
+    };
     let (mut parts, body) = req.into_parts();
     let downstream_version = parts.version;
 
@@ -428,6 +441,10 @@ pub async fn forward(
 
     strip_hop_by_hop(&mut parts.headers);
     let h = &mut parts.headers;
+    if let Some(protocol) = &upgrade {
+        h.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+        h.insert(header::UPGRADE, protocol.clone());
+    }
     append_forwarded_for(h, down.peer);
     if !down.peer_trusted || !h.contains_key(&X_FORWARDED_PROTO) {
         h.insert(
@@ -475,8 +492,15 @@ pub async fn forward(
         let budget = upstream.response_timeout.saturating_sub(started.elapsed());
         let sent = tokio::time::timeout(budget, upstream.targets[i].pool.send(request)).await;
         let error = match sent {
-            Ok(Ok(response)) => {
+            Ok(Ok(mut response)) => {
                 upstream.healthy(i);
+                if let (Some(client), StatusCode::SWITCHING_PROTOCOLS) =
+                    (client_upgrade, response.status())
+                {
+                    let upstream_side = hyper::upgrade::on(&mut response);
+                    tokio::spawn(tunnel(client, upstream_side, down.request_id.clone()));
+                    return Ok(respond_upgraded(response, downstream_version));
+                }
                 return Ok(respond(response, downstream_version));
             }
             Err(_) => {
@@ -583,6 +607,60 @@ fn address(
 
 /// The upstream's response for the client: in the client's HTTP version, whatever the
 /// upstream spoke, without hop-by-hop headers.
+/// The protocol an HTTP/1.1 request asks to upgrade to (`Connection: upgrade` and an
+/// `Upgrade` header), if any.
+fn upgrade_of(req: &Request<Incoming>) -> Option<HeaderValue> {
+    if req.version() != Version::HTTP_11 {
+        return None;
+    }
+    let asks = req
+        .headers()
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|t| t.trim().eq_ignore_ascii_case("upgrade"));
+    asks.then(|| req.headers().get(header::UPGRADE).cloned())
+        .flatten()
+}
+
+/// Copy bytes both ways between the client and the upstream once both connections
+/// are upgraded, until either side closes.
+async fn tunnel(
+    client: hyper::upgrade::OnUpgrade,
+    upstream: hyper::upgrade::OnUpgrade,
+    request_id: HeaderValue,
+) {
+    let id = request_id.to_str().unwrap_or("-").to_string();
+    match futures_util::future::try_join(client, upstream).await {
+        Ok((client, upstream)) => {
+            let mut client = TokioIo::new(client);
+            let mut upstream = TokioIo::new(upstream);
+            match tokio::io::copy_bidirectional(&mut client, &mut upstream).await {
+                Ok((up, down)) => {
+                    tracing::debug!(request_id = %id, bytes_up = up, bytes_down = down, "tunnel closed")
+                }
+                Err(e) => {
+                    tracing::debug!(request_id = %id, error = %e, "tunnel ended with an error")
+                }
+            }
+        }
+        Err(e) => tracing::debug!(request_id = %id, error = %e, "upgrade failed"),
+    }
+}
+
+/// A 101 answer to the client: the upstream's, with its `Upgrade` and `Connection`.
+fn respond_upgraded(response: Response<PooledBody>, downstream_version: Version) -> Response<Body> {
+    let upgrade = response.headers().get(header::UPGRADE).cloned();
+    let mut response = respond(response, downstream_version);
+    let h = response.headers_mut();
+    h.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+    if let Some(upgrade) = upgrade {
+        h.insert(header::UPGRADE, upgrade);
+    }
+    response
+}
+
 fn respond(response: Response<PooledBody>, downstream_version: Version) -> Response<Body> {
     let (mut parts, body) = response.into_parts();
     parts.version = downstream_version;

@@ -342,7 +342,8 @@ where
 {
     let (tx, conn) = http1::handshake(io).await?;
     tokio::spawn(async move {
-        if let Err(e) = conn.await {
+        // With upgrades: a 101 answer hands the connection over to a tunnel (WebSocket).
+        if let Err(e) = conn.with_upgrades().await {
             tracing::debug!(error = %e, "upstream connection ended with an error");
         }
     });

@@ -18,10 +18,8 @@ async fn echo_server() -> String {
                     return;
                 };
                 while let Some(Ok(msg)) = ws.next().await {
-                    if msg.is_text() || msg.is_binary() {
-                        if ws.send(msg).await.is_err() {
-                            return;
-                        }
+                    if (msg.is_text() || msg.is_binary()) && ws.send(msg).await.is_err() {
+                        return;
                     }
                 }
             });

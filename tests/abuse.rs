@@ -414,3 +414,63 @@ async fn oversized_request_headers_get_431() {
     assert_eq!(raw(&gw, fits.as_bytes()).await, 200);
     assert_eq!(upstream.hits(), 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http2_streams_are_bounded_per_connection() {
+    let upstream = Upstream::start().await;
+    let gw = TestGateway::start(&with_server(&upstream, "http2_max_streams = 7")).await;
+    let tcp = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    let (_client, mut conn) = h2::client::handshake(tcp).await.unwrap();
+    // Drive the connection long enough to read the server's SETTINGS.
+    let _ = tokio::time::timeout(Duration::from_millis(300), &mut conn).await;
+    assert_eq!(conn.max_concurrent_send_streams(), 7);
+}
+
+/// Rapid reset (CVE-2023-44487): one connection opens and resets thousands of streams.
+/// The limit holds (no more requests reach the upstream than the quota allows) and the
+/// gateway keeps answering other connections.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rapid_reset_cannot_get_past_the_limit_or_stall_the_gateway() {
+    let upstream = Upstream::start().await;
+    let gw =
+        TestGateway::start(&config(&upstream).replace("anonymous = 1000", "anonymous = 50")).await;
+    let tcp = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    let (client, conn) = h2::client::handshake(tcp).await.unwrap();
+    let driver = tokio::spawn(conn);
+    let started = std::time::Instant::now();
+    let mut sent = 0;
+    for _ in 0..5_000 {
+        let Ok(mut c) = client.clone().ready().await else {
+            break;
+        };
+        let req = http::Request::get(format!("http://{}/slow/200", gw.addr))
+            .body(())
+            .unwrap();
+        let Ok((response, _)) = c.send_request(req, true) else {
+            break;
+        };
+        drop(response); // RST_STREAM(CANCEL)
+        sent += 1;
+        if started.elapsed() > Duration::from_secs(5) {
+            break;
+        }
+    }
+    assert!(sent > 0);
+    // Another connection is answered at once, meanwhile.
+    let t = std::time::Instant::now();
+    let r = get(&gw.url("/")).await;
+    assert!(r.status == 200 || r.status == 429, "{}", r.status);
+    assert!(
+        t.elapsed() < Duration::from_secs(2),
+        "answered in {:?}",
+        t.elapsed()
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        upstream.hits() <= 51,
+        "{} reset streams, {} reached the upstream (quota 50)",
+        sent,
+        upstream.hits()
+    );
+    driver.abort();
+}

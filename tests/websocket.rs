@@ -101,3 +101,63 @@ upstream = "api"
     // Plain requests are unaffected.
     assert_eq!(support::get(&gw.url("/")).await.status, 200);
 }
+
+/// A masked client text frame (RFC 6455 section 5.2) carrying `text` (< 126 bytes).
+fn masked_text(text: &str) -> bytes::Bytes {
+    let mask = [0x12u8, 0x34, 0x56, 0x78];
+    let mut frame = vec![0x81, 0x80 | text.len() as u8];
+    frame.extend_from_slice(&mask);
+    frame.extend(text.bytes().enumerate().map(|(i, b)| b ^ mask[i % 4]));
+    frame.into()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_websocket_over_http2_extended_connect_reaches_an_http1_upstream() {
+    let ws_upstream = echo_server().await;
+    let toml = format!(
+        r#"
+[server]
+listen = "127.0.0.1:0"
+
+[[upstreams]]
+name = "ws"
+targets = ["{ws_upstream}"]
+
+[[limits]]
+name = "sockets"
+window = "1h"
+quota = {{ anonymous = 5 }}
+
+[[routes]]
+path_prefix = "/"
+upstream = "ws"
+limits = ["sockets"]
+"#
+    );
+    let gw = TestGateway::start(&toml).await;
+    let tcp = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    let (client, conn) = h2::client::handshake(tcp).await.unwrap();
+    tokio::spawn(conn);
+    let mut client = client.ready().await.unwrap();
+    // Let the server's SETTINGS (ENABLE_CONNECT_PROTOCOL) arrive.
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    assert!(client.is_extended_connect_protocol_enabled());
+    let mut req = http::Request::builder()
+        .method("CONNECT")
+        .uri(format!("http://{}/chat", gw.addr))
+        .header("sec-websocket-version", "13")
+        .body(())
+        .unwrap();
+    req.extensions_mut()
+        .insert(h2::ext::Protocol::from_static("websocket"));
+    let (response, mut send) = client.send_request(req, false).unwrap();
+    let response = response.await.unwrap();
+    assert_eq!(response.status(), 200, "RFC 8441: 200 opens the tunnel");
+    assert_eq!(response.headers()["x-ratelimit-used"], "1");
+    let mut recv = response.into_body();
+    send.send_data(masked_text("over h2"), false).unwrap();
+    let data = recv.data().await.unwrap().unwrap();
+    let _ = recv.flow_control().release_capacity(data.len());
+    // The echo server's unmasked text frame.
+    assert_eq!(&data[..], b"\x81\x07over h2");
+}

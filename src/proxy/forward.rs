@@ -413,6 +413,12 @@ pub async fn forward(
     // An HTTP/1.1 Upgrade (WebSocket): the request goes upstream with its Upgrade, and a
     // 101 answer turns both connections into one tunnel.
     let upgrade = upgrade_of(&req);
+    let h2_websocket = upgrade.is_none() && is_h2_websocket(&req);
+    let upgrade = if h2_websocket {
+        Some(HeaderValue::from_static("websocket"))
+    } else {
+        upgrade
+    };
     let client_upgrade = match &upgrade {
         Some(_) if upstream.protocol == UpstreamProtocol::Http2 => {
             return Err(ProxyError::BadRequest(
@@ -445,6 +451,20 @@ pub async fn forward(
         h.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
         h.insert(header::UPGRADE, protocol.clone());
     }
+    if h2_websocket {
+        // RFC 8441 to RFC 6455: the HTTP/1.1 handshake the upstream expects.
+        parts.method = Method::GET;
+        parts.extensions.remove::<hyper::ext::Protocol>();
+        let h = &mut parts.headers;
+        h.insert(header::SEC_WEBSOCKET_KEY, websocket_key());
+        if !h.contains_key(header::SEC_WEBSOCKET_VERSION) {
+            h.insert(
+                header::SEC_WEBSOCKET_VERSION,
+                HeaderValue::from_static("13"),
+            );
+        }
+    }
+    let h = &mut parts.headers;
     append_forwarded_for(h, down.peer);
     if !down.peer_trusted || !h.contains_key(&X_FORWARDED_PROTO) {
         h.insert(
@@ -499,6 +519,13 @@ pub async fn forward(
                 {
                     let upstream_side = hyper::upgrade::on(&mut response);
                     tokio::spawn(tunnel(client, upstream_side, down.request_id.clone()));
+                    if h2_websocket {
+                        // Over HTTP/2 the handshake is answered 200 (RFC 8441).
+                        let mut response = respond(response, downstream_version);
+                        *response.status_mut() = StatusCode::OK;
+                        response.headers_mut().remove(header::SEC_WEBSOCKET_ACCEPT);
+                        return Ok(response);
+                    }
                     return Ok(respond_upgraded(response, downstream_version));
                 }
                 return Ok(respond(response, downstream_version));
@@ -622,6 +649,25 @@ fn upgrade_of(req: &Request<Incoming>) -> Option<HeaderValue> {
         .any(|t| t.trim().eq_ignore_ascii_case("upgrade"));
     asks.then(|| req.headers().get(header::UPGRADE).cloned())
         .flatten()
+}
+
+/// Whether `req` opens a WebSocket over HTTP/2: an extended CONNECT (RFC 8441) with
+/// `:protocol = websocket`.
+fn is_h2_websocket(req: &Request<Incoming>) -> bool {
+    req.method() == Method::CONNECT
+        && req.version() == Version::HTTP_2
+        && req
+            .extensions()
+            .get::<hyper::ext::Protocol>()
+            .is_some_and(|p| p.as_str().eq_ignore_ascii_case("websocket"))
+}
+
+/// A fresh `Sec-WebSocket-Key`: 16 random bytes, base64 (RFC 6455 section 4.1).
+fn websocket_key() -> HeaderValue {
+    use base64::Engine;
+    let bytes = uuid::Uuid::new_v4().into_bytes();
+    let key = base64::engine::general_purpose::STANDARD.encode(bytes);
+    HeaderValue::from_str(&key).unwrap_or(HeaderValue::from_static("dGhlIHNhbXBsZSBub25jZQ=="))
 }
 
 /// Copy bytes both ways between the client and the upstream once both connections

@@ -363,6 +363,8 @@ async fn accept_loop(
         .timer(TokioTimer::new())
         .max_header_list_size(limits.max_header_bytes.min(u32::MAX as usize) as u32)
         .max_concurrent_streams(limits.http2_max_streams)
+        // WebSockets over HTTP/2 (RFC 8441 extended CONNECT).
+        .enable_connect_protocol()
         // Rapid reset (CVE-2023-44487): a client that resets streams faster than they
         // are accepted, or makes the server reset many, gets GOAWAY.
         .max_pending_accept_reset_streams(20)

@@ -391,7 +391,7 @@ pub struct Downstream<'a> {
     pub peer: &'a Peer,
     /// Whether the peer is a trusted proxy (its X-Forwarded-Proto/-Host are kept).
     pub peer_trusted: bool,
-    /// `"http"` (or `"https"` once TLS exists).
+    /// `"http"`, or `"https"` on a TLS listener (`X-Forwarded-Proto`).
     pub scheme: &'static str,
     /// The request id, named in the log line of an upstream failure.
     pub request_id: HeaderValue,

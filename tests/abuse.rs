@@ -474,3 +474,59 @@ async fn rapid_reset_cannot_get_past_the_limit_or_stall_the_gateway() {
     );
     driver.abort();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ambiguous_credentials_get_400_and_are_never_forwarded() {
+    let upstream = Upstream::start().await;
+    let text = config(&upstream).replace("anonymous = 1000", "anonymous = 1000, default = 5")
+        + &format!(
+            "\n[[identity.clients]]\nid = \"acme\"\nkey_sha256 = \"{}\"\n",
+            support::sha256_hex("acme-key")
+        );
+    let gw = TestGateway::start(&text).await;
+    let ask = |auth: &[&str]| {
+        let mut req = String::from("GET /echo HTTP/1.1\r\nhost: a\r\nconnection: close\r\n");
+        for a in auth {
+            req.push_str(&format!("authorization: {a}\r\n"));
+        }
+        req.push_str("\r\n");
+        req
+    };
+    for (what, auth) in [
+        (
+            "two Authorization headers",
+            vec!["Basic eDp5", "Bearer acme-key"],
+        ),
+        (
+            "two credentials in one value",
+            vec!["Basic eDp5, Bearer acme-key"],
+        ),
+        (
+            "a key with something after it",
+            vec!["Bearer acme-key other"],
+        ),
+    ] {
+        let (status, answer) = raw_answer(&gw, ask(&auth).as_bytes()).await;
+        assert_eq!(status, 400, "{what}: {answer}");
+        assert!(answer.contains("malformed credentials"), "{what}: {answer}");
+    }
+    assert_eq!(upstream.hits(), 0, "none of them was forwarded");
+    // A tab after the scheme is still one credential: identified, not anonymous.
+    let (status, answer) = raw_answer(&gw, ask(&["Bearer\tacme-key"]).as_bytes()).await;
+    assert_eq!(status, 200, "{answer}");
+    assert!(
+        answer.to_lowercase().contains("x-ratelimit-limit: 5"),
+        "the client's quota: {answer}"
+    );
+    // Another scheme is not ours: anonymous, passed on as it came.
+    let (status, answer) = raw_answer(&gw, ask(&["Basic eDp5"]).as_bytes()).await;
+    assert_eq!(status, 200);
+    assert!(
+        answer.to_lowercase().contains("x-ratelimit-limit: 1000"),
+        "{answer}"
+    );
+    assert!(
+        answer.contains("\"authorization\":\"Basic eDp5\""),
+        "{answer}"
+    );
+}

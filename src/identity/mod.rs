@@ -82,6 +82,11 @@ pub enum IdentityError {
     /// `expired`.
     #[error("invalid token: {0}")]
     InvalidToken(String),
+    /// The credential header is not exactly one credential: sent twice, several
+    /// credentials in one value, or a key scheme without a key (HTTP 400). What the
+    /// gateway cannot identify unambiguously, it must not forward either.
+    #[error("malformed credentials: {0}")]
+    Malformed(&'static str),
 }
 
 /// The identity part of a config snapshot.
@@ -293,7 +298,7 @@ impl Identities {
         cert_cn: Option<&str>,
     ) -> Result<Caller, IdentityError> {
         let ip = client_ip(headers, peer, &self.trusted_proxies);
-        match self.presented_key(headers) {
+        match self.presented_key(headers)? {
             None => match cert_cn.and_then(|cn| self.by_cert_cn.get(cn)) {
                 Some(client) => Ok(Caller {
                     tier: client.tier.clone(),
@@ -338,18 +343,53 @@ impl Identities {
     /// For `authorization`: `Bearer KEY` or `token KEY` (scheme case-insensitive); other
     /// schemes (e.g. `Basic`) are not API keys and leave the caller anonymous. For any other
     /// header, the whole (trimmed) value is the key.
-    fn presented_key<'a>(&self, headers: &'a HeaderMap) -> Option<&'a [u8]> {
-        let value = headers.get(&self.header)?.as_bytes();
-        if !self.scheme_prefixed {
-            return Some(value.trim_ascii());
+    /// The key (or token) in the credential header: `None` when there is none, or the
+    /// `Authorization` scheme is not one of ours (`Basic ...` is passed on untouched).
+    ///
+    /// Errors: [`IdentityError::Malformed`] when the header is sent more than once, holds
+    /// more than one credential (a comma), or names `Bearer`/`token` with more than one
+    /// word after it; [`IdentityError::BadCredentials`] for `Bearer` with no key.
+    fn presented_key<'a>(&self, headers: &'a HeaderMap) -> Result<Option<&'a [u8]>, IdentityError> {
+        let mut values = headers.get_all(&self.header).iter();
+        let Some(first) = values.next() else {
+            return Ok(None);
+        };
+        if values.next().is_some() {
+            return Err(IdentityError::Malformed(
+                "the credential header is sent more than once",
+            ));
         }
-        let value = value.trim_ascii();
-        let split = value.iter().position(|b| *b == b' ').unwrap_or(value.len());
+        let value = first.as_bytes().trim_ascii();
+        if value.contains(&b',') {
+            return Err(IdentityError::Malformed("one credential per header"));
+        }
+        let one_token = |t: &[u8]| !t.is_empty() && !t.iter().any(u8::is_ascii_whitespace);
+        if !self.scheme_prefixed {
+            return if one_token(value) {
+                Ok(Some(value))
+            } else {
+                Err(IdentityError::Malformed("the key header must hold one key"))
+            };
+        }
+        let split = value
+            .iter()
+            .position(|b| *b == b' ' || *b == b'\t')
+            .unwrap_or(value.len());
         let (scheme, rest) = value.split_at(split);
-        if scheme.eq_ignore_ascii_case(b"bearer") || scheme.eq_ignore_ascii_case(b"token") {
-            Some(rest.trim_ascii())
+        if !(scheme.eq_ignore_ascii_case(b"bearer") || scheme.eq_ignore_ascii_case(b"token")) {
+            return Ok(None);
+        }
+        let key = rest.trim_ascii();
+        if key.is_empty() {
+            // No key at all is a wrong key (401), as before.
+            return Err(IdentityError::BadCredentials);
+        }
+        if one_token(key) {
+            Ok(Some(key))
         } else {
-            None
+            Err(IdentityError::Malformed(
+                "Bearer needs exactly one key after it",
+            ))
         }
     }
 

@@ -163,6 +163,7 @@ pub async fn serve(
             return match failure {
                 IdentityError::BadCredentials => ProxyError::BadCredentials,
                 IdentityError::InvalidToken(reason) => ProxyError::InvalidToken(reason),
+                e @ IdentityError::Malformed(_) => ProxyError::BadRequest(e.to_string()),
             }
             .into_response();
         }

@@ -187,7 +187,10 @@ fn redact(v: &mut Value) {
     match v {
         Value::Object(map) => {
             for (k, v) in map.iter_mut() {
-                if k == "key_sha256" || k == "hash_key" || k == "key" {
+                if matches!(
+                    k.as_str(),
+                    "key_sha256" | "hash_key" | "key" | "secret" | "password"
+                ) {
                     if !v.is_null() {
                         *v = Value::String(REDACTED.into());
                     }
@@ -220,5 +223,21 @@ mod tests {
             "redis://u:<redacted>@h:1"
         );
         assert_eq!(v["identity"]["clients"][0]["id"], "a");
+    }
+
+    #[test]
+    fn redacts_the_jwt_secret_and_odd_redis_passwords() {
+        let mut v = json!({
+            "identity": { "jwt": { "secret": "hmac-secret-0123456789", "algorithms": ["HS256"] } },
+            "store": { "shards": [
+                { "primary": "redis://:p@ss@h:1" },
+                { "primary": "redis://h:2?password=pw" },
+            ] },
+        });
+        redact(&mut v);
+        assert_eq!(v["identity"]["jwt"]["secret"], REDACTED);
+        assert_eq!(v["identity"]["jwt"]["algorithms"][0], "HS256");
+        let text = v.to_string();
+        assert!(!text.contains("ss@h") && !text.contains("=pw"), "{text}");
     }
 }

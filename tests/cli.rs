@@ -106,6 +106,7 @@ fn check_rejects_syntax_unknown_keys_bad_durations_and_unsupported_features() {
         ("[[limits]]\nname = \"x\"\nwindow = \"1m\"\nmode = \"shadow\"\nenforce_percent = 10\nquota = { anonymous = 1 }\n", "limits[0].enforce_percent: a limit in mode = \"shadow\" enforces for nobody"),
         ("[[limits]]\nname = \"x\"\nalgorithm = \"concurrency\"\nwindow = \"1m\"\non_limit = \"delay\"\nquota = { anonymous = 1 }\n", "limits[0].on_limit: a concurrency limit cannot delay"),
         ("[rate_limit_endpoint]\npath = \"rate_limit\"\n", "rate_limit_endpoint.path: must start with `/`"),
+        ("[[limits]]\nname = \"x\"\nwindow = \"584541995years\"\nquota = { anonymous = 1 }\n", "limits[0].window: must be at most 1 year"),
         (
             "[[upstreams]]\nname = \"a\"\ntargets = [\"http://x:1\"]\n[[routes]]\npath_prefix = \"/\"\nupstream = \"a\"\nmethods = [\"get\"]\n",
             "routes[0].methods[0]: \"get\" is not an HTTP method in capitals",

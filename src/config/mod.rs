@@ -144,16 +144,43 @@ impl fmt::Display for ConfigReport {
 
 impl std::error::Error for ConfigReport {}
 
-/// A URL fit for logs: `redis://user:secret@host` → `redis://user:<redacted>@host`.
-/// Strings without a password come back unchanged.
+/// A URL fit for logs: `redis://user:secret@host` → `redis://user:<redacted>@host`, also
+/// when the password itself holds `@` (the last `@` ends the userinfo), and the value of
+/// a `password`, `pass` or `passwd` query parameter → `<redacted>`. Strings without a
+/// password come back unchanged.
 pub fn redact_url(url: &str) -> String {
-    let redacted = || {
-        let (scheme, rest) = url.split_once("://")?;
-        let (userinfo, host) = rest.split_once('@')?;
-        let user = userinfo.split(':').next().unwrap_or("");
-        Some(format!("{scheme}://{user}:<redacted>@{host}"))
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_string();
     };
-    redacted().unwrap_or_else(|| url.to_string())
+    let (rest, query) = match rest.split_once('?') {
+        Some((r, q)) => (r, Some(q)),
+        None => (rest, None),
+    };
+    let mut out = match rest.rsplit_once('@') {
+        Some((userinfo, host)) => {
+            let user = userinfo.split(':').next().unwrap_or("");
+            format!("{scheme}://{user}:<redacted>@{host}")
+        }
+        None => format!("{scheme}://{rest}"),
+    };
+    if let Some(query) = query {
+        let params: Vec<String> = query
+            .split('&')
+            .map(|p| match p.split_once('=') {
+                Some((k, _))
+                    if ["password", "pass", "passwd"]
+                        .iter()
+                        .any(|s| k.eq_ignore_ascii_case(s)) =>
+                {
+                    format!("{k}=<redacted>")
+                }
+                _ => p.to_string(),
+            })
+            .collect();
+        out.push('?');
+        out.push_str(&params.join("&"));
+    }
+    out
 }
 
 /// Parse `text` (read from `path`) into a [`Config`].
@@ -271,5 +298,29 @@ mod tests {
     fn syntax_error_has_a_location() {
         let lines = report("[server\nlisten = 1\n");
         assert!(lines[0].starts_with("t.toml:1:"), "{}", lines[0]);
+    }
+}
+
+#[cfg(test)]
+mod redact_tests {
+    use super::redact_url;
+
+    #[test]
+    fn passwords_never_show() {
+        assert_eq!(redact_url("redis://u:p@h:1"), "redis://u:<redacted>@h:1");
+        assert_eq!(
+            redact_url("redis://:p@ss@h:1/0"),
+            "redis://:<redacted>@h:1/0"
+        );
+        assert_eq!(
+            redact_url("redis://h:1/0?password=s3cret&db=2"),
+            "redis://h:1/0?password=<redacted>&db=2"
+        );
+        assert_eq!(
+            redact_url("redis://h:1?pass=x"),
+            "redis://h:1?pass=<redacted>"
+        );
+        assert_eq!(redact_url("redis://h:1"), "redis://h:1");
+        assert_eq!(redact_url("no url"), "no url");
     }
 }

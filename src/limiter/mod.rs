@@ -102,9 +102,14 @@ impl Limit {
             );
         }
         let algorithm = cfg.algorithm;
-        let window_ms = cfg.window.as_millis();
+        // At most a year: longer durations would also overflow epoch milliseconds.
+        let year = std::time::Duration::from_secs(366 * 86_400);
+        let window_ms = cfg.window.0.min(year).as_millis() as u64;
         if window_ms < 1_000 {
             problems.error(format!("{at}.window"), "must be at least 1s");
+        }
+        if cfg.window.0 > year {
+            problems.error(format!("{at}.window"), "must be at most 1 year (\"366d\")");
         }
         let align = match cfg.align.as_str() {
             "first_request" => Align::FirstRequest,

@@ -18,14 +18,17 @@ pub fn client_ip(headers: &HeaderMap, peer: IpAddr, trusted: &[IpNet]) -> IpAddr
         return peer;
     }
     let mut client = peer;
+    // By bytes: a value with a non-ASCII byte somewhere still has valid hops to its
+    // right (the bad hop only stops the walk when it is reached).
     let hops = headers
         .get_all("x-forwarded-for")
         .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
+        .flat_map(|v| v.as_bytes().split(|b| *b == b','))
         .collect::<Vec<_>>();
     for hop in hops.iter().rev() {
-        let Some(ip) = parse_hop(hop) else { break };
+        let Some(ip) = std::str::from_utf8(hop).ok().and_then(parse_hop) else {
+            break;
+        };
         client = ip;
         if !is_trusted(ip, trusted) {
             break;
@@ -110,5 +113,17 @@ mod tests {
             &trusted,
         );
         assert_eq!(ip.to_string(), "2001:db8::1");
+    }
+
+    #[test]
+    fn a_non_ascii_hop_leaves_the_valid_hops_to_its_right() {
+        let mut h = HeaderMap::new();
+        h.insert(
+            "x-forwarded-for",
+            http::HeaderValue::from_bytes(b"1.1.1.1, caf\xe9, 203.0.113.9").unwrap(),
+        );
+        let peer: IpAddr = "10.0.0.1".parse().unwrap();
+        let ip = client_ip(&h, peer, &nets(&["10.0.0.0/8"]));
+        assert_eq!(ip, "203.0.113.9".parse::<IpAddr>().unwrap());
     }
 }

@@ -530,3 +530,13 @@ async fn ambiguous_credentials_get_400_and_are_never_forwarded() {
         "{answer}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_request_body_is_the_clients_fault_400_not_502() {
+    let upstream = Upstream::start().await;
+    let gw = TestGateway::start(&config(&upstream)).await;
+    // Chunked framing with a chunk size that is not hex.
+    let bad = b"POST /upload HTTP/1.1\r\nhost: a\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\nzz\r\nxx\r\n0\r\n\r\n";
+    assert_eq!(raw(&gw, bad).await, 400);
+    assert_eq!(get(&gw.url("/")).await.status, 200);
+}

@@ -34,7 +34,13 @@ impl RequestBody {
 #[error("request body larger than {0} bytes")]
 pub struct TooLarge(pub u64);
 
-/// The error of a [`RequestBody`]: the client's, or [`TooLarge`].
+/// The client's request body could not be read (malformed chunked encoding, a short
+/// body, a reset): the client's fault, answered 400, never blamed on the upstream.
+#[derive(Debug, thiserror::Error)]
+#[error("the request body could not be read: {0}")]
+pub struct ClientBody(#[source] hyper::Error);
+
+/// The error of a [`RequestBody`]: [`ClientBody`], or [`TooLarge`].
 pub type BodyError = Box<dyn std::error::Error + Send + Sync>;
 
 impl HttpBody for RequestBody {
@@ -57,7 +63,7 @@ impl HttpBody for RequestBody {
                 }
                 Poll::Ready(Some(Ok(frame)))
             }
-            Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(Box::new(e)))),
+            Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(Box::new(ClientBody(e))))),
             Poll::Ready(None) => Poll::Ready(None),
             Poll::Pending => Poll::Pending,
         }
@@ -70,6 +76,18 @@ impl HttpBody for RequestBody {
     fn size_hint(&self) -> SizeHint {
         self.inner.size_hint()
     }
+}
+
+/// Whether `error` (or one of its sources) is a [`ClientBody`] error.
+pub fn client_body(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cur = Some(error);
+    while let Some(e) = cur {
+        if e.is::<ClientBody>() {
+            return true;
+        }
+        cur = e.source();
+    }
+    false
 }
 
 /// Whether `error` (or one of its sources) is a [`TooLarge`] request body.

@@ -565,6 +565,17 @@ pub async fn forward(
             // The client's body went past the route's limit: its fault, not the upstream's.
             return Err(ProxyError::BodyTooLarge(max));
         }
+        if super::body::client_body(&error) {
+            tracing::debug!(
+                upstream = %upstream.name,
+                request_id = down.request_id.to_str().unwrap_or("-"),
+                error = %error_chain(&error),
+                "client request body failed"
+            );
+            return Err(ProxyError::BadRequest(
+                "the request body could not be read".into(),
+            ));
+        }
         if matches!(error, PoolError::ConnectTimeout(_)) || is_timeout(&error) {
             failed("timed out", error_chain(&error));
             return Err(ProxyError::UpstreamTimeout(upstream.name.to_string()));

@@ -50,7 +50,10 @@ pub fn reload_on_sighup(reloader: Reloader, path: PathBuf) -> std::io::Result<()
     tokio::spawn(async move {
         while hup.recv().await.is_some() {
             tracing::info!(config = %path.display(), "SIGHUP: reloading");
-            let _ = reloader.reload_from(&path, false);
+            // Reading, validating and reporting a big file takes CPU time: a blocking
+            // thread does it, so the workers keep serving requests meanwhile.
+            let (reloader, path) = (reloader.clone(), path.clone());
+            let _ = tokio::task::spawn_blocking(move || reloader.reload_from(&path, false)).await;
         }
     });
     Ok(())
@@ -98,12 +101,65 @@ pub fn watch_file(reloader: Reloader, path: PathBuf) -> notify::Result<notify::R
             // Debounce: one reload for a burst of events (write, rename, chmod…).
             tokio::time::sleep(DEBOUNCE).await;
             while rx.try_recv().is_ok() {}
+            let Some(text) = settled(&path, &mut rx).await else {
+                continue;
+            };
             let reloader = reloader.clone();
             let path = path.clone();
-            let _ = tokio::task::spawn_blocking(move || reloader.reload_from(&path, true)).await;
+            let _ = tokio::task::spawn_blocking(move || match text {
+                Ok(text) => reloader.reload_text(&path, text, true),
+                Err(_) => reloader.reload_from(&path, true),
+            })
+            .await;
         }
     });
     Ok(watcher)
+}
+
+/// How long the config file's bytes must stay the same (and no new event arrive) before
+/// a watcher reloads it: a file still being written is never applied half-written.
+pub const SETTLE: Duration = Duration::from_millis(200);
+
+/// How long a watcher waits for a changing file to settle before it gives up (until the
+/// next change).
+pub const SETTLE_LIMIT: Duration = Duration::from_secs(10);
+
+/// The config file's text once two reads [`SETTLE`] apart agree with no file event in
+/// between; `Some(Err)` when the file cannot be read (the reload reports it), `None` when
+/// it kept changing for [`SETTLE_LIMIT`].
+async fn settled(
+    path: &Path,
+    events: &mut mpsc::UnboundedReceiver<()>,
+) -> Option<std::io::Result<String>> {
+    let started = tokio::time::Instant::now();
+    let mut before = tokio::fs::read(path).await;
+    while started.elapsed() < SETTLE_LIMIT {
+        tokio::time::sleep(SETTLE).await;
+        let mut quiet = true;
+        while events.try_recv().is_ok() {
+            quiet = false;
+        }
+        let now = tokio::fs::read(path).await;
+        let same = match (&before, &now) {
+            (Ok(a), Ok(b)) => a == b,
+            (Err(a), Err(b)) => a.kind() == b.kind(),
+            _ => false,
+        };
+        if quiet && same {
+            return Some(now.and_then(|bytes| {
+                String::from_utf8(bytes).map_err(|e| {
+                    std::io::Error::new(std::io::ErrorKind::InvalidData, e.utf8_error())
+                })
+            }));
+        }
+        before = now;
+    }
+    tracing::warn!(
+        config = %path.display(),
+        "the config file kept changing for {}s; not reloaded until it settles",
+        SETTLE_LIMIT.as_secs()
+    );
+    None
 }
 
 /// Whether a change to `changed` (a path in the config file's directory) can change the
@@ -261,6 +317,26 @@ impl Reloader {
         path: &std::path::Path,
         skip_unchanged: bool,
     ) -> Result<ReloadOutcome, ConfigReport> {
+        self.reload_read(path, crate::config::read(path), skip_unchanged)
+    }
+
+    /// [`Reloader::reload_from`] with the file's `text` already read (by a watcher that
+    /// saw it settle).
+    pub fn reload_text(
+        &self,
+        path: &std::path::Path,
+        text: String,
+        skip_unchanged: bool,
+    ) -> Result<ReloadOutcome, ConfigReport> {
+        self.reload_read(path, crate::config::parse(path, text), skip_unchanged)
+    }
+
+    fn reload_read(
+        &self,
+        path: &std::path::Path,
+        read: Result<ConfigFile, ConfigReport>,
+        skip_unchanged: bool,
+    ) -> Result<ReloadOutcome, ConfigReport> {
         let failed_before = |hash: &str| {
             self.0
                 .last_failed
@@ -272,7 +348,7 @@ impl Reloader {
         let remember_failure = |hash: Option<String>| {
             *self.0.last_failed.lock().unwrap_or_else(|e| e.into_inner()) = hash;
         };
-        let result = match crate::config::read(path) {
+        let result = match read {
             Err(report) => {
                 // Unparsable (the text is known) or unreadable: a failed reload like any
                 // other, unless a watcher sees the same broken text again.

@@ -101,6 +101,9 @@ impl Snapshot {
         if cfg.server.header_read_timeout.0.is_zero() {
             problems.error("server.header_read_timeout", "must be more than 0");
         }
+        if cfg.server.send_timeout.0.is_zero() {
+            problems.error("server.send_timeout", "must be more than 0");
+        }
         if !["trace", "debug", "info", "warn", "error", "off"].contains(&cfg.log.level.as_str())
             && tracing_subscriber::EnvFilter::try_new(&cfg.log.level).is_err()
         {
@@ -194,7 +197,17 @@ impl Snapshot {
                 routes.push(Arc::new(route));
             }
         }
-        if cfg.routes.is_empty() {
+        if previous.is_some() && file.text.trim().is_empty() {
+            // An editor or a deploy that truncated the file before writing it.
+            problems.error("", "the file is empty; a reload needs a complete config");
+        } else if cfg.routes.is_empty() && previous.is_some() {
+            // Applying it would answer every request 404: most likely a half-written or
+            // wrong file, so a reload refuses it (a restart accepts it, with a warning).
+            problems.error(
+                "routes",
+                "no [[routes]]: a reload would answer every request 404, so it is refused",
+            );
+        } else if cfg.routes.is_empty() {
             problems.warn("routes", "no [[routes]]: every request will get 404");
         }
 

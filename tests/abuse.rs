@@ -540,3 +540,100 @@ async fn a_malformed_request_body_is_the_clients_fault_400_not_502() {
     assert_eq!(raw(&gw, bad).await, 400);
     assert_eq!(get(&gw.url("/")).await.status, 200);
 }
+
+/// Read `s` to its end (EOF or a reset) within `within`; the bytes read.
+async fn read_to_close(s: &mut tokio::net::TcpStream, within: Duration) -> usize {
+    let mut buf = vec![0u8; 1 << 20];
+    let mut total = 0;
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        match tokio::time::timeout_at(deadline, s.read(&mut buf)).await {
+            Err(_) => {
+                panic!("the connection was not closed within {within:?} ({total} bytes read)")
+            }
+            Ok(Ok(0)) | Ok(Err(_)) => return total,
+            Ok(Ok(n)) => total += n,
+        }
+    }
+}
+
+/// Issue 11 item 4: a client that stops reading a response is cut off after
+/// `server.send_timeout`, over HTTP/1.1 and HTTP/2; one that reads slowly is not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_never_reads_is_closed_after_send_timeout() {
+    let upstream = Upstream::start().await;
+    let gw = TestGateway::start(&with_server(&upstream, "send_timeout = \"1s\"")).await;
+    const BIG: usize = 64 << 20;
+
+    // HTTP/1.1: ask for 64 MB, read nothing for 3 s (the socket buffers fill), then read
+    // what is left: the response was cut short and the connection closed.
+    let mut s = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    s.write_all(format!("GET /download/{BIG} HTTP/1.1\r\nhost: a\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let got = read_to_close(&mut s, Duration::from_secs(10)).await;
+    assert!(got < BIG / 2, "{got} bytes of {BIG}: not cut off");
+
+    // HTTP/2: a client that never gives back flow-control window (never reads).
+    let tcp = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    let (client, conn) = h2::client::handshake(tcp).await.unwrap();
+    let driver = tokio::spawn(conn);
+    let mut c = client.ready().await.unwrap();
+    let req = http::Request::get(format!("http://{}/download/{BIG}", gw.addr))
+        .body(())
+        .unwrap();
+    let (response, _) = c.send_request(req, true).unwrap();
+    let response = response.await.unwrap();
+    assert_eq!(response.status(), 200);
+    let ended = tokio::time::timeout(Duration::from_secs(10), driver)
+        .await
+        .expect("the HTTP/2 connection was not closed within 10s");
+    drop(ended);
+    let mut body = response.into_body();
+    let mut got = 0;
+    let outcome = loop {
+        match body.data().await {
+            Some(Ok(chunk)) => got += chunk.len(),
+            Some(Err(e)) => break Err(e),
+            None => break Ok(()),
+        }
+    };
+    assert!(
+        outcome.is_err() && got < BIG,
+        "the stream should end cut off ({got} bytes, {outcome:?})"
+    );
+
+    // A slow but steady reader (1 MB every 100 ms, 3 s in all) gets everything.
+    const STEADY: usize = 30 << 20;
+    let mut s = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    s.write_all(
+        format!("GET /download/{STEADY} HTTP/1.1\r\nhost: a\r\nconnection: close\r\n\r\n")
+            .as_bytes(),
+    )
+    .await
+    .unwrap();
+    let mut total = 0;
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let mut chunk = 0;
+        while chunk < (1 << 20) {
+            match s.read(&mut buf[chunk..]).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => chunk += n,
+            }
+        }
+        total += chunk;
+        if chunk < (1 << 20) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        total > STEADY,
+        "a steady reader got {total} of {STEADY} bytes"
+    );
+
+    // The gateway keeps serving.
+    assert_eq!(get(&gw.url("/")).await.status, 200);
+}

@@ -13,6 +13,7 @@ fn full_config() -> Config {
             shutdown_grace: Dur::from_secs(30),
             header_read_timeout: Dur::from_secs(10),
             idle_timeout: Dur::from_secs(60),
+            send_timeout: Dur::from_secs(60),
             max_connections: 10_000,
             max_header_bytes: 32 * 1024,
             http2_max_streams: 100,

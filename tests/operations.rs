@@ -6,11 +6,11 @@ mod support;
 use std::io::{BufRead, BufReader};
 use std::os::unix::net::UnixDatagram;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use support::{get, get_with, sha256_hex, RedisServer, TestGateway, Upstream};
+use support::{get, get_with, sha256_hex, Binary, RedisServer, TestGateway, Upstream};
 
 const KEY: &str = "ops-key";
 
@@ -534,17 +534,6 @@ async fn graceful_shutdown_under_load_loses_nothing() {
 
 // ----- the binary: SIGHUP under load, sd_notify, access log, healthcheck -----
 
-struct Proc {
-    child: Child,
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 fn write(path: &Path, text: &str) {
     // Write then rename, so that a reload never reads half a file.
     let tmp = path.with_extension("tmp");
@@ -571,35 +560,6 @@ fn binary_config(upstream: &Upstream, port: u16, admin: u16, quota: u64) -> Stri
     .replace("default = 100000", &format!("default = {quota}"))
 }
 
-/// Run the binary; its logs (stderr) go to `config` with the extension `log`.
-fn spawn_binary(config: &Path, port: u16, env: &[(&str, String)]) -> Proc {
-    let log = std::fs::File::create(config.with_extension("log")).unwrap();
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tollgate"));
-    cmd.arg("--config")
-        .arg(config)
-        .env_remove("RUST_LOG")
-        .stdout(Stdio::null())
-        .stderr(log);
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    let child = cmd.spawn().unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(Instant::now() < deadline, "gateway did not start");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    Proc { child }
-}
-
-fn kill(p: &Proc, sig: &str) {
-    assert!(Command::new("kill")
-        .args([sig, &p.child.id().to_string()])
-        .status()
-        .unwrap()
-        .success());
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn twenty_sighup_reloads_under_load_fail_no_request() {
     let upstream = Upstream::start().await;
@@ -607,7 +567,7 @@ async fn twenty_sighup_reloads_under_load_fail_no_request() {
     let path = dir.path().join("tollgate.toml");
     let (port, admin_port) = (support::redis::free_port(), support::redis::free_port());
     write(&path, &binary_config(&upstream, port, admin_port, 1000));
-    let gw = spawn_binary(&path, port, &[]);
+    let gw = Binary::spawn(&path, port, &[]);
     let url = format!("http://127.0.0.1:{port}/");
     let auth = format!("Bearer {KEY}");
 
@@ -632,7 +592,7 @@ async fn twenty_sighup_reloads_under_load_fail_no_request() {
     for i in 0..20u64 {
         if i % 4 == 3 {
             write(&path, "[server]\nlisten = \"not an address\"\n");
-            kill(&gw, "-HUP");
+            gw.signal("-HUP");
             tokio::time::sleep(Duration::from_millis(150)).await;
             let r = get_with(&url, &[("authorization", &auth)]).await;
             assert_eq!(
@@ -643,7 +603,7 @@ async fn twenty_sighup_reloads_under_load_fail_no_request() {
         } else {
             current = 2000 + i;
             write(&path, &binary_config(&upstream, port, admin_port, current));
-            kill(&gw, "-HUP");
+            gw.signal("-HUP");
             let deadline = Instant::now() + Duration::from_secs(5);
             loop {
                 let r = get_with(&url, &[("authorization", &auth)]).await;
@@ -676,6 +636,155 @@ async fn twenty_sighup_reloads_under_load_fail_no_request() {
     assert_eq!(sample(&metrics, "tollgate_config_generation"), 16.0);
 }
 
+/// Issue 11 item 5: a SIGHUP with a huge broken file (10,000 bad client entries) must not
+/// freeze the gateway: the proxy and `/healthz` keep answering while it is validated, the
+/// log gets a capped report, and the running config stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sighup_with_ten_thousand_bad_entries_keeps_the_gateway_answering() {
+    let upstream = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tollgate.toml");
+    let (port, admin_port) = (support::redis::free_port(), support::redis::free_port());
+    let good = binary_config(&upstream, port, admin_port, 1000);
+    write(&path, &good);
+    let gw = Binary::spawn(&path, port, &[]);
+    let url = format!("http://127.0.0.1:{port}/");
+    let healthz = format!("http://127.0.0.1:{admin_port}/healthz");
+
+    let mut bad = good.clone();
+    for i in 0..10_000 {
+        bad.push_str(&format!(
+            "\n[[identity.clients]]\nid = \"c{i}\"\nkey_sha256 = \"not-hex-{i}\"\n"
+        ));
+    }
+    write(&path, &bad);
+    let started = Instant::now();
+    gw.signal("-HUP");
+    // Until the reload is rejected (and a little after), every request is answered
+    // promptly.
+    let mut slowest = Duration::ZERO;
+    loop {
+        for u in [&url, &healthz] {
+            let t = Instant::now();
+            let r = tokio::time::timeout(Duration::from_secs(2), get(u))
+                .await
+                .unwrap_or_else(|_| panic!("{u} did not answer within 2s during the reload"));
+            assert_eq!(r.status, 200, "{u}");
+            slowest = slowest.max(t.elapsed());
+        }
+        if gw.logs().contains("reload rejected") {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the reload was not rejected within 60s"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    eprintln!(
+        "rejected after {:?}; slowest answer meanwhile {slowest:?}",
+        started.elapsed()
+    );
+    let logs = gw.logs();
+    let reported = logs.matches("identity.clients[").count();
+    assert_eq!(
+        reported,
+        tollgate::config::MAX_REPORTED,
+        "the report is capped"
+    );
+    assert!(
+        logs.contains("9900 more errors not shown"),
+        "the rest is counted: {}",
+        logs.lines().rev().take(3).collect::<Vec<_>>().join("\n")
+    );
+    let r = get_with(&url, &[("authorization", &format!("Bearer {KEY}"))]).await;
+    assert_eq!(
+        r.header("x-ratelimit-limit"),
+        "1000",
+        "the running config stays"
+    );
+
+    // `tollgate check` prints the same capped report and exits 1.
+    let (code, _, stderr) = support::check(&path);
+    assert_eq!(code, 1);
+    assert_eq!(stderr.lines().count(), tollgate::config::MAX_REPORTED + 1);
+}
+
+/// Issue 11 item 5: the watcher never applies an empty, route-less or half-written file.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_watcher_waits_for_a_settled_file_and_refuses_empty_or_routeless_ones() {
+    let upstream = Upstream::start().await;
+    let gw = TestGateway::start(&config(&upstream, 10, "", "")).await;
+    let _watcher = tollgate::reload::watch_file(gw.gateway.reloader(), gw.path.clone()).unwrap();
+    let metric = |result: &'static str| {
+        let url = admin(&gw, "/metrics");
+        async move {
+            sample(
+                &get(&url).await.text(),
+                &format!("tollgate_reloads_total{{result=\"{result}\"}}"),
+            )
+        }
+    };
+    let wait_failed = |n: f64| {
+        let metric = &metric;
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while metric("failed").await < n {
+                assert!(Instant::now() < deadline, "failed reload {n} not counted");
+                tokio::time::sleep(Duration::from_millis(25)).await;
+            }
+        }
+    };
+
+    // Truncated to 0 bytes (an editor about to write, a crashed deploy): refused.
+    std::fs::write(&gw.path, "").unwrap();
+    wait_failed(1.0).await;
+    assert_eq!(get(&gw.url("/")).await.status, 200, "the routes stay");
+    assert_eq!(get(&gw.url("/")).await.header("x-ratelimit-limit"), "10");
+
+    // A valid file without a single route: refused on reload.
+    let routeless = config(&upstream, 10, "", "");
+    let routeless = &routeless[..routeless.find("[[routes]]").unwrap()];
+    std::fs::write(&gw.path, routeless).unwrap();
+    wait_failed(2.0).await;
+    assert_eq!(get(&gw.url("/")).await.status, 200, "the routes stay");
+    let err = gw.reload(routeless).unwrap_err();
+    assert!(
+        err.error_lines()
+            .iter()
+            .any(|l| l.contains("routes: no [[routes]]: a reload would answer every request 404")),
+        "{err}"
+    );
+
+    // Written in two parts, the second more than the debounce after the first: the
+    // first part alone is valid, but the file is applied once, whole.
+    let ok_before = metric("ok").await;
+    let generation = gw.gateway.snapshot().generation;
+    let whole = format!(
+        "{}\n[[routes]]\npath_prefix = \"/extra\"\nupstream = \"api\"\nlimits = [\"core\"]\n",
+        config(&upstream, 11, "", "")
+    );
+    let first = config(&upstream, 11, "", "");
+    {
+        use std::io::Write;
+        let mut f = std::fs::File::create(&gw.path).unwrap();
+        f.write_all(first.as_bytes()).unwrap();
+        f.flush().unwrap();
+        tokio::time::sleep(tollgate::reload::DEBOUNCE + Duration::from_millis(100)).await;
+        f.write_all(&whole.as_bytes()[first.len()..]).unwrap();
+    }
+    wait_for_limit(&gw.url("/"), "11", Duration::from_secs(5)).await;
+    tokio::time::sleep(tollgate::reload::DEBOUNCE + tollgate::reload::SETTLE * 3).await;
+    assert_eq!(
+        metric("ok").await,
+        ok_before + 1.0,
+        "one reload, of the whole file"
+    );
+    let snap = gw.gateway.snapshot();
+    assert_eq!(snap.generation, generation + 1);
+    assert_eq!(snap.config.routes.len(), 2, "the file was applied whole");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn systemd_notifications_access_log_and_healthcheck() {
     let upstream = Upstream::start().await;
@@ -688,7 +797,7 @@ async fn systemd_notifications_access_log_and_healthcheck() {
     socket
         .set_read_timeout(Some(Duration::from_secs(5)))
         .unwrap();
-    let mut gw = spawn_binary(
+    let mut gw = Binary::spawn(
         &path,
         port,
         &[
@@ -735,7 +844,7 @@ async fn systemd_notifications_access_log_and_healthcheck() {
     let dead_id = r.header("x-request-id").to_string();
 
     // Reload: RELOADING=1 with MONOTONIC_USEC, then READY=1.
-    kill(&gw, "-HUP");
+    gw.signal("-HUP");
     let (reloading, _) = recv_until("RELOADING=1");
     assert!(reloading.contains("MONOTONIC_USEC="), "{reloading}");
     recv_until("READY=1");
@@ -758,7 +867,7 @@ async fn systemd_notifications_access_log_and_healthcheck() {
         .unwrap();
     assert_eq!(bad.status.code(), Some(1));
 
-    kill(&gw, "-TERM");
+    gw.signal("-TERM");
     recv_until("STOPPING=1");
     let status = gw.child.wait().unwrap();
     assert_eq!(status.code(), Some(0));

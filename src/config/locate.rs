@@ -1,8 +1,8 @@
 //! Map key paths (`routes[1].limits[0]`) and byte offsets to lines and columns.
 
 use super::Problem;
+use std::collections::HashMap;
 use std::ops::Range;
-use std::path::Path;
 use toml_edit::{Document, Item, Table, Value};
 
 /// Every key and array element of a document with its path and span.
@@ -12,15 +12,6 @@ fn entries(text: &str) -> Vec<(String, Range<usize>)> {
         walk_table(doc.as_table(), "", &mut out);
     }
     out
-}
-
-/// The byte range of the key `path` together with its value (`colour = "blue"`), when
-/// the document parses and holds it.
-pub(super) fn extent(text: &str, path: &str) -> Option<Range<usize>> {
-    entries(text)
-        .into_iter()
-        .find(|(p, _)| p == path)
-        .map(|(_, span)| span)
 }
 
 fn join(path: &str, key: &str) -> String {
@@ -92,48 +83,84 @@ fn walk_value(v: &Value, path: &str, out: &mut Vec<(String, Range<usize>)>) {
     }
 }
 
-/// The key path of the smallest entry whose span holds `offset` ("" when none does).
-pub(super) fn path_at(text: &str, offset: usize) -> String {
-    entries(text)
-        .into_iter()
-        .filter(|(_, s)| s.start <= offset && offset < s.end.max(s.start + 1))
-        .min_by_key(|(_, s)| s.end - s.start)
-        .map(|(p, _)| p)
-        .unwrap_or_default()
+/// Every key of a document indexed once, so that locating many problems stays linear
+/// in the file's size plus the number of problems (a file with 10,000 bad entries is
+/// reported in one pass, not 10,000 parses).
+pub(super) struct Locator<'a> {
+    text: &'a str,
+    /// Every key path with its span, in document order.
+    entries: Vec<(String, Range<usize>)>,
+    /// The start of each key path's first span.
+    starts: HashMap<String, usize>,
+    /// The byte offset where each line starts.
+    line_starts: Vec<usize>,
 }
 
-/// The byte offset where `path` (or its nearest ancestor present in the file) starts.
-fn offset_of(text: &str, path: &str) -> Option<usize> {
-    let all = entries(text);
-    let mut p = path.to_string();
-    loop {
-        if let Some((_, s)) = all.iter().find(|(q, _)| *q == p) {
-            return Some(s.start);
+impl<'a> Locator<'a> {
+    /// Index `text` (one `toml_edit` parse; an unparsable text indexes no keys).
+    pub(super) fn new(text: &'a str) -> Self {
+        let entries = entries(text);
+        let mut starts = HashMap::with_capacity(entries.len());
+        for (p, s) in &entries {
+            starts.entry(p.clone()).or_insert(s.start);
         }
-        // Drop the last `.key` or `[i]`.
-        let cut = p.rfind(['.', '['])?;
-        p.truncate(cut);
+        let line_starts = std::iter::once(0)
+            .chain(text.match_indices('\n').map(|(i, _)| i + 1))
+            .collect();
+        Self {
+            text,
+            entries,
+            starts,
+            line_starts,
+        }
     }
-}
 
-/// 1-based line and column of a problem in `text`.
-pub(super) fn line_col(text: &str, p: &Problem, _file: &Path) -> (usize, usize) {
-    let offset = p
-        .span
-        .as_ref()
-        .map(|s| s.start)
-        .or_else(|| offset_of(text, &p.path))
-        .unwrap_or(0)
-        .min(text.len());
-    let before = &text[..floor_char_boundary(text, offset)];
-    let line = before.matches('\n').count() + 1;
-    let col = before
-        .rsplit('\n')
-        .next()
-        .map(|l| l.chars().count())
-        .unwrap_or(0)
-        + 1;
-    (line, col)
+    /// The key path of the smallest entry whose span holds `offset` ("" when none does).
+    pub(super) fn path_at(&self, offset: usize) -> String {
+        self.entries
+            .iter()
+            .filter(|(_, s)| s.start <= offset && offset < s.end.max(s.start + 1))
+            .min_by_key(|(_, s)| s.end - s.start)
+            .map(|(p, _)| p.clone())
+            .unwrap_or_default()
+    }
+
+    /// The byte range of the key `path` together with its value (`colour = "blue"`).
+    pub(super) fn extent(&self, path: &str) -> Option<Range<usize>> {
+        self.entries
+            .iter()
+            .find(|(p, _)| p == path)
+            .map(|(_, span)| span.clone())
+    }
+
+    /// The byte offset where `path` (or its nearest ancestor present in the file) starts.
+    fn offset_of(&self, path: &str) -> Option<usize> {
+        let mut p = path;
+        loop {
+            if let Some(s) = self.starts.get(p) {
+                return Some(*s);
+            }
+            // Drop the last `.key` or `[i]`.
+            let cut = p.rfind(['.', '['])?;
+            p = &p[..cut];
+        }
+    }
+
+    /// 1-based line and column of a problem.
+    pub(super) fn line_col(&self, p: &Problem) -> (usize, usize) {
+        let text = self.text;
+        let offset = p
+            .span
+            .as_ref()
+            .map(|s| s.start)
+            .or_else(|| self.offset_of(&p.path))
+            .unwrap_or(0)
+            .min(text.len());
+        let offset = floor_char_boundary(text, offset);
+        let line = self.line_starts.partition_point(|&start| start <= offset);
+        let start = self.line_starts[line - 1];
+        (line, text[start..offset].chars().count() + 1)
+    }
 }
 
 fn floor_char_boundary(s: &str, mut i: usize) -> usize {
@@ -155,16 +182,23 @@ mod tests {
             message: String::new(),
             span: None,
         };
-        assert_eq!(line_col(text, &p, Path::new("x")), (3, 16));
+        let at = Locator::new(text);
+        assert_eq!(at.line_col(&p), (3, 16));
         let p = Problem {
             path: "routes[0].missing".into(),
             message: String::new(),
             span: None,
         };
-        assert_eq!(line_col(text, &p, Path::new("x")).0, 1);
+        assert_eq!(at.line_col(&p).0, 1);
         assert_eq!(
-            path_at(text, text.find("\"b\"").unwrap()),
+            at.path_at(text.find("\"b\"").unwrap()),
             "routes[0].limits[1]"
         );
+        let p = Problem {
+            path: String::new(),
+            message: String::new(),
+            span: Some(text.len()..text.len()),
+        };
+        assert_eq!(at.line_col(&p), (4, 1));
     }
 }

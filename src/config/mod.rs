@@ -101,8 +101,8 @@ impl ConfigReport {
     }
 
     /// Render one problem as `PATH:LINE:COLUMN: key.path: message`.
-    pub fn render(&self, p: &Problem) -> String {
-        let (line, col) = locate::line_col(&self.text, p, &self.path);
+    fn render(&self, at: &locate::Locator<'_>, p: &Problem) -> String {
+        let (line, col) = at.line_col(p);
         let key = if p.path.is_empty() { "(file)" } else { &p.path };
         format!(
             "{}:{}:{}: {}: {}",
@@ -114,24 +114,50 @@ impl ConfigReport {
         )
     }
 
-    /// Every error, one rendered line each.
-    pub fn error_lines(&self) -> Vec<String> {
-        self.problems
-            .errors
+    /// Render at most `max` of `problems` (after `prefix`), then one line saying how
+    /// many more there are. One index of the file serves every line, so the cost is
+    /// linear in the file's size and the number of lines printed.
+    fn lines(&self, problems: &[Problem], prefix: &str, what: &str, max: usize) -> Vec<String> {
+        if problems.is_empty() {
+            return Vec::new();
+        }
+        let at = locate::Locator::new(&self.text);
+        let mut out: Vec<String> = problems
             .iter()
-            .map(|p| self.render(p))
-            .collect()
+            .take(max)
+            .map(|p| format!("{prefix}{}", self.render(&at, p)))
+            .collect();
+        if problems.len() > max {
+            out.push(format!(
+                "{}: {} more {what} not shown (fix those above and run `tollgate check` again)",
+                self.path.display(),
+                problems.len() - max
+            ));
+        }
+        out
     }
 
-    /// Every warning, one rendered line each (prefixed `warning: `).
+    /// The errors, one rendered line each: the first [`MAX_REPORTED`], then a line
+    /// counting the rest.
+    pub fn error_lines(&self) -> Vec<String> {
+        self.lines(&self.problems.errors, "", "errors", MAX_REPORTED)
+    }
+
+    /// The warnings, one rendered line each (prefixed `warning: `), capped like
+    /// [`ConfigReport::error_lines`].
     pub fn warning_lines(&self) -> Vec<String> {
-        self.problems
-            .warnings
-            .iter()
-            .map(|p| format!("warning: {}", self.render(p)))
-            .collect()
+        self.lines(
+            &self.problems.warnings,
+            "warning: ",
+            "warnings",
+            MAX_REPORTED,
+        )
     }
 }
+
+/// How many errors (and, separately, warnings) a report prints; a file with thousands
+/// of bad entries gets this many lines and a count of the rest.
+pub const MAX_REPORTED: usize = 100;
 
 impl fmt::Display for ConfigReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -194,8 +220,19 @@ pub fn redact_url(url: &str) -> String {
 pub fn parse(path: &Path, text: String) -> Result<ConfigFile, ConfigReport> {
     let mut work = text.clone();
     let mut problems = Problems::default();
-    // At most one round per key in the file; a cap keeps a pathological file linear.
-    for _ in 0..1_000 {
+    // Blanking a key keeps every other key's byte offsets, so one index of the original
+    // text serves every round.
+    let at = locate::Locator::new(&text);
+    // One round (one parse) per unknown key, up to a cap: a file with thousands of them
+    // costs MAX_UNKNOWN_KEYS parses, not one per key.
+    for round in 0..=MAX_UNKNOWN_KEYS {
+        if round == MAX_UNKNOWN_KEYS {
+            problems.error(
+                "",
+                format!("more than {MAX_UNKNOWN_KEYS} unknown keys; the rest of the file was not checked"),
+            );
+            break;
+        }
         let e = match toml::from_str::<Config>(&work) {
             Ok(config) => {
                 return Ok(ConfigFile {
@@ -210,15 +247,11 @@ pub fn parse(path: &Path, text: String) -> Result<ConfigFile, ConfigReport> {
         let span = e.span();
         let key_path = span
             .as_ref()
-            .map(|s| locate::path_at(&work, s.start))
+            .map(|s| at.path_at(s.start))
             .unwrap_or_default();
         let message = e.message().trim().to_string();
         let unknown = message.starts_with("unknown field");
-        let extent = if unknown {
-            locate::extent(&work, &key_path)
-        } else {
-            None
-        };
+        let extent = if unknown { at.extent(&key_path) } else { None };
         problems.errors.push(Problem {
             path: key_path,
             message,
@@ -241,6 +274,9 @@ pub fn parse(path: &Path, text: String) -> Result<ConfigFile, ConfigReport> {
         problems,
     })
 }
+
+/// How many unknown keys one parse reports before it gives up on the file.
+pub const MAX_UNKNOWN_KEYS: usize = 50;
 
 /// Read and parse the file at `path`.
 pub fn read(path: &Path) -> Result<ConfigFile, ConfigReport> {

@@ -78,6 +78,10 @@ pub struct ServerConfig {
     /// A client connection with no request being handled for this long is closed
     /// (gracefully). Default 60 s.
     pub idle_timeout: Dur,
+    /// A client connection whose response has waited this long for the client to take
+    /// more of it (a full TCP send buffer, or a spent HTTP/2 flow-control window) is
+    /// closed. Default 60 s.
+    pub send_timeout: Dur,
     /// Client connections open at once on the proxy listener; more are answered 503
     /// and closed. The admin listener is not counted. Default 10000.
     pub max_connections: usize,
@@ -99,6 +103,7 @@ impl Default for ServerConfig {
             tls: None,
             workers: None,
             idle_timeout: Dur::from_secs(60),
+            send_timeout: Dur::from_secs(60),
             max_connections: 10_000,
             max_header_bytes: 32 * 1024,
             http2_max_streams: 100,

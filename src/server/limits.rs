@@ -1,10 +1,16 @@
 //! What tells an idle client connection: [`Activity`] follows a connection's requests so
-//! that it can be closed after `server.idle_timeout` without one (see
-//! `Connection::serve`). Header size, header-read time and HTTP/2 streams are hyper's
+//! that it can be closed after `server.idle_timeout` without one, and its responses'
+//! bodies ([`SendWatch`]) so that it can be closed when the client stops reading for
+//! `server.send_timeout` (see `Connection::serve`). Header size, header-read time and HTTP/2 streams are hyper's
 //! settings, applied in `accept_loop`; `server.max_connections` is a semaphore there.
 
+use crate::response::Body;
+use bytes::Bytes;
+use hyper::body::Frame;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 /// Requests of one connection: how many are being handled, and when the last one
@@ -14,6 +20,11 @@ pub(crate) struct Activity {
     opened: Instant,
     active: AtomicUsize,
     last_ms: AtomicU64,
+    /// Response bodies that handed over data and have not been asked for more since:
+    /// they wait for the client to take what was sent.
+    waiting: AtomicUsize,
+    /// When a response body of this connection was last asked for data.
+    sent_ms: AtomicU64,
 }
 
 impl Activity {
@@ -23,12 +34,29 @@ impl Activity {
             opened: Instant::now(),
             active: AtomicUsize::new(0),
             last_ms: AtomicU64::new(0),
+            waiting: AtomicUsize::new(0),
+            sent_ms: AtomicU64::new(0),
         })
     }
 
+    fn now_ms(&self) -> u64 {
+        self.opened.elapsed().as_millis() as u64
+    }
+
     fn touch(&self) {
-        let ms = self.opened.elapsed().as_millis() as u64;
-        self.last_ms.store(ms, Ordering::Relaxed);
+        self.last_ms.store(self.now_ms(), Ordering::Relaxed);
+    }
+
+    /// How long the connection's responses have waited for the client to read: zero
+    /// unless a response body handed over data and no response body has been asked for
+    /// more since (hyper asks once the previous data is written, to the socket for
+    /// HTTP/1 or within the flow-control window for HTTP/2).
+    pub(crate) fn stalled_for(&self) -> Duration {
+        if self.waiting.load(Ordering::Relaxed) == 0 {
+            return Duration::ZERO;
+        }
+        let since = self.sent_ms.load(Ordering::Relaxed);
+        Duration::from_millis(self.now_ms().saturating_sub(since))
     }
 
     /// A request started; it counts as activity until the guard is dropped (when its
@@ -57,5 +85,71 @@ impl Drop for RequestActivity {
     fn drop(&mut self) {
         self.0.touch();
         self.0.active.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// A response body that tells its connection's [`Activity`] when it waits for the client
+/// to read: after it handed over a data frame and until it is asked for the next one.
+pub(crate) struct SendWatch {
+    body: Body,
+    activity: Arc<Activity>,
+    waiting: bool,
+}
+
+impl SendWatch {
+    /// Watch `body` for the connection of `activity`.
+    pub(crate) fn new(body: Body, activity: Arc<Activity>) -> Self {
+        Self {
+            body,
+            activity,
+            waiting: false,
+        }
+    }
+
+    fn set_waiting(&mut self, waiting: bool) {
+        if waiting != self.waiting {
+            self.waiting = waiting;
+            if waiting {
+                self.activity.waiting.fetch_add(1, Ordering::Relaxed);
+            } else {
+                self.activity.waiting.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+impl hyper::body::Body for SendWatch {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let this = self.get_mut();
+        let now = this.activity.now_ms();
+        this.activity.sent_ms.store(now, Ordering::Relaxed);
+        this.set_waiting(false);
+        let polled = Pin::new(&mut this.body).poll_frame(cx);
+        if let Poll::Ready(Some(Ok(frame))) = &polled {
+            if frame.is_data() {
+                this.set_waiting(true);
+            }
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.body.size_hint()
+    }
+}
+
+impl Drop for SendWatch {
+    fn drop(&mut self) {
+        self.set_waiting(false);
     }
 }

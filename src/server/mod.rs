@@ -220,6 +220,7 @@ struct Connection {
     builder: Arc<auto::Builder<TokioExecutor>>,
     shutdown: watch::Receiver<bool>,
     idle_timeout: Duration,
+    send_timeout: Duration,
     shared: Arc<Shared>,
     peer: SocketAddr,
     /// Held until the connection ends: the accept loop waits for every one at shutdown,
@@ -232,6 +233,7 @@ struct Connection {
 struct ConnLimits {
     header_read_timeout: Duration,
     idle_timeout: Duration,
+    send_timeout: Duration,
     max_connections: usize,
     max_header_bytes: usize,
     http2_max_streams: u32,
@@ -242,6 +244,7 @@ impl ConnLimits {
         Self {
             header_read_timeout: cfg.header_read_timeout.0,
             idle_timeout: cfg.idle_timeout.0,
+            send_timeout: cfg.send_timeout.0,
             max_connections: cfg.max_connections,
             max_header_bytes: cfg.max_header_bytes,
             http2_max_streams: cfg.http2_max_streams,
@@ -260,6 +263,7 @@ impl Connection {
             builder,
             mut shutdown,
             idle_timeout,
+            send_timeout,
             shared,
             peer,
             _held,
@@ -275,13 +279,16 @@ impl Connection {
             }
             // Busy until the response body ends (the guard travels with it).
             let busy = conn_activity.request();
+            let watch = conn_activity.clone();
             async move {
                 let snap = shared.snapshot.load_full();
                 let ctx = proxy::Context {
                     clock: &shared.clock,
                     metrics: &shared.metrics,
                 };
-                Ok::<_, Infallible>(proxy::handle(&snap.gate(), &ctx, req, &peer, busy).await)
+                let response = proxy::handle(&snap.gate(), &ctx, req, &peer, busy).await;
+                // Watch the response body's progress for `server.send_timeout`.
+                Ok::<_, Infallible>(response.map(|body| limits::SendWatch::new(body, watch)))
             }
         });
         let conn = builder.serve_connection_with_upgrades(io, service);
@@ -292,8 +299,9 @@ impl Connection {
         if closing {
             conn.as_mut().graceful_shutdown();
         }
-        let idle_check = tokio::time::sleep(idle_timeout);
+        let idle_check = tokio::time::sleep(idle_timeout.min(send_timeout));
         tokio::pin!(idle_check);
+        let second = Duration::from_secs(1);
         loop {
             tokio::select! {
                 ended = conn.as_mut() => {
@@ -307,6 +315,13 @@ impl Connection {
                     conn.as_mut().graceful_shutdown();
                 }
                 _ = idle_check.as_mut() => {
+                    let stalled_for = activity.stalled_for();
+                    if stalled_for >= send_timeout {
+                        // A response waits for a client that stopped reading (a graceful
+                        // close would wait for it too): drop the connection.
+                        tracing::debug!(%peer, ?stalled_for, "client stopped reading; connection closed (server.send_timeout)");
+                        return;
+                    }
                     let idle_for = activity.idle_for();
                     if closing && idle_for > Duration::ZERO {
                         // Shut down gracefully, yet a client still holds the connection
@@ -314,17 +329,23 @@ impl Connection {
                         // PING): close it.
                         return;
                     }
-                    if !closing && idle_for >= idle_timeout {
+                    let mut next = if !closing && idle_for >= idle_timeout {
                         tracing::debug!(%peer, ?idle_for, "idle connection closed");
                         closing = true;
                         conn.as_mut().graceful_shutdown();
-                        idle_check.as_mut().reset(tokio::time::Instant::now() + Duration::from_secs(1));
+                        second
                     } else if closing {
-                        idle_check.as_mut().reset(tokio::time::Instant::now() + Duration::from_secs(1));
+                        second
                     } else {
-                        let left = (idle_timeout - idle_for).max(Duration::from_millis(10));
-                        idle_check.as_mut().reset(tokio::time::Instant::now() + left);
+                        idle_timeout - idle_for
+                    };
+                    if stalled_for > Duration::ZERO {
+                        next = next.min(send_timeout - stalled_for);
+                    } else {
+                        next = next.min(send_timeout);
                     }
+                    let next = next.max(Duration::from_millis(10));
+                    idle_check.as_mut().reset(tokio::time::Instant::now() + next);
                 }
             }
         }
@@ -408,6 +429,7 @@ async fn accept_loop(
                     builder: builder.clone(), // an Arc
                     shutdown: shutdown.clone(),
                     idle_timeout: limits.idle_timeout,
+                    send_timeout: limits.send_timeout,
                     shared: shared.clone(),
                     peer,
                     _held: (drained_tx.clone(), permit),

@@ -2,12 +2,14 @@
 //! ports, a real HTTP upstream, the gateway itself, and a small HTTP client.
 #![allow(dead_code, unused_imports, missing_docs, unreachable_pub)]
 
+pub mod binary;
 pub mod client;
 pub mod redis;
 pub mod topology;
 pub mod upstream;
 
 pub use self::redis::RedisServer;
+pub use binary::Binary;
 pub use client::{get, get_with};
 pub use upstream::Upstream;
 

@@ -1,0 +1,58 @@
+//! The `tollgate` binary run as an operator runs it: a child process with its logs
+//! (stderr) in a file, signalled with `kill`, killed when dropped.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A running `tollgate` process.
+pub struct Binary {
+    pub child: Child,
+    /// Where its stderr goes: the config's path with the extension `log`.
+    pub log: PathBuf,
+}
+
+impl Binary {
+    /// Run the binary with `config` and `env`, and wait until `port` accepts connections.
+    pub fn spawn(config: &Path, port: u16, env: &[(&str, String)]) -> Binary {
+        let log = config.with_extension("log");
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tollgate"));
+        cmd.arg("--config")
+            .arg(config)
+            .env_remove("RUST_LOG")
+            .env_remove("TOLLGATE_CONFIG")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let child = cmd.spawn().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "gateway did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Binary { child, log }
+    }
+
+    /// Send a signal (`"-HUP"`, `"-TERM"`).
+    pub fn signal(&self, sig: &str) {
+        assert!(Command::new("kill")
+            .args([sig, &self.child.id().to_string()])
+            .status()
+            .unwrap()
+            .success());
+    }
+
+    /// Everything it has logged so far.
+    pub fn logs(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Binary {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

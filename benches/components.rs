@@ -255,9 +255,11 @@ fn memory_store(c: &mut Criterion) {
             id: 0,
         },
     };
-    store.apply_now(&item(&hot, OpKind::Charge), NOW_MS);
+    store
+        .apply_now(&item(&hot, OpKind::Charge), NOW_MS)
+        .unwrap();
     for k in &keys {
-        store.apply_now(&item(k, OpKind::Charge), NOW_MS);
+        store.apply_now(&item(k, OpKind::Charge), NOW_MS).unwrap();
     }
 
     let mut g = c.benchmark_group("memory");

@@ -272,7 +272,8 @@ impl Snapshot {
                 .with_failed_auth_limit(
                     cfg.identity.failed_auth_limit.quota,
                     cfg.identity.failed_auth_limit.window.as_millis(),
-                ),
+                )
+                .with_reserve_in_flight(cfg.store.reserve_in_flight),
             listen,
             admin_listen,
             tls,
@@ -434,7 +435,12 @@ fn build_store(cfg: &StoreConfig, problems: &mut Problems) -> Option<AnyStore> {
                     "\"redis\" needs backend = \"redis\" (the memory store has only the gateway's clock); use \"gateway\"",
                 );
             }
-            Some(AnyStore::Memory(MemoryStore::new()))
+            if cfg.max_callers == 0 {
+                problems.error("store.max_callers", "must be at least 1");
+            }
+            Some(AnyStore::Memory(MemoryStore::with_max_callers(
+                cfg.max_callers,
+            )))
         }
         Backend::Redis => RedisStore::from_config(cfg, problems).map(AnyStore::Redis),
     }

@@ -32,6 +32,27 @@ limits = ["core"]
     )
 }
 
+/// `[store]` for the memory store (none) or one Redis shard.
+fn store_section(redis: Option<&support::RedisServer>) -> String {
+    match redis {
+        None => String::new(),
+        Some(r) => format!(
+            "[store]\nbackend = \"redis\"\n[[store.shards]]\nprimary = \"{}\"\n",
+            r.url()
+        ),
+    }
+}
+
+/// An HTTP/2-only client (prior knowledge), for bursts on one connection.
+fn h2_client() -> hyper_util::client::legacy::Client<
+    hyper_util::client::legacy::connect::HttpConnector,
+    http_body_util::Empty<bytes::Bytes>,
+> {
+    hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .http2_only(true)
+        .build_http()
+}
+
 /// Send raw bytes on a new connection; the status line's code of the first answer (0
 /// when the connection closed without one).
 async fn raw(gw: &TestGateway, bytes: &[u8]) -> u16 {
@@ -227,21 +248,12 @@ async fn path_spellings_and_host_spellings_cannot_dodge_a_routes_limits() {
 async fn a_client_that_goes_away_is_charged_counted_and_logged() {
     for redis in [None, Some(support::RedisServer::start())] {
         let upstream = Upstream::start().await;
-        let store = match &redis {
-            None => String::new(),
-            Some(r) => format!(
-                "[store]\nbackend = \"redis\"\n[[store.shards]]\nprimary = \"{}\"\n",
-                r.url()
-            ),
-        };
+        let store = store_section(redis.as_ref());
         let text = config(&upstream).replace("[[upstreams]]", &format!("{store}\n[[upstreams]]"));
         let gw = TestGateway::start(&text).await;
         // 20 requests on one HTTP/2 connection, each reset by the client (the task is
         // dropped) while the upstream is still working on it.
-        let client =
-            hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-                .http2_only(true)
-                .build_http::<http_body_util::Empty<bytes::Bytes>>();
+        let client = h2_client();
         let mut tasks = Vec::new();
         for _ in 0..20 {
             let fut = client.get(gw.url("/slow/400").parse().unwrap());
@@ -275,23 +287,14 @@ async fn a_client_that_goes_away_is_charged_counted_and_logged() {
 async fn a_concurrent_burst_cannot_overshoot_the_quota_on_one_gateway() {
     for redis in [None, Some(support::RedisServer::start())] {
         let upstream = Upstream::start().await;
-        let store = match &redis {
-            None => String::new(),
-            Some(r) => format!(
-                "[store]\nbackend = \"redis\"\n[[store.shards]]\nprimary = \"{}\"\n",
-                r.url()
-            ),
-        };
+        let store = store_section(redis.as_ref());
         let text = config(&upstream)
             .replace("[[upstreams]]", &format!("{store}\n[[upstreams]]"))
             .replace("anonymous = 1000", "anonymous = 30");
         let gw = TestGateway::start(&text).await;
         // 150 requests at once on HTTP/2, each in flight for 300 ms: checked before any
         // is charged (charge = "after_response").
-        let client =
-            hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-                .http2_only(true)
-                .build_http::<http_body_util::Empty<bytes::Bytes>>();
+        let client = h2_client();
         let tasks: Vec<_> = (0..150)
             .map(|_| tokio::spawn(client.get(gw.url("/slow/300").parse().unwrap())))
             .collect();
@@ -636,4 +639,263 @@ async fn a_client_that_never_reads_is_closed_after_send_timeout() {
 
     // The gateway keeps serving.
     assert_eq!(get(&gw.url("/")).await.status, 200);
+}
+
+/// Issue 11 item 8: a GET (or DELETE, OPTIONS) with a chunked body reaches the upstream
+/// with that body, never silently without it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chunked_body_on_get_reaches_the_upstream() {
+    let upstream = Upstream::start().await;
+    let gw = TestGateway::start(&config(&upstream)).await;
+    for method in ["GET", "DELETE", "OPTIONS", "POST"] {
+        let (status, text) = raw_answer(
+            &gw,
+            format!(
+                "{method} /upload HTTP/1.1\r\nhost: a\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n"
+            )
+            .as_bytes(),
+        )
+        .await;
+        assert_eq!(status, 200, "{method}: {text}");
+        assert!(text.contains("{\"bytes\":11}"), "{method}: {text}");
+    }
+    // Without a body, a GET still goes out without one (no chunked framing added).
+    let r = get(&gw.url("/echo")).await;
+    assert!(
+        r.json()["headers"].get("transfer-encoding").is_none(),
+        "{}",
+        r.text()
+    );
+}
+
+/// Issue 11 item 8: floods an attacker drives cheaply (unknown keys; HTTP/2 rapid
+/// resets, one library warning per connection) cannot flood the log: refused requests
+/// get at most 100 access lines a second, with a count of those held back, and library
+/// warnings at most one a second. Every request is still counted in the metrics.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn log_floods_from_bad_keys_and_rapid_resets_are_held_back() {
+    let upstream = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tollgate.toml");
+    let (port, admin) = (support::redis::free_port(), support::redis::free_port());
+    let text = config(&upstream).replace(
+        "listen = \"127.0.0.1:0\"",
+        &format!(
+            "listen = \"127.0.0.1:{port}\"\nadmin_listen = \"127.0.0.1:{admin}\"\nwatch_config = false\n[log]\nformat = \"json\"\n[identity]\nfailed_auth_limit = {{ quota = 0 }}"
+        ),
+    );
+    std::fs::write(&path, text).unwrap();
+    let gw = support::Binary::spawn(&path, port, &[]);
+    let url = format!("http://127.0.0.1:{port}/");
+
+    // 1,000 requests with unknown keys, as fast as 8 clients go.
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let url = url.clone();
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..125 {
+                let r = support::get_with(&url, &[("authorization", "Bearer nope")]).await;
+                assert_eq!(r.status, 401);
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    // A second later, one more: its line reports what was held back.
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    assert_eq!(
+        support::get_with(&url, &[("authorization", "Bearer nope")])
+            .await
+            .status,
+        401
+    );
+
+    // 10 HTTP/2 connections that reset streams faster than allowed (GOAWAY each).
+    for _ in 0..10 {
+        let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .unwrap();
+        let (client, conn) = h2::client::handshake(tcp).await.unwrap();
+        let driver = tokio::spawn(conn);
+        for _ in 0..100 {
+            let Ok(mut c) = client.clone().ready().await else {
+                break;
+            };
+            let req = http::Request::get(format!("http://127.0.0.1:{port}/slow/200"))
+                .body(())
+                .unwrap();
+            let Ok((response, _)) = c.send_request(req, true) else {
+                break;
+            };
+            drop(response);
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(2), driver).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let logs = gw.logs();
+    let lines: Vec<serde_json::Value> = logs
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    let unauthenticated = |l: &&serde_json::Value| {
+        l["target"] == "tollgate::access" && l["decision"] == "unauthenticated"
+    };
+    let written = lines
+        .iter()
+        .filter(unauthenticated)
+        .filter(|l| l["message"] == "request")
+        .count();
+    let held_back: u64 = lines
+        .iter()
+        .filter(unauthenticated)
+        .filter_map(|l| l["held_back"].as_u64())
+        .sum();
+    assert!(written < 1_001 && held_back > 0, "{written} lines written");
+    assert_eq!(
+        written as u64 + held_back,
+        1_001,
+        "every request is written or counted as held back"
+    );
+    let h2_warnings = lines
+        .iter()
+        .filter(|l| l["target"].as_str().is_some_and(|t| t.starts_with("h2")))
+        .count();
+    assert!(
+        (1..=4).contains(&h2_warnings),
+        "{h2_warnings} h2 warnings for 10 connections"
+    );
+    let metrics = get(&format!("http://127.0.0.1:{admin}/metrics"))
+        .await
+        .text();
+    let counted: f64 = metrics
+        .lines()
+        .filter(|l| l.starts_with("tollgate_requests_total") && l.contains("unauthenticated"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert_eq!(counted, 1_001.0, "the metrics count every request");
+}
+
+/// Issue 11 item 8: `store.max_callers` bounds the memory store. Callers already held
+/// keep counting; new ones past the bound follow `store.on_error`; space comes back as
+/// windows end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_memory_store_holds_at_most_max_callers() {
+    let upstream = Upstream::start().await;
+    for on_error in ["deny", "allow"] {
+        let text = config(&upstream)
+            .replace(
+                "[[upstreams]]",
+                &format!(
+                    "[store]\nbackend = \"memory\"\nmax_callers = 640\nsweep_interval = \"200ms\"\non_error = \"{on_error}\"\n\n[identity]\ntrusted_proxies = [\"127.0.0.1/32\"]\n\n[[upstreams]]"
+                ),
+            )
+            .replace("window = \"1h\"", "window = \"1m\"");
+        let gw = TestGateway::start(&text).await;
+        let from = |ip: String| {
+            let url = gw.url("/");
+            async move { support::get_with(&url, &[("x-forwarded-for", &ip)]).await }
+        };
+        // The first caller is held before the flood.
+        assert_eq!(
+            from("10.0.0.1".into()).await.num("x-ratelimit-remaining"),
+            999
+        );
+        let (mut limited, mut refused, mut unlimited) = (0, 0, 0);
+        for i in 0..1_500u32 {
+            let r = from(format!("10.1.{}.{}", i / 250, i % 250)).await;
+            match (r.status.as_u16(), r.header("x-ratelimit-limit")) {
+                (200, "1000") => limited += 1,
+                (503, _) => refused += 1,
+                (200, "") => unlimited += 1,
+                (s, l) => panic!("unexpected answer: {s}, limit {l:?}"),
+            }
+        }
+        eprintln!("{on_error}: {limited} held, {refused} refused, {unlimited} unlimited");
+        assert!(
+            (400..640).contains(&limited),
+            "{on_error}: {limited} new callers held (bound 640, 1 held before)"
+        );
+        if on_error == "deny" {
+            assert_eq!((limited + refused, unlimited), (1_500, 0));
+        } else {
+            assert_eq!((limited + unlimited, refused), (1_500, 0));
+        }
+        // The caller held before the flood keeps counting.
+        assert_eq!(
+            from("10.0.0.1".into()).await.num("x-ratelimit-remaining"),
+            998
+        );
+        // Once the windows end and are swept, new callers are held again.
+        gw.clock.advance(std::time::Duration::from_secs(61));
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        let r = from("10.2.0.1".into()).await;
+        assert_eq!(
+            (r.status.as_u16(), r.header("x-ratelimit-remaining")),
+            (200, "999")
+        );
+    }
+}
+
+/// Issue 11 item 2: requests that find one of their caller's requests already in flight
+/// on this gateway are held by a reservation in the store. Uncharged ones (304) give it
+/// back, and an upstream that says a request cost more gets the difference charged: a
+/// burst is charged exactly as the same requests one by one would be.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_requests_of_a_burst_are_refunded_or_topped_up_like_single_ones() {
+    for redis in [None, Some(support::RedisServer::start())] {
+        let upstream = Upstream::start().await;
+        let store = store_section(redis.as_ref());
+        let text = config(&upstream)
+            .replace(
+                "[[upstreams]]\nname = \"api\"",
+                &format!(
+                    "{store}\n[[upstreams]]\nname = \"api\"\ncost_header = \"x-tollgate-cost\""
+                ),
+            )
+            .replace(
+                "limits = [\"core\"]",
+                "limits = [\"core\"]\nuncharged_statuses = [304]",
+            )
+            .replace(
+                "[[routes]]",
+                "[rate_limit_endpoint]\npath = \"/rate_limit\"\n\n[[routes]]",
+            );
+        let gw = TestGateway::start(&text).await;
+        let client = h2_client();
+        let burst = |path: &'static str, n: usize| {
+            let client = client.clone();
+            let url = gw.url(path);
+            async move {
+                let tasks: Vec<_> = (0..n)
+                    .map(|_| tokio::spawn(client.get(url.parse().unwrap())))
+                    .collect();
+                for t in tasks {
+                    let r = t.await.unwrap().unwrap();
+                    assert!(r.status() == 200 || r.status() == 304, "{}", r.status());
+                }
+            }
+        };
+        // 40 concurrent 304s: none is charged.
+        burst("/status/304", 40).await;
+        // 20 concurrent requests the upstream says cost 3 each: 60 charged.
+        burst("/cost/3", 20).await;
+        // Refunds go out in the background; GET /rate_limit reads without charging.
+        let deadline = std::time::Instant::now() + Duration::from_secs(3);
+        loop {
+            let used = get(&gw.url("/rate_limit")).await.json()["resources"]["core"]["used"]
+                .as_u64()
+                .unwrap();
+            if used == 60 {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "redis {}: used {used}, not 60 (304s refunded, cost-3 requests charged 3 each)",
+                redis.is_some()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
 }

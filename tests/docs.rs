@@ -45,6 +45,8 @@ fn full_config() -> Config {
             hash_key: Some("s".into()),
             read_from: Some(ReadFrom::Primary),
             sweep_interval: Dur::from_secs(5),
+            max_callers: 1_000_000,
+            reserve_in_flight: false,
             mode: StoreMode::Sharded,
             clock: StoreClock::Redis,
             breaker_failures: 3,

@@ -242,6 +242,15 @@ pub struct StoreConfig {
     pub read_from: Option<ReadFrom>,
     /// How often the memory store drops expired windows. Default 5 s.
     pub sweep_interval: Dur,
+    /// Reserve the units of limits charged after the response at the check, on the
+    /// shard's primary, and refund them when the response is not charged: exact
+    /// across a fleet, at the price of a write (not a replica read) per check.
+    /// Default false.
+    pub reserve_in_flight: bool,
+    /// Memory store only: the most limit states it holds (one per caller and limit);
+    /// a new caller past it is a store error, handled as `on_error` says. Default
+    /// 1000000 (about 150 to 300 MB).
+    pub max_callers: usize,
     /// Consecutive failures (errors or timeouts) of one Redis node that open its
     /// circuit breaker. Default 3.
     pub breaker_failures: u32,
@@ -269,6 +278,8 @@ impl Default for StoreConfig {
             hash_key: None,
             read_from: None,
             sweep_interval: Dur::from_secs(5),
+            max_callers: 1_000_000,
+            reserve_in_flight: false,
             breaker_failures: 3,
             breaker_cooloff: Dur::from_secs(1),
             local_cache_size: 10_000,

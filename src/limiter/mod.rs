@@ -7,7 +7,9 @@
 //!
 //! - **check** before forwarding: a peek (read only, may be stale) for limits charged
 //!   after the response; a reservation (check and add in one step, on the primary) for
-//!   routes with `charge = "on_request"`; a slot for concurrency limits. A rejection
+//!   routes with `charge = "on_request"`, with `store.reserve_in_flight`, and for a
+//!   request that finds another of its caller in flight on this gateway; a slot for
+//!   concurrency limits. A rejection
 //!   (429) is built from the very call that found the caller over the limit.
 //! - **charge** after the response (peeked limits), or **release** (refund
 //!   reservations, give back lease units) when the status is uncharged or the upstream
@@ -451,6 +453,11 @@ enum Stage {
     Peek,
     /// Reserved before forwarding, refunded if the request is not charged.
     Reserve,
+    /// Charged after the response, but reserved at the check because this gateway
+    /// already had a request of the same caller and limit in flight (see
+    /// [`Limiter::check`]); refunded if the request is not charged, topped up when the
+    /// upstream says it cost more.
+    Held,
     /// A concurrency slot, given back when the response body ends.
     Slot,
     /// Taken from this gateway's lease.
@@ -473,47 +480,45 @@ pub struct Admission {
     /// The units this request adds to its checked limits' in-flight counts until it is
     /// charged or released (given back when the admission is dropped).
     in_flight: Option<InFlightGuard>,
+    /// The cost the check took or counted (the route's `cost`).
+    cost: u64,
 }
 
-/// Units this gateway admitted and has not charged yet, per storage key of a limit
-/// checked before forwarding (`charge = "after_response"`). A check counts them as if
-/// charged, so that concurrent requests of one caller on one gateway cannot all pass
-/// before the first is charged; across gateways the overshoot is bounded by what the
-/// others have in flight (use `charge = "on_request"` for none at all).
+/// Units this gateway admitted by a read and has not charged yet, per storage key of a
+/// limit checked before forwarding (`charge = "after_response"`): at most one request's
+/// per key, since a request that finds units here is held by a reservation instead
+/// ([`Stage::Held`]). A check counts them as if charged, so a burst of one caller on
+/// one gateway admits exactly the quota, and across N gateways at most N requests more.
 #[derive(Debug, Clone, Default)]
 struct InFlightUnits(Arc<sharded::ShardedMap<u64>>);
 
 impl InFlightUnits {
-    /// Count `cost` units in flight for each of `keys` until the guard is dropped;
-    /// also the units each key had in flight before (in order).
-    fn add(
+    /// For each of `keys` (in order), the units in flight before this request; and
+    /// `cost` units counted in flight, until the guard is dropped, for each key where
+    /// `count(index, units before)` says so.
+    fn add_where(
         &self,
-        keys: Vec<LimitKey>,
+        keys: &[&LimitKey],
         cost: u64,
-    ) -> (Option<InFlightGuard>, std::vec::IntoIter<u64>) {
-        if keys.is_empty() {
-            return (None, Vec::new().into_iter());
-        }
+        count: impl Fn(usize, u64) -> bool,
+    ) -> (Option<InFlightGuard>, Vec<u64>) {
         let mut before = Vec::with_capacity(keys.len());
-        for key in &keys {
+        let mut counted = Vec::new();
+        for (i, key) in keys.iter().enumerate() {
             let mut shard = self.0.shard(key);
-            match shard.get_mut(&key.key) {
-                Some(n) => {
-                    before.push(*n);
-                    *n += cost;
-                }
-                None => {
-                    before.push(0);
-                    shard.insert(key.key.clone(), cost);
-                }
+            let n = shard.get(&key.key).copied().unwrap_or(0);
+            before.push(n);
+            if count(i, n) {
+                *shard.entry(key.key.clone()).or_insert(0) += cost;
+                counted.push((*key).clone());
             }
         }
-        let guard = InFlightGuard {
+        let guard = (!counted.is_empty()).then(|| InFlightGuard {
             units: self.clone(),
-            keys,
+            keys: counted,
             cost,
-        };
-        (Some(guard), before.into_iter())
+        });
+        (guard, before)
     }
 }
 
@@ -547,6 +552,27 @@ struct Hold {
     epoch: Option<u64>,
 }
 
+/// The policy a [`Stage::Held`] reservation is judged by while `n` units of the same
+/// caller and limit are in flight on this gateway, unseen by the store: the quota (GCRA:
+/// the burst) less `n`, so that the reservation admits only what `n` more units leave
+/// room for. `None` when nothing is in flight (a read will do), for concurrency limits
+/// (slots), and when `n` leaves no room (the read, with `n` added, refuses and reports
+/// the usage).
+fn tightened(policy: &Policy, n: u64) -> Option<Policy> {
+    if n == 0 {
+        return None;
+    }
+    let mut p = *policy;
+    match p.algorithm {
+        Algorithm::Concurrency => return None,
+        Algorithm::Gcra if n < p.burst => p.burst -= n,
+        Algorithm::Gcra => return None,
+        _ if n < p.quota => p.quota -= n,
+        _ => return None,
+    }
+    Some(p)
+}
+
 /// Ids for sliding-log entries and concurrency slots: unique within the process,
 /// random across processes (53 bits, exact in Lua's numbers).
 fn next_id() -> u64 {
@@ -568,7 +594,8 @@ pub struct PendingCharge {
     clock: crate::clock::SharedClock,
     applied: Arc<[Applied]>,
     cost: u64,
-    on_request: bool,
+    /// Per applied limit: whether it was only checked (charged when dropped armed).
+    checked: Vec<bool>,
     armed: bool,
 }
 
@@ -587,8 +614,9 @@ impl Drop for PendingCharge {
         let charges: Vec<Refund> = self
             .applied
             .iter()
-            .filter(|a| a.stage(self.on_request) == Stage::Peek)
-            .map(|a| {
+            .zip(&self.checked)
+            .filter(|(_, checked)| **checked)
+            .map(|(a, _)| {
                 let op = Op {
                     kind: OpKind::Charge,
                     cost: self.cost,
@@ -696,6 +724,9 @@ pub struct Limiter {
     waiting: Arc<sharded::ShardedMap<u32>>,
     /// Units admitted by this gateway and not charged yet, per storage key.
     in_flight: InFlightUnits,
+    /// `store.reserve_in_flight`: limits charged after the response are reserved at the
+    /// check instead (see [`Limiter::reserves_in_flight`]).
+    reserve_in_flight: bool,
 }
 
 /// The name of the built-in limit on failed authentications (reserved: part of its keys).
@@ -721,7 +752,24 @@ impl Limiter {
             failed_auth: None,
             waiting: Arc::default(),
             in_flight: InFlightUnits::default(),
+            reserve_in_flight: false,
         }
+    }
+
+    /// `store.reserve_in_flight`: reserve the units of limits charged after the response
+    /// at the check, in the store (on a Redis shard's primary), and refund them when the
+    /// response is not charged, so that every gateway of a fleet sees every other's
+    /// requests in flight.
+    pub fn with_reserve_in_flight(mut self, reserve: bool) -> Self {
+        self.reserve_in_flight = reserve;
+        self
+    }
+
+    /// Whether a request is held by reservation (`charge = "on_request"` on its route,
+    /// given as `on_request`, or `store.reserve_in_flight`) rather than checked by a
+    /// read and charged after the response.
+    pub fn reserves(&self, on_request: bool) -> bool {
+        on_request || self.reserve_in_flight
     }
 
     /// Limit failed authentications to `quota` per client IP and `window_ms` (0: off).
@@ -873,47 +921,54 @@ impl Limiter {
                 .collect(),
             shadowed: Vec::new(),
             in_flight: None,
+            cost,
         };
         // Requests this gateway admitted and has not charged yet count as charged, so a
-        // burst of concurrent requests cannot all pass one stale check: this request's
-        // units join them now (before the store answers), and leave when the admission
-        // is dropped.
-        let counted: Vec<LimitKey> = applied
-            .iter()
-            .zip(&admission.holds)
-            .filter(|(_, h)| h.stage == Stage::Peek)
-            .map(|(a, _)| a.key.clone())
+        // burst of concurrent requests cannot all pass one stale check. The first
+        // request of a caller and limit in flight on this gateway is checked by a read
+        // and counted here until it is charged or released. A request that finds one
+        // already in flight is held by a reservation in the store instead (`Held`),
+        // with the quota tightened by the units in flight here, which the store has not
+        // seen yet: so every gateway of a fleet has at most one request per caller and
+        // limit that the others cannot see, and a burst overshoots by at most one
+        // request per gateway.
+        let checked: Vec<usize> = (0..applied.len())
+            .filter(|&i| admission.holds[i].stage == Stage::Peek)
             .collect();
-        let (guard, before) = self.in_flight.add(counted, cost);
+        let keys: Vec<&LimitKey> = checked.iter().map(|&i| &applied[i].key).collect();
+        let (guard, before) = self.in_flight.add_where(&keys, cost, |k, n| {
+            tightened(&applied[checked[k]].policy, n).is_none()
+        });
         admission.in_flight = guard;
-        // Per applied limit: the units in flight before this request (checked limits).
-        let mut before = before;
-        let in_flight_before: Vec<u64> = admission
-            .holds
-            .iter()
-            .map(|h| {
-                if h.stage == Stage::Peek {
-                    before.next().unwrap_or(0)
-                } else {
-                    0
-                }
-            })
-            .collect();
+        // Per applied limit: the units in flight here before this request.
+        let mut in_flight_before = vec![0; applied.len()];
+        let mut policies: Vec<Option<Policy>> = vec![None; applied.len()];
+        for (&i, n) in checked.iter().zip(before) {
+            in_flight_before[i] = n;
+            if let Some(policy) = tightened(&applied[i].policy, n) {
+                admission.holds[i].stage = Stage::Held;
+                policies[i] = Some(policy);
+            }
+        }
         let items: Vec<Item<'_>> = applied
             .iter()
             .zip(admission.holds.iter().map(|h| h.stage))
             .enumerate()
             .filter(|(_, (_, st))| *st != Stage::Lease)
-            .map(|(i, (a, st))| Item {
-                key: &a.key,
-                policy: &a.policy,
-                op: match st {
-                    Stage::Peek => Op {
+            .map(|(i, (a, st))| match st {
+                Stage::Peek => Item {
+                    key: &a.key,
+                    policy: &a.policy,
+                    op: Op {
                         kind: OpKind::Peek,
                         cost: cost.saturating_add(in_flight_before[i]),
                         id: 0,
                     },
-                    _ => Op {
+                },
+                _ => Item {
+                    key: &a.key,
+                    policy: policies[i].as_ref().unwrap_or(&a.policy),
+                    op: Op {
                         kind: OpKind::Reserve,
                         cost,
                         id: next_id(),
@@ -1142,8 +1197,15 @@ impl Limiter {
         now_ms: u64,
         admission: Admission,
     ) -> Vec<Option<Usage>> {
-        let charged: Vec<usize> = (0..applied.len())
-            .filter(|&i| admission.holds[i].stage == Stage::Peek)
+        // Checked limits are charged `cost`; held ones (reserved at the check) the
+        // difference when the upstream said the request cost more than was reserved.
+        let top_up = cost.saturating_sub(admission.cost);
+        let charged: Vec<(usize, u64)> = (0..applied.len())
+            .filter_map(|i| match admission.holds[i].stage {
+                Stage::Peek => Some((i, cost)),
+                Stage::Held if top_up > 0 => Some((i, top_up)),
+                _ => None,
+            })
             .collect();
         let mut usages = admission.usages;
         if charged.is_empty() || cost == 0 {
@@ -1151,7 +1213,7 @@ impl Limiter {
         }
         let items: Vec<Item<'_>> = charged
             .iter()
-            .map(|&i| Item {
+            .map(|&(i, cost)| Item {
                 key: &applied[i].key,
                 policy: &applied[i].policy,
                 op: Op {
@@ -1162,7 +1224,7 @@ impl Limiter {
             })
             .collect();
         let results = self.store.apply(&items, now_ms).await;
-        for (&i, result) in charged.iter().zip(results) {
+        for (&(i, _), result) in charged.iter().zip(results) {
             match result {
                 Ok(v) => usages[i] = Some(applied[i].usage(&v)),
                 Err(e) => self
@@ -1202,7 +1264,7 @@ impl Limiter {
             }
         }
         let refunds = refunds(applied, admission, cost, |st| {
-            matches!(st, Stage::Reserve | Stage::Slot) && which(st)
+            matches!(st, Stage::Reserve | Stage::Held | Stage::Slot) && which(st)
         });
         spawn_refunds(self.store.clone(), refunds, now_ms);
     }
@@ -1213,16 +1275,19 @@ impl Limiter {
     pub fn pending_charge(
         &self,
         applied: Arc<[Applied]>,
-        cost: u64,
-        on_request: bool,
+        admission: &Admission,
         clock: crate::clock::SharedClock,
     ) -> PendingCharge {
         PendingCharge {
             store: self.store.clone(),
             clock,
+            checked: admission
+                .holds
+                .iter()
+                .map(|h| h.stage == Stage::Peek)
+                .collect(),
             applied,
-            cost,
-            on_request,
+            cost: admission.cost,
             armed: true,
         }
     }

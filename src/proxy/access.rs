@@ -227,8 +227,49 @@ impl Drop for AccessLine {
     }
 }
 
-/// Write the access line of `this`, answered with `status` on `route`.
+/// Access lines written per second for each kind of request refused before it reached
+/// an upstream (401, 400, 404, 413, 429): past it, lines of that kind are held back and
+/// counted, and the next one written says how many were (`held_back`). Metrics count
+/// every request.
+pub const REFUSED_LINES_PER_SECOND: u64 = 100;
+
+/// The line budget of a decision that refuses a request before the upstream; `None` for
+/// requests that were forwarded (or answered by the gateway on purpose).
+fn refused_budget(decision: Decision) -> Option<&'static crate::logging::Budget> {
+    use crate::logging::Budget;
+    static BUDGETS: [Budget; 5] = [
+        Budget::new(),
+        Budget::new(),
+        Budget::new(),
+        Budget::new(),
+        Budget::new(),
+    ];
+    let i = match decision {
+        Decision::Unauthenticated => 0,
+        Decision::BadRequest => 1,
+        Decision::NoRoute => 2,
+        Decision::TooLarge => 3,
+        Decision::Rejected => 4,
+        _ => return None,
+    };
+    Some(&BUDGETS[i])
+}
+
+/// Write the access line of `this`, answered with `status` on `route` (within
+/// [`REFUSED_LINES_PER_SECOND`] for refused requests).
 fn write_line(this: &AccessLog, route: &str, status: u16) {
+    if let Some(budget) = refused_budget(this.decision) {
+        match budget.take(REFUSED_LINES_PER_SECOND) {
+            None => return,
+            Some(0) => {}
+            Some(held_back) => tracing::warn!(
+                target: "tollgate::access",
+                decision = this.decision.as_str(),
+                held_back,
+                "access lines held back: more than {REFUSED_LINES_PER_SECOND} a second of this decision"
+            ),
+        }
+    }
     let total_ms = this.started.elapsed().as_secs_f64() * 1000.0;
     tracing::info!(
         target: "tollgate::access",

@@ -465,6 +465,19 @@ pub async fn forward(
         }
     }
     let h = &mut parts.headers;
+    if upstream.protocol == UpstreamProtocol::Http1
+        && !body.is_end_stream()
+        && body.size_hint().exact().is_none()
+        && !h.contains_key(header::CONTENT_LENGTH)
+    {
+        // A body of unknown length (chunked, or HTTP/2 DATA without Content-Length):
+        // hyper's client sends a GET or HEAD without it unless told, and the upstream
+        // must get what the client sent, never a silently shortened request.
+        h.insert(
+            header::TRANSFER_ENCODING,
+            HeaderValue::from_static("chunked"),
+        );
+    }
     append_forwarded_for(h, down.peer);
     if !down.peer_trusted || !h.contains_key(&X_FORWARDED_PROTO) {
         h.insert(

@@ -199,14 +199,16 @@ pub async fn serve(
         }
     }
 
-    // 3. Check every limit of the route (a read; may be stale, never written).
+    // 3. Check every limit of the route: a read (may be stale, never written), or a
+    //    reservation (`charge = "on_request"`, `store.reserve_in_flight`).
     let applied: std::sync::Arc<[Applied]> = snap
         .limiter
         .applicable(&route.limits, &caller, req.headers())
         .into();
+    let reserve = snap.limiter.reserves(route.on_request);
     let admission = match snap
         .limiter
-        .check_or_delay(&applied, route.cost, route.on_request, clock)
+        .check_or_delay(&applied, route.cost, reserve, clock)
         .await
     {
         Ok(admission) => admission,
@@ -248,12 +250,9 @@ pub async fn serve(
 
     // From here on the request is the upstream's: if the client goes away before the
     // charge below, it is charged all the same (when this guard is dropped).
-    let mut pending = snap.limiter.pending_charge(
-        applied.clone(),
-        route.cost,
-        route.on_request,
-        ctx.clock.clone(),
-    );
+    let mut pending = snap
+        .limiter
+        .pending_charge(applied.clone(), &admission, ctx.clock.clone());
 
     // 4. Forward upstream, streaming both bodies (telling the upstream who called).
     let mut req = req;

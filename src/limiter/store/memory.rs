@@ -5,13 +5,15 @@
 //! `lua/apply.lua`). States live in a [`ShardedMap`] (64 mutex-guarded hash maps) so
 //! concurrent callers rarely contend. [`MemoryStore::sweep`] drops states that no
 //! longer count; the gateway runs it every `store.sweep_interval`, so memory stays
-//! bounded by the callers active within one window, however many come and go.
+//! bounded by the callers active within one window, however many come and go, and by
+//! `store.max_callers` whatever they do: a new caller past it gets [`StoreError::Full`],
+//! which `store.on_error` handles, while the callers already held keep their windows.
 
 use super::{Grant, Item, Store, StoreError, WindowState};
 use crate::clock::SharedClock;
 use crate::limiter::algorithm::{self, State, Verdict};
 use crate::limiter::key::LimitKey;
-use crate::limiter::sharded::ShardedMap;
+use crate::limiter::sharded::{ShardedMap, SHARDS};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -46,17 +48,38 @@ impl Held {
 }
 
 /// Limit state held in process memory.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct MemoryStore {
     /// Shared with the sweeper task, which holds it weakly.
     windows: Arc<ShardedMap<Held>>,
     sweeper_started: AtomicBool,
+    /// `store.max_callers`: the most states held.
+    max_callers: usize,
+    /// The most states one of the map's shards holds (`max_callers` spread evenly: the
+    /// shard of a key is a uniform hash, and checking one locked shard costs nothing).
+    max_per_shard: usize,
+}
+
+impl Default for MemoryStore {
+    fn default() -> Self {
+        Self::with_max_callers(usize::MAX)
+    }
 }
 
 impl MemoryStore {
-    /// An empty store.
+    /// An empty store without a bound.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// An empty store that holds at most about `max_callers` states (`store.max_callers`).
+    pub fn with_max_callers(max_callers: usize) -> Self {
+        Self {
+            windows: Arc::default(),
+            sweeper_started: AtomicBool::new(false),
+            max_callers,
+            max_per_shard: max_callers.div_ceil(SHARDS).max(1),
+        }
     }
 
     /// Drop windows past their reset every `every`, in a background task that ends with
@@ -81,7 +104,11 @@ impl MemoryStore {
     }
 
     /// Apply one operation (the reference model; `lua/apply.lua` in Redis).
-    pub fn apply_now(&self, item: &Item<'_>, now_ms: u64) -> Verdict {
+    ///
+    /// Errors: [`StoreError::Full`] when the caller holds no state yet and the store
+    /// holds `store.max_callers` (also for a peek, so that `on_error` decides at the
+    /// check).
+    pub fn apply_now(&self, item: &Item<'_>, now_ms: u64) -> Result<Verdict, StoreError> {
         let mut map = self.windows.shard(item.key);
         match map.get_mut(&item.key.key) {
             Some(held) => {
@@ -92,21 +119,26 @@ impl MemoryStore {
                 } else if item.op.kind != algorithm::OpKind::Peek {
                     held.expires_at = held.state.expires_at(item.policy.window_ms);
                 }
-                verdict
+                Ok(verdict)
             }
             None => {
+                if map.len() >= self.max_per_shard {
+                    return Err(StoreError::Full(self.max_callers));
+                }
                 let mut state = State::Empty;
                 let verdict = algorithm::apply(item.policy, &mut state, item.op, now_ms);
                 if state != State::Empty {
                     let expires_at = state.expires_at(item.policy.window_ms);
                     map.insert(item.key.key.clone(), Held { state, expires_at });
                 }
-                verdict
+                Ok(verdict)
             }
         }
     }
 
     /// Take up to `want` units, never past `quota` (same rules as `lua/lease.lua`).
+    ///
+    /// Errors: [`StoreError::Full`], as for [`MemoryStore::apply_now`].
     pub fn lease_now(
         &self,
         key: &LimitKey,
@@ -114,8 +146,11 @@ impl MemoryStore {
         quota: u64,
         window_ms: u64,
         now_ms: u64,
-    ) -> Grant {
+    ) -> Result<Grant, StoreError> {
         let mut map = self.windows.shard(key);
+        if map.len() >= self.max_per_shard && !map.contains_key(&key.key) {
+            return Err(StoreError::Full(self.max_callers));
+        }
         let live = map.get(&key.key).and_then(|h| h.window(now_ms));
         let w = live.unwrap_or(WindowState {
             used: 0,
@@ -123,14 +158,14 @@ impl MemoryStore {
         });
         let granted = want.min(quota.saturating_sub(w.used));
         if granted == 0 {
-            return Grant { granted, window: w };
+            return Ok(Grant { granted, window: w });
         }
         let window = WindowState {
             used: w.used + granted,
             ..w
         };
         map.insert(key.key.clone(), Held::fixed(window));
-        Grant { granted, window }
+        Ok(Grant { granted, window })
     }
 
     /// Give back units of the window ending at `reset_at_ms` (same rules as
@@ -178,10 +213,7 @@ fn drop_expired(windows: &ShardedMap<Held>, now_ms: u64) -> usize {
 
 impl Store for MemoryStore {
     async fn apply(&self, items: &[Item<'_>], now_ms: u64) -> Vec<Result<Verdict, StoreError>> {
-        items
-            .iter()
-            .map(|i| Ok(self.apply_now(i, now_ms)))
-            .collect()
+        items.iter().map(|i| self.apply_now(i, now_ms)).collect()
     }
 
     async fn lease(
@@ -192,7 +224,7 @@ impl Store for MemoryStore {
         window_ms: u64,
         now_ms: u64,
     ) -> Result<Grant, StoreError> {
-        Ok(self.lease_now(key, want, quota, window_ms, now_ms))
+        self.lease_now(key, want, quota, window_ms, now_ms)
     }
 
     async fn refund(
@@ -222,7 +254,7 @@ mod tests {
                 id: 0,
             },
         };
-        s.apply_now(&item, now)
+        s.apply_now(&item, now).unwrap()
     }
 
     #[test]

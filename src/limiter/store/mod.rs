@@ -49,6 +49,10 @@ pub enum StoreError {
     /// The node's circuit breaker is open: failing fast.
     #[error("{0}: circuit breaker open")]
     BreakerOpen(String),
+    /// The memory store holds `store.max_callers` states and this caller would be a new
+    /// one.
+    #[error("memory store full: store.max_callers ({0}) states held")]
+    Full(usize),
     /// The script's reply did not have the expected shape.
     #[error("unexpected reply from store: {0}")]
     BadReply(String),

@@ -668,6 +668,25 @@ async fn a_chunked_body_on_get_reaches_the_upstream() {
     );
 }
 
+/// A config file in `dir` for the binary: listening on a free port, the admin listener
+/// on another, no file watcher, then `extra` TOML. (Its path and the two ports.)
+fn binary_config(
+    upstream: &Upstream,
+    dir: &std::path::Path,
+    extra: &str,
+) -> (std::path::PathBuf, u16, u16) {
+    let path = dir.join("tollgate.toml");
+    let (port, admin) = (support::redis::free_port(), support::redis::free_port());
+    let text = config(upstream).replace(
+        "listen = \"127.0.0.1:0\"",
+        &format!(
+            "listen = \"127.0.0.1:{port}\"\nadmin_listen = \"127.0.0.1:{admin}\"\nwatch_config = false\n{extra}"
+        ),
+    );
+    std::fs::write(&path, text).unwrap();
+    (path, port, admin)
+}
+
 /// Issue 11 item 8: floods an attacker drives cheaply (unknown keys; HTTP/2 rapid
 /// resets, one library warning per connection) cannot flood the log: refused requests
 /// get at most 100 access lines a second, with a count of those held back, and library
@@ -676,15 +695,11 @@ async fn a_chunked_body_on_get_reaches_the_upstream() {
 async fn log_floods_from_bad_keys_and_rapid_resets_are_held_back() {
     let upstream = Upstream::start().await;
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("tollgate.toml");
-    let (port, admin) = (support::redis::free_port(), support::redis::free_port());
-    let text = config(&upstream).replace(
-        "listen = \"127.0.0.1:0\"",
-        &format!(
-            "listen = \"127.0.0.1:{port}\"\nadmin_listen = \"127.0.0.1:{admin}\"\nwatch_config = false\n[log]\nformat = \"json\"\n[identity]\nfailed_auth_limit = {{ quota = 0 }}"
-        ),
+    let (path, port, admin) = binary_config(
+        &upstream,
+        dir.path(),
+        "[log]\nformat = \"json\"\n[identity]\nfailed_auth_limit = { quota = 0 }",
     );
-    std::fs::write(&path, text).unwrap();
     let gw = support::Binary::spawn(&path, port, &[]);
     let url = format!("http://127.0.0.1:{port}/");
 
@@ -898,4 +913,60 @@ async fn held_requests_of_a_burst_are_refunded_or_topped_up_like_single_ones() {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
+}
+
+/// Issue 11 item 4: under a low open-file limit, `server.max_connections` is lowered so
+/// that clients past it get 503 while the admin listener still answers (instead of
+/// every accept failing with "Too many open files", /healthz included).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_low_open_file_limit_lowers_max_connections_and_keeps_admin_answering() {
+    let upstream = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (path, port, admin) = binary_config(&upstream, dir.path(), "");
+    // (200 - 64 kept) / 2 descriptors per connection = 68 connections.
+    let gw = support::Binary::spawn_with_open_files(&path, port, 200);
+    let logs = gw.logs();
+    assert!(
+        logs.contains("server.max_connections lowered") && logs.contains("lowered_to=68"),
+        "{logs}"
+    );
+    // The start-up probe's connection is closed first (it would hold a slot).
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while !get(&format!("http://127.0.0.1:{admin}/metrics"))
+        .await
+        .text()
+        .contains("tollgate_open_connections 0")
+    {
+        assert!(std::time::Instant::now() < deadline, "connections still open");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // 150 silent connections: the first 68 are held, the rest answered 503.
+    let mut held = Vec::new();
+    for _ in 0..150 {
+        held.push(
+            tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .unwrap(),
+        );
+    }
+    let mut refused = 0;
+    for s in held.iter_mut().skip(68) {
+        let mut buf = [0u8; 256];
+        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+            .await
+            .expect("an answer")
+            .unwrap_or(0);
+        refused += usize::from(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 503"));
+    }
+    assert_eq!(
+        refused,
+        150 - 68,
+        "connections past the lowered bound get 503"
+    );
+    let health = get(&format!("http://127.0.0.1:{admin}/healthz")).await;
+    assert_eq!(health.status, 200, "the admin listener still answers");
+    assert!(!gw.logs().contains("Too many open files"), "{}", gw.logs());
+    drop(held);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(get(&format!("http://127.0.0.1:{port}/")).await.status, 200);
 }

@@ -153,3 +153,41 @@ impl Drop for SendWatch {
         self.set_waiting(false);
     }
 }
+
+/// File descriptors kept free for what is not a client connection: the listeners, the
+/// admin listener's connections, Redis connections, config and certificate files.
+pub(crate) const FD_RESERVE: u64 = 64;
+
+/// This process's soft limit on open files (`Max open files` in `/proc/self/limits`);
+/// `None` when unknown (not Linux) or unlimited.
+fn open_files_limit() -> Option<u64> {
+    let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
+    let line = limits.lines().find(|l| l.starts_with("Max open files"))?;
+    line["Max open files".len()..]
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// `server.max_connections`, lowered when the open-file limit could not hold that many
+/// client connections, each with an upstream connection (two descriptors), and
+/// [`FD_RESERVE`] more: past the fd limit every accept fails, the admin listener's
+/// included, while past `max_connections` clients get 503 and `/healthz` still answers.
+/// Logs a warning when it lowers it.
+pub(crate) fn effective_max_connections(configured: usize) -> usize {
+    let Some(limit) = open_files_limit() else {
+        return configured;
+    };
+    let fits = (limit.saturating_sub(FD_RESERVE) / 2).max(1);
+    if (configured as u64) <= fits {
+        return configured;
+    }
+    tracing::warn!(
+        configured,
+        open_files_limit = limit,
+        lowered_to = fits,
+        "server.max_connections lowered to fit the open-file limit (two descriptors per connection, {FD_RESERVE} kept for the admin listener, Redis and files); raise LimitNOFILE to allow more"
+    );
+    fits as usize
+}

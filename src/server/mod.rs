@@ -245,7 +245,7 @@ impl ConnLimits {
             header_read_timeout: cfg.header_read_timeout.0,
             idle_timeout: cfg.idle_timeout.0,
             send_timeout: cfg.send_timeout.0,
-            max_connections: cfg.max_connections,
+            max_connections: limits::effective_max_connections(cfg.max_connections),
             max_header_bytes: cfg.max_header_bytes,
             http2_max_streams: cfg.http2_max_streams,
         }

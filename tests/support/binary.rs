@@ -15,17 +15,33 @@ pub struct Binary {
 impl Binary {
     /// Run the binary with `config` and `env`, and wait until `port` accepts connections.
     pub fn spawn(config: &Path, port: u16, env: &[(&str, String)]) -> Binary {
-        let log = config.with_extension("log");
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_tollgate"));
-        cmd.arg("--config")
-            .arg(config)
-            .env_remove("RUST_LOG")
-            .env_remove("TOLLGATE_CONFIG")
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap());
+        cmd.arg("--config").arg(config);
         for (k, v) in env {
             cmd.env(k, v);
         }
+        Self::start(cmd, config, port)
+    }
+
+    /// [`Binary::spawn`] with the soft limit on open files set to `open_files` (through
+    /// the shell's `ulimit -n`).
+    pub fn spawn_with_open_files(config: &Path, port: u16, open_files: u64) -> Binary {
+        let mut cmd = Command::new("sh");
+        cmd.arg("-c")
+            .arg(format!(
+                "ulimit -n {open_files} && exec \"$0\" --config \"$1\""
+            ))
+            .arg(env!("CARGO_BIN_EXE_tollgate"))
+            .arg(config);
+        Self::start(cmd, config, port)
+    }
+
+    fn start(mut cmd: Command, config: &Path, port: u16) -> Binary {
+        let log = config.with_extension("log");
+        cmd.env_remove("RUST_LOG")
+            .env_remove("TOLLGATE_CONFIG")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap());
         let child = cmd.spawn().unwrap();
         let deadline = Instant::now() + Duration::from_secs(10);
         while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {

@@ -937,7 +937,10 @@ async fn a_low_open_file_limit_lowers_max_connections_and_keeps_admin_answering(
         .text()
         .contains("tollgate_open_connections 0")
     {
-        assert!(std::time::Instant::now() < deadline, "connections still open");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "connections still open"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     // 150 silent connections: the first 68 are held, the rest answered 503.

@@ -484,6 +484,30 @@ async fn a_shadow_limit_reports_but_never_refuses() {
             3,
             "{backend:?}: three would have been refused"
         );
+        // A concurrent burst (requests held by reservations while others are in
+        // flight) is let through and counted in full too.
+        let burst: Vec<_> = (0..10)
+            .map(|_| {
+                let url = gw.url("/slow/200");
+                tokio::spawn(async move { get(&url).await.status })
+            })
+            .collect();
+        for t in burst {
+            assert_eq!(t.await.unwrap(), 200, "{backend:?}: let through");
+        }
+        assert_eq!(
+            get(&gw.url("/x")).await.num("x-ratelimit-used"),
+            16,
+            "{backend:?}: the burst was counted"
+        );
+        assert_eq!(
+            metric(
+                &gw,
+                "tollgate_shadow_rejections_total{limit=\"l\",tier=\"anonymous\"}"
+            ),
+            14,
+            "{backend:?}: every request past the quota would have been refused"
+        );
         assert_eq!(
             metric(
                 &gw,

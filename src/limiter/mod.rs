@@ -1001,6 +1001,11 @@ impl Limiter {
                         }
                     } else if !a.enforced() {
                         admission.shadowed.push(u.clone());
+                        if admission.holds[i].stage == Stage::Held {
+                            // Let through without a reservation: charged after the
+                            // response, like a checked limit.
+                            admission.holds[i].stage = Stage::Peek;
+                        }
                     } else {
                         // A refusal that in-flight requests caused may not last (they
                         // can be released): keep only what the store alone refuses.

@@ -1023,6 +1023,11 @@ impl Limiter {
                     if let Err(Refusal::StoreDenied(e)) = self.store_failed(e) {
                         denied = Some(e);
                     }
+                    if admission.holds[i].stage == Stage::Held {
+                        // Nothing was reserved: if let through (on_error = "allow"),
+                        // charge it after the response like a checked limit.
+                        admission.holds[i].stage = Stage::Peek;
+                    }
                     admission.usages.push(None);
                 }
             }

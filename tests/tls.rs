@@ -534,27 +534,28 @@ async fn a_client_certificate_names_the_caller_and_an_api_key_wins() {
 
     // A certificate from another CA fails the handshake.
     let forged = Ca::new("other CA").leaf("acme", &["acme.clients"]);
-    let refused = async {
-        let mut s = connect(
-            gw.addr,
-            "localhost",
-            client_config(&pki.ca, &["http/1.1"], Some(&forged)),
-        )
-        .await?;
-        // TLS 1.3: the server's verdict on the client certificate arrives after the
-        // client's handshake is done.
-        s.write_all(b"GET / HTTP/1.1\r\nhost: localhost\r\n\r\n")
-            .await?;
-        let mut buf = [0u8; 64];
-        match s.read(&mut buf).await? {
-            0 => Err(std::io::Error::other("closed")),
-            _ => Ok(()),
-        }
-    };
+    let refused = answered(
+        gw.addr,
+        client_config(&pki.ca, &["http/1.1"], Some(&forged)),
+    );
     assert!(
         refused.await.is_err(),
         "a certificate from another CA was accepted"
     );
+}
+
+/// Whether a TLS connection made with `client` (SNI `localhost`) is answered an HTTP/1.1
+/// request. TLS 1.3: the server's verdict on a client certificate arrives after the
+/// client's side of the handshake is done, so a refusal shows when reading.
+async fn answered(addr: SocketAddr, client: Arc<rustls::ClientConfig>) -> std::io::Result<()> {
+    let mut s = connect(addr, "localhost", client).await?;
+    s.write_all(b"GET / HTTP/1.1\r\nhost: localhost\r\n\r\n")
+        .await?;
+    let mut buf = [0u8; 64];
+    match s.read(&mut buf).await? {
+        0 => Err(std::io::Error::other("closed")),
+        _ => Ok(()),
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -577,21 +578,7 @@ async fn required_client_certificates_refuse_clients_without_one() {
     )
     .await;
     assert_eq!(r.status, 200);
-    let refused = async {
-        let mut s = connect(
-            gw.addr,
-            "localhost",
-            client_config(&pki.ca, &["http/1.1"], None),
-        )
-        .await?;
-        s.write_all(b"GET / HTTP/1.1\r\nhost: localhost\r\n\r\n")
-            .await?;
-        let mut buf = [0u8; 64];
-        match s.read(&mut buf).await? {
-            0 => Err(std::io::Error::other("closed")),
-            _ => Ok(()),
-        }
-    };
+    let refused = answered(gw.addr, client_config(&pki.ca, &["http/1.1"], None));
     assert!(
         refused.await.is_err(),
         "a client without a certificate was served"

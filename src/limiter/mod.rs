@@ -493,32 +493,27 @@ pub struct Admission {
 struct InFlightUnits(Arc<sharded::ShardedMap<u64>>);
 
 impl InFlightUnits {
-    /// For each of `keys` (in order), the units in flight before this request; and
-    /// `cost` units counted in flight, until the guard is dropped, for each key where
-    /// `count(index, units before)` says so.
-    fn add_where(
-        &self,
-        keys: &[&LimitKey],
-        cost: u64,
-        count: impl Fn(usize, u64) -> bool,
-    ) -> (Option<InFlightGuard>, Vec<u64>) {
-        let mut before = Vec::with_capacity(keys.len());
-        let mut counted = Vec::new();
-        for (i, key) in keys.iter().enumerate() {
-            let mut shard = self.0.shard(key);
-            let n = shard.get(&key.key).copied().unwrap_or(0);
-            before.push(n);
-            if count(i, n) {
-                *shard.entry(key.key.clone()).or_insert(0) += cost;
-                counted.push((*key).clone());
-            }
+    /// The units in flight for `key` before this request, and the policy a reservation
+    /// of it is judged by ([`tightened`] by them). When there is none (a read will do),
+    /// `cost` units are counted in flight for `key` (see [`InFlightUnits::guard`]).
+    fn enter(&self, key: &LimitKey, cost: u64, policy: &Policy) -> (u64, Option<Policy>) {
+        let mut shard = self.0.shard(key);
+        let n = shard.get(&key.key).copied().unwrap_or(0);
+        let held = tightened(policy, n);
+        if held.is_none() {
+            *shard.entry(key.key.clone()).or_insert(0) += cost;
         }
-        let guard = (!counted.is_empty()).then(|| InFlightGuard {
+        (n, held)
+    }
+
+    /// A guard that takes `cost` units out of the counts of `keys` (those
+    /// [`InFlightUnits::enter`] counted) when dropped; `None` for no key.
+    fn guard(&self, keys: Vec<LimitKey>, cost: u64) -> Option<InFlightGuard> {
+        (!keys.is_empty()).then(|| InFlightGuard {
             units: self.clone(),
-            keys: counted,
+            keys,
             cost,
-        });
-        (guard, before)
+        })
     }
 }
 
@@ -932,24 +927,23 @@ impl Limiter {
         // seen yet: so every gateway of a fleet has at most one request per caller and
         // limit that the others cannot see, and a burst overshoots by at most one
         // request per gateway.
-        let checked: Vec<usize> = (0..applied.len())
-            .filter(|&i| admission.holds[i].stage == Stage::Peek)
-            .collect();
-        let keys: Vec<&LimitKey> = checked.iter().map(|&i| &applied[i].key).collect();
-        let (guard, before) = self.in_flight.add_where(&keys, cost, |k, n| {
-            tightened(&applied[checked[k]].policy, n).is_none()
-        });
-        admission.in_flight = guard;
-        // Per applied limit: the units in flight here before this request.
-        let mut in_flight_before = vec![0; applied.len()];
-        let mut policies: Vec<Option<Policy>> = vec![None; applied.len()];
-        for (&i, n) in checked.iter().zip(before) {
-            in_flight_before[i] = n;
-            if let Some(policy) = tightened(&applied[i].policy, n) {
+        // Per applied limit: the units in flight here before this request, and the
+        // tightened policy of a held one.
+        let mut in_flight: Vec<(u64, Option<Policy>)> = vec![(0, None); applied.len()];
+        let mut counted = Vec::new();
+        for (i, a) in applied.iter().enumerate() {
+            if admission.holds[i].stage != Stage::Peek {
+                continue;
+            }
+            in_flight[i] = self.in_flight.enter(&a.key, cost, &a.policy);
+            if in_flight[i].1.is_some() {
                 admission.holds[i].stage = Stage::Held;
-                policies[i] = Some(policy);
+            } else {
+                counted.push(a.key.clone());
             }
         }
+        admission.in_flight = self.in_flight.guard(counted, cost);
+        let in_flight_before = |i: usize| in_flight[i].0;
         let items: Vec<Item<'_>> = applied
             .iter()
             .zip(admission.holds.iter().map(|h| h.stage))
@@ -961,13 +955,13 @@ impl Limiter {
                     policy: &a.policy,
                     op: Op {
                         kind: OpKind::Peek,
-                        cost: cost.saturating_add(in_flight_before[i]),
+                        cost: cost.saturating_add(in_flight_before(i)),
                         id: 0,
                     },
                 },
                 _ => Item {
                     key: &a.key,
-                    policy: policies[i].as_ref().unwrap_or(&a.policy),
+                    policy: in_flight[i].1.as_ref().unwrap_or(&a.policy),
                     op: Op {
                         kind: OpKind::Reserve,
                         cost,
@@ -994,7 +988,7 @@ impl Limiter {
                     // Units in flight count as used, so that a refusal they caused
                     // does not show a full Remaining.
                     let mut u = a.usage(&v);
-                    u.used = u.used.saturating_add(in_flight_before[i]);
+                    u.used = u.used.saturating_add(in_flight_before(i));
                     if v.admitted {
                         if admission.holds[i].stage != Stage::Peek {
                             admission.holds[i].epoch = Some(v.epoch);

@@ -60,6 +60,22 @@ pub struct SendError {
     pub unsent: Option<Request<RequestBody>>,
 }
 
+/// A connection (`connected`) to send `req` on, or the failure to get one, with `req`
+/// handed back unsent.
+#[allow(clippy::result_large_err)] // as large as `send`'s own error; moved at once
+fn unsent_on_error<T>(
+    connected: Result<T, PoolError>,
+    req: Request<RequestBody>,
+) -> Result<(T, Request<RequestBody>), SendError> {
+    match connected {
+        Ok(tx) => Ok((tx, req)),
+        Err(error) => Err(SendError {
+            error,
+            unsent: Some(req),
+        }),
+    }
+}
+
 impl From<PoolError> for SendError {
     fn from(error: PoolError) -> Self {
         SendError {
@@ -160,15 +176,7 @@ impl Pool {
                 },
             }
         }
-        let mut tx = match self.connect_h1().await {
-            Ok(tx) => tx,
-            Err(error) => {
-                return Err(SendError {
-                    error,
-                    unsent: Some(req),
-                })
-            }
-        };
+        let (mut tx, req) = unsent_on_error(self.connect_h1().await, req)?;
         let response = tx.send_request(req).await.map_err(PoolError::Http)?;
         Ok(self.wrap(response, Some(tx)))
     }
@@ -179,15 +187,8 @@ impl Pool {
     ) -> Result<Response<PooledBody>, SendError> {
         // At most two rounds: the shared connection, then a fresh one if it had closed.
         for _ in 0..2 {
-            let mut tx = match self.h2_sender().await {
-                Ok(tx) => tx,
-                Err(error) => {
-                    return Err(SendError {
-                        error,
-                        unsent: Some(req),
-                    })
-                }
-            };
+            let (mut tx, back) = unsent_on_error(self.h2_sender().await, req)?;
+            req = back;
             if tx.ready().await.is_err() {
                 self.forget_h2(&tx);
                 continue;
@@ -203,15 +204,7 @@ impl Pool {
                 },
             }
         }
-        let mut tx = match self.h2_sender().await {
-            Ok(tx) => tx,
-            Err(error) => {
-                return Err(SendError {
-                    error,
-                    unsent: Some(req),
-                })
-            }
-        };
+        let (mut tx, req) = unsent_on_error(self.h2_sender().await, req)?;
         let response = tx.send_request(req).await.map_err(PoolError::Http)?;
         Ok(self.wrap(response, None))
     }

@@ -24,13 +24,6 @@ pub struct WindowState {
     pub reset_at_ms: u64,
 }
 
-impl WindowState {
-    /// True when no live window exists (never charged, or past its reset).
-    pub fn is_empty(&self) -> bool {
-        self.reset_at_ms == 0
-    }
-}
-
 /// A store call that did not produce an answer.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {

@@ -218,38 +218,30 @@ pub fn redact_url(url: &str) -> String {
 /// run on the rest. Any other error (syntax, a bad value, a missing key) ends the parse:
 /// the report holds it and every unknown key found before it.
 pub fn parse(path: &Path, text: String) -> Result<ConfigFile, ConfigReport> {
+    let parsed = |text, config, problems| ConfigFile {
+        path: path.to_path_buf(),
+        text,
+        config,
+        problems,
+    };
+    let mut error = match toml::from_str::<Config>(&text) {
+        Ok(config) => return Ok(parsed(text, config, Problems::default())),
+        Err(e) => e,
+    };
+    // Only a file with a problem is indexed and copied. Blanking a key keeps every other
+    // key's byte offsets, so one index of the original text serves every round.
+    let at = locate::Locator::new(&text);
     let mut work = text.clone();
     let mut problems = Problems::default();
-    // Blanking a key keeps every other key's byte offsets, so one index of the original
-    // text serves every round.
-    let at = locate::Locator::new(&text);
     // One round (one parse) per unknown key, up to a cap: a file with thousands of them
     // costs MAX_UNKNOWN_KEYS parses, not one per key.
-    for round in 0..=MAX_UNKNOWN_KEYS {
-        if round == MAX_UNKNOWN_KEYS {
-            problems.error(
-                "",
-                format!("more than {MAX_UNKNOWN_KEYS} unknown keys; the rest of the file was not checked"),
-            );
-            break;
-        }
-        let e = match toml::from_str::<Config>(&work) {
-            Ok(config) => {
-                return Ok(ConfigFile {
-                    path: path.to_path_buf(),
-                    text,
-                    config,
-                    problems,
-                })
-            }
-            Err(e) => e,
-        };
-        let span = e.span();
+    for round in 1..=MAX_UNKNOWN_KEYS {
+        let span = error.span();
         let key_path = span
             .as_ref()
             .map(|s| at.path_at(s.start))
             .unwrap_or_default();
-        let message = e.message().trim().to_string();
+        let message = error.message().trim().to_string();
         let unknown = message.starts_with("unknown field");
         let extent = if unknown { at.extent(&key_path) } else { None };
         problems.errors.push(Problem {
@@ -257,16 +249,25 @@ pub fn parse(path: &Path, text: String) -> Result<ConfigFile, ConfigReport> {
             message,
             span,
         });
-        match extent {
-            Some(range) => {
-                let blank: String = work[range.clone()]
-                    .chars()
-                    .map(|c| if c == '\n' { '\n' } else { ' ' })
-                    .collect();
-                work.replace_range(range, &blank);
-            }
-            None => break,
+        let Some(range) = extent else {
+            break;
+        };
+        let blank: String = work[range.clone()]
+            .chars()
+            .map(|c| if c == '\n' { '\n' } else { ' ' })
+            .collect();
+        work.replace_range(range, &blank);
+        if round == MAX_UNKNOWN_KEYS {
+            problems.error(
+                "",
+                format!("more than {MAX_UNKNOWN_KEYS} unknown keys; the rest of the file was not checked"),
+            );
+            break;
         }
+        error = match toml::from_str::<Config>(&work) {
+            Ok(config) => return Ok(parsed(text, config, problems)),
+            Err(e) => e,
+        };
     }
     Err(ConfigReport {
         path: path.to_path_buf(),

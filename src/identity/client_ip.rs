@@ -23,9 +23,8 @@ pub fn client_ip(headers: &HeaderMap, peer: IpAddr, trusted: &[IpNet]) -> IpAddr
     let hops = headers
         .get_all("x-forwarded-for")
         .iter()
-        .flat_map(|v| v.as_bytes().split(|b| *b == b','))
-        .collect::<Vec<_>>();
-    for hop in hops.iter().rev() {
+        .flat_map(|v| v.as_bytes().split(|b| *b == b','));
+    for hop in hops.rev() {
         let Some(ip) = std::str::from_utf8(hop).ok().and_then(parse_hop) else {
             break;
         };

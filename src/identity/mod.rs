@@ -34,20 +34,9 @@ pub struct Client {
     pub id: Arc<str>,
     /// Tier, which selects the quota of each limit.
     pub tier: Arc<str>,
-    /// How the caller proved who it is.
-    pub source: Source,
     /// SHA-256 of the API key (all zeros for JWT callers, which are never looked up by
     /// digest).
     key_sha256: [u8; 32],
-}
-
-/// How a caller was identified.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Source {
-    /// An API key of `[[identity.clients]]`.
-    ApiKey,
-    /// A JWT verified with `[identity.jwt]`.
-    Jwt,
 }
 
 /// The caller of one request.
@@ -169,7 +158,6 @@ impl Identities {
             let client = Arc::new(Client {
                 id: c.id.as_str().into(),
                 tier: c.tier.as_str().into(),
-                source: Source::ApiKey,
                 key_sha256: digest,
             });
             if cfg.client_cert_subject_as_caller {
@@ -321,7 +309,6 @@ impl Identities {
                     client: Some(Arc::new(Client {
                         id: found.id.into(),
                         tier: found.tier,
-                        source: Source::Jwt,
                         key_sha256: [0; 32],
                     })),
                     ip,
@@ -338,11 +325,6 @@ impl Identities {
         }
     }
 
-    /// The raw key bytes a request presents, if any.
-    ///
-    /// For `authorization`: `Bearer KEY` or `token KEY` (scheme case-insensitive); other
-    /// schemes (e.g. `Basic`) are not API keys and leave the caller anonymous. For any other
-    /// header, the whole (trimmed) value is the key.
     /// The key (or token) in the credential header: `None` when there is none, or the
     /// `Authorization` scheme is not one of ours (`Basic ...` is passed on untouched).
     ///

@@ -476,45 +476,51 @@ impl RedisStore {
         }
     }
 
-    /// Send `keys` with their arguments (the same number per key) to `lua/apply.lua`:
-    /// one call per shard, through the shard's batcher (so
-    /// concurrent requests share calls), or per hash tag in cluster mode. Shards are
-    /// called concurrently; one result per item, in order.
-    async fn run_many(
-        &self,
-        kind: Kind,
-        keys: &[&LimitKey],
-        args: impl Fn(usize) -> Vec<u64>,
-    ) -> Vec<Result<Verdict, StoreError>> {
+    /// Send `items` to `lua/apply.lua`: one call per shard and kind (peeks, which may go
+    /// to a replica, apart from writes), through the shard's batcher (so concurrent
+    /// requests share calls), or per hash tag in cluster mode. Groups are called
+    /// concurrently; one result per item, in order. `now_ms` is the script's `now`
+    /// argument (0: the node's `TIME`).
+    async fn run_many(&self, items: &[Item<'_>], now_ms: u64) -> Vec<Result<Verdict, StoreError>> {
         let Some(live) = self.live.get() else {
-            return keys.iter().map(|_| Err(StoreError::NotStarted)).collect();
+            return items.iter().map(|_| Err(StoreError::NotStarted)).collect();
         };
-        // Group items: by shard, or by hash tag (the subject's digest) in cluster mode.
-        let group_of = |k: &LimitKey| match live {
-            Topology::Cluster(_) => k.shard_hash,
-            Topology::Sharded(_) => self.shard_of(k) as u64,
+        // Group items: by kind, and by shard or by hash tag (the subject's digest) in
+        // cluster mode.
+        let group_of = |i: &Item<'_>| {
+            let kind = if i.op.kind == OpKind::Peek {
+                Kind::Check
+            } else {
+                Kind::Charge
+            };
+            let g = match live {
+                Topology::Cluster(_) => i.key.shard_hash,
+                Topology::Sharded(_) => self.shard_of(i.key) as u64,
+            };
+            (kind, g)
         };
-        let mut groups: Vec<(u64, Vec<usize>)> = Vec::new();
-        for (i, k) in keys.iter().enumerate() {
-            let g = group_of(k);
+        let mut groups: Vec<((Kind, u64), Vec<usize>)> = Vec::new();
+        for (i, item) in items.iter().enumerate() {
+            let g = group_of(item);
             match groups.iter_mut().find(|(id, _)| *id == g) {
                 Some((_, members)) => members.push(i),
                 None => groups.push((g, vec![i])),
             }
         }
-        if let [(group, members)] = groups.as_slice() {
-            // Every item on one shard (the usual case): no fan-out needed.
+        if let [((kind, group), members)] = groups.as_slice() {
+            // Every item of one kind on one shard (the usual case): no fan-out needed.
             return self
-                .call_group(live, kind, *group, keys, members, &args)
+                .call_group(live, *kind, *group, items, members, now_ms)
                 .await;
         }
         let replies = join_all(
             groups
                 .iter()
-                .map(|(g, m)| self.call_group(live, kind, *g, keys, m, &args)),
+                .map(|((k, g), m)| self.call_group(live, *k, *g, items, m, now_ms)),
         )
         .await;
-        let mut out: Vec<Option<Result<Verdict, StoreError>>> = keys.iter().map(|_| None).collect();
+        let mut out: Vec<Option<Result<Verdict, StoreError>>> =
+            items.iter().map(|_| None).collect();
         for ((_, members), results) in groups.iter().zip(replies) {
             for (&i, r) in members.iter().zip(results) {
                 out[i] = Some(r);
@@ -525,19 +531,35 @@ impl RedisStore {
             .collect()
     }
 
-    /// One script call for the items `members` of `keys` that share a shard (or a hash
-    /// tag in cluster mode).
+    /// One script call for the items `members` of `items` that share a kind and a shard
+    /// (or a hash tag in cluster mode).
     async fn call_group(
         &self,
         live: &Topology,
         kind: Kind,
         group: u64,
-        keys: &[&LimitKey],
+        items: &[Item<'_>],
         members: &[usize],
-        args: &impl Fn(usize) -> Vec<u64>,
+        now_ms: u64,
     ) -> Vec<Result<Verdict, StoreError>> {
-        let names: Vec<String> = members.iter().map(|&i| keys[i].key.clone()).collect();
-        let flat: Vec<u64> = members.iter().flat_map(|&i| args(i)).collect();
+        let names: Vec<String> = members.iter().map(|&i| items[i].key.key.clone()).collect();
+        let flat: Vec<u64> = members
+            .iter()
+            .flat_map(|&i| {
+                let (p, op) = (items[i].policy, items[i].op);
+                [
+                    op.kind.code(),
+                    p.algorithm.code(),
+                    p.quota,
+                    p.window_ms,
+                    p.burst,
+                    p.align.code(),
+                    op.cost,
+                    now_ms,
+                    op.id,
+                ]
+            })
+            .collect();
         let reply = match live {
             Topology::Cluster(c) => {
                 let names: Vec<&str> = names.iter().map(String::as_str).collect();
@@ -679,51 +701,7 @@ pub struct NodeReport {
 
 impl Store for RedisStore {
     async fn apply(&self, items: &[Item<'_>], now_ms: u64) -> Vec<Result<Verdict, StoreError>> {
-        let now_ms = self.now_arg(now_ms);
-        let args = |i: &Item<'_>| {
-            let p = i.policy;
-            vec![
-                i.op.kind.code(),
-                p.algorithm.code(),
-                p.quota,
-                p.window_ms,
-                p.burst,
-                p.align.code(),
-                i.op.cost,
-                now_ms,
-                i.op.id,
-            ]
-        };
-        // Usually every item is a peek (the check) or every one writes (the charge):
-        // one group, where peeks may go to a replica. A request that does both at once
-        // (a peek and a reservation) sends the two groups concurrently.
-        let is_peek = |i: &Item<'_>| i.op.kind == OpKind::Peek;
-        let peeks = items.iter().filter(|i| is_peek(i)).count();
-        if peeks == 0 || peeks == items.len() {
-            let kind = if peeks == 0 {
-                Kind::Charge
-            } else {
-                Kind::Check
-            };
-            let keys: Vec<&LimitKey> = items.iter().map(|i| i.key).collect();
-            return self.run_many(kind, &keys, |j| args(&items[j])).await;
-        }
-        let (peeks, writes): (Vec<usize>, Vec<usize>) =
-            (0..items.len()).partition(|&i| is_peek(&items[i]));
-        let run = |kind: Kind, which: &[usize]| {
-            let keys: Vec<&LimitKey> = which.iter().map(|&i| items[i].key).collect();
-            let which = which.to_vec();
-            async move { self.run_many(kind, &keys, |j| args(&items[which[j]])).await }
-        };
-        let (peeked, written) =
-            futures_util::future::join(run(Kind::Check, &peeks), run(Kind::Charge, &writes)).await;
-        let mut out: Vec<Option<Result<Verdict, StoreError>>> = vec![None; items.len()];
-        for (i, r) in peeks.iter().zip(peeked).chain(writes.iter().zip(written)) {
-            out[*i] = Some(r);
-        }
-        out.into_iter()
-            .map(|r| r.unwrap_or(Err(StoreError::NotStarted)))
-            .collect()
+        self.run_many(items, self.now_arg(now_ms)).await
     }
 
     async fn lease(

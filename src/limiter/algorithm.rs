@@ -220,7 +220,8 @@ impl State {
             State::Empty => 0,
             State::Fixed { reset_at, .. } => *reset_at,
             State::Sliding { start, .. } => start + 2 * window_ms,
-            State::Log(log) => log.iter().map(|e| e.0).max().unwrap_or(0) + window_ms,
+            // Oldest first: the newest entry is the last.
+            State::Log(log) => log.back().map_or(0, |e| e.0) + window_ms,
             State::Gcra { tat } => *tat,
             State::Slots(slots) => slots.iter().map(|s| s.1).max().unwrap_or(0),
         }
@@ -371,51 +372,56 @@ fn sliding_window(p: &Policy, state: &mut State, op: Op, now: u64) -> Verdict {
 
 fn sliding_log(p: &Policy, state: &mut State, op: Op, now: u64) -> Verdict {
     let w = p.window_ms;
-    // Entries count while their time is within (now - w, now]; the log is kept oldest
-    // first.
-    let entries: Vec<(u64, u64, u64)> = match state {
-        State::Log(log) => log.iter().filter(|e| e.0 + w > now).copied().collect(),
-        _ => Vec::new(),
+    // Entries count while their time is within (now - w, now]. The log is kept oldest
+    // first, so the entries that count are the ones from `live` on, and the newest is
+    // the last.
+    let was_log = matches!(state, State::Log(_));
+    let mut log = match state {
+        State::Log(log) => std::mem::take(log),
+        _ => VecDeque::new(),
     };
-    let used: u64 = entries.iter().map(|e| e.1).sum();
+    let live = log.partition_point(|e| e.0 + w <= now);
+    let used: u64 = log.range(live..).map(|e| e.1).sum();
     let admitted = used.saturating_add(op.cost) <= p.quota;
-    let reset_of =
-        |entries: &[(u64, u64, u64)]| entries.iter().map(|e| e.0 + w).max().unwrap_or(now);
-    let retry_of = |entries: &[(u64, u64, u64)], used: u64| -> u64 {
-        if op.cost > p.quota {
-            return reset_of(entries);
-        }
-        let mut acc = used;
-        for e in entries {
-            acc -= e.1;
-            if acc + op.cost <= p.quota {
-                return e.0 + w;
-            }
-        }
-        reset_of(entries)
+    let reset_of = |log: &VecDeque<(u64, u64, u64)>, from: usize| {
+        log.range(from..).next_back().map_or(now, |e| e.0 + w)
     };
     // Read only, or a reservation that does not fit: nothing changes.
     if op.kind == OpKind::Peek || (op.kind == OpKind::Reserve && !admitted) {
+        let reset_at_ms = reset_of(&log, live);
+        let retry_at_ms = if admitted {
+            0
+        } else if op.cost > p.quota {
+            reset_at_ms
+        } else {
+            let mut acc = used;
+            log.range(live..)
+                .find_map(|e| {
+                    acc -= e.1;
+                    (acc + op.cost <= p.quota).then_some(e.0 + w)
+                })
+                .unwrap_or(reset_at_ms)
+        };
+        if was_log {
+            *state = State::Log(log);
+        }
         return Verdict {
             admitted,
             used,
-            reset_at_ms: reset_of(&entries),
-            retry_at_ms: if admitted {
-                0
-            } else {
-                retry_of(&entries, used)
-            },
+            reset_at_ms,
+            retry_at_ms,
             epoch: 0,
         };
     }
+    // A write keeps only the entries that count.
+    log.drain(..live);
     match op.kind {
         // Charges and reservations that fit (peeks answered above).
         OpKind::Peek | OpKind::Charge | OpKind::Reserve => {
-            let mut log: VecDeque<_> = entries.into_iter().collect();
             let at = log.partition_point(|e| e.0 <= now);
             log.insert(at, (now, op.cost, op.id));
             let used = used.saturating_add(op.cost);
-            let reset_at_ms = log.iter().map(|e| e.0 + w).max().unwrap_or(now);
+            let reset_at_ms = reset_of(&log, 0);
             *state = State::Log(log);
             Verdict {
                 admitted,
@@ -426,12 +432,11 @@ fn sliding_log(p: &Policy, state: &mut State, op: Op, now: u64) -> Verdict {
             }
         }
         OpKind::Refund => {
-            let mut log: VecDeque<_> = entries.into_iter().collect();
             if let Some(i) = log.iter().position(|e| e.2 == op.id && e.1 == op.cost) {
                 log.remove(i);
             }
             let used: u64 = log.iter().map(|e| e.1).sum();
-            let reset_at_ms = log.iter().map(|e| e.0 + w).max().unwrap_or(now);
+            let reset_at_ms = reset_of(&log, 0);
             *state = if log.is_empty() {
                 State::Empty
             } else {

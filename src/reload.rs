@@ -65,7 +65,7 @@ pub fn reload_on_sighup(reloader: Reloader, path: PathBuf) -> std::io::Result<()
 ///
 /// Errors: the watcher could not be set up (e.g. no inotify instances left).
 pub fn watch_file(reloader: Reloader, path: PathBuf) -> notify::Result<notify::RecommendedWatcher> {
-    let dir = watched_dir(&path);
+    let dir = crate::tls::base_dir(&path);
     let mut files = vec![path.clone()];
     files.extend(reloader.tls_files());
     let (tx, mut rx) = mpsc::unbounded_channel::<()>();
@@ -89,7 +89,7 @@ pub fn watch_file(reloader: Reloader, path: PathBuf) -> notify::Result<notify::R
     tracing::info!(dir = %dir.display(), "watching the config directory for changes");
     let mut dirs = vec![dir];
     for f in &files[1..] {
-        let d = watched_dir(f);
+        let d = crate::tls::base_dir(f);
         if !dirs.contains(&d) {
             watcher.watch(&d, RecursiveMode::NonRecursive)?;
             tracing::info!(dir = %d.display(), "watching a TLS certificate directory for changes");
@@ -177,13 +177,6 @@ fn concerns(config: &Path, changed: &Path) -> bool {
         .ok()
         .and_then(|target| target.components().next().map(|c| c.as_os_str().to_owned()))
         .is_some_and(|first| first == name)
-}
-
-fn watched_dir(path: &Path) -> PathBuf {
-    match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    }
 }
 
 /// What a reload did.

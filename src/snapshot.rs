@@ -116,15 +116,13 @@ impl Snapshot {
             );
         }
 
-        let base_dir = file
-            .path
-            .parent()
-            .filter(|p| !p.as_os_str().is_empty())
-            .unwrap_or(std::path::Path::new("."));
-        let identities = Identities::build_in(&cfg.identity, base_dir, &mut problems);
+        let base_dir = crate::tls::base_dir(&file.path);
+        let identities = Identities::build_in(&cfg.identity, &base_dir, &mut problems);
         let tiers = identities.tiers();
 
-        // PEM paths in the config are relative to the config file's directory.
+        // PEM paths in the config are relative to the config file's directory. Not
+        // `tls::base_dir`: for a bare file name this base is "", not ".", so error
+        // messages name "ca.pem" rather than "./ca.pem".
         let base_dir = file
             .path
             .parent()

@@ -14,6 +14,7 @@ use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::{ClientHello, ResolvesServerCert, WebPkiClientVerifier};
 use rustls::sign::CertifiedKey;
+use sha2::{Digest, Sha256};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -57,14 +58,18 @@ impl Tls {
     pub fn build(cfg: &TlsConfig, base: &Path, problems: &mut Problems) -> Option<Tls> {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let before = problems.errors.len();
+        // Fed each file's bytes as they are read, in the order of `files()`: on success
+        // it is `files_digest` of the loaded contents without reading them again.
+        let mut digest = Sha256::new();
         if cfg.handshake_timeout.0.is_zero() {
             problems.error("server.tls.handshake_timeout", "must be more than 0");
         }
         let default = load_pair(
-            &resolve(base, &cfg.cert),
-            &resolve(base, &cfg.key),
+            &base.join(&cfg.cert),
+            &base.join(&cfg.key),
             "server.tls",
             &provider,
+            &mut digest,
             problems,
         );
         let mut by_host = HashMap::new();
@@ -75,10 +80,11 @@ impl Tls {
                 problems.error(format!("{at}.host"), "must not be empty");
             }
             let pair = load_pair(
-                &resolve(base, &sni.cert),
-                &resolve(base, &sni.key),
+                &base.join(&sni.cert),
+                &base.join(&sni.key),
                 &at,
                 &provider,
+                &mut digest,
                 problems,
             );
             if let Some(pair) = pair {
@@ -101,9 +107,10 @@ impl Tls {
                 None
             }
             Some(ca) => client_verifier(
-                &resolve(base, ca),
+                &base.join(ca),
                 cfg.client_auth.unwrap_or_default(),
                 &provider,
+                &mut digest,
                 problems,
             ),
         };
@@ -126,13 +133,11 @@ impl Tls {
         };
         let mut config = builder.with_cert_resolver(Arc::new(SniResolver { default, by_host }));
         config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
-        let files = files(cfg, base);
-        let digest = files_digest(&files);
         Some(Tls {
             config: Arc::new(config),
             handshake_timeout: cfg.handshake_timeout.0,
-            files,
-            digest,
+            files: files(cfg, base),
+            digest: hex::encode(digest.finalize()),
         })
     }
 
@@ -154,13 +159,13 @@ impl Tls {
 
 /// Every file `cfg` names, resolved against `base`.
 pub fn files(cfg: &TlsConfig, base: &Path) -> Vec<PathBuf> {
-    let mut v = vec![resolve(base, &cfg.cert), resolve(base, &cfg.key)];
+    let mut v = vec![base.join(&cfg.cert), base.join(&cfg.key)];
     for s in &cfg.sni {
-        v.push(resolve(base, &s.cert));
-        v.push(resolve(base, &s.key));
+        v.push(base.join(&s.cert));
+        v.push(base.join(&s.key));
     }
     if let Some(ca) = &cfg.client_ca {
-        v.push(resolve(base, ca));
+        v.push(base.join(ca));
     }
     v
 }
@@ -168,21 +173,24 @@ pub fn files(cfg: &TlsConfig, base: &Path) -> Vec<PathBuf> {
 /// SHA-256 over the contents of `files` (an unreadable file counts as its error), hex:
 /// tells a reload whether a certificate file changed.
 pub fn files_digest(files: &[PathBuf]) -> String {
-    use sha2::Digest;
-    let mut h = sha2::Sha256::new();
+    let mut h = Sha256::new();
     for f in files {
         match std::fs::read(f) {
-            Ok(bytes) => {
-                h.update((bytes.len() as u64).to_be_bytes());
-                h.update(&bytes);
-            }
+            Ok(bytes) => digest_file(&mut h, &bytes),
             Err(e) => h.update(format!("error: {e}").as_bytes()),
         }
     }
     hex::encode(h.finalize())
 }
 
-/// The directory relative paths in a config file are resolved against.
+/// One file's part of [`files_digest`]: its length, then its bytes.
+fn digest_file(h: &mut Sha256, bytes: &[u8]) {
+    h.update((bytes.len() as u64).to_be_bytes());
+    h.update(bytes);
+}
+
+/// The directory relative paths in a config file are resolved against (`.` for a bare
+/// file name); also the directory a reload watches for a file.
 pub fn base_dir(config_path: &Path) -> PathBuf {
     match config_path.parent() {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
@@ -190,16 +198,8 @@ pub fn base_dir(config_path: &Path) -> PathBuf {
     }
 }
 
-fn resolve(base: &Path, path: &str) -> PathBuf {
-    let p = Path::new(path);
-    if p.is_absolute() {
-        p.to_path_buf()
-    } else {
-        base.join(p)
-    }
-}
-
-fn read(path: &Path, at: &str, problems: &mut Problems) -> Option<Vec<u8>> {
+/// The bytes of `path`; a problem at `at` when it cannot be read.
+pub(crate) fn read(path: &Path, at: &str, problems: &mut Problems) -> Option<Vec<u8>> {
     match std::fs::read(path) {
         Ok(b) => Some(b),
         Err(e) => {
@@ -209,12 +209,15 @@ fn read(path: &Path, at: &str, problems: &mut Problems) -> Option<Vec<u8>> {
     }
 }
 
+/// The PEM certificates of `path`, its bytes fed to `digest`.
 fn load_certs(
     path: &Path,
     at: &str,
+    digest: &mut Sha256,
     problems: &mut Problems,
 ) -> Option<Vec<CertificateDer<'static>>> {
     let bytes = read(path, at, problems)?;
+    digest_file(digest, &bytes);
     let certs: Result<Vec<_>, _> = CertificateDer::pem_slice_iter(&bytes).collect();
     match certs {
         Ok(certs) if !certs.is_empty() => Some(certs),
@@ -235,29 +238,31 @@ fn load_certs(
     }
 }
 
-/// Load a certificate chain and its key; problems go to `{at}.cert` and `{at}.key`.
+/// Load a certificate chain and its key (their bytes fed to `digest`, certificate
+/// first); problems go to `{at}.cert` and `{at}.key`.
 fn load_pair(
     cert: &Path,
     key: &Path,
     at: &str,
     provider: &CryptoProvider,
+    digest: &mut Sha256,
     problems: &mut Problems,
 ) -> Option<Arc<CertifiedKey>> {
     let (at_cert, at_key) = (format!("{at}.cert"), format!("{at}.key"));
-    let chain = load_certs(cert, &at_cert, problems);
-    let key_der =
-        read(key, &at_key, problems).and_then(|bytes| {
-            match PrivateKeyDer::from_pem_slice(&bytes) {
-                Ok(k) => Some(k),
-                Err(e) => {
-                    problems.error(
-                        &at_key,
-                        format!("{}: no usable PEM private key: {e}", key.display()),
-                    );
-                    None
-                }
+    let chain = load_certs(cert, &at_cert, digest, problems);
+    let key_der = read(key, &at_key, problems).and_then(|bytes| {
+        digest_file(digest, &bytes);
+        match PrivateKeyDer::from_pem_slice(&bytes) {
+            Ok(k) => Some(k),
+            Err(e) => {
+                problems.error(
+                    &at_key,
+                    format!("{}: no usable PEM private key: {e}", key.display()),
+                );
+                None
             }
-        })?;
+        }
+    })?;
     let chain = chain?;
     if let Err(e) = webpki_end_entity(&chain[0]) {
         problems.error(&at_cert, format!("{}: {e}", cert.display()));
@@ -286,20 +291,12 @@ fn client_verifier(
     ca: &Path,
     auth: ClientAuth,
     provider: &Arc<CryptoProvider>,
+    digest: &mut Sha256,
     problems: &mut Problems,
 ) -> Option<Arc<dyn rustls::server::danger::ClientCertVerifier>> {
     let at = "server.tls.client_ca";
-    let certs = load_certs(ca, at, problems)?;
-    let mut roots = rustls::RootCertStore::empty();
-    for c in certs {
-        if let Err(e) = roots.add(c) {
-            problems.error(
-                at,
-                format!("{}: not a usable CA certificate: {e}", ca.display()),
-            );
-            return None;
-        }
-    }
+    let certs = load_certs(ca, at, digest, problems)?;
+    let roots = ca_roots(certs, ca, at, problems)?;
     let builder = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone());
     let builder = match auth {
         ClientAuth::Optional => builder.allow_unauthenticated(),
@@ -312,6 +309,27 @@ fn client_verifier(
             None
         }
     }
+}
+
+/// A root store of the CA certificates `certs` (read from `path`); a problem at `at`
+/// when one is not usable as a trust anchor.
+pub(crate) fn ca_roots(
+    certs: Vec<CertificateDer<'static>>,
+    path: &Path,
+    at: &str,
+    problems: &mut Problems,
+) -> Option<rustls::RootCertStore> {
+    let mut roots = rustls::RootCertStore::empty();
+    for c in certs {
+        if let Err(e) = roots.add(c) {
+            problems.error(
+                at,
+                format!("{}: not a usable CA certificate: {e}", path.display()),
+            );
+            return None;
+        }
+    }
+    Some(roots)
 }
 
 /// Picks the certificate by SNI: an exact, case-insensitive match of a
@@ -420,6 +438,41 @@ mod tests {
         params.distinguished_name = rcgen::DistinguishedName::new();
         let cert = params.self_signed(&key).unwrap();
         assert_eq!(subject_cn(cert.der()), None);
+    }
+
+    #[test]
+    fn build_digest_is_the_files_digest() {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let dir = tempfile::tempdir().unwrap();
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = rcgen::CertificateParams::new(vec!["a.example".into()])
+            .unwrap()
+            .self_signed(&key)
+            .unwrap();
+        let mut ca = rcgen::CertificateParams::new(vec![]).unwrap();
+        ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        let ca = ca.self_signed(&key).unwrap();
+        std::fs::write(dir.path().join("a.pem"), cert.pem()).unwrap();
+        std::fs::write(dir.path().join("a.key"), key.serialize_pem()).unwrap();
+        std::fs::write(dir.path().join("ca.pem"), ca.pem()).unwrap();
+        let absolute = dir.path().join("a.pem").display().to_string();
+        let cfg = TlsConfig {
+            cert: "a.pem".into(),
+            key: "a.key".into(),
+            sni: vec![crate::config::SniCertConfig {
+                host: "b.example".into(),
+                cert: absolute,
+                key: "a.key".into(),
+            }],
+            handshake_timeout: crate::config::Dur::from_secs(10),
+            client_ca: Some("ca.pem".into()),
+            client_auth: None,
+        };
+        let mut problems = Problems::default();
+        let tls = Tls::build(&cfg, dir.path(), &mut problems).expect("builds");
+        assert!(problems.errors.is_empty(), "{:?}", problems.errors);
+        assert_eq!(tls.files().len(), 5);
+        assert_eq!(tls.digest(), files_digest(tls.files()));
     }
 
     #[test]

@@ -118,12 +118,9 @@ impl JwtVerifier {
         base.leeway = cfg.leeway.0.as_secs();
         base.validate_nbf = true;
         let mut required = vec!["exp"];
-        match &cfg.issuer {
-            Some(iss) => {
-                base.set_issuer(&[iss]);
-                required.push("iss");
-            }
-            None => base.iss = None,
+        if let Some(iss) = &cfg.issuer {
+            base.set_issuer(&[iss]);
+            required.push("iss");
         }
         match &cfg.audience {
             Some(aud) => {
@@ -280,14 +277,7 @@ fn key_with(
 }
 
 fn read(path: &str, base_dir: &Path, key: &str, problems: &mut Problems) -> Option<Vec<u8>> {
-    let full = base_dir.join(path);
-    match std::fs::read(&full) {
-        Ok(bytes) => Some(bytes),
-        Err(e) => {
-            problems.error(key, format!("cannot read {}: {e}", full.display()));
-            None
-        }
-    }
+    crate::tls::read(&base_dir.join(path), key, problems)
 }
 
 fn load_keys(

@@ -5,7 +5,7 @@ use crate::config::{Problems, TlsRoots, UpstreamConfig, UpstreamProtocol};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::{ClientConfig, RootCertStore};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 /// The client configuration for the `https://` targets of `cfg` (reading its PEM files,
@@ -18,7 +18,7 @@ pub(crate) fn client_config(
 ) -> Option<Arc<ClientConfig>> {
     let before = problems.errors.len();
     let roots = match &cfg.ca {
-        Some(ca) => ca_roots(&format!("{at}.ca"), &resolve(base_dir, ca), problems),
+        Some(ca) => ca_roots(&format!("{at}.ca"), &base_dir.join(ca), problems),
         None => match cfg.tls_roots {
             TlsRoots::Webpki => Some(RootCertStore {
                 roots: webpki_roots::TLS_SERVER_ROOTS.to_vec(),
@@ -43,16 +43,8 @@ pub(crate) fn client_config(
             None
         }
         (Some(cert), Some(key)) => {
-            let chain = read_certs(
-                &format!("{at}.client_cert"),
-                &resolve(base_dir, cert),
-                problems,
-            );
-            let key = read_key(
-                &format!("{at}.client_key"),
-                &resolve(base_dir, key),
-                problems,
-            );
+            let chain = read_certs(&format!("{at}.client_cert"), &base_dir.join(cert), problems);
+            let key = read_key(&format!("{at}.client_key"), &base_dir.join(key), problems);
             chain.zip(key)
         }
     };
@@ -83,10 +75,6 @@ pub(crate) fn client_config(
         UpstreamProtocol::Http2 => vec![b"h2".to_vec()],
     };
     Some(Arc::new(config))
-}
-
-fn resolve(base_dir: &Path, path: &str) -> PathBuf {
-    base_dir.join(path)
 }
 
 fn read_certs(
@@ -126,17 +114,7 @@ fn read_key(key: &str, path: &Path, problems: &mut Problems) -> Option<PrivateKe
 
 fn ca_roots(key: &str, path: &Path, problems: &mut Problems) -> Option<RootCertStore> {
     let certs = read_certs(key, path, problems)?;
-    let mut roots = RootCertStore::empty();
-    for cert in certs {
-        if let Err(e) = roots.add(cert) {
-            problems.error(
-                key,
-                format!("{}: not a usable CA certificate: {e}", path.display()),
-            );
-            return None;
-        }
-    }
-    Some(roots)
+    crate::tls::ca_roots(certs, path, key, problems)
 }
 
 fn system_roots(key: &str, problems: &mut Problems) -> Option<RootCertStore> {

@@ -81,7 +81,7 @@ pub struct AccessLog {
     /// The usage reported in the headers.
     pub usage: Option<Usage>,
     upstream_ms: Option<f64>,
-    /// `tollgate_requests_total`, to count a request whose client went away.
+    /// `tollgate_requests_total`, where the request is counted when it ends.
     requests: prometheus_client::metrics::family::Family<
         RequestLabels,
         prometheus_client::metrics::counter::Counter,
@@ -101,17 +101,7 @@ impl Drop for AccessLog {
         if self.done {
             return;
         }
-        let route = self
-            .route
-            .clone()
-            .unwrap_or_else(|| NO_ROUTE.with(Arc::clone));
-        self.requests
-            .get_or_create(&RequestLabels {
-                route: route.clone(),
-                status: CLIENT_CLOSED,
-                decision: self.decision.as_str(),
-            })
-            .inc();
+        let route = self.count(CLIENT_CLOSED);
         if enabled() {
             write_line(self, &route, CLIENT_CLOSED);
         }
@@ -182,33 +172,35 @@ impl AccessLog {
     /// Put the request id on the response and count the request; the log line is
     /// written when the returned [`AccessLine`] is dropped (with the response body, so
     /// that `total_ms` covers the whole response). `None` when access lines are off.
-    pub fn finish(
-        mut self,
-        response: &mut Response<Body>,
-        metrics: &Metrics,
-    ) -> Option<AccessLine> {
+    pub fn finish(mut self, response: &mut Response<Body>) -> Option<AccessLine> {
         self.done = true;
         response
             .headers_mut()
             .insert(REQUEST_ID, self.request_id.clone());
         let status = response.status().as_u16();
+        let route = self.count(status);
+        enabled().then(|| AccessLine {
+            log: self,
+            route,
+            status,
+        })
+    }
+
+    /// Count the request in `tollgate_requests_total`, answered with `status`; return its
+    /// `route` label (`none` when no route matched).
+    fn count(&self, status: u16) -> Arc<str> {
         let route = self
             .route
             .clone()
             .unwrap_or_else(|| NO_ROUTE.with(Arc::clone));
-        metrics
-            .requests
+        self.requests
             .get_or_create(&RequestLabels {
                 route: route.clone(),
                 status,
                 decision: self.decision.as_str(),
             })
             .inc();
-        enabled().then(|| AccessLine {
-            log: self,
-            route,
-            status,
-        })
+        route
     }
 }
 

@@ -1,6 +1,7 @@
 //! The request body as it goes upstream: the client's body, streamed, counted against the
 //! route's `max_request_bytes`.
 
+use super::error::causes;
 use bytes::Bytes;
 use http_body::{Body as HttpBody, Frame, SizeHint};
 use hyper::body::Incoming;
@@ -80,24 +81,10 @@ impl HttpBody for RequestBody {
 
 /// Whether `error` (or one of its sources) is a [`ClientBody`] error.
 pub fn client_body(error: &(dyn std::error::Error + 'static)) -> bool {
-    let mut cur = Some(error);
-    while let Some(e) = cur {
-        if e.is::<ClientBody>() {
-            return true;
-        }
-        cur = e.source();
-    }
-    false
+    causes(error).any(|e| e.is::<ClientBody>())
 }
 
 /// Whether `error` (or one of its sources) is a [`TooLarge`] request body.
 pub fn too_large(error: &(dyn std::error::Error + 'static)) -> Option<TooLarge> {
-    let mut cur = Some(error);
-    while let Some(e) = cur {
-        if let Some(t) = e.downcast_ref::<TooLarge>() {
-            return Some(*t);
-        }
-        cur = e.source();
-    }
-    None
+    causes(error).find_map(|e| e.downcast_ref::<TooLarge>().copied())
 }

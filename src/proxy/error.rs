@@ -3,6 +3,7 @@
 use crate::limiter::Usage;
 use crate::response::{json_bytes_response, Body};
 use http::{header, HeaderValue, Response, StatusCode};
+use std::error::Error;
 
 /// A request the gateway answers itself instead of (or after failing at) forwarding.
 #[derive(Debug, thiserror::Error)]
@@ -112,4 +113,11 @@ struct ErrorBody<'a> {
     resource: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     retry_after: Option<u64>,
+}
+
+/// `error` and its sources, outermost first (following [`Error::source`]).
+pub(crate) fn causes<'a>(
+    error: &'a (dyn Error + 'static),
+) -> impl Iterator<Item = &'a (dyn Error + 'static)> {
+    std::iter::successors(Some(error), |&e| e.source())
 }

@@ -1,11 +1,10 @@
 //! Step 4 of the request path: forward to an upstream target, streaming both bodies.
 
 use super::body::RequestBody;
-use super::error::ProxyError;
+use super::error::{causes, ProxyError};
 use super::pool::{Connector, Pool, PoolError, PooledBody, SendError};
 use super::Body;
 use crate::config::{Problems, UpstreamConfig, UpstreamProtocol};
-use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{Method, Request, Response, StatusCode, Uri, Version};
@@ -241,13 +240,13 @@ impl Upstream {
     }
 
     /// The next target round robin, skipping ejected ones and `not` while any other is
-    /// available; when all are ejected, the next one anyway. `None` only when `not` is the
-    /// one target.
-    fn pick(&self, not: Option<usize>) -> Option<usize> {
+    /// available; when all are ejected, the next one anyway. A one-target upstream is never
+    /// asked to skip its target (requests are retried only with several targets).
+    fn pick(&self, not: Option<usize>) -> usize {
         let n = self.targets.len();
         if n == 1 {
             // One target: nothing to skip to (and no clock read on the hot path).
-            return (not != Some(0)).then_some(0);
+            return 0;
         }
         let start = self.next.fetch_add(1, Ordering::Relaxed) % n;
         let now = now_ms();
@@ -255,11 +254,12 @@ impl Upstream {
         let mut fallback = None;
         for i in candidates {
             if !self.targets[i].ejected(now) {
-                return Some(i);
+                return i;
             }
             fallback.get_or_insert(i);
         }
-        fallback
+        // At least one of several targets is not `not`.
+        fallback.unwrap_or(start)
     }
 
     /// Record that target `i` refused a connection: eject it for `eject_for`, doubled
@@ -438,12 +438,12 @@ pub async fn forward(
             .authority()
             .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
     });
-    let path = parts
-        .uri
-        .path_and_query()
-        .map(PathAndQuery::as_str)
-        .unwrap_or("/")
-        .to_owned();
+    // Shared with the request's URI, not copied. An empty one (an absolute-form
+    // `http://host`) stands for "/".
+    let path = match parts.uri.path_and_query() {
+        Some(pq) if pq.as_str() != "/" => pq.clone(),
+        _ => PathAndQuery::from_static("/"),
+    };
 
     strip_hop_by_hop(&mut parts.headers);
     let h = &mut parts.headers;
@@ -498,13 +498,7 @@ pub async fn forward(
     let mut tried = None;
     let started = tokio::time::Instant::now();
     loop {
-        let Some(i) = upstream.pick(tried) else {
-            unreachable_target(upstream, &down, tried);
-            return Err(ProxyError::UpstreamUnreachable(
-                upstream.name.to_string(),
-                "no target".into(),
-            ));
-        };
+        let i = upstream.pick(tried);
         let target = &upstream.targets[i].target;
         address(
             upstream.protocol,
@@ -556,16 +550,17 @@ pub async fn forward(
                 }
                 match unsent {
                     Some(back) if retriable && tried.is_none() => {
-                        if !error.is_refusal() {
-                            // Refusals were logged by the ejection.
+                        if error.is_refusal() {
+                            // The refusal was logged (at warn) by the ejection.
+                            tracing::debug!(
+                                upstream = %upstream.name,
+                                addr = %target.authority,
+                                error = %error_chain(&error),
+                                "connect failed before the request was sent; trying another target"
+                            );
+                        } else {
                             failed("failed; trying another target", error_chain(&error));
                         }
-                        tracing::debug!(
-                            upstream = %upstream.name,
-                            addr = %target.authority,
-                            error = %error_chain(&error),
-                            "connect failed before the request was sent; trying another target"
-                        );
                         tried = Some(i);
                         request = back;
                         continue;
@@ -602,31 +597,22 @@ pub async fn forward(
     }
 }
 
-fn unreachable_target(upstream: &Upstream, down: &Downstream<'_>, tried: Option<usize>) {
-    tracing::warn!(
-        upstream = %upstream.name,
-        request_id = down.request_id.to_str().unwrap_or("-"),
-        tried = ?tried,
-        "upstream has no target to try"
-    );
-}
-
 /// Point `req` at `target`: for HTTP/1.1 an origin-form URI (`/BASE/path?query`) and
 /// `Host`; for HTTP/2 an absolute URI whose authority is the client's Host (the target's
 /// when the client sent none), and no `Host` header.
 fn address(
     protocol: UpstreamProtocol,
     target: &Target,
-    path: &str,
+    path: &PathAndQuery,
     host: Option<&HeaderValue>,
     req: &mut Request<RequestBody>,
 ) -> Result<(), ProxyError> {
     let path_and_query = if target.base_path.is_empty() {
-        PathAndQuery::from_maybe_shared(Bytes::copy_from_slice(path.as_bytes()))
+        path.clone()
     } else {
-        PathAndQuery::try_from(format!("{}{}", target.base_path, path))
-    }
-    .map_err(|e| ProxyError::BadRequest(format!("cannot build upstream URI: {e}")))?;
+        PathAndQuery::try_from(format!("{}{}", target.base_path, path.as_str()))
+            .map_err(|e| ProxyError::BadRequest(format!("cannot build upstream URI: {e}")))?
+    };
     match protocol {
         UpstreamProtocol::Http1 => {
             *req.uri_mut() = Uri::from(path_and_query);
@@ -656,8 +642,6 @@ fn address(
     Ok(())
 }
 
-/// The upstream's response for the client: in the client's HTTP version, whatever the
-/// upstream spoke, without hop-by-hop headers.
 /// The protocol an HTTP/1.1 request asks to upgrade to (`Connection: upgrade` and an
 /// `Upgrade` header), if any.
 fn upgrade_of(req: &Request<Incoming>) -> Option<HeaderValue> {
@@ -731,6 +715,8 @@ fn respond_upgraded(response: Response<PooledBody>, downstream_version: Version)
     response
 }
 
+/// The upstream's response for the client: in the client's HTTP version, whatever the
+/// upstream spoke, without hop-by-hop headers.
 fn respond(response: Response<PooledBody>, downstream_version: Version) -> Response<Body> {
     let (mut parts, body) = response.into_parts();
     parts.version = downstream_version;
@@ -798,25 +784,21 @@ fn append_forwarded_for(h: &mut HeaderMap, peer: &Peer) {
 }
 
 fn is_timeout(e: &(dyn std::error::Error + 'static)) -> bool {
-    let mut cur = Some(e);
-    while let Some(err) = cur {
-        if let Some(io) = err.downcast_ref::<std::io::Error>() {
-            if io.kind() == std::io::ErrorKind::TimedOut {
-                return true;
-            }
-        }
-        cur = err.source();
-    }
-    false
+    causes(e).any(|err| {
+        err.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::TimedOut)
+    })
 }
 
 fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut out = e.to_string();
-    let mut cur = e.source();
-    while let Some(err) = cur {
-        out.push_str(": ");
-        out.push_str(&err.to_string());
-        cur = err.source();
+    use std::fmt::Write;
+    let mut out = String::new();
+    for (k, err) in causes(e).enumerate() {
+        if k > 0 {
+            out.push_str(": ");
+        }
+        // Writing to a String cannot fail.
+        let _ = write!(out, "{err}");
     }
     out
 }

@@ -96,7 +96,7 @@ pub async fn handle<H: Send + Sync + Unpin + 'static>(
     let in_flight = access::InFlight::new(&ctx.metrics.in_flight);
     let mut log = AccessLog::start(&mut req, ctx.metrics);
     let mut response = serve(snap, ctx, req, peer, &mut log).await;
-    let line = log.finish(&mut response, ctx.metrics);
+    let line = log.finish(&mut response);
     // The request is in flight, and its log line waits, until the response body ends.
     response.map(|body| crate::response::with_guard(body, (in_flight, line, held)))
 }

@@ -436,19 +436,16 @@ fn upstream_header(
         return None;
     };
     let reserved = [
-        "connection",
-        "keep-alive",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
         "host",
         "content-length",
         "x-forwarded-for",
         "x-forwarded-proto",
         "x-forwarded-host",
     ];
-    if reserved.contains(&h.as_str()) || h.as_str().starts_with("proxy-") || h == *credential {
+    if crate::proxy::forward::always_hop_by_hop(&h)
+        || reserved.contains(&h.as_str())
+        || h == *credential
+    {
         problems.error(
             key,
             format!("{name:?} is a header the gateway manages otherwise; pick another name, e.g. \"x-consumer-id\""),

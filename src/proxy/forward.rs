@@ -353,7 +353,7 @@ const HOP_BY_HOP: [HeaderName; 8] = [
 ];
 
 /// Whether `name` is hop-by-hop whatever `Connection` says.
-fn always_hop_by_hop(name: &HeaderName) -> bool {
+pub(crate) fn always_hop_by_hop(name: &HeaderName) -> bool {
     HOP_BY_HOP.contains(name) || name.as_str().starts_with("proxy-")
 }
 

@@ -84,21 +84,19 @@ pub struct Context<'a> {
 }
 
 /// Serve one request on the snapshot it started with (its [`Gate`]): set its request id, run
-/// [`serve`], record metrics and write one access log line. `held` (e.g. what marks
-/// the connection busy) is kept until the response body ends.
-pub async fn handle<H: Send + Sync + Unpin + 'static>(
+/// [`serve`], record metrics and write one access log line when the response body ends.
+pub async fn handle(
     snap: &Gate<'_>,
     ctx: &Context<'_>,
     mut req: Request<Incoming>,
     peer: &Peer,
-    held: H,
 ) -> Response<Body> {
     let in_flight = access::InFlight::new(&ctx.metrics.in_flight);
     let mut log = AccessLog::start(&mut req, ctx.metrics);
     let mut response = serve(snap, ctx, req, peer, &mut log).await;
     let line = log.finish(&mut response);
     // The request is in flight, and its log line waits, until the response body ends.
-    response.map(|body| crate::response::with_guard(body, (in_flight, line, held)))
+    response.map(|body| crate::response::with_guard(body, (in_flight, line)))
 }
 
 /// The six steps of the request path.
@@ -180,10 +178,7 @@ pub async fn serve(
     }
 
     // 2. Route by host and longest path prefix.
-    let Some(route) = snap
-        .router
-        .find(host.as_deref(), req.uri().path(), req.method())
-    else {
+    let Some(route) = snap.router.find(host, req.uri().path(), req.method()) else {
         log.decision = Decision::NoRoute;
         return ProxyError::NoRoute.into_response();
     };
@@ -397,11 +392,11 @@ fn put_headers(
 
 /// The host a request is for: the `Host` header, or the URI authority (HTTP/2).
 /// Without its port, and without a trailing dot (`api.example.com.` is
-/// `api.example.com`), lowercase.
+/// `api.example.com`), borrowed as sent (routes compare hosts in any case).
 ///
 /// Errors: 400 for a Host that is not ASCII or whose port is not a number (it must not
 /// fall through to a host-less route).
-fn request_host(req: &Request<Incoming>) -> Result<Option<String>, ProxyError> {
+fn request_host(req: &Request<Incoming>) -> Result<Option<&str>, ProxyError> {
     let raw = match req.headers().get(header::HOST) {
         Some(h) => h
             .to_str()
@@ -418,8 +413,8 @@ fn request_host(req: &Request<Incoming>) -> Result<Option<String>, ProxyError> {
         &raw[..end]
     } else {
         match raw.rsplit_once(':') {
-            Some((name, port)) => {
-                check_port(&format!(":{port}"))?;
+            Some((name, _)) => {
+                check_port(&raw[name.len()..])?;
                 name
             }
             None => raw,
@@ -429,7 +424,7 @@ fn request_host(req: &Request<Incoming>) -> Result<Option<String>, ProxyError> {
     if name.is_empty() {
         return Err(ProxyError::BadRequest("empty Host".into()));
     }
-    Ok(Some(name.to_ascii_lowercase()))
+    Ok(Some(name))
 }
 
 /// `rest` after the host name: empty, or `:` and a port number.

@@ -90,18 +90,20 @@ impl Drop for RequestActivity {
 
 /// A response body that tells its connection's [`Activity`] when it waits for the client
 /// to read: after it handed over a data frame and until it is asked for the next one.
+/// It also holds the request's [`RequestActivity`], so the connection counts as busy
+/// until the body is dropped (after the body's own guards: fields drop in order).
 pub(crate) struct SendWatch {
     body: Body,
-    activity: Arc<Activity>,
+    busy: RequestActivity,
     waiting: bool,
 }
 
 impl SendWatch {
-    /// Watch `body` for the connection of `activity`.
-    pub(crate) fn new(body: Body, activity: Arc<Activity>) -> Self {
+    /// Watch `body`, the response of the request `busy` marks.
+    pub(crate) fn new(body: Body, busy: RequestActivity) -> Self {
         Self {
             body,
-            activity,
+            busy,
             waiting: false,
         }
     }
@@ -109,10 +111,11 @@ impl SendWatch {
     fn set_waiting(&mut self, waiting: bool) {
         if waiting != self.waiting {
             self.waiting = waiting;
+            let count = &self.busy.0.waiting;
             if waiting {
-                self.activity.waiting.fetch_add(1, Ordering::Relaxed);
+                count.fetch_add(1, Ordering::Relaxed);
             } else {
-                self.activity.waiting.fetch_sub(1, Ordering::Relaxed);
+                count.fetch_sub(1, Ordering::Relaxed);
             }
         }
     }
@@ -127,8 +130,8 @@ impl hyper::body::Body for SendWatch {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
         let this = self.get_mut();
-        let now = this.activity.now_ms();
-        this.activity.sent_ms.store(now, Ordering::Relaxed);
+        let activity = &this.busy.0;
+        activity.sent_ms.store(activity.now_ms(), Ordering::Relaxed);
         this.set_waiting(false);
         let polled = Pin::new(&mut this.body).poll_frame(cx);
         if let Poll::Ready(Some(Ok(frame))) = &polled {

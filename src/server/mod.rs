@@ -279,16 +279,15 @@ impl Connection {
             }
             // Busy until the response body ends (the guard travels with it).
             let busy = conn_activity.request();
-            let watch = conn_activity.clone();
             async move {
                 let snap = shared.snapshot.load_full();
                 let ctx = proxy::Context {
                     clock: &shared.clock,
                     metrics: &shared.metrics,
                 };
-                let response = proxy::handle(&snap.gate(), &ctx, req, &peer, busy).await;
+                let response = proxy::handle(&snap.gate(), &ctx, req, &peer).await;
                 // Watch the response body's progress for `server.send_timeout`.
-                Ok::<_, Infallible>(response.map(|body| limits::SendWatch::new(body, watch)))
+                Ok::<_, Infallible>(response.map(|body| limits::SendWatch::new(body, busy)))
             }
         });
         let conn = builder.serve_connection_with_upgrades(io, service);

@@ -36,9 +36,9 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
 # ---- runtime -------------------------------------------------------------------------
 # debian:bookworm-slim rather than distroless: the same Debian release (and glibc) as the
 # build stage, and a shell for `docker exec` when debugging. tollgate needs nothing else
-# at run time: the HEALTHCHECK is the binary itself (no curl), and it makes no outgoing
-# TLS connections (https:// upstreams and rediss:// are not supported yet), so no
-# ca-certificates. gcr.io/distroless/cc-debian12:nonroot works as a drop-in with
+# at run time: the HEALTHCHECK is the binary itself (no curl), and `https://` upstreams
+# trust Mozilla's roots built into the binary (`tls_roots = "webpki"`, the default) or a
+# mounted `ca` file, so no ca-certificates (install it for `tls_roots = "system"`). gcr.io/distroless/cc-debian12:nonroot works as a drop-in with
 # `USER 10001:10001` if a smaller image matters more than a shell.
 FROM debian:bookworm-slim
 RUN groupadd --system --gid 10001 tollgate \

@@ -93,6 +93,8 @@ local function fixed_window(key, op, quota, window, align, cost, now, id)
     if live then
       redis.call("HINCRBY", key, "count", cost)
     else
+      -- A new window: nothing of an old one (lease records included) carries over.
+      redis.call("DEL", key)
       redis.call("HSET", key, "count", used, "reset_at", reset_at)
       redis.call("PEXPIREAT", key, reset_at + 1000)
     end

@@ -9,8 +9,10 @@
 #![forbid(unsafe_code)]
 
 pub mod admin;
+pub mod budget;
 pub mod clock;
 pub mod config;
+pub mod http;
 pub mod identity;
 pub mod limiter;
 pub mod logging;

@@ -8,12 +8,18 @@ use std::process::ExitCode;
 use std::time::Duration;
 use tollgate::clock::SystemClock;
 use tollgate::config;
+use tollgate::config::RuntimeShape;
 use tollgate::reload::{notify_systemd, reload_on_sighup, watch_file};
 use tollgate::snapshot::{reshard_warning, Snapshot};
 use tollgate::Gateway;
 
 #[derive(Parser)]
-#[command(name = "tollgate", version, about = "A rate-limiting reverse proxy")]
+#[command(
+    name = "tollgate",
+    version,
+    about = "A rate-limiting reverse proxy",
+    after_help = CONFIG_REFERENCE
+)]
 struct Cli {
     /// Config file. Default: $TOLLGATE_CONFIG, then /etc/tollgate/tollgate.toml.
     #[arg(
@@ -27,11 +33,17 @@ struct Cli {
     command: Option<Command>,
 }
 
+/// Where `--help` sends a reader for the config keys.
+const CONFIG_REFERENCE: &str =
+    "The config file is TOML; docs/configuration.md (in tollgate's source) is the full \
+reference of its keys: type, default, rules and when a change takes effect.";
+
 #[derive(Subcommand)]
 enum Command {
     /// Run the gateway in the foreground (the default).
     Run,
     /// Parse and validate the config, touch nothing; exit 1 on any error.
+    #[command(after_help = CONFIG_REFERENCE)]
     Check {
         /// The config running now: warn about what a reload to --config would change
         /// that callers notice (e.g. a changed shard list).
@@ -62,18 +74,25 @@ fn main() -> ExitCode {
     tollgate::install_crypto_provider();
     let cli = Cli::parse();
     let command = cli.command.unwrap_or(Command::Run);
-    let mut builder = tokio::runtime::Builder::new_multi_thread();
-    if let Command::Run = command {
-        // `server.workers` sizes the runtime, so it is read before the runtime exists; an
-        // unreadable file is reported by `run` below.
-        if let Some(n) = config::read(&cli.config)
-            .ok()
-            .and_then(|f| f.config.server.workers)
-            .filter(|n| *n > 0)
-        {
-            builder.worker_threads(n);
+    // `server.runtime` and `server.workers` shape the runtime, so they are read before it
+    // exists; an unreadable file is reported by `run` below.
+    let server = match command {
+        Command::Run => config::read(&cli.config).ok().map(|f| f.config.server),
+        _ => None,
+    };
+    let mut builder = match server.as_ref().map(|s| s.runtime) {
+        // The proxy listener gets its own worker threads (`Gateway::start`): this runtime
+        // only runs the admin listener, the reloader, the store's background tasks and
+        // the signal handlers.
+        Some(RuntimeShape::PerCore) => tokio::runtime::Builder::new_current_thread(),
+        _ => {
+            let mut builder = tokio::runtime::Builder::new_multi_thread();
+            if let Some(n) = server.and_then(|s| s.workers).filter(|n| *n > 0) {
+                builder.worker_threads(n);
+            }
+            builder
         }
-    }
+    };
     let runtime = match builder.enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {

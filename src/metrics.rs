@@ -45,11 +45,37 @@ pub struct RejectionLabels {
     pub tier: Arc<str>,
 }
 
+/// Labels of `tollgate_delays_refused_total`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DelayRefusalLabels {
+    /// `max_delayed` (the gateway held `server.max_delayed` requests) or `max_waiting`
+    /// (the limit held `max_waiting` requests of the same subject).
+    pub reason: &'static str,
+}
+
 /// Labels of `tollgate_reloads_total`.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReloadLabels {
     /// `ok` or `failed`.
     pub result: &'static str,
+}
+
+/// Labels of `tollgate_overload_refusals_total`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RefusalLabels {
+    /// What was spent: `max_connections` (a client connection answered 503),
+    /// `max_connections_per_ip` (a client connection from an address that has
+    /// `server.max_connections_per_ip` open: 503),
+    /// `descriptors` (a client connection or an upstream socket that did not fit the
+    /// descriptor budget: 503) or `max_tunnels` (an upgrade answered 503).
+    pub limit: &'static str,
+}
+
+/// Labels of `tollgate_worker_connections_total`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WorkerLabels {
+    /// The `per_core` worker's index, from 0 to `server.workers` - 1.
+    pub worker: u32,
 }
 
 /// Every metric of one gateway.
@@ -71,8 +97,25 @@ pub struct Metrics {
     pub config_generation: Gauge,
     /// Requests being served now.
     pub in_flight: Gauge,
-    /// Open client connections on the proxy listener.
+    /// Open client connections on the proxy listener, tunnelled ones included.
     pub open_connections: Gauge,
+    /// `tollgate_delayed_requests`: requests held by `on_limit = "delay"` now.
+    pub delayed_requests: Gauge,
+    /// `tollgate_delays_refused_total{reason}`: requests a limit would have delayed that
+    /// got 429 at once, because `server.max_delayed` or the limit's `max_waiting`
+    /// requests were already held.
+    pub delays_refused: Family<DelayRefusalLabels, Counter>,
+    /// Open upstream sockets: in use, idle in a pool, or one end of a tunnel.
+    pub upstream_connections: Gauge,
+    /// Open tunnels (WebSockets), at most `server.max_tunnels`.
+    pub open_tunnels: Gauge,
+    /// Connections, upstream sockets and upgrades refused with 503 because a budget was
+    /// spent, by what was spent.
+    pub overload_refusals: Family<RefusalLabels, Counter>,
+    /// `tollgate_worker_connections_total{worker}`: client connections each `per_core`
+    /// worker accepted from its listener (refused ones included); none with the
+    /// `multi_thread` runtime.
+    pub worker_connections: Family<WorkerLabels, Counter>,
 }
 
 impl Metrics {
@@ -124,8 +167,47 @@ impl Metrics {
         let open_connections = Gauge::default();
         registry.register(
             "open_connections",
-            "Open client connections",
+            "Open client connections, tunnelled ones included",
             open_connections.clone(),
+        );
+        let delayed_requests = Gauge::default();
+        registry.register(
+            "delayed_requests",
+            "Requests held by on_limit = \"delay\" (at most server.max_delayed)",
+            delayed_requests.clone(),
+        );
+        let delays_refused = Family::<DelayRefusalLabels, Counter>::default();
+        for reason in ["max_delayed", "max_waiting"] {
+            let _ = delays_refused.get_or_create(&DelayRefusalLabels { reason });
+        }
+        registry.register(
+            "delays_refused",
+            "Requests a limit would have delayed that got 429 at once, by the bound that was full",
+            delays_refused.clone(),
+        );
+        let upstream_connections = Gauge::default();
+        registry.register(
+            "upstream_connections",
+            "Open upstream sockets: in use, idle in a pool, or one end of a tunnel",
+            upstream_connections.clone(),
+        );
+        let open_tunnels = Gauge::default();
+        registry.register(
+            "open_tunnels",
+            "Open tunnels (WebSockets)",
+            open_tunnels.clone(),
+        );
+        let overload_refusals = Family::<RefusalLabels, Counter>::default();
+        registry.register(
+            "overload_refusals",
+            "Connections, upstream sockets and upgrades refused with 503 because a budget was spent, by what was spent",
+            overload_refusals.clone(),
+        );
+        let worker_connections = Family::<WorkerLabels, Counter>::default();
+        registry.register(
+            "worker_connections",
+            "Client connections each per_core worker accepted from its listener, refused ones included",
+            worker_connections.clone(),
         );
         registry.register_collector(Box::new(StoreCollector { store }));
         Arc::new(Self {
@@ -138,6 +220,24 @@ impl Metrics {
             config_generation,
             in_flight,
             open_connections,
+            delayed_requests,
+            delays_refused,
+            upstream_connections,
+            open_tunnels,
+            overload_refusals,
+            worker_connections,
+        })
+    }
+
+    /// The `server.max_delayed` budget of `max` held requests, counted in
+    /// `tollgate_delayed_requests` and `tollgate_delays_refused_total`.
+    pub fn delay_budget(&self, max: usize) -> crate::limiter::delayed::DelayBudget {
+        crate::limiter::delayed::DelayBudget::new(max, self.delayed_requests.clone(), |why| {
+            self.delays_refused
+                .get_or_create(&DelayRefusalLabels {
+                    reason: why.label(),
+                })
+                .clone()
         })
     }
 

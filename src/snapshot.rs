@@ -30,6 +30,9 @@ use std::sync::Arc;
 pub struct Snapshot {
     /// The config it was built from.
     pub config: Config,
+    /// Step 0: the header rules of the edge (`server.underscores_in_headers`, and the
+    /// configured headers tollgate reads or sets).
+    pub edge: crate::http::Edge,
     /// Step 1: API keys, tiers, trusted proxies.
     pub identities: Identities,
     /// Every `[[limits]]` entry, in config order (for `GET /rate_limit`).
@@ -62,6 +65,7 @@ impl Snapshot {
     /// The parts the request path reads, borrowed: see [`crate::proxy::Gate`].
     pub fn gate(&self) -> crate::proxy::Gate<'_> {
         crate::proxy::Gate {
+            edge: &self.edge,
             identities: &self.identities,
             router: &self.router,
             limiter: &self.limiter,
@@ -101,8 +105,33 @@ impl Snapshot {
         if cfg.server.header_read_timeout.0.is_zero() {
             problems.error("server.header_read_timeout", "must be more than 0");
         }
+        if !(1..=1_000_000).contains(&cfg.server.max_delayed) {
+            problems.error(
+                "server.max_delayed",
+                "must be between 1 and 1000000 (about 33 KB each); limits that must not delay use on_limit = \"reject\"",
+            );
+        }
+        if cfg.server.max_connections_per_ip == 0 {
+            problems.error(
+                "server.max_connections_per_ip",
+                "must be at least 1 (to not cap one address below the whole listener, set it to server.max_connections)",
+            );
+        }
         if cfg.server.send_timeout.0.is_zero() {
             problems.error("server.send_timeout", "must be more than 0");
+        }
+        if cfg.server.body_timeout.0.is_zero() {
+            problems.error("server.body_timeout", "must be more than 0");
+        }
+        if cfg
+            .server
+            .tunnel_idle_timeout
+            .is_some_and(|t| t.0.is_zero())
+        {
+            problems.error(
+                "server.tunnel_idle_timeout",
+                "must be more than 0 (leave it out to use server.idle_timeout)",
+            );
         }
         if !["trace", "debug", "info", "warn", "error", "off"].contains(&cfg.log.level.as_str())
             && tracing_subscriber::EnvFilter::try_new(&cfg.log.level).is_err()
@@ -129,13 +158,17 @@ impl Snapshot {
             .map(std::path::Path::to_path_buf)
             .unwrap_or_default();
         let mut upstreams = HashMap::new();
+        // One pool part per worker of the runtime that runs ([server] is read at start).
+        let pool_parts = crate::server::runtime::per_worker_parts(
+            previous.map_or(&cfg.server, |p| &p.running.0),
+        );
         for (i, u) in cfg.upstreams.iter().enumerate() {
             if upstreams.contains_key(&u.name) {
                 problems.error(
                     format!("upstreams[{i}].name"),
                     format!("duplicate upstream name {:?}", u.name),
                 );
-            } else if let Some(up) = Upstream::build(i, u, &base_dir, &mut problems) {
+            } else if let Some(up) = Upstream::build(i, u, &base_dir, pool_parts, &mut problems) {
                 upstreams.insert(u.name.clone(), Arc::new(up));
             }
         }
@@ -157,6 +190,16 @@ impl Snapshot {
             }
         }
 
+        if cfg.identity.trusted_proxies.is_empty() {
+            for (i, l) in cfg.limits.iter().enumerate() {
+                if l.trusted_only {
+                    problems.warn(
+                        format!("limits[{i}].trusted_only"),
+                        "identity.trusted_proxies is empty: the header is never believed, so this limit counts client IPs",
+                    );
+                }
+            }
+        }
         check_headers(cfg, &mut problems);
         if let Some(path) = &cfg.rate_limit_endpoint.path {
             if !path.starts_with('/') {
@@ -245,6 +288,12 @@ impl Snapshot {
             }
         }
 
+        // [server] is read at start only: a reload keeps the running one.
+        let running = previous
+            .map(|p| p.running.clone())
+            .unwrap_or_else(|| Arc::new((cfg.server.clone(), cfg.log.clone())));
+        let edge = edge_rules(cfg, running.0.underscores_in_headers, &mut problems);
+
         let report = ConfigReport {
             path: file.path.clone(),
             text: file.text.clone(),
@@ -278,9 +327,8 @@ impl Snapshot {
             warnings: report.warning_lines(),
             content_hash: content_hash(&file.text),
             generation: 0,
-            running: previous
-                .map(|p| p.running.clone())
-                .unwrap_or_else(|| Arc::new((cfg.server.clone(), cfg.log.clone()))),
+            running,
+            edge,
         })
     }
 
@@ -319,6 +367,44 @@ impl Snapshot {
             store
         )
     }
+}
+
+/// The edge's header rules: `underscores` (`server.underscores_in_headers`) and the
+/// headers the config makes tollgate read or set (the credential header, the caller and
+/// tier headers, `by = "header:NAME"`), whose other spellings are always dropped. A
+/// header tollgate must read that has `_` in its name needs `underscores`, or it would
+/// be dropped before it is read: an error at its key.
+fn edge_rules(cfg: &Config, underscores: bool, problems: &mut Problems) -> crate::http::Edge {
+    let id = &cfg.identity;
+    let mut read = vec![(
+        "identity.api_key_header".to_string(),
+        id.api_key_header.as_str(),
+    )];
+    for (i, l) in cfg.limits.iter().enumerate() {
+        if let Some(name) = l.by.strip_prefix("header:") {
+            read.push((format!("limits[{i}].by"), name));
+        }
+    }
+    if !underscores {
+        for (key, name) in &read {
+            if name.contains('_') {
+                problems.error(
+                    key.clone(),
+                    format!("{name:?} has `_` in its name, and such request headers are dropped unless server.underscores_in_headers = true: use `-` (or set that key)"),
+                );
+            }
+        }
+    }
+    let set = [
+        id.forward_caller_header.as_deref(),
+        id.forward_tier_header.as_deref(),
+    ];
+    crate::http::Edge::new(
+        underscores,
+        read.iter()
+            .map(|(_, n)| *n)
+            .chain(set.into_iter().flatten()),
+    )
 }
 
 /// Load `[server.tls]` (relative paths against the config file's directory), and check

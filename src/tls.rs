@@ -24,6 +24,8 @@ use std::time::Duration;
 #[derive(Debug)]
 pub struct Tls {
     config: Arc<rustls::ServerConfig>,
+    /// Picks the certificate by SNI (also in `config`).
+    resolver: Arc<SniResolver>,
     /// `server.tls.handshake_timeout`: the budget of one handshake.
     pub handshake_timeout: Duration,
     files: Vec<PathBuf>,
@@ -37,6 +39,9 @@ pub struct TlsInfo {
     /// The subject common name (CN) of the client certificate, when the client presented
     /// one and it verified against `server.tls.client_ca`.
     pub client_cn: Option<Arc<str>>,
+    /// On a listener with more than one certificate: the one the handshake chose (by
+    /// SNI), and what chooses one for a host name.
+    chosen: Option<(Arc<SniResolver>, Arc<CertifiedKey>)>,
 }
 
 impl TlsInfo {
@@ -47,8 +52,28 @@ impl TlsInfo {
             .and_then(|chain| chain.first())
             .and_then(|leaf| subject_cn(leaf.as_ref()))
             .map(Arc::from);
-        Self { client_cn }
+        Self {
+            client_cn,
+            chosen: None,
+        }
     }
+
+    /// Whether a request for `host` (a host name or IP address, without port, any case)
+    /// is misdirected on this connection: the listener has more than one certificate,
+    /// and the one it presents for `host` is not the one this connection's SNI chose.
+    /// Such a request gets 421 (RFC 9110 §15.5.20): the client has not checked that this
+    /// connection may speak for `host`, and should open one of its own.
+    pub fn misdirected(&self, host: &str) -> bool {
+        match &self.chosen {
+            None => false,
+            Some((resolver, chosen)) => !same_certificate(resolver.pick(Some(host)), chosen),
+        }
+    }
+}
+
+/// Whether two loaded certificates are the same (the same leaf, perhaps loaded twice).
+fn same_certificate(a: &Arc<CertifiedKey>, b: &Arc<CertifiedKey>) -> bool {
+    Arc::ptr_eq(a, b) || a.cert.first() == b.cert.first()
 }
 
 impl Tls {
@@ -131,10 +156,12 @@ impl Tls {
             Some(_) => builder.with_client_cert_verifier(verifier?),
             None => builder.with_no_client_auth(),
         };
-        let mut config = builder.with_cert_resolver(Arc::new(SniResolver { default, by_host }));
+        let resolver = Arc::new(SniResolver { default, by_host });
+        let mut config = builder.with_cert_resolver(resolver.clone());
         config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
         Some(Tls {
             config: Arc::new(config),
+            resolver,
             handshake_timeout: cfg.handshake_timeout.0,
             files: files(cfg, base),
             digest: hex::encode(digest.finalize()),
@@ -144,6 +171,18 @@ impl Tls {
     /// An acceptor for one new connection.
     pub fn acceptor(&self) -> tokio_rustls::TlsAcceptor {
         tokio_rustls::TlsAcceptor::from(self.config.clone())
+    }
+
+    /// What a handshake made with [`Tls::acceptor`] tells the request path: the client
+    /// certificate's CN ([`TlsInfo::of`]) and, when there is more than one certificate,
+    /// the one chosen, to tell misdirected requests ([`TlsInfo::misdirected`]).
+    pub fn info(&self, conn: &rustls::ServerConnection) -> TlsInfo {
+        let mut info = TlsInfo::of(conn);
+        if !self.resolver.by_host.is_empty() {
+            let chosen = self.resolver.pick(conn.server_name()).clone();
+            info.chosen = Some((self.resolver.clone(), chosen));
+        }
+        info
     }
 
     /// Every file this config was loaded from (certificates, keys, client CA).
@@ -340,9 +379,12 @@ struct SniResolver {
     by_host: HashMap<String, Arc<CertifiedKey>>,
 }
 
-impl ResolvesServerCert for SniResolver {
-    fn resolve(&self, hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
-        let named = hello.server_name().and_then(|name| {
+impl SniResolver {
+    /// The certificate for the host `name` (SNI, or a request's host): its
+    /// `[[server.tls.sni]]` entry's (case-insensitive, a trailing dot ignored), else the
+    /// default.
+    fn pick(&self, name: Option<&str>) -> &Arc<CertifiedKey> {
+        let named = name.and_then(|name| {
             let name = name.trim_end_matches('.');
             if name.bytes().any(|b| b.is_ascii_uppercase()) {
                 self.by_host.get(&name.to_ascii_lowercase())
@@ -350,7 +392,13 @@ impl ResolvesServerCert for SniResolver {
                 self.by_host.get(name)
             }
         });
-        Some(named.unwrap_or(&self.default).clone())
+        named.unwrap_or(&self.default)
+    }
+}
+
+impl ResolvesServerCert for SniResolver {
+    fn resolve(&self, hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        Some(self.pick(hello.server_name()).clone())
     }
 }
 

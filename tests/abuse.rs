@@ -5,7 +5,7 @@
 mod support;
 
 use std::time::Duration;
-use support::{get, TestGateway, Upstream};
+use support::{get, h2_client, TestGateway, Upstream};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 fn config(upstream: &Upstream) -> String {
@@ -41,16 +41,6 @@ fn store_section(redis: Option<&support::RedisServer>) -> String {
             r.url()
         ),
     }
-}
-
-/// An HTTP/2-only client (prior knowledge), for bursts on one connection.
-fn h2_client() -> hyper_util::client::legacy::Client<
-    hyper_util::client::legacy::connect::HttpConnector,
-    http_body_util::Empty<bytes::Bytes>,
-> {
-    hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-        .http2_only(true)
-        .build_http()
 }
 
 /// Send raw bytes on a new connection; the status line's code of the first answer (0
@@ -314,6 +304,117 @@ async fn a_concurrent_burst_cannot_overshoot_the_quota_on_one_gateway() {
             redis.is_some()
         );
     }
+}
+
+/// The limit `core` of [`config`] replaced by `limit` (its lines after `name`).
+fn with_limit(text: &str, limit: &str) -> String {
+    let old = "window = \"1h\"\nquota = { anonymous = 1000 }";
+    assert!(text.contains(old));
+    text.replace(old, limit)
+}
+
+/// Issue 21 item 7: `on_limit = "delay"` holds at most `server.max_delayed` requests on
+/// the gateway, whatever subjects they have (a `by = "header:NAME"` limit lets the client
+/// choose a new subject per request, so `max_waiting` alone does not bound them); the
+/// others get 429 at once, and the metrics show both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delayed_requests_are_bounded_gateway_wide() {
+    let upstream = Upstream::start().await;
+    // One unit per tenant per 20 s: a tenant's second request would wait about 20 s.
+    let limit = "algorithm = \"gcra\"\nwindow = \"20s\"\nquota = { anonymous = 1 }\nby = \"header:x-tenant\"\non_limit = \"delay\"\nmax_delay = \"1m\"";
+    let text = with_limit(&with_server(&upstream, "max_delayed = 3"), limit);
+    let gw = TestGateway::start(&text).await;
+    let tenants: Vec<String> = (0..6).map(|i| format!("t{i}")).collect();
+    for t in &tenants {
+        let r = support::get_with(&gw.url("/x"), &[("x-tenant", t)]).await;
+        assert_eq!(r.status, 200, "{t}");
+    }
+    let started = std::time::Instant::now();
+    let tasks: Vec<_> = tenants
+        .iter()
+        .map(|t| {
+            let (url, t) = (gw.url("/x"), t.clone());
+            tokio::spawn(async move { support::get_with(&url, &[("x-tenant", &t)]).await })
+        })
+        .collect();
+    // Three are held; the other three get 429 at once (not after max_delay).
+    while tasks.iter().filter(|t| t.is_finished()).count() < 3 {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the requests past max_delayed are answered at once"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (done, held): (Vec<_>, Vec<_>) = tasks.into_iter().partition(|t| t.is_finished());
+    assert_eq!(
+        (done.len(), held.len()),
+        (3, 3),
+        "exactly max_delayed are held"
+    );
+    for t in done {
+        let r = t.await.unwrap();
+        assert_eq!(r.status, 429, "{}", r.text());
+        assert_eq!(r.header("x-ratelimit-resource"), "core");
+        assert_eq!(r.json()["resource"], "core");
+    }
+    let metrics = gw.gateway.metrics().render();
+    assert!(
+        metrics.contains("\ntollgate_delayed_requests 3\n"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("tollgate_delays_refused_total{reason=\"max_delayed\"} 3\n"),
+        "{metrics}"
+    );
+    for t in held {
+        t.abort();
+    }
+}
+
+/// Issue 21 item 7: a `by = "header:NAME"` limit keys by whatever the client sends, so a
+/// client picks whose window it spends. With `trusted_only = true` the header counts
+/// only from a trusted proxy; from any other peer the limit keys by the client IP.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_header_limit_with_trusted_only_believes_only_trusted_proxies() {
+    let upstream = Upstream::start().await;
+    let by_header = "window = \"1h\"\nquota = { anonymous = 2 }\nby = \"header:x-tenant\"";
+    let used =
+        |r: &support::client::Reply| (r.status.as_u16(), r.header("x-ratelimit-used").to_string());
+    let send = |gw: &TestGateway, tenant: &'static str| {
+        let url = gw.url("/x");
+        async move { support::get_with(&url, &[("x-tenant", tenant)]).await }
+    };
+
+    // Without trusted_only, every tenant value is a window of its own.
+    let gw = TestGateway::start(&with_limit(&config(&upstream), by_header)).await;
+    for t in ["a", "b", "c"] {
+        assert_eq!(used(&send(&gw, t).await), (200, "1".into()), "{t}");
+    }
+
+    // trusted_only from an untrusted peer: one window, the client IP's.
+    let trusted_only = format!("{by_header}\ntrusted_only = true");
+    let gw = TestGateway::start(&with_limit(&config(&upstream), &trusted_only)).await;
+    assert_eq!(used(&send(&gw, "a").await), (200, "1".into()));
+    assert_eq!(used(&send(&gw, "b").await), (200, "2".into()));
+    let r = send(&gw, "c").await;
+    assert_eq!(r.status, 429, "{}", r.text());
+    assert_eq!(
+        r.json()["message"],
+        "API rate limit exceeded for 127.0.0.1."
+    );
+
+    // trusted_only from a trusted proxy: the header is believed.
+    let trusted = format!(
+        "{}\n[identity]\ntrusted_proxies = [\"127.0.0.1/32\"]\n",
+        with_limit(&config(&upstream), &trusted_only)
+    );
+    let gw = TestGateway::start(&trusted).await;
+    assert_eq!(used(&send(&gw, "a").await), (200, "1".into()));
+    assert_eq!(used(&send(&gw, "b").await), (200, "1".into()));
+    assert_eq!(used(&send(&gw, "a").await), (200, "2".into()));
+    assert_eq!(send(&gw, "a").await.status, 429);
+    assert_eq!(used(&send(&gw, "b").await), (200, "2".into()));
 }
 
 fn with_server(upstream: &Upstream, server: &str) -> String {

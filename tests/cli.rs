@@ -124,6 +124,8 @@ fn check_rejects_syntax_unknown_keys_bad_durations_and_unsupported_features() {
         ("[identity]\nclient_cert_subject_as_caller = true\n", "identity.client_cert_subject_as_caller: needs server.tls.client_ca"),
         ("[[upstreams]]\nname = \"a\"\ntargets = [\"http://x:1\"]\nca = \"nowhere.pem\"\n", "upstreams[0].ca"),
         ("[store]\nbackend = \"redis\"\n", "store.shards: backend \"redis\" needs at least one"),
+        ("[server]\nmax_delayed = 0\n", "server.max_delayed: must be between 1 and 1000000"),
+        ("[[limits]]\nname = \"x\"\nwindow = \"1m\"\nby = \"ip\"\ntrusted_only = true\nquota = { anonymous = 1 }\n", "limits[0].trusted_only: is for limits with by = \"header:NAME\" only"),
     ];
     for (i, (text, expected)) in cases.iter().enumerate() {
         let path = write(dir.path(), &format!("case{i}.toml"), text);
@@ -360,12 +362,14 @@ fn check_against_the_running_config_warns_when_the_shard_list_changes() {
     assert!(!stderr.contains("store.shards"), "{stderr}");
 }
 
-/// Threads of a process named like tokio's worker threads.
+/// Threads of a process that serve the proxy listener: tokio's worker threads
+/// (`runtime = "multi_thread"`) or tollgate's per-core workers (`"per_core"`, the
+/// default).
 fn runtime_workers(pid: u32) -> usize {
     std::fs::read_dir(format!("/proc/{pid}/task"))
         .unwrap()
         .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
-        .filter(|name| name.trim() == "tokio-rt-worker")
+        .filter(|name| matches!(name.trim(), "tokio-rt-worker" | "tollgate-worker"))
         .count()
 }
 
@@ -450,4 +454,101 @@ limits = ["core", "nope"]
         )),
         "{stderr}"
     );
+}
+
+/// Issue 17 item 3: every invalid value is reported, not only the first one, each with
+/// its line and column, capped at 100 lines and a count of the rest.
+#[test]
+fn check_reports_every_invalid_value_capped_with_a_count() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut text = String::from(
+        "[server]\nlisten = 8080\n\n[[upstreams]]\nname = \"api\"\ntargets = [\"http://127.0.0.1:9000\", 7]\n\n",
+    );
+    for i in 0..10_000 {
+        text.push_str(&format!(
+            "[[limits]]\nname = \"l{i}\"\nwindow = \"zz\"\nquota = {{ anonymous = -1 }}\n\n"
+        ));
+    }
+    text.push_str("[[routes]]\npath_prefix = \"/\"\nupstream = \"api\"\ncolour = \"blue\"\n");
+    let bad = write(dir.path(), "many.toml", &text);
+    let (code, _, stderr) = check(&bad);
+    assert_eq!(code, 1);
+    let p = bad.display().to_string();
+    let lines: Vec<&str> = stderr.lines().collect();
+    // server.listen, upstreams[0].targets[1], 2 per limit, routes[0].colour.
+    assert_eq!(lines.len(), 101, "{}", &stderr[..stderr.len().min(3000)]);
+    assert!(
+        lines[0].starts_with(&format!("{p}:2:10: server.listen: invalid type")),
+        "{}",
+        lines[0]
+    );
+    assert!(
+        lines[1].starts_with(&format!("{p}:6:37: upstreams[0].targets[1]: invalid type")),
+        "{}",
+        lines[1]
+    );
+    assert!(
+        lines[2].starts_with(&format!(
+            "{p}:10:10: limits[0].window: invalid duration \"zz\""
+        )),
+        "{}",
+        lines[2]
+    );
+    assert!(
+        lines[3].starts_with(&format!(
+            "{p}:11:23: limits[0].quota.anonymous: invalid value: integer `-1`"
+        )),
+        "{}",
+        lines[3]
+    );
+    assert!(lines[4].contains("limits[1].window"), "{}", lines[4]);
+    assert_eq!(
+        lines[100],
+        format!(
+            "{p}: 19903 more errors not shown (fix those above and run `tollgate check` again)"
+        )
+    );
+    // Fixing the values leaves the unknown key, reported with the semantic checks.
+    let fixed = text
+        .replace("listen = 8080", "listen = \"127.0.0.1:8080\"")
+        .replace(", 7]", "]")
+        .replace("window = \"zz\"", "window = \"1h\"")
+        .replace("anonymous = -1", "anonymous = 1");
+    let (code, _, stderr) = check(&write(dir.path(), "fixed.toml", &fixed));
+    assert_eq!(code, 1);
+    assert!(
+        stderr.contains("routes[0].colour: unknown field `colour`"),
+        "{stderr}"
+    );
+}
+
+/// Issue 17 item 7: `tollgate check`'s unknown-key hint, `tollgate --help` and `tollgate
+/// check --help` name docs/configuration.md, the full reference of the config keys.
+#[test]
+fn the_unknown_key_hint_and_help_name_the_configuration_reference() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad = write(
+        dir.path(),
+        "unknown.toml",
+        "[server]\nlisten = \"127.0.0.1:8080\"\nlisen = 3\n",
+    );
+    let (code, _, stderr) = check(&bad);
+    assert_eq!(code, 1);
+    let line = stderr
+        .lines()
+        .find(|l| l.contains("server.lisen: unknown field `lisen`"))
+        .unwrap_or_else(|| panic!("no unknown-key line in:\n{stderr}"));
+    assert!(
+        line.contains("docs/configuration.md"),
+        "the hint names the reference: {line}"
+    );
+    for args in [&["--help"][..], &["check", "--help"]] {
+        let out = tollgate().args(args).output().unwrap();
+        assert!(out.status.success(), "{args:?}");
+        let help = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            help.contains("docs/configuration.md"),
+            "{args:?} names the reference:\n{help}"
+        );
+    }
 }

@@ -15,8 +15,14 @@ fn full_config() -> Config {
             idle_timeout: Dur::from_secs(60),
             send_timeout: Dur::from_secs(60),
             max_connections: 10_000,
+            max_connections_per_ip: 256,
             max_header_bytes: 32 * 1024,
             http2_max_streams: 100,
+            max_delayed: 1_000,
+            underscores_in_headers: false,
+            max_tunnels: 1000,
+            tunnel_idle_timeout: Some(Dur::from_secs(300)),
+            body_timeout: Dur::from_secs(30),
             watch_config: true,
             tls: Some(TlsConfig {
                 cert: "c.pem".into(),
@@ -31,6 +37,7 @@ fn full_config() -> Config {
                 client_auth: Some(ClientAuth::Required),
             }),
             workers: Some(2),
+            runtime: RuntimeShape::PerCore,
         },
         log: LogConfig {
             level: "info".into(),
@@ -65,6 +72,7 @@ fn full_config() -> Config {
         identity: IdentityConfig {
             api_key_header: "authorization".into(),
             trusted_proxies: vec!["10.0.0.0/8".into()],
+            ipv6_prefix_len: 64,
             anonymous_tier: "anonymous".into(),
             clients: vec![ClientConfig {
                 id: "a".into(),
@@ -111,8 +119,10 @@ fn full_config() -> Config {
             align: "calendar".into(),
             window: Dur::from_secs(3600),
             quota: [("anonymous".to_string(), 60)].into(),
-            by: "caller".into(),
+            by: "header:x-tenant".into(),
+            trusted_only: true,
             lease: Some(100),
+            lease_ttl: Dur::from_secs(5),
             mode: "enforce".into(),
             enforce_percent: 25,
             on_limit: "delay".into(),
@@ -130,6 +140,8 @@ fn full_config() -> Config {
             cost: 1,
             uncharged_statuses: vec![304],
             charge: "after_response".into(),
+            upgrades: vec!["websocket".into()],
+            trust_method_override: false,
         }],
         headers: HeadersConfig {
             style: vec![HeaderStyle::Github, HeaderStyle::Ietf],

@@ -412,3 +412,63 @@ forward_caller_header = "connection"
         "{err}"
     );
 }
+
+/// Issue 21 item 9: a token whose header marks an extension critical (`crit`, RFC 7515
+/// §4.1.11) is invalid, since tollgate understands none; a caller id with `,` or a
+/// control character (it would reach the upstream as a list, or split a log line) is
+/// malformed. Both are 401 and never reach the upstream.
+#[tokio::test]
+async fn crit_headers_and_ids_with_commas_or_controls_are_refused() {
+    let up = Upstream::start().await;
+    let extra = "forward_caller_header = \"x-consumer-id\"";
+    let hits = up.hits();
+
+    let mut crit = Header::new(Algorithm::HS256);
+    crit.crit = Some(vec!["exp-ext".into()]);
+    crit.extras.insert("exp-ext".into(), "1".into());
+    let mut crit_known = Header::new(Algorithm::HS256);
+    crit_known.crit = Some(vec!["alg".into()]);
+    let signed = |header: &Header, sub: &str| {
+        encode(
+            header,
+            &claims(sub, 300),
+            &EncodingKey::from_secret(SECRET.as_bytes()),
+        )
+        .unwrap()
+    };
+    let plain = Header::new(Algorithm::HS256);
+    let cases = [
+        (
+            signed(&crit, "user-1"),
+            "invalid token: critical header parameter \"exp-ext\" not understood",
+        ),
+        (
+            signed(&crit_known, "user-1"),
+            "invalid token: critical header parameter \"alg\" not understood",
+        ),
+        (signed(&plain, "mallory, alice"), "invalid token: malformed"),
+        (signed(&plain, "mallory,alice"), "invalid token: malformed"),
+        (signed(&plain, "mallory\talice"), "invalid token: malformed"),
+        (signed(&plain, "mallory\u{7f}"), "invalid token: malformed"),
+        (signed(&plain, "mallory\u{85}"), "invalid token: malformed"),
+    ];
+    for (token, message) in &cases {
+        // A fresh gateway per case: failed_auth_limit allows 3 a minute per client IP.
+        let gw = TestGateway::start(&config(&up, &hs_section(), extra)).await;
+        let r = get_with(&gw.url("/echo"), &[("authorization", &bearer(token))]).await;
+        assert_eq!(r.status, 401, "{message}: {}", r.text());
+        assert_eq!(r.header("content-type"), "application/json");
+        assert_eq!(r.json()["message"], *message);
+    }
+    assert_eq!(up.hits(), hits, "no refused token reaches the upstream");
+
+    // The same token without crit, and a plain id, pass.
+    let gw = TestGateway::start(&config(&up, &hs_section(), extra)).await;
+    let r = get_with(
+        &gw.url("/echo"),
+        &[("authorization", &bearer(&signed(&plain, "mallory alice")))],
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["headers"]["x-consumer-id"], "mallory alice");
+}

@@ -176,10 +176,13 @@ async fn upstream_connections_are_reused() {
     assert_eq!(client.request(head).await.unwrap().status(), 200);
     assert_eq!(get(&gw.url("/download/200000")).await.status, 200);
     assert_eq!(upstream.hits(), 32);
-    assert_eq!(
-        upstream.connections(),
-        1,
-        "one keep-alive connection carries every sequential request"
+    // One keep-alive connection carries every sequential request: one per worker's
+    // pool with `runtime = "per_core"`, the default (each client connection lands on one).
+    let parts = support::pool_parts();
+    let before = upstream.connections();
+    assert!(
+        (1..=parts).contains(&before),
+        "{before} upstream connections for sequential requests, {parts} pool part(s)"
     );
     // A response the client abandons mid-body takes its connection with it; the next
     // request opens a new one and works.
@@ -189,7 +192,11 @@ async fn upstream_connections_are_reused() {
         .unwrap();
     drop(r);
     assert_eq!(get(&gw.url("/")).await.status, 200);
-    assert_eq!(upstream.connections(), 2);
+    if parts == 1 {
+        assert_eq!(upstream.connections(), 2);
+    } else {
+        assert!(upstream.connections() <= before + 1);
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

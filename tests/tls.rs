@@ -620,6 +620,121 @@ async fn a_silent_connection_is_closed_at_the_handshake_timeout_while_others_are
     );
 }
 
+/// Issue 21 item 11: past `server.max_connections`, the TLS listener closes a new
+/// connection without writing anything: a plaintext `HTTP/1.1 503` would reach the client
+/// inside what it reads as TLS records (a "corrupt message"), so it says nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_max_connections_a_tls_client_gets_no_plaintext() {
+    let pki = Pki::new();
+    let upstream = Upstream::start().await;
+    let text = config(&pki, &upstream, "", "").replace(
+        "shutdown_grace = \"2s\"",
+        "shutdown_grace = \"2s\"\nmax_connections = 1",
+    );
+    let gw = TestGateway::start(&text).await;
+    let client = client_config(&pki.ca, &["http/1.1"], None);
+    // This connection holds the only place.
+    let held = connect(gw.addr, "localhost", client.clone()).await.unwrap();
+
+    let mut raw = TcpStream::connect(gw.addr).await.unwrap();
+    let mut buf = [0u8; 256];
+    let n = tokio::time::timeout(Duration::from_secs(5), raw.read(&mut buf))
+        .await
+        .expect("closed at once")
+        .unwrap_or(0);
+    assert_eq!(
+        n,
+        0,
+        "closed without a plaintext answer: {:?}",
+        String::from_utf8_lossy(&buf[..n])
+    );
+    // A TLS client sees the connection end (EOF or reset), not bytes it cannot parse.
+    let err = tokio::time::timeout(
+        Duration::from_secs(5),
+        connect(gw.addr, "localhost", client.clone()),
+    )
+    .await
+    .expect("refused at once")
+    .unwrap_err();
+    assert_ne!(err.kind(), std::io::ErrorKind::InvalidData, "{err}");
+
+    // The held connection is served; once it is gone, new connections are again.
+    assert_eq!(get_over(held, "localhost", "/", &[]).await.status, 200);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let served = match connect(gw.addr, "localhost", client.clone()).await {
+            Ok(stream) => get_over(stream, "localhost", "/", &[]).await.status == 200,
+            Err(_) => false,
+        };
+        if served {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "served again once the place freed"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Issue 21 item 11: on a listener with more than one certificate, a request whose Host
+/// is one that another certificate of the listener is for than the one its SNI chose
+/// gets 421 Misdirected Request (RFC 9110 §15.5.20): not forwarded, not charged. Case,
+/// port and a trailing dot of the Host do not matter; with one certificate there is
+/// nothing to misdirect.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_of_another_certificate_than_the_sni_chose_gets_421() {
+    let pki = Pki::new();
+    let upstream = Upstream::start().await;
+    let gw = TestGateway::start(&config(&pki, &upstream, "", "")).await;
+    let hits = upstream.hits();
+    for alpn in ["http/1.1", "h2"] {
+        let client = client_config(&pki.ca, &[alpn], None);
+        for (sni, host) in [
+            ("localhost", "api.example.com"),
+            ("api.example.com", "localhost"),
+            ("api.example.com", "other.example.com"),
+        ] {
+            let stream = connect(gw.addr, sni, client.clone()).await.unwrap();
+            let r = get_over(stream, host, "/echo", &[]).await;
+            assert_eq!(r.status, 421, "{alpn}: SNI {sni}, Host {host}: {}", r.body);
+            assert_eq!(r.header("content-type"), "application/json");
+            let body: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+            assert_eq!(
+                body["message"],
+                format!("misdirected request: this connection is not for {host:?}")
+            );
+            assert!(r.headers.get("x-ratelimit-used").is_none());
+        }
+        // The certificate SNI chose is Host's: served.
+        for (sni, host) in [
+            ("api.example.com", "API.example.com:443"),
+            ("api.example.com", "api.example.com."),
+            ("localhost", "localhost"),
+        ] {
+            let stream = connect(gw.addr, sni, client.clone()).await.unwrap();
+            let r = get_over(stream, host, "/echo", &[]).await;
+            assert_eq!(r.status, 200, "{alpn}: SNI {sni}, Host {host}: {}", r.body);
+        }
+    }
+    assert_eq!(upstream.hits(), hits + 6, "no 421 reached the upstream");
+    // Not charged either: the six 200s are all the window holds.
+    let client = client_config(&pki.ca, &["http/1.1"], None);
+    let r = https_get(gw.addr, client.clone(), "/", &[]).await;
+    assert_eq!(r.header("x-ratelimit-used"), "7");
+
+    // One certificate: any Host is served over it.
+    let single = config(&pki, &upstream, "", "");
+    let start = single.find("[[server.tls.sni]]").unwrap();
+    let end = start + single[start..].find("\n\n").unwrap();
+    let gw = TestGateway::start(&format!("{}{}", &single[..start], &single[end..])).await;
+    let stream = connect(gw.addr, "localhost", client).await.unwrap();
+    assert_eq!(
+        get_over(stream, "api.example.com", "/", &[]).await.status,
+        200
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tollgate_check_reports_tls_problems_at_their_key_paths() {
     let pki = Pki::new();

@@ -92,6 +92,10 @@ pub(super) struct Locator<'a> {
     entries: Vec<(String, Range<usize>)>,
     /// The start of each key path's first span.
     starts: HashMap<String, usize>,
+    /// Each key path's first span.
+    extents: HashMap<String, Range<usize>>,
+    /// Indices into `entries`, ordered by span start.
+    by_start: Vec<usize>,
     /// The byte offset where each line starts.
     line_starts: Vec<usize>,
 }
@@ -101,9 +105,14 @@ impl<'a> Locator<'a> {
     pub(super) fn new(text: &'a str) -> Self {
         let entries = entries(text);
         let mut starts = HashMap::with_capacity(entries.len());
+        let mut extents = HashMap::with_capacity(entries.len());
         for (p, s) in &entries {
             starts.entry(p.clone()).or_insert(s.start);
+            extents.entry(p.clone()).or_insert_with(|| s.clone());
         }
+        let mut by_start: Vec<usize> = (0..entries.len()).collect();
+        // Stable: among equal starts, document order (parents first).
+        by_start.sort_by_key(|&i| entries[i].1.start);
         let line_starts = std::iter::once(0)
             .chain(text.match_indices('\n').map(|(i, _)| i + 1))
             .collect();
@@ -111,6 +120,8 @@ impl<'a> Locator<'a> {
             text,
             entries,
             starts,
+            extents,
+            by_start,
             line_starts,
         }
     }
@@ -125,12 +136,36 @@ impl<'a> Locator<'a> {
             .unwrap_or_default()
     }
 
+    /// The key path of the smallest entry whose span holds `offset`, looking only at
+    /// entries that start within `within` (an `[[array]]` element): linear in the
+    /// element's size, not the file's ("" when none does).
+    pub(super) fn path_at_within(&self, offset: usize, within: &Range<usize>) -> String {
+        // Entries are in document order; nested spans start later than their parent,
+        // so the last entry starting at or before `offset` that holds it is the smallest.
+        let end = self
+            .by_start
+            .partition_point(|&i| self.entries[i].1.start <= offset);
+        self.by_start[..end]
+            .iter()
+            .rev()
+            .take_while(|&&i| self.entries[i].1.start >= within.start)
+            .map(|&i| &self.entries[i])
+            .find(|(_, s)| offset < s.end.max(s.start + 1))
+            .map(|(p, _)| p.clone())
+            .unwrap_or_default()
+    }
+
     /// The byte range of the key `path` together with its value (`colour = "blue"`).
     pub(super) fn extent(&self, path: &str) -> Option<Range<usize>> {
-        self.entries
-            .iter()
-            .find(|(p, _)| p == path)
-            .map(|(_, span)| span.clone())
+        self.extents.get(path).cloned()
+    }
+
+    /// Whether the key at `range` starts its line (a `key = value` line of a table, not
+    /// a member of an inline table or an array): blanking it leaves valid TOML.
+    pub(super) fn starts_line(&self, range: &Range<usize>) -> bool {
+        let before = &self.text[..range.start.min(self.text.len())];
+        let line = before.rsplit('\n').next().unwrap_or("");
+        line.trim().is_empty()
     }
 
     /// The byte offset where `path` (or its nearest ancestor present in the file) starts.

@@ -71,10 +71,16 @@ pub struct ServerConfig {
     /// cleartext HTTP/2). Whether the listener speaks TLS is decided at start; the
     /// certificates reload.
     pub tls: Option<TlsConfig>,
-    /// Worker threads of the async runtime. Default: one per CPU the process may use.
-    /// Read at start only.
+    /// Worker threads of the async runtime (`multi_thread`), or runtimes with a listener
+    /// each (`per_core`). Default: one per CPU the process may use. Read at start only.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub workers: Option<usize>,
+    /// How the proxy listener's connections are served: `workers` single-threaded
+    /// runtimes, each with its own listener, upstream pools and Redis batchers
+    /// (`per_core`, the default: measured 1.34x the req/s of `multi_thread` on the memory
+    /// store and 1.15x on Redis, BENCHMARKS.md), or one work-stealing runtime
+    /// (`multi_thread`). Read at start only.
+    pub runtime: RuntimeShape,
     /// A client connection with no request being handled for this long is closed
     /// (gracefully). Default 60 s.
     pub idle_timeout: Dur,
@@ -85,11 +91,35 @@ pub struct ServerConfig {
     /// Client connections open at once on the proxy listener; more are answered 503
     /// and closed. The admin listener is not counted. Default 10000.
     pub max_connections: usize,
+    /// Client connections one client address may have open at once on the proxy
+    /// listener (IPv6 peers counted by their `identity.ipv6_prefix_len` network; peers in
+    /// `identity.trusted_proxies` are not counted); more are answered like
+    /// `max_connections`. At least 1. Default 256.
+    pub max_connections_per_ip: usize,
     /// Largest request head (request line and headers), in bytes; larger ones get 431.
     /// Default 32768 (at least 8192).
     pub max_header_bytes: usize,
     /// HTTP/2 streams a client may have open at once on one connection. Default 100.
     pub http2_max_streams: u32,
+    /// Requests held by `on_limit = "delay"` at once on this gateway, over every limit
+    /// and subject; a request that would be held past it gets 429 at once. Each held
+    /// request costs about 33 KB, so the default 1000 bounds them to about 33 MB.
+    pub max_delayed: usize,
+    /// Forward request headers with `_` in their name. Default false: they are dropped,
+    /// as nginx does. Either way, one whose name with `_` read as `-` is a header tollgate
+    /// reads, sets or strips (`X_Consumer_Id`) is always dropped.
+    pub underscores_in_headers: bool,
+    /// Tunnels (WebSockets) open at once; an upgrade past it is answered 503 before it
+    /// is forwarded. 0 refuses every upgrade. Default 1000.
+    pub max_tunnels: usize,
+    /// An open tunnel that moves no byte either way for this long is closed. Default:
+    /// `idle_timeout`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tunnel_idle_timeout: Option<Dur>,
+    /// A request body that stops arriving for this long (no byte while the gateway
+    /// waits for one) ends the request with 408, charged like a request whose client
+    /// went away. Default 30 s.
+    pub body_timeout: Dur,
 }
 
 impl Default for ServerConfig {
@@ -102,11 +132,18 @@ impl Default for ServerConfig {
             watch_config: true,
             tls: None,
             workers: None,
+            runtime: RuntimeShape::PerCore,
             idle_timeout: Dur::from_secs(60),
             send_timeout: Dur::from_secs(60),
             max_connections: 10_000,
+            max_connections_per_ip: 256,
             max_header_bytes: 32 * 1024,
             http2_max_streams: 100,
+            max_delayed: 1_000,
+            underscores_in_headers: false,
+            max_tunnels: 1000,
+            tunnel_idle_timeout: None,
+            body_timeout: Dur::from_secs(30),
         }
     }
 }
@@ -390,6 +427,12 @@ pub struct IdentityConfig {
     pub api_key_header: String,
     /// CIDRs of proxies whose `X-Forwarded-For` is believed.
     pub trusted_proxies: Vec<String>,
+    /// The network prefix, in bits, that keys an IPv6 client in every per-IP count
+    /// (anonymous callers, `by = "ip"` limits, `failed_auth_limit`, the access log's
+    /// client hash, `server.max_connections_per_ip`): one subscriber usually holds a
+    /// whole /64. 1 to 128; 128 keys each address (inside a cluster or a LAN). Default
+    /// 64.
+    pub ipv6_prefix_len: u32,
     /// Tier of callers that present no key.
     pub anonymous_tier: String,
     /// `[[identity.clients]]`: known API keys.
@@ -483,6 +526,7 @@ impl Default for IdentityConfig {
         Self {
             api_key_header: "authorization".into(),
             trusted_proxies: Vec::new(),
+            ipv6_prefix_len: 64,
             anonymous_tier: "anonymous".into(),
             clients: Vec::new(),
             failed_auth_limit: FailedAuthLimit::default(),
@@ -581,6 +625,21 @@ pub struct UpstreamConfig {
     pub eject_for: Dur,
 }
 
+/// How the proxy listener's connections are served (`server.runtime`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RuntimeShape {
+    /// One multi-threaded (work-stealing) Tokio runtime with `server.workers` threads
+    /// serves every connection; a request may wake tasks on any of them.
+    MultiThread,
+    /// `server.workers` single-threaded runtimes, each on its own OS thread with its own
+    /// listener on `server.listen` (`SO_REUSEPORT` on Linux; elsewhere one listener they
+    /// share), its own upstream connection pools and its own Redis batchers: a request
+    /// is served on the thread that accepted its connection. The default.
+    #[default]
+    PerCore,
+}
+
 /// The HTTP version spoken to an upstream's targets (`upstreams.protocol`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -660,11 +719,30 @@ pub struct LimitConfig {
     /// What a window counts: `"caller"`, `"ip"`, `"global"` or `"header:NAME"`.
     #[serde(default = "default_by")]
     pub by: String,
+    /// `by = "header:NAME"` only: believe the header only when the socket peer is one of
+    /// `identity.trusted_proxies`; from any other peer the limit counts the client IP.
+    /// Default false (the header counts from anyone, so a client picks its window).
+    #[serde(default)]
+    pub trusted_only: bool,
     /// Lease mode: take this many units from the store at a time and admit from them
     /// locally (about one store call per `lease` requests of a hot caller). Units
     /// admitted by all gateways never exceed the quota. Default: off.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lease: Option<u64>,
+    /// Lease mode: how long the store keeps a gateway's leased units for it without
+    /// hearing from it. Units a gateway has neither used nor given back by then (it
+    /// crashed) go back to the window. At least 2s; default 5s.
+    #[serde(default = "default_lease_ttl")]
+    pub lease_ttl: Dur,
+}
+
+fn default_lease_ttl() -> Dur {
+    LimitConfig::DEFAULT_LEASE_TTL
+}
+
+impl LimitConfig {
+    /// `lease_ttl` when the file does not set it.
+    pub const DEFAULT_LEASE_TTL: Dur = Dur(std::time::Duration::from_secs(5));
 }
 
 /// `[[limits]].algorithm`; the rules are in `crate::limiter::algorithm`.
@@ -744,9 +822,25 @@ pub struct RouteConfig {
     /// Responses with these statuses are not charged. Default `[304]`.
     #[serde(default = "default_uncharged")]
     pub uncharged_statuses: Vec<u16>,
-    /// `"after_response"` (default); `"on_request"` is not supported yet.
+    /// `"after_response"` (default): charged once the response status is known;
+    /// `"on_request"`: reserved when the request is admitted (refunded for an uncharged
+    /// status).
     #[serde(default = "default_charge")]
     pub charge: String,
+    /// Protocols a request on this route may upgrade to (`Upgrade`), e.g.
+    /// `["websocket"]` (the default); any other upgrade is served as a plain request.
+    /// `"h2c"` is an error.
+    #[serde(default = "default_upgrades")]
+    pub upgrades: Vec<String>,
+    /// Believe `X-HTTP-Method-Override`, `X-Method-Override`, `X-HTTP-Method`,
+    /// `X-Original-URL` and `X-Rewrite-URL` on this route: route and limit on the
+    /// method and URL they name, and forward them. Default false: they are stripped.
+    #[serde(default)]
+    pub trust_method_override: bool,
+}
+
+fn default_upgrades() -> Vec<String> {
+    vec!["websocket".into()]
 }
 
 fn default_path_match() -> String {

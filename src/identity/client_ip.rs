@@ -48,6 +48,21 @@ pub(super) fn canonical(ip: IpAddr) -> IpAddr {
     }
 }
 
+/// The address that keys `ip` in per-IP counts: an IPv4 address (or an IPv4-mapped
+/// IPv6 one, as IPv4) is itself; an IPv6 address is its network of `ipv6_prefix_len`
+/// bits (1 to 128; larger values are 128), the host bits zeroed: `2001:db8:1:2::7` with
+/// 64 is `2001:db8:1:2::`.
+pub fn network(ip: IpAddr, ipv6_prefix_len: u8) -> IpAddr {
+    match canonical(ip) {
+        IpAddr::V6(v6) => {
+            let bits = u32::from(ipv6_prefix_len.min(128));
+            let mask = u128::MAX.checked_shl(128 - bits).unwrap_or(0);
+            IpAddr::V6((u128::from(v6) & mask).into())
+        }
+        v4 => v4,
+    }
+}
+
 /// A hop is an IP, possibly with a port (`1.2.3.4:5678`, `[::1]:80`).
 fn parse_hop(hop: &str) -> Option<IpAddr> {
     let hop = hop.trim();
@@ -112,6 +127,26 @@ mod tests {
             &trusted,
         );
         assert_eq!(ip.to_string(), "2001:db8::1");
+    }
+
+    #[test]
+    fn an_ipv6_address_is_keyed_by_its_network_and_ipv4_by_itself() {
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        assert_eq!(
+            network(ip("2001:db8:1:2:3:4:5:6"), 64),
+            ip("2001:db8:1:2::")
+        );
+        assert_eq!(network(ip("2001:db8:1:2:3:4:5:6"), 56), ip("2001:db8:1::"));
+        assert_eq!(
+            network(ip("2001:db8:1:2ff:3::"), 56),
+            ip("2001:db8:1:200::")
+        );
+        assert_eq!(network(ip("2001:db8::1"), 128), ip("2001:db8::1"));
+        assert_eq!(network(ip("2001:db8::1"), 200), ip("2001:db8::1"));
+        assert_eq!(network(ip("ffff::1"), 1), ip("8000::"));
+        assert_eq!(network(ip("ffff::1"), 0), ip("::"));
+        assert_eq!(network(ip("203.0.113.9"), 64), ip("203.0.113.9"));
+        assert_eq!(network(ip("::ffff:203.0.113.9"), 64), ip("203.0.113.9"));
     }
 
     #[test]

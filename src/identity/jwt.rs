@@ -191,7 +191,8 @@ impl JwtVerifier {
     ///
     /// Errors: the reason, as shown to the caller after `invalid token: ` (`expired`,
     /// `not yet valid`, `bad signature`, `wrong audience`, `wrong issuer`, `unknown kid`,
-    /// `malformed`, ...).
+    /// `malformed`, also for a caller id with `,` or a control character, `critical
+    /// header parameter "NAME" not understood` for any `crit` header, ...).
     pub fn verify(&self, token: &[u8]) -> Result<JwtCaller, String> {
         let token = std::str::from_utf8(token).map_err(|_| "malformed".to_string())?;
         let key = match &self.keys {
@@ -208,6 +209,17 @@ impl JwtVerifier {
             &key.validation,
         )
         .map_err(|e| reason(e.kind()))?;
+        // RFC 7515 §4.1.11: a recipient must refuse a token whose `crit` names an
+        // extension it does not understand; tollgate understands none.
+        if let Some(crit) = &data.header.crit {
+            let shown: String = crit
+                .first()
+                .map(|c| c.chars().take(64).collect())
+                .unwrap_or_default();
+            return Err(format!(
+                "critical header parameter {shown:?} not understood"
+            ));
+        }
         let claims = data.claims;
         let id = match claims.get(&self.id_claim) {
             Some(serde_json::Value::String(s)) => s.clone(),
@@ -215,7 +227,12 @@ impl JwtVerifier {
             Some(_) => return Err(format!("claim {:?} is not a string", self.id_claim)),
             None => return Err(format!("missing claim {:?}", self.id_claim)),
         };
-        if id.is_empty() || id.len() > MAX_ID_LEN || id.chars().any(char::is_control) {
+        // A comma would reach the upstream as a list of callers (`mallory, alice`); a
+        // control character could split headers and log lines.
+        if id.contains(',') || id.chars().any(char::is_control) {
+            return Err("malformed".into());
+        }
+        if id.is_empty() || id.len() > MAX_ID_LEN {
             return Err(format!(
                 "claim {:?} must be 1 to {MAX_ID_LEN} printable bytes",
                 self.id_claim

@@ -14,7 +14,7 @@
 mod client_ip;
 pub mod jwt;
 
-pub use client_ip::client_ip;
+pub use client_ip::{client_ip, network};
 pub use jwt::{JwtCaller, JwtVerifier};
 
 use crate::config::{IdentityConfig, Problems};
@@ -47,8 +47,15 @@ pub struct Caller {
     /// Tier for quota lookups: the client's, or `identity.anonymous_tier`.
     pub tier: Arc<str>,
     /// Client IP: the socket peer, or the right-most untrusted `X-Forwarded-For` hop when
-    /// the peer is a trusted proxy.
+    /// the peer is a trusted proxy. Logged and forwarded as it is.
     pub ip: IpAddr,
+    /// What per-IP limits count for this caller: `ip`'s network of
+    /// `identity.ipv6_prefix_len` bits for IPv6, `ip` itself for IPv4 (see
+    /// [`Identities::ip_key`]).
+    pub ip_key: IpAddr,
+    /// Whether the socket peer is one of `identity.trusted_proxies` (limits with
+    /// `trusted_only = true` believe its headers).
+    pub peer_trusted: bool,
 }
 
 impl Caller {
@@ -85,6 +92,8 @@ pub struct Identities {
     scheme_prefixed: bool,
     by_digest: HashMap<[u8; 32], Arc<Client>>,
     trusted_proxies: Vec<IpNet>,
+    /// `identity.ipv6_prefix_len` (1 to 128).
+    ipv6_prefix_len: u8,
     anonymous_tier: Arc<str>,
     /// Clients by id, when `client_cert_subject_as_caller` is on (else empty).
     by_cert_cn: HashMap<Arc<str>, Arc<Client>>,
@@ -131,6 +140,17 @@ impl Identities {
                 ),
             }
         }
+
+        if !(1..=128).contains(&cfg.ipv6_prefix_len) {
+            problems.error(
+                "identity.ipv6_prefix_len",
+                format!(
+                    "{} is not a prefix length: must be between 1 and 128 (64 keys a subscriber's /64; 128 keys each address, for callers inside a cluster or a LAN)",
+                    cfg.ipv6_prefix_len
+                ),
+            );
+        }
+        let ipv6_prefix_len = cfg.ipv6_prefix_len.clamp(1, 128) as u8;
 
         let mut by_digest = HashMap::new();
         let mut by_cert_cn = HashMap::new();
@@ -199,6 +219,7 @@ impl Identities {
             scheme_prefixed,
             by_digest,
             trusted_proxies,
+            ipv6_prefix_len,
             anonymous_tier: cfg.anonymous_tier.as_str().into(),
             by_cert_cn,
             jwt,
@@ -265,6 +286,16 @@ impl Identities {
         client_ip(headers, peer, &self.trusted_proxies)
     }
 
+    /// The address that keys `ip` in every per-IP count (anonymous callers, `by = "ip"`
+    /// limits, `identity.failed_auth_limit`, the access log's client hash,
+    /// `server.max_connections_per_ip`): for IPv6, its network of
+    /// `identity.ipv6_prefix_len` bits (one subscriber usually holds a whole /64, so
+    /// rotating addresses inside it is one caller); an IPv4 address (or an IPv4-mapped
+    /// IPv6 one) is itself.
+    pub fn ip_key(&self, ip: IpAddr) -> IpAddr {
+        client_ip::network(ip, self.ipv6_prefix_len)
+    }
+
     /// Identify the caller of a request from its headers and socket peer.
     ///
     /// Errors: [`IdentityError::BadCredentials`] when a key is presented and unknown;
@@ -286,17 +317,23 @@ impl Identities {
         cert_cn: Option<&str>,
     ) -> Result<Caller, IdentityError> {
         let ip = client_ip(headers, peer, &self.trusted_proxies);
+        let ip_key = self.ip_key(ip);
+        let peer_trusted = self.trusts(peer);
         match self.presented_key(headers)? {
             None => match cert_cn.and_then(|cn| self.by_cert_cn.get(cn)) {
                 Some(client) => Ok(Caller {
                     tier: client.tier.clone(),
                     client: Some(client.clone()),
                     ip,
+                    ip_key,
+                    peer_trusted,
                 }),
                 None => Ok(Caller {
                     client: None,
                     tier: self.anonymous_tier.clone(),
                     ip,
+                    ip_key,
+                    peer_trusted,
                 }),
             },
             Some(token) if self.jwt.is_some() && jwt::looks_like_jwt(token) => {
@@ -312,6 +349,8 @@ impl Identities {
                         key_sha256: [0; 32],
                     })),
                     ip,
+                    ip_key,
+                    peer_trusted,
                 })
             }
             Some(key) => {
@@ -320,6 +359,8 @@ impl Identities {
                     tier: client.tier.clone(),
                     client: Some(client),
                     ip,
+                    ip_key,
+                    peer_trusted,
                 })
             }
         }
@@ -442,10 +483,7 @@ fn upstream_header(
         "x-forwarded-proto",
         "x-forwarded-host",
     ];
-    if crate::proxy::forward::always_hop_by_hop(&h)
-        || reserved.contains(&h.as_str())
-        || h == *credential
-    {
+    if crate::http::always_hop_by_hop(&h) || reserved.contains(&h.as_str()) || h == *credential {
         problems.error(
             key,
             format!("{name:?} is a header the gateway manages otherwise; pick another name, e.g. \"x-consumer-id\""),

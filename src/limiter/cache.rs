@@ -114,6 +114,17 @@ impl OverLimitCache {
         }
     }
 
+    /// Drop the entry of `key`, if any: units of its window were given back (a refund),
+    /// so a refusal remembered before may no longer hold.
+    pub fn forget(&self, key: &LimitKey) {
+        if self.count.load(Ordering::Relaxed) == 0 {
+            return;
+        }
+        if self.entries.shard(key).remove(&key.key).is_some() {
+            self.count.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+
     fn retain(&self, keep: impl FnMut(&Entry) -> bool) {
         let dropped = self.entries.retain(keep);
         self.count.fetch_sub(dropped, Ordering::Relaxed);
@@ -189,6 +200,15 @@ mod tests {
         assert_eq!(c.len(), 2, "the expired entry made room");
         c.forget_limit("core");
         assert_eq!(c.len(), 1);
+        c.forget(&k("x"));
+        assert_eq!(c.len(), 1, "forgetting a key not held changes nothing");
+        c.insert(&k("d"), &usage("core", 10, 5_000), 3_000);
+        c.forget(&k("d"));
+        assert_eq!(c.len(), 1);
+        assert!(
+            c.get(&k("d"), 10, 1, 3_000).is_none(),
+            "a refund forgets the refusal"
+        );
         assert!(c.get(&k("b"), 10, 1, 3_000).is_some());
         let off = OverLimitCache::new(0);
         off.insert(&k("a"), &usage("core", 10, 2_000), 0);

@@ -7,6 +7,13 @@
 //! gateway may hold units another gateway's callers could have used. Units a gateway
 //! has not used are given back (`lua/refund.lua`) once its lease has been idle for
 //! [`IDLE_MS`], and at shutdown; when the window ends they lapse with it.
+//!
+//! A gateway that dies without giving its units back (`kill -9`) must not strand them
+//! until the window ends: the store keeps each gateway's unused units for it only for
+//! the limit's `lease_ttl` after it last heard from it, then gives them back to the
+//! window (`lua/lease.lua`). So a live gateway uses a lease only for half its
+//! `lease_ttl` after its last store call, then renews it (reporting what it still
+//! holds) or, idle, gives it back: its record never lapses while it admits from it.
 
 use super::key::LimitKey;
 use super::sharded::ShardedMap;
@@ -28,6 +35,17 @@ struct Lease {
     store_used: u64,
     /// Last time units were taken or returned, ms since the epoch.
     last_ms: u64,
+    /// The units may be admitted from until this time (ms since the epoch): half the
+    /// limit's `lease_ttl` after the last store call that renewed the lease.
+    valid_until_ms: u64,
+}
+
+impl Lease {
+    /// Whether units may be admitted from this lease at `now_ms`: its window is live
+    /// and the store's record of it is fresh (see `valid_until_ms`).
+    fn usable(&self, now_ms: u64) -> bool {
+        self.reset_at_ms > now_ms && self.valid_until_ms > now_ms
+    }
 }
 
 /// What taking units from a lease found.
@@ -63,23 +81,38 @@ pub struct Ask<'a> {
     pub quota: u64,
     /// Window length for a new window, milliseconds.
     pub window_ms: u64,
+    /// `lease_ttl`, milliseconds.
+    pub lease_ttl_ms: u64,
 }
 
 /// Every lease this gateway holds, shared across config reloads that keep the store.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct LeaseTable {
     leases: ShardedMap<Lease>,
+    /// This gateway's id in the store's lease records: random per process.
+    gateway: u64,
+}
+
+impl Default for LeaseTable {
+    fn default() -> Self {
+        Self {
+            leases: ShardedMap::default(),
+            // 53 bits: exact in Lua's numbers.
+            gateway: (uuid::Uuid::new_v4().as_u64_pair().0 >> 11).max(1),
+        }
+    }
 }
 
 impl LeaseTable {
-    /// An empty table.
+    /// An empty table, with a new random gateway id.
     pub fn new() -> Self {
         Self::default()
     }
 
     /// Take `ask.cost` units of `ask.key`'s window: from the local lease when it holds
-    /// enough, else after asking the store for `max(lease, cost)` more (never past
-    /// `quota`).
+    /// enough and is valid, else after asking the store for what tops the lease up to
+    /// `max(lease, cost)` units (never past `quota`), which also renews the store's
+    /// record of the units this gateway holds.
     ///
     /// Errors: the store's, when a grant was needed and the store failed.
     pub async fn take(
@@ -91,16 +124,25 @@ impl LeaseTable {
         if let Some(t) = self.take_local(ask.key, ask.cost, now_ms) {
             return Ok(t);
         }
+        let (kept, kept_reset_at_ms) = self.kept(ask.key, now_ms);
+        let lessee = super::store::Lessee {
+            gateway: self.gateway,
+            ttl_ms: ask.lease_ttl_ms,
+            kept,
+            kept_reset_at_ms,
+        };
         let grant = store
             .lease(
                 ask.key,
-                ask.lease.max(ask.cost),
+                ask.lease.max(ask.cost).saturating_sub(kept),
                 ask.quota,
                 ask.window_ms,
                 now_ms,
+                &lessee,
             )
             .await?;
-        let taken = self.add_and_take(ask.key, grant, ask.cost, now_ms);
+        let valid_until_ms = now_ms.saturating_add(ask.lease_ttl_ms / 2);
+        let taken = self.add_and_take(ask.key, grant, ask.cost, now_ms, valid_until_ms);
         if matches!(taken, Take::Exhausted { .. }) {
             // Concurrent takers asked the store at the same time, and one that was granted
             // units may not have added them yet (replies come in order, their tasks run in
@@ -120,13 +162,23 @@ impl LeaseTable {
     pub fn holds(&self, key: &LimitKey, cost: u64, now_ms: u64) -> bool {
         let map = self.leases.shard(key);
         map.get(&key.key)
-            .is_some_and(|l| l.reset_at_ms > now_ms && l.remaining >= cost)
+            .is_some_and(|l| l.usable(now_ms) && l.remaining >= cost)
+    }
+
+    /// The unused units this gateway holds of `key`'s window, and the window's end (ms
+    /// since the epoch; 0 when it holds none).
+    fn kept(&self, key: &LimitKey, now_ms: u64) -> (u64, u64) {
+        let map = self.leases.shard(key);
+        match map.get(&key.key) {
+            Some(l) if l.reset_at_ms > now_ms && l.remaining > 0 => (l.remaining, l.reset_at_ms),
+            _ => (0, 0),
+        }
     }
 
     fn take_local(&self, key: &LimitKey, cost: u64, now_ms: u64) -> Option<Take> {
         let mut map = self.leases.shard(key);
         let l = map.get_mut(&key.key)?;
-        if l.reset_at_ms <= now_ms || l.remaining < cost {
+        if !l.usable(now_ms) || l.remaining < cost {
             return None;
         }
         l.remaining -= cost;
@@ -137,7 +189,14 @@ impl LeaseTable {
         })
     }
 
-    fn add_and_take(&self, key: &LimitKey, grant: Grant, cost: u64, now_ms: u64) -> Take {
+    fn add_and_take(
+        &self,
+        key: &LimitKey,
+        grant: Grant,
+        cost: u64,
+        now_ms: u64,
+        valid_until_ms: u64,
+    ) -> Take {
         let w = grant.window;
         let mut map = self.leases.shard(key);
         let l = map.entry(key.key.clone()).or_insert_with(|| Lease {
@@ -146,7 +205,9 @@ impl LeaseTable {
             remaining: 0,
             store_used: 0,
             last_ms: now_ms,
+            valid_until_ms,
         });
+        l.valid_until_ms = l.valid_until_ms.max(valid_until_ms);
         if l.reset_at_ms != w.reset_at_ms {
             // A new window: what was held belonged to the old one and lapsed with it.
             l.reset_at_ms = w.reset_at_ms;
@@ -181,14 +242,16 @@ impl LeaseTable {
     }
 
     /// Drop leases of past windows and give back the units of leases idle for
-    /// [`IDLE_MS`] (all of them with `all`, at shutdown). Returns the units given back.
+    /// [`IDLE_MS`] or past their validity (all of them with `all`, at shutdown), so
+    /// that the store's record of them never lapses while this gateway lives. Returns
+    /// the units given back.
     pub async fn sweep(&self, store: &impl Store, now_ms: u64, all: bool) -> u64 {
         let mut idle = Vec::new();
         self.leases.retain_mut(|l| {
             if l.reset_at_ms <= now_ms {
                 return false;
             }
-            if all || now_ms.saturating_sub(l.last_ms) >= IDLE_MS {
+            if all || now_ms.saturating_sub(l.last_ms) >= IDLE_MS || !l.usable(now_ms) {
                 if l.remaining > 0 {
                     idle.push((l.key.clone(), l.remaining, l.reset_at_ms));
                 }
@@ -198,7 +261,7 @@ impl LeaseTable {
         });
         let mut returned = 0;
         for (key, units, reset_at_ms) in idle {
-            match store.refund(&key, units, reset_at_ms).await {
+            match store.refund(&key, units, reset_at_ms, self.gateway).await {
                 Ok(_) => returned += units,
                 Err(e) => tracing::debug!(error = %e, "returning leased units failed"),
             }

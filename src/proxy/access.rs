@@ -43,6 +43,9 @@ pub enum Decision {
     /// A malformed request (400: bad path escape, bad Host), answered before anything
     /// else.
     BadRequest,
+    /// A TLS request whose host another certificate than its connection's is for (421),
+    /// answered before anything else.
+    Misdirected,
 }
 
 impl Decision {
@@ -59,6 +62,7 @@ impl Decision {
             Decision::NoRoute => "no_route",
             Decision::TooLarge => "too_large",
             Decision::BadRequest => "bad_request",
+            Decision::Misdirected => "misdirected",
         }
     }
 }

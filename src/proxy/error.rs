@@ -42,6 +42,21 @@ pub enum ProxyError {
     /// The request cannot be forwarded as sent: 400.
     #[error("bad request: {0}")]
     BadRequest(String),
+    /// The request's host (the string) is one another certificate of the TLS listener
+    /// is for than the one this connection's SNI chose: 421.
+    #[error("misdirected request: this connection is not for {0:?}")]
+    Misdirected(String),
+    /// The request uses something tollgate does not implement (a transfer coding other
+    /// than `chunked`): 501.
+    #[error("not implemented: {0}")]
+    NotImplemented(String),
+    /// The request body stopped arriving for `server.body_timeout` (the timeout): 408.
+    #[error("request body timed out: nothing arrived for {0:?}")]
+    BodyTimeout(std::time::Duration),
+    /// A budget is spent: the descriptor budget (no upstream socket may be opened) or
+    /// `server.max_tunnels` (what ran out is said): 503 with `Retry-After: 1`.
+    #[error("{0}")]
+    Overloaded(&'static str),
 }
 
 impl ProxyError {
@@ -56,6 +71,10 @@ impl ProxyError {
             ProxyError::UpstreamTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
             ProxyError::BadRequest(_) => StatusCode::BAD_REQUEST,
             ProxyError::BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            ProxyError::Misdirected(_) => StatusCode::MISDIRECTED_REQUEST,
+            ProxyError::NotImplemented(_) => StatusCode::NOT_IMPLEMENTED,
+            ProxyError::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
+            ProxyError::Overloaded(_) => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
 
@@ -89,10 +108,18 @@ impl ProxyError {
         // Serializing a struct of plain fields cannot fail.
         let bytes = serde_json::to_vec(&body).unwrap_or_default();
         let mut response = json_bytes_response(status, bytes);
-        if let ProxyError::OverLimit { retry_after_s, .. } = &self {
-            response
-                .headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from(*retry_after_s));
+        match &self {
+            ProxyError::OverLimit { retry_after_s, .. } => {
+                response
+                    .headers_mut()
+                    .insert(header::RETRY_AFTER, HeaderValue::from(*retry_after_s));
+            }
+            ProxyError::Overloaded(_) => {
+                response
+                    .headers_mut()
+                    .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            }
+            _ => {}
         }
         response
     }

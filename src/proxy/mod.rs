@@ -27,6 +27,7 @@ mod tls;
 
 use crate::clock::Clock;
 use crate::config::LogClientIp;
+use crate::http::target::{self, Override};
 use crate::identity::{Identities, IdentityError};
 use crate::limiter::{most_constrained, Applied, Limiter, Refusal, Usage};
 use crate::metrics::Metrics;
@@ -45,6 +46,8 @@ pub use crate::response::Body;
 /// know the snapshot type itself: it sees only these parts.
 #[derive(Debug, Clone, Copy)]
 pub struct Gate<'a> {
+    /// Step 0: what of a request crosses the edge ([`crate::http`]).
+    pub edge: &'a crate::http::Edge,
     /// Step 1: API keys, tiers, trusted proxies.
     pub identities: &'a Identities,
     /// Step 2: routes.
@@ -62,13 +65,15 @@ pub struct Gate<'a> {
 }
 
 impl Gate<'_> {
-    /// The client IP as the access log shows it (`log.client_ip`): the address, its
-    /// keyed digest (the hash tag of the caller's by-IP Redis keys), or nothing.
+    /// The client IP as the access log shows it (`log.client_ip`): the address, the
+    /// keyed digest of what keys it in per-IP counts (for IPv6, its network of
+    /// `identity.ipv6_prefix_len` bits: the hash tag of the caller's by-IP Redis keys),
+    /// or nothing.
     pub fn log_client(&self, ip: std::net::IpAddr) -> Option<String> {
         match self.log_client_ip {
             LogClientIp::None => None,
             LogClientIp::Ip => Some(ip.to_string()),
-            LogClientIp::Hash => Some(self.limiter.ip_hash(ip)),
+            LogClientIp::Hash => Some(self.limiter.ip_hash(self.identities.ip_key(ip))),
         }
     }
 }
@@ -81,6 +86,12 @@ pub struct Context<'a> {
     pub clock: &'a crate::clock::SharedClock,
     /// Where request metrics go.
     pub metrics: &'a Metrics,
+    /// `server.max_delayed`: the requests `on_limit = "delay"` may hold on this gateway.
+    pub delayed: &'a crate::limiter::delayed::DelayBudget,
+    /// The descriptor budget new upstream sockets and tunnels are counted in.
+    pub budget: &'a crate::budget::Budget,
+    /// `server.body_timeout`: how long a request body may stop arriving.
+    pub body_timeout: std::time::Duration,
 }
 
 /// Serve one request on the snapshot it started with (its [`Gate`]): set its request id, run
@@ -109,21 +120,35 @@ pub async fn serve(
 ) -> Response<Body> {
     let clock: &dyn Clock = &**ctx.clock;
 
-    // 0. One spelling per path (so no spelling dodges a route's limits), and a sane Host.
+    // 0. One spelling per path (so no spelling dodges a route's limits), only the
+    //    headers that may cross the edge, and one sane Host.
     if let Err(e) = normalize_path(&mut req) {
         log.decision = Decision::BadRequest;
         return e.into_response();
     }
-    let host = match request_host(&req) {
-        Ok(host) => host,
-        Err(e) => {
-            log.decision = Decision::BadRequest;
-            return e.into_response();
+    let peer_trusted = snap.identities.trusts(peer.ip());
+    if let Err(e) = snap.edge.admit(req.headers_mut(), peer_trusted) {
+        log.decision = Decision::BadRequest;
+        return ProxyError::NotImplemented(e.to_string()).into_response();
+    }
+    // One authority: routed, limited and forwarded on (the upstream gets this Host).
+    if let Err(e) = crate::http::authority::settle(&mut req) {
+        log.decision = Decision::BadRequest;
+        return ProxyError::BadRequest(e.to_string()).into_response();
+    }
+    let host = crate::http::authority::host_name(req.headers());
+
+    // On TLS, the connection must be for the host asked (when the listener has more
+    // than one certificate): else 421, never forwarded nor charged.
+    let tls = req.extensions().get::<crate::tls::TlsInfo>().cloned();
+    if let (Some(info), Some(host)) = (&tls, host) {
+        if info.misdirected(host) {
+            log.decision = Decision::Misdirected;
+            return ProxyError::Misdirected(host.chars().take(256).collect()).into_response();
         }
-    };
+    }
 
     // 1. Identify the caller (on TLS, a verified client certificate's CN may name it).
-    let tls = req.extensions().get::<crate::tls::TlsInfo>().cloned();
     let cert_cn = tls.as_ref().and_then(|t| t.client_cn.as_deref());
     let identified = snap
         .identities
@@ -138,9 +163,11 @@ pub async fn serve(
     let caller = match identified {
         Ok(caller) => caller,
         Err(failure) => {
-            // Guessing keys is limited per client IP (identity.failed_auth_limit).
+            // Guessing keys is limited per client IP (identity.failed_auth_limit), an
+            // IPv6 client's by its network (identity.ipv6_prefix_len).
             let ip = snap.identities.client_ip(req.headers(), peer.ip());
-            if let Some(usage) = snap.limiter.failed_auth(ip, clock.now_ms()).await {
+            let key = snap.identities.ip_key(ip);
+            if let Some(usage) = snap.limiter.failed_auth(key, clock.now_ms()).await {
                 log.decision = Decision::Rejected;
                 log.usage = Some(usage.clone());
                 let now_ms = clock.now_ms();
@@ -177,12 +204,34 @@ pub async fn serve(
         return rate_limit_status(&applied, &usages);
     }
 
-    // 2. Route by host and longest path prefix.
-    let Some(route) = snap.router.find(host, req.uri().path(), req.method()) else {
+    // 2. Route by host and longest path prefix, on the path and method the upstream will
+    //    execute: without `;…` parameters and trailing dots, and with the method / URL
+    //    override headers where the route they select trusts them (else stripped).
+    let routing_path = target::routing_path(req.uri().path());
+    let (route, strip_overrides) = match target::requested(req.headers()) {
+        Override::None => (snap.router.find(host, &routing_path, req.method()), false),
+        asked => match believed_override(snap.router, host, &routing_path, req.method(), asked) {
+            Some(route) => (Some(route), false),
+            None => (snap.router.find(host, &routing_path, req.method()), true),
+        },
+    };
+    if strip_overrides {
+        target::strip_overrides(req.headers_mut());
+    }
+    let Some(route) = route else {
         log.decision = Decision::NoRoute;
         return ProxyError::NoRoute.into_response();
     };
     log.route = Some(route.path_prefix.clone()); // an Arc: no copy
+
+    // Only an upgrade the route allows crosses; any other is a plain request.
+    let upgrade = match crate::http::upgrade::decide(&req, &route.upgrades) {
+        Ok(upgrade) => upgrade,
+        Err(e) => {
+            log.decision = Decision::BadRequest;
+            return ProxyError::BadRequest(e.to_string()).into_response();
+        }
+    };
     if let Some(max) = route.max_request_bytes {
         let declared = req
             .headers()
@@ -201,9 +250,9 @@ pub async fn serve(
         .applicable(&route.limits, &caller, req.headers())
         .into();
     let reserve = snap.limiter.reserves(route.on_request);
-    let admission = match snap
+    let mut admission = match snap
         .limiter
-        .check_or_delay(&applied, route.cost, reserve, clock)
+        .check_or_delay(&applied, route.cost, reserve, clock, ctx.delayed)
         .await
     {
         Ok(admission) => admission,
@@ -245,19 +294,23 @@ pub async fn serve(
 
     // From here on the request is the upstream's: if the client goes away before the
     // charge below, it is charged all the same (when this guard is dropped).
-    let mut pending = snap
-        .limiter
-        .pending_charge(applied.clone(), &admission, ctx.clock.clone());
+    let mut pending =
+        snap.limiter
+            .pending_charge(applied.clone(), &mut admission, ctx.clock.clone());
 
     // 4. Forward upstream, streaming both bodies (telling the upstream who called).
     let mut req = req;
     snap.identities.to_upstream(&caller, req.headers_mut());
     let down = Downstream {
         peer,
-        peer_trusted: snap.identities.trusts(peer.ip()),
+        peer_trusted,
+        client_ip: caller.ip,
+        upgrade,
         scheme: if tls.is_some() { "https" } else { "http" },
         request_id: log.request_id().clone(),
         max_request_bytes: route.max_request_bytes,
+        body_timeout: ctx.body_timeout,
+        budget: ctx.budget,
     };
     let forwarded = log
         .time_upstream(
@@ -268,9 +321,15 @@ pub async fn serve(
         .await;
     let mut response = match forwarded {
         Ok(response) => response,
+        Err(e @ ProxyError::BodyTimeout(_)) => {
+            // The client stopped sending its body while the upstream had the request:
+            // charged like a client that went away (dropping `pending` charges it;
+            // reservations and leased units stand).
+            return e.into_response();
+        }
         Err(e) => {
             snap.limiter
-                .release(&applied, route.cost, &admission, clock.now_ms());
+                .release(&applied, route.cost, &mut admission, clock.now_ms());
             pending.settled();
             let mut response = e.into_response();
             if let Some(usage) = most_constrained(&admission.usages) {
@@ -292,14 +351,14 @@ pub async fn serve(
         .unwrap_or(route.cost);
     // Settled now: the charge below is handed to the store in its first poll, so a
     // client going away from here on does not count it twice.
-    pending.settled();
+    pending.settle(&mut admission);
     let usages = if route.charges(response.status()) && cost > 0 {
         snap.limiter
             .charge(&applied, cost, clock.now_ms(), admission)
             .await
     } else {
         snap.limiter
-            .release(&applied, route.cost, &admission, clock.now_ms());
+            .release(&applied, route.cost, &mut admission, clock.now_ms());
         admission.usages
     };
 
@@ -390,59 +449,52 @@ fn put_headers(
     );
 }
 
-/// The host a request is for: the `Host` header, or the URI authority (HTTP/2).
-/// Without its port, and without a trailing dot (`api.example.com.` is
-/// `api.example.com`), borrowed as sent (routes compare hosts in any case).
-///
-/// Errors: 400 for a Host that is not ASCII or whose port is not a number (it must not
-/// fall through to a host-less route).
-fn request_host(req: &Request<Incoming>) -> Result<Option<&str>, ProxyError> {
-    let raw = match req.headers().get(header::HOST) {
-        Some(h) => h
-            .to_str()
-            .map_err(|_| ProxyError::BadRequest("Host is not ASCII".into()))?,
-        None => match req.uri().authority() {
-            Some(a) => a.as_str(),
-            None => return Ok(None),
-        },
+/// The route that override headers select ([`target::requested`]) when it trusts them
+/// (`trust_method_override`): found by the overriding method, and by the overriding
+/// URL's path in normal form and routing form. `None`: not believed (the overrides are
+/// then stripped and the request routed as sent).
+fn believed_override<'r>(
+    router: &'r Router,
+    host: Option<&str>,
+    routing_path: &str,
+    method: &http::Method,
+    asked: Override,
+) -> Option<&'r std::sync::Arc<route::Route>> {
+    let Override::Asks {
+        method: overriding,
+        url,
+    } = asked
+    else {
+        return None;
     };
-    let name = if raw.starts_with('[') {
-        // [v6]:port
-        let end = raw.find(']').map_or(raw.len(), |i| i + 1);
-        check_port(&raw[end..])?;
-        &raw[..end]
-    } else {
-        match raw.rsplit_once(':') {
-            Some((name, _)) => {
-                check_port(&raw[name.len()..])?;
-                name
-            }
-            None => raw,
+    let method = overriding.as_ref().unwrap_or(method);
+    let route = match url {
+        None => router.find(host, routing_path, method),
+        Some(url) => {
+            let p = url.split(['?', '#']).next().unwrap_or("/");
+            let normal = path::normalize(p).ok()?;
+            let normal = normal.as_deref().unwrap_or(p);
+            router.find(host, &target::routing_path(normal), method)
         }
     };
-    let name = name.strip_suffix('.').unwrap_or(name);
-    if name.is_empty() {
-        return Err(ProxyError::BadRequest("empty Host".into()));
-    }
-    Ok(Some(name))
-}
-
-/// `rest` after the host name: empty, or `:` and a port number.
-fn check_port(rest: &str) -> Result<(), ProxyError> {
-    match rest.strip_prefix(':') {
-        None if rest.is_empty() => Ok(()),
-        Some(p) if !p.is_empty() && p.len() <= 5 && p.bytes().all(|b| b.is_ascii_digit()) => Ok(()),
-        _ => Err(ProxyError::BadRequest(format!(
-            "Host has a bad port: {rest:?}"
-        ))),
-    }
+    route.filter(|r| r.trust_method_override)
 }
 
 /// Rewrite the request's path to its normal form ([`path::normalize`]), keeping the
-/// query, so that routing and the upstream see the same path.
+/// query, so that routing and the upstream see the same path. The asterisk-form of
+/// `OPTIONS *` is kept as it is (and routed as `/`).
 ///
-/// Errors: 400 for a path with an encoded slash or a malformed escape.
+/// Errors: 400 for a path with an encoded slash or a malformed escape, and for `*` with
+/// any method but `OPTIONS`.
 fn normalize_path(req: &mut Request<Incoming>) -> Result<(), ProxyError> {
+    if req.uri().path() == "*" {
+        return match *req.method() {
+            http::Method::OPTIONS => Ok(()),
+            _ => Err(ProxyError::BadRequest(
+                "the asterisk-form `*` is for OPTIONS only".into(),
+            )),
+        };
+    }
     let normal =
         path::normalize(req.uri().path()).map_err(|e| ProxyError::BadRequest(e.to_string()))?;
     let Some(normal) = normal else {

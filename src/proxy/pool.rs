@@ -3,12 +3,22 @@
 //!
 //! A lean pool over hyper's `client::conn::http1`: checking a connection out is a lock,
 //! a pop and a readiness test; it goes back when the response body has been read to its
-//! end (a body that is dropped early takes its connection with it, since the rest of
-//! that response would still be on the wire). hyper-util's general-purpose client did
+//! end and the request body was sent to its end, once the connection is ready for
+//! another request. A connection whose response was not read to its end goes with its
+//! body; one whose request body is still being sent when the response ends (the
+//! upstream answered early, e.g. 401 before reading an upload) is closed, the rest of
+//! the upload cut off: it is never handed to another request, which would wait behind
+//! that upload. Every socket is counted in the descriptor budget
+//! ([`crate::budget::Budget`]); when it is spent, no socket is opened. hyper-util's general-purpose client did
 //! the same job with a keyed pool, a connect/checkout race and more boxing per request:
 //! about an eighth of the instructions of a proxied request (see BENCHMARKS.md).
+//!
+//! With `server.runtime = "per_core"` a pool holds one part per worker: a request takes
+//! and returns connections in its own worker's part, whose connections' tasks run on
+//! that worker's runtime, so that no exchange with the upstream wakes another thread.
 
-use super::body::RequestBody;
+use super::body::{BodyState, RequestBody};
+use crate::budget::{Budget, Counted};
 use crate::config::UpstreamProtocol;
 use bytes::Bytes;
 use http::uri::Authority;
@@ -40,6 +50,9 @@ pub enum PoolError {
     /// The HTTP exchange failed (reset, closed early, bad response, ...).
     #[error("{0}")]
     Http(#[from] hyper::Error),
+    /// No socket could be opened: the descriptor budget is spent.
+    #[error("no descriptor left for a connection to {0} (the open-file limit is spent)")]
+    NoDescriptor(Authority),
 }
 
 impl PoolError {
@@ -110,13 +123,21 @@ impl std::fmt::Debug for Connector {
 }
 
 /// Connections to one target: a keep-alive stack (HTTP/1.1) or one shared multiplexed
-/// connection (HTTP/2).
+/// connection (HTTP/2), per worker (see the module documentation).
 #[derive(Debug)]
 pub struct Pool {
     connector: Connector,
-    idle: Mutex<Vec<Idle>>,
+    /// One per `per_core` worker (one in all with the multi-thread runtime).
+    parts: Box<[Part]>,
+    /// Idle HTTP/1.1 connections one part keeps.
     max_idle: usize,
     idle_timeout: Duration,
+}
+
+/// The connections of one worker (see [`Pool`]).
+#[derive(Debug, Default)]
+struct Part {
+    idle: Mutex<Vec<Idle>>,
     /// HTTP/2: the shared connection, cloned per request.
     shared: Mutex<Option<http2::SendRequest<RequestBody>>>,
     /// HTTP/2: held while (re)connecting, so that one connection is made, not many.
@@ -129,46 +150,67 @@ struct Idle {
     since: Instant,
 }
 
+/// How long a connection whose exchange has ended may take to be ready for the next
+/// request (the end of its request body still being written) before it is given up.
+const CLEAN_WAIT: Duration = Duration::from_secs(5);
+
 impl Pool {
     /// A pool of connections made by `connector`, keeping at most `max_idle` idle
-    /// HTTP/1.1 connections, each for at most `idle_timeout`.
-    pub fn new(connector: Connector, max_idle: usize, idle_timeout: Duration) -> Arc<Self> {
+    /// HTTP/1.1 connections, each for at most `idle_timeout`, in `parts` parts (one per
+    /// `per_core` worker, see [`crate::server::runtime::per_worker_parts`]; at least 1)
+    /// that share `max_idle` (each keeps at least one).
+    pub fn new(
+        connector: Connector,
+        max_idle: usize,
+        idle_timeout: Duration,
+        parts: usize,
+    ) -> Arc<Self> {
+        let parts = parts.max(1);
         Arc::new(Self {
             connector,
-            idle: Mutex::new(Vec::new()),
-            max_idle,
+            parts: (0..parts).map(|_| Part::default()).collect(),
+            max_idle: max_idle.div_ceil(parts).max(1),
             idle_timeout,
-            shared: Mutex::new(None),
-            connecting: tokio::sync::Mutex::new(()),
         })
     }
 
+    /// The part of this thread's worker, and its index.
+    fn part(&self) -> (usize, &Part) {
+        let index = crate::server::runtime::slot(self.parts.len());
+        (index, &self.parts[index])
+    }
+
     /// Send `req` (origin-form URI and `Host` for HTTP/1.1; absolute URI for HTTP/2) on
-    /// an idle connection, or a new one. A request that an idle connection could not
-    /// take (it was closed meanwhile) is sent again on a new connection; one that was
-    /// already written is not retried.
+    /// an idle connection, or a new one, counted in `budget`. A request that an idle
+    /// connection could not take (it was closed meanwhile) is sent again on a new
+    /// connection; one that was already written is not retried.
     ///
-    /// Errors: [`SendError`], with the request when it was not sent at all.
+    /// Errors: [`SendError`], with the request when it was not sent at all
+    /// ([`PoolError::NoDescriptor`] when `budget` has no descriptor for a new socket).
     pub async fn send(
         self: &Arc<Self>,
         req: Request<RequestBody>,
+        budget: &Budget,
     ) -> Result<Response<PooledBody>, SendError> {
         match self.connector.protocol {
-            UpstreamProtocol::Http1 => self.send_h1(req).await,
-            UpstreamProtocol::Http2 => self.send_h2(req).await,
+            UpstreamProtocol::Http1 => self.send_h1(req, budget).await,
+            UpstreamProtocol::Http2 => self.send_h2(req, budget).await,
         }
     }
 
     async fn send_h1(
         self: &Arc<Self>,
         mut req: Request<RequestBody>,
+        budget: &Budget,
     ) -> Result<Response<PooledBody>, SendError> {
-        while let Some(mut tx) = self.checkout() {
+        let body = req.body().state();
+        let (part, _) = self.part();
+        while let Some(mut tx) = self.checkout(part) {
             if !tx.is_ready() && tx.ready().await.is_err() {
                 continue;
             }
             match tx.try_send_request(req).await {
-                Ok(response) => return Ok(self.wrap(response, Some(tx))),
+                Ok(response) => return Ok(self.wrap(response, Some((part, tx, body)))),
                 Err(mut e) => match e.take_message() {
                     // Not sent: the connection was closing. Try the next one.
                     Some(back) => req = back,
@@ -176,18 +218,19 @@ impl Pool {
                 },
             }
         }
-        let (mut tx, req) = unsent_on_error(self.connect_h1().await, req)?;
+        let (mut tx, req) = unsent_on_error(self.connect_h1(budget).await, req)?;
         let response = tx.send_request(req).await.map_err(PoolError::Http)?;
-        Ok(self.wrap(response, Some(tx)))
+        Ok(self.wrap(response, Some((part, tx, body))))
     }
 
     async fn send_h2(
         self: &Arc<Self>,
         mut req: Request<RequestBody>,
+        budget: &Budget,
     ) -> Result<Response<PooledBody>, SendError> {
         // At most two rounds: the shared connection, then a fresh one if it had closed.
         for _ in 0..2 {
-            let (mut tx, back) = unsent_on_error(self.h2_sender().await, req)?;
+            let (mut tx, back) = unsent_on_error(self.h2_sender(budget).await, req)?;
             req = back;
             if tx.ready().await.is_err() {
                 self.forget_h2(&tx);
@@ -204,42 +247,45 @@ impl Pool {
                 },
             }
         }
-        let (mut tx, req) = unsent_on_error(self.h2_sender().await, req)?;
+        let (mut tx, req) = unsent_on_error(self.h2_sender(budget).await, req)?;
         let response = tx.send_request(req).await.map_err(PoolError::Http)?;
         Ok(self.wrap(response, None))
     }
 
     /// The shared HTTP/2 connection, made if there is none or it has closed.
-    async fn h2_sender(&self) -> Result<http2::SendRequest<RequestBody>, PoolError> {
-        if let Some(tx) = self.live_h2() {
+    async fn h2_sender(
+        &self,
+        budget: &Budget,
+    ) -> Result<http2::SendRequest<RequestBody>, PoolError> {
+        let (_, part) = self.part();
+        if let Some(tx) = part.live_h2() {
             return Ok(tx);
         }
-        let _connecting = self.connecting.lock().await;
-        if let Some(tx) = self.live_h2() {
+        let _connecting = part.connecting.lock().await;
+        if let Some(tx) = part.live_h2() {
             return Ok(tx);
         }
-        let tx = self.connect_h2().await?;
-        *self.shared.lock().unwrap_or_else(|e| e.into_inner()) = Some(tx.clone());
+        let tx = self.connect_h2(budget).await?;
+        *part.shared.lock().unwrap_or_else(|e| e.into_inner()) = Some(tx.clone());
         Ok(tx)
     }
 
-    fn live_h2(&self) -> Option<http2::SendRequest<RequestBody>> {
-        let shared = self.shared.lock().unwrap_or_else(|e| e.into_inner());
-        shared.as_ref().filter(|tx| !tx.is_closed()).cloned()
-    }
-
-    /// Drop the shared connection if it is still `tx`'s and has closed.
+    /// Drop this worker's shared connection if it is still `tx`'s and has closed.
     fn forget_h2(&self, tx: &http2::SendRequest<RequestBody>) {
         if tx.is_closed() {
-            let mut shared = self.shared.lock().unwrap_or_else(|e| e.into_inner());
+            let (_, part) = self.part();
+            let mut shared = part.shared.lock().unwrap_or_else(|e| e.into_inner());
             if shared.as_ref().is_some_and(|s| s.is_closed()) {
                 *shared = None;
             }
         }
     }
 
-    fn checkout(&self) -> Option<http1::SendRequest<RequestBody>> {
-        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+    fn checkout(&self, part: usize) -> Option<http1::SendRequest<RequestBody>> {
+        let mut idle = self.parts[part]
+            .idle
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
         while let Some(c) = idle.pop() {
             if !c.tx.is_closed() && c.since.elapsed() < self.idle_timeout {
                 return Some(c.tx);
@@ -248,11 +294,32 @@ impl Pool {
         None
     }
 
-    fn checkin(&self, tx: http1::SendRequest<RequestBody>) {
+    /// Take back a connection whose exchange has ended, once it is ready for another
+    /// request (at once, nearly always; else when the end of its request body has been
+    /// written, within [`CLEAN_WAIT`], or never).
+    /// It goes back to `part`, the part it was taken from.
+    fn checkin(self: &Arc<Self>, part: usize, mut tx: http1::SendRequest<RequestBody>) {
         if tx.is_closed() {
             return;
         }
-        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        if !tx.is_ready() {
+            let pool = self.clone();
+            tokio::spawn(async move {
+                if let Ok(Ok(())) = tokio::time::timeout(CLEAN_WAIT, tx.ready()).await {
+                    pool.keep(part, tx);
+                }
+            });
+            return;
+        }
+        self.keep(part, tx);
+    }
+
+    /// Put a ready connection on the idle stack of `part`.
+    fn keep(&self, part: usize, tx: http1::SendRequest<RequestBody>) {
+        let mut idle = self.parts[part]
+            .idle
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
         if idle.len() >= self.max_idle {
             // Make room by dropping the least recently used (the bottom of the stack).
             idle.remove(0);
@@ -263,8 +330,12 @@ impl Pool {
         });
     }
 
-    async fn tcp(&self) -> Result<TcpStream, PoolError> {
+    /// A new TCP connection to the target, counted in `budget`.
+    async fn tcp(&self, budget: &Budget) -> Result<Counted<TcpStream>, PoolError> {
         let c = &self.connector;
+        let descriptor = budget
+            .upstream()
+            .ok_or_else(|| PoolError::NoDescriptor(c.authority.clone()))?;
         let default_port = if c.tls.is_some() { 443 } else { 80 };
         let addr = format!(
             "{}:{}",
@@ -278,14 +349,14 @@ impl Pool {
             Ok(Ok(s)) => s,
         };
         let _ = stream.set_nodelay(true);
-        Ok(stream)
+        Ok(Counted::new(stream, descriptor))
     }
 
     async fn tls(
         &self,
-        stream: TcpStream,
+        stream: Counted<TcpStream>,
         tls: &(TlsConnector, ServerName<'static>),
-    ) -> Result<tokio_rustls::client::TlsStream<TcpStream>, PoolError> {
+    ) -> Result<tokio_rustls::client::TlsStream<Counted<TcpStream>>, PoolError> {
         let c = &self.connector;
         let (connector, name) = tls;
         match tokio::time::timeout(c.connect_timeout, connector.connect(name.clone(), stream)).await
@@ -299,8 +370,11 @@ impl Pool {
         }
     }
 
-    async fn connect_h1(&self) -> Result<http1::SendRequest<RequestBody>, PoolError> {
-        let stream = self.tcp().await?;
+    async fn connect_h1(
+        &self,
+        budget: &Budget,
+    ) -> Result<http1::SendRequest<RequestBody>, PoolError> {
+        let stream = self.tcp(budget).await?;
         let tx = match &self.connector.tls {
             None => spawn_h1(TokioIo::new(stream)).await?,
             Some(tls) => spawn_h1(TokioIo::new(self.tls(stream, tls).await?)).await?,
@@ -308,8 +382,11 @@ impl Pool {
         Ok(tx)
     }
 
-    async fn connect_h2(&self) -> Result<http2::SendRequest<RequestBody>, PoolError> {
-        let stream = self.tcp().await?;
+    async fn connect_h2(
+        &self,
+        budget: &Budget,
+    ) -> Result<http2::SendRequest<RequestBody>, PoolError> {
+        let stream = self.tcp(budget).await?;
         let tx = match &self.connector.tls {
             None => spawn_h2(TokioIo::new(stream)).await?,
             Some(tls) => spawn_h2(TokioIo::new(self.tls(stream, tls).await?)).await?,
@@ -320,12 +397,24 @@ impl Pool {
     fn wrap(
         self: &Arc<Self>,
         response: Response<Incoming>,
-        tx: Option<http1::SendRequest<RequestBody>>,
+        h1: Option<(usize, http1::SendRequest<RequestBody>, Arc<BodyState>)>,
     ) -> Response<PooledBody> {
         response.map(|inner| PooledBody {
             inner,
-            slot: tx.map(|tx| (self.clone(), tx)),
+            slot: h1.map(|(part, tx, body)| Slot {
+                pool: self.clone(),
+                part,
+                tx,
+                body,
+            }),
         })
+    }
+}
+
+impl Part {
+    fn live_h2(&self) -> Option<http2::SendRequest<RequestBody>> {
+        let shared = self.shared.lock().unwrap_or_else(|e| e.into_inner());
+        shared.as_ref().filter(|tx| !tx.is_closed()).cloned()
     }
 }
 
@@ -357,18 +446,42 @@ where
 }
 
 /// A response body from a pooled connection: when it has been read to its end (or had
-/// none), an HTTP/1.1 connection goes back to its pool (an HTTP/2 one is shared anyway).
+/// none), an HTTP/1.1 connection goes back to its pool if its request body was sent to
+/// its end, and is closed otherwise (an HTTP/2 one is shared anyway).
 #[derive(Debug)]
 pub struct PooledBody {
     inner: Incoming,
-    slot: Option<(Arc<Pool>, http1::SendRequest<RequestBody>)>,
+    slot: Option<Slot>,
+}
+
+/// The HTTP/1.1 connection a response came on, and the request body it carries.
+#[derive(Debug)]
+struct Slot {
+    pool: Arc<Pool>,
+    /// The pool's part the connection came from (and goes back to).
+    part: usize,
+    tx: http1::SendRequest<RequestBody>,
+    body: Arc<BodyState>,
+}
+
+impl Slot {
+    /// The response was read to its end: the connection goes back to the pool if the
+    /// request body was sent to its end too; otherwise the upload is cut off, which
+    /// closes the connection.
+    fn release(self) {
+        if self.body.is_done() {
+            self.pool.checkin(self.part, self.tx);
+        } else {
+            self.body.cut_off();
+        }
+    }
 }
 
 impl PooledBody {
     fn release_if_done(&mut self) {
         if self.inner.is_end_stream() {
-            if let Some((pool, tx)) = self.slot.take() {
-                pool.checkin(tx);
+            if let Some(slot) = self.slot.take() {
+                slot.release();
             }
         }
     }
@@ -385,12 +498,16 @@ impl HttpBody for PooledBody {
         let polled = Pin::new(&mut self.inner).poll_frame(cx);
         match &polled {
             Poll::Ready(None) => {
-                if let Some((pool, tx)) = self.slot.take() {
-                    pool.checkin(tx);
+                if let Some(slot) = self.slot.take() {
+                    slot.release();
                 }
             }
             Poll::Ready(Some(Ok(_))) => self.release_if_done(),
-            Poll::Ready(Some(Err(_))) => self.slot = None,
+            Poll::Ready(Some(Err(_))) => {
+                if let Some(slot) = self.slot.take() {
+                    slot.body.cut_off();
+                }
+            }
             Poll::Pending => {}
         }
         polled
@@ -410,5 +527,10 @@ impl Drop for PooledBody {
         // A body with nothing left (e.g. Content-Length: 0, or a 304) may never be
         // polled: its connection is reusable all the same.
         self.release_if_done();
+        // The rest of the response is still on the wire: the connection is done for,
+        // and so is what is left of its upload.
+        if let Some(slot) = self.slot.take() {
+            slot.body.cut_off();
+        }
     }
 }

@@ -31,6 +31,11 @@ pub struct Route {
     /// forwarding and refund it when the status is uncharged or the upstream failed.
     /// Otherwise (`"after_response"`) check first and charge once the status is known.
     pub on_request: bool,
+    /// `upgrades`: the protocols a request on this route may upgrade to.
+    pub upgrades: Vec<crate::http::upgrade::Protocol>,
+    /// `trust_method_override`: method and URL override headers are believed (routed
+    /// and limited on, and forwarded) when they select this route.
+    pub trust_method_override: bool,
 }
 
 impl Route {
@@ -141,6 +146,13 @@ impl Route {
                 );
             }
         }
+        let mut upgrades = Vec::new();
+        for (j, u) in cfg.upgrades.iter().enumerate() {
+            match crate::http::upgrade::Protocol::parse(u) {
+                Ok(p) => upgrades.push(p),
+                Err(msg) => problems.error(format!("{at}.upgrades[{j}]"), msg),
+            }
+        }
         match cfg.charge.as_str() {
             "after_response" | "on_request" => {}
             other => problems.error(
@@ -162,6 +174,8 @@ impl Route {
             cost: cfg.cost,
             uncharged_statuses: cfg.uncharged_statuses.clone(),
             on_request: cfg.charge == "on_request",
+            upgrades,
+            trust_method_override: cfg.trust_method_override,
         })
     }
 }

@@ -2,8 +2,10 @@
 //! that it can be closed after `server.idle_timeout` without one, and its responses'
 //! bodies ([`SendWatch`]) so that it can be closed when the client stops reading for
 //! `server.send_timeout` (see `Connection::serve`). Header size, header-read time and HTTP/2 streams are hyper's
-//! settings, applied in `accept_loop`; `server.max_connections` is a semaphore there.
+//! settings, applied in `accept_loop`; `server.max_connections` and the descriptor budget
+//! are [`crate::budget::Budget`]'s, sized here from the open-file limit.
 
+use crate::budget::FD_RESERVE;
 use crate::response::Body;
 use bytes::Bytes;
 use hyper::body::Frame;
@@ -157,10 +159,6 @@ impl Drop for SendWatch {
     }
 }
 
-/// File descriptors kept free for what is not a client connection: the listeners, the
-/// admin listener's connections, Redis connections, config and certificate files.
-pub(crate) const FD_RESERVE: u64 = 64;
-
 /// This process's soft limit on open files (`Max open files` in `/proc/self/limits`);
 /// `None` when unknown (not Linux) or unlimited.
 fn open_files_limit() -> Option<u64> {
@@ -171,6 +169,13 @@ fn open_files_limit() -> Option<u64> {
         .next()?
         .parse()
         .ok()
+}
+
+/// The descriptors client connections and upstream sockets may hold together: the
+/// open-file limit less [`FD_RESERVE`]; `None` when the limit is unknown or unlimited.
+pub(crate) fn descriptor_budget() -> Option<usize> {
+    let limit = open_files_limit()?;
+    usize::try_from(limit.saturating_sub(FD_RESERVE).max(1)).ok()
 }
 
 /// `server.max_connections`, lowered when the open-file limit could not hold that many

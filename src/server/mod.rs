@@ -4,10 +4,12 @@
 //! `main` drive.
 
 mod limits;
+pub mod runtime;
 
 use crate::admin;
+use crate::budget::{Budget, BudgetLimits, Counted, Refused};
 use crate::clock::SharedClock;
-use crate::config::{ConfigFile, ConfigReport};
+use crate::config::{ConfigFile, ConfigReport, RuntimeShape};
 use crate::limiter::store::StoreStatus;
 use crate::metrics::{Metrics, ReloadLabels};
 use crate::proxy;
@@ -39,14 +41,23 @@ pub enum StartError {
         /// The OS error.
         source: std::io::Error,
     },
+    /// A `per_core` worker's runtime or thread could not be created.
+    #[error("cannot start the per_core workers: {0}")]
+    Runtime(std::io::Error),
 }
 
-/// State shared by every connection: the current snapshot, the clock, the metrics.
+/// State shared by every connection: the current snapshot, the clock, the metrics, the
+/// descriptor budget and the request-body timeout.
 #[derive(Debug)]
 struct Shared {
     snapshot: Arc<ArcSwap<Snapshot>>,
     clock: SharedClock,
     metrics: Arc<Metrics>,
+    /// `server.max_delayed` (read at start).
+    delayed: crate::limiter::delayed::DelayBudget,
+    budget: Arc<Budget>,
+    /// `server.body_timeout` (read at start).
+    body_timeout: Duration,
 }
 
 /// A running gateway: its listeners' addresses, its current snapshot, and its shutdown.
@@ -83,12 +94,29 @@ impl Gateway {
                 .map_err(|source| StartError::Bind { addr, source })?;
             Ok::<_, StartError>((listener, local))
         };
-        let (listener, local_addr) = bind(snap.listen).await?;
+        // The proxy listener: one for the multi-thread runtime, or one per worker.
+        let proxy_listener = match snap.config.server.runtime {
+            RuntimeShape::MultiThread => ProxyListener::One(bind(snap.listen).await?.0),
+            RuntimeShape::PerCore => {
+                let addr = snap.listen;
+                let count = runtime::worker_count(&snap.config.server);
+                let listeners = runtime::bind_listeners(addr, count)
+                    .map_err(|source| StartError::Bind { addr, source })?;
+                ProxyListener::PerCore(listeners)
+            }
+        };
+        let local_addr = proxy_listener
+            .local_addr()
+            .map_err(|source| StartError::Bind {
+                addr: snap.listen,
+                source,
+            })?;
         let admin = match snap.admin_listen {
             Some(addr) => Some(bind(addr).await?),
             None => None,
         };
         let limits = ConnLimits::of(&snap.config.server);
+        let max_delayed = snap.config.server.max_delayed;
         // Whether the listener speaks TLS is decided here; its certificates reload.
         let tls_listener = snap.tls.is_some();
         let grace = snap.config.server.shutdown_grace.0;
@@ -107,6 +135,14 @@ impl Gateway {
         let _ = metrics
             .reloads
             .get_or_create(&ReloadLabels { result: "failed" });
+        let budget = Budget::new(limits.budget, &metrics);
+        tracing::debug!(
+            max_connections = budget.max_connections(),
+            max_connections_per_ip = budget.max_connections_per_ip(),
+            descriptors = budget.descriptors(),
+            max_tunnels = budget.max_tunnels(),
+            "connection budget"
+        );
         let reloader = Reloader::new(
             snapshot.clone(),
             clock.clone(),
@@ -116,9 +152,46 @@ impl Gateway {
         let shared = Arc::new(Shared {
             snapshot,
             clock,
+            delayed: metrics.delay_budget(max_delayed),
             metrics,
+            budget,
+            body_timeout: limits.body_timeout,
         });
         let (shutdown, rx) = watch::channel(false);
+        let task = match proxy_listener {
+            ProxyListener::One(listener) => {
+                let shared = shared.clone();
+                let rx = rx.clone();
+                tokio::spawn(async move {
+                    accept_loop(listener, shared.clone(), rx, limits, grace, tls_listener).await;
+                    return_leases(&shared).await;
+                })
+            }
+            ProxyListener::PerCore(listeners) => {
+                let count = listeners.len();
+                let (worker_shared, worker_rx) = (shared.clone(), rx.clone());
+                let workers = runtime::Workers::start(listeners, move |listener| {
+                    accept_loop(
+                        listener,
+                        worker_shared.clone(),
+                        worker_rx.clone(),
+                        limits,
+                        grace,
+                        tls_listener,
+                    )
+                })
+                .map_err(StartError::Runtime)?;
+                tracing::info!(
+                    workers = count,
+                    "per_core runtime: one listener and runtime per worker"
+                );
+                let shared = shared.clone();
+                tokio::spawn(async move {
+                    workers.wait().await;
+                    return_leases(&shared).await;
+                })
+            }
+        };
         let mut admin_task = None;
         let admin_addr = admin.map(|(listener, addr)| {
             admin_task = Some(tokio::spawn(admin::serve(
@@ -131,14 +204,6 @@ impl Gateway {
             tracing::info!(admin_listen = %addr, "admin endpoints listening");
             addr
         });
-        let task = tokio::spawn(accept_loop(
-            listener,
-            shared.clone(),
-            rx,
-            limits,
-            grace,
-            tls_listener,
-        ));
         tracing::info!(listen = %local_addr, tls = tls_listener, "tollgate listening");
         Ok(Gateway {
             local_addr,
@@ -206,6 +271,26 @@ impl Gateway {
     }
 }
 
+/// The proxy listener(s) bound by [`Gateway::start`], before serving starts.
+enum ProxyListener {
+    /// One listener, served by the caller's (multi-thread) runtime.
+    One(TcpListener),
+    /// One listener per `per_core` worker (see [`runtime`]).
+    PerCore(Vec<std::net::TcpListener>),
+}
+
+impl ProxyListener {
+    fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        match self {
+            ProxyListener::One(l) => l.local_addr(),
+            ProxyListener::PerCore(ls) => ls
+                .first()
+                .ok_or_else(|| std::io::Error::other("no listener"))?
+                .local_addr(),
+        }
+    }
+}
+
 /// Start what a new store needs in the background (its own work, see
 /// [`StoreStatus::start`]) and the sweeper that returns idle leases.
 fn start_store(snap: &Snapshot, clock: SharedClock) {
@@ -223,9 +308,11 @@ struct Connection {
     send_timeout: Duration,
     shared: Arc<Shared>,
     peer: SocketAddr,
-    /// Held until the connection ends: the accept loop waits for every one at shutdown,
-    /// and `server.max_connections` counts them.
-    _held: (mpsc::Sender<()>, tokio::sync::OwnedSemaphorePermit),
+    /// Held until the connection ends: the accept loop waits for every one at shutdown.
+    /// (`server.max_connections`, `server.max_connections_per_ip` and the descriptor
+    /// budget count the socket itself, a
+    /// [`Counted`] one, for as long as it is open: in a tunnel too.)
+    _held: mpsc::Sender<()>,
 }
 
 /// The `[server]` settings that bound client connections (read at start).
@@ -234,9 +321,10 @@ struct ConnLimits {
     header_read_timeout: Duration,
     idle_timeout: Duration,
     send_timeout: Duration,
-    max_connections: usize,
     max_header_bytes: usize,
     http2_max_streams: u32,
+    body_timeout: Duration,
+    budget: BudgetLimits,
 }
 
 impl ConnLimits {
@@ -245,9 +333,16 @@ impl ConnLimits {
             header_read_timeout: cfg.header_read_timeout.0,
             idle_timeout: cfg.idle_timeout.0,
             send_timeout: cfg.send_timeout.0,
-            max_connections: limits::effective_max_connections(cfg.max_connections),
             max_header_bytes: cfg.max_header_bytes,
             http2_max_streams: cfg.http2_max_streams,
+            body_timeout: cfg.body_timeout.0,
+            budget: BudgetLimits {
+                max_connections: limits::effective_max_connections(cfg.max_connections),
+                max_connections_per_ip: cfg.max_connections_per_ip,
+                descriptors: limits::descriptor_budget(),
+                max_tunnels: cfg.max_tunnels,
+                tunnel_idle_timeout: cfg.tunnel_idle_timeout.unwrap_or(cfg.idle_timeout).0,
+            },
         }
     }
 }
@@ -284,6 +379,9 @@ impl Connection {
                 let ctx = proxy::Context {
                     clock: &shared.clock,
                     metrics: &shared.metrics,
+                    delayed: &shared.delayed,
+                    budget: &shared.budget,
+                    body_timeout: shared.body_timeout,
                 };
                 let response = proxy::handle(&snap.gate(), &ctx, req, &peer).await;
                 // Watch the response body's progress for `server.send_timeout`.
@@ -351,16 +449,39 @@ impl Connection {
     }
 }
 
-/// Answer a connection past `server.max_connections` with 503 and close it.
-async fn refuse(mut stream: tokio::net::TcpStream) {
+/// The answer to a connection past `server.max_connections`,
+/// `server.max_connections_per_ip` or the descriptor budget.
+const REFUSAL: &str = concat!(
+    "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n",
+    "content-length: 34\r\nconnection: close\r\nretry-after: 1\r\n\r\n",
+    r#"{"message":"too many connections"}"#
+);
+
+/// Answer a connection past `server.max_connections` (`server.max_connections_per_ip`,
+/// or the descriptor budget) with
+/// 503 and close it: in a task of its own while few are being refused, else at once
+/// (what fits the fresh socket's send buffer, which the answer always does) so that
+/// refused sockets never pile up. On a TLS listener it is closed without a byte: a
+/// plaintext 503 would reach the client where it expects a TLS record (a "corrupt
+/// message", not an answer), and a handshake to answer in TLS would spend what the
+/// limit protects.
+fn refuse(stream: tokio::net::TcpStream, budget: &Budget, tls_listener: bool) {
     use tokio::io::AsyncWriteExt;
-    let body = r#"{"message":"too many connections"}"#;
-    let answer = format!(
-        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\nretry-after: 1\r\n\r\n{body}",
-        body.len()
-    );
-    let _ = tokio::time::timeout(Duration::from_secs(1), stream.write_all(answer.as_bytes())).await;
-    let _ = stream.shutdown().await;
+    if tls_listener {
+        drop(stream);
+        return;
+    }
+    let Some(refusing) = budget.refusing() else {
+        let _ = stream.try_write(REFUSAL.as_bytes());
+        return;
+    };
+    tokio::spawn(async move {
+        let mut stream = stream;
+        let _ = tokio::time::timeout(Duration::from_secs(1), stream.write_all(REFUSAL.as_bytes()))
+            .await;
+        let _ = stream.shutdown().await;
+        drop(refusing);
+    });
 }
 
 async fn accept_loop(
@@ -395,9 +516,18 @@ async fn accept_loop(
     let builder = Arc::new(builder);
     // Every connection holds a sender: when all are dropped, every connection ended.
     let (drained_tx, mut drained) = mpsc::channel::<()>(1);
-    let permits = Arc::new(tokio::sync::Semaphore::new(limits.max_connections.max(1)));
     let refused_log = crate::logging::Throttle::new();
     let accept_log = crate::logging::Throttle::new();
+    // On a per_core worker: its count of accepted connections.
+    let accepted_here = runtime::worker().map(|(worker, _)| {
+        shared
+            .metrics
+            .worker_connections
+            .get_or_create(&crate::metrics::WorkerLabels {
+                worker: worker as u32,
+            })
+            .clone()
+    });
 
     loop {
         tokio::select! {
@@ -414,14 +544,33 @@ async fn accept_loop(
                         continue;
                     }
                 };
-                let Ok(permit) = permits.clone().try_acquire_owned() else {
-                    if let Some(suppressed) = refused_log.due(1_000) {
-                        tracing::warn!(%peer, max_connections = limits.max_connections, suppressed, "connection refused: server.max_connections open");
+                if let Some(accepted) = &accepted_here {
+                    accepted.inc();
+                }
+                // Counted per client address: an IPv6 peer by its network
+                // (identity.ipv6_prefix_len); a trusted proxy, which carries many
+                // clients, not at all.
+                let address = {
+                    let snap = shared.snapshot.load();
+                    let ip = peer.ip();
+                    (!snap.identities.trusts(ip)).then(|| snap.identities.ip_key(ip))
+                };
+                let descriptor = match shared.budget.client(address) {
+                    Ok(descriptor) => descriptor,
+                    Err(why) => {
+                        if let Some(suppressed) = refused_log.due(1_000) {
+                            match why {
+                                Refused::MaxConnections => tracing::warn!(%peer, max_connections = shared.budget.max_connections(), suppressed, "connection refused: server.max_connections open"),
+                                Refused::MaxConnectionsPerIp => tracing::warn!(%peer, max_connections_per_ip = shared.budget.max_connections_per_ip(), suppressed, "connection refused: server.max_connections_per_ip open from this client address"),
+                                Refused::Descriptors => tracing::warn!(%peer, descriptors = shared.budget.descriptors(), suppressed, "connection refused: the descriptor budget (open-file limit) is spent by client connections and upstream sockets"),
+                            }
+                        }
+                        refuse(stream, &shared.budget, tls_listener);
+                        continue;
                     }
-                    tokio::spawn(refuse(stream));
-                    continue;
                 };
                 let _ = stream.set_nodelay(true);
+                let stream = Counted::new(stream, descriptor);
                 // New handshakes use the certificates of the snapshot current now.
                 let tls = if tls_listener { shared.snapshot.load().tls.clone() } else { None };
                 let conn = Connection {
@@ -431,10 +580,8 @@ async fn accept_loop(
                     send_timeout: limits.send_timeout,
                     shared: shared.clone(),
                     peer,
-                    _held: (drained_tx.clone(), permit),
+                    _held: drained_tx.clone(),
                 };
-                let open = shared.metrics.open_connections.clone();
-                open.inc();
                 tokio::spawn(async move {
                     match tls {
                         None => conn.serve(TokioIo::new(stream), None).await,
@@ -442,7 +589,7 @@ async fn accept_loop(
                             let handshake = tls.acceptor().accept(stream);
                             match tokio::time::timeout(tls.handshake_timeout, handshake).await {
                                 Ok(Ok(stream)) => {
-                                    let info = crate::tls::TlsInfo::of(stream.get_ref().1);
+                                    let info = tls.info(stream.get_ref().1);
                                     conn.serve(TokioIo::new(stream), Some(info)).await;
                                 }
                                 Ok(Err(e)) => {
@@ -456,7 +603,6 @@ async fn accept_loop(
                             }
                         }
                     }
-                    open.dec();
                 });
             }
             _ = shutdown.changed() => break,
@@ -470,6 +616,11 @@ async fn accept_loop(
         _ = drained.recv() => tracing::info!("all connections drained"),
         _ = tokio::time::sleep(grace) => tracing::warn!("shutdown_grace elapsed; closing remaining connections"),
     }
+}
+
+/// Once the proxy listener has stopped: in lease mode, give the units this gateway still
+/// holds back to the fleet (within 2 s).
+async fn return_leases(shared: &Shared) {
     // Lease mode: give the units this gateway still holds back to the fleet.
     let snap = shared.snapshot.load_full();
     let returned = tokio::time::timeout(

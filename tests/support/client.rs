@@ -66,3 +66,14 @@ pub async fn get_with(url: &str, headers: &[(&str, &str)]) -> Reply {
         body,
     }
 }
+
+/// An HTTP/2-only client (prior knowledge), for bursts of concurrent requests on one
+/// connection.
+pub fn h2_client() -> hyper_util::client::legacy::Client<
+    hyper_util::client::legacy::connect::HttpConnector,
+    http_body_util::Empty<bytes::Bytes>,
+> {
+    Client::builder(TokioExecutor::new())
+        .http2_only(true)
+        .build_http()
+}

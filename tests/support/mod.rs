@@ -10,7 +10,7 @@ pub mod upstream;
 
 pub use self::redis::RedisServer;
 pub use binary::Binary;
-pub use client::{get, get_with};
+pub use client::{get, get_with, h2_client};
 pub use upstream::Upstream;
 
 use std::path::{Path, PathBuf};
@@ -34,7 +34,7 @@ impl TestGateway {
         init_logs();
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("tollgate.toml");
-        std::fs::write(&path, toml).unwrap();
+        std::fs::write(&path, runtime_from_env(toml)).unwrap();
         let file = tollgate::config::read(&path).unwrap_or_else(|r| panic!("config:\n{r}"));
         let clock = ManualClock::new();
         let gateway = Gateway::start(&file, clock.clone())
@@ -55,13 +55,53 @@ impl TestGateway {
         &self,
         toml: &str,
     ) -> Result<tollgate::server::ReloadOutcome, tollgate::config::ConfigReport> {
-        std::fs::write(&self.path, toml).unwrap();
+        std::fs::write(&self.path, runtime_from_env(toml)).unwrap();
         let file: ConfigFile = tollgate::config::read(&self.path)?;
         self.gateway.reload(&file)
     }
 
     pub fn url(&self, path: &str) -> String {
         format!("http://{}{}", self.addr, path)
+    }
+}
+
+/// `toml` with `server.runtime` set to `$TOLLGATE_TEST_RUNTIME` (`per_core` or
+/// `multi_thread`) when that is set and the text names no runtime itself: run a test
+/// file under the other runtime shape with e.g.
+/// `TOLLGATE_TEST_RUNTIME=per_core cargo test --test abuse`.
+pub fn runtime_from_env(toml: &str) -> String {
+    match std::env::var("TOLLGATE_TEST_RUNTIME") {
+        Ok(shape) if !shape.is_empty() => with_runtime(toml, &shape),
+        _ => toml.to_string(),
+    }
+}
+
+/// The parts of each upstream pool of a gateway [`TestGateway::start`] starts from a
+/// config that sets neither `runtime` nor `workers`: 1 under
+/// `TOLLGATE_TEST_RUNTIME=multi_thread`, else (`per_core`, the default) one per CPU.
+pub fn pool_parts() -> usize {
+    match std::env::var("TOLLGATE_TEST_RUNTIME").as_deref() {
+        Ok("multi_thread") => 1,
+        _ => std::thread::available_parallelism().map_or(1, |n| n.get()),
+    }
+}
+
+/// `toml` with `runtime = "SHAPE"` in its `[server]` table (added when there is none),
+/// unless it sets `runtime` already.
+pub fn with_runtime(toml: &str, shape: &str) -> String {
+    if toml
+        .lines()
+        .any(|l| l.trim_start().starts_with("runtime ="))
+    {
+        return toml.to_string();
+    }
+    let line = format!("runtime = \"{shape}\"\n");
+    match toml.find("[server]\n") {
+        Some(at) => {
+            let at = at + "[server]\n".len();
+            format!("{}{line}{}", &toml[..at], &toml[at..])
+        }
+        None => format!("[server]\n{line}{toml}"),
     }
 }
 

@@ -4,7 +4,7 @@
 //! - `/echo...`: JSON `{method, path, headers}` of what it received.
 //! - `/download/N`: streams N bytes in 64 KiB chunks.
 //! - `/upload`: reads the body as it streams, answers `{"bytes": N}`.
-//! - `/slow/MS`: waits MS milliseconds, then answers 200.
+//! - `/slow/MS`: waits MS milliseconds, then answers 200 (or NNN with `?status=NNN`).
 //! - `/cost/N`: answers 200 with `x-tollgate-cost: N` (N as written, valid or not).
 //! - `/set-headers?NAME=VALUE&...`: answers with each pair as a response header
 //!   (percent-decoded; a repeated name gives several values), and with the status of a
@@ -164,7 +164,15 @@ async fn serve(req: Request<Incoming>) -> Result<Response<Body>, Infallible> {
     if let Some(ms) = path.strip_prefix("/slow/") {
         let ms: u64 = ms.parse().unwrap_or(0);
         tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
-        return Ok(full(StatusCode::OK, "slow ok"));
+        // `?status=NNN`: answer with that status (e.g. a slow 304).
+        let status = req
+            .uri()
+            .query()
+            .and_then(|q| q.strip_prefix("status="))
+            .and_then(|c| c.parse::<u16>().ok())
+            .and_then(|c| StatusCode::from_u16(c).ok())
+            .unwrap_or(StatusCode::OK);
+        return Ok(full(status, "slow ok"));
     }
     if let Some(cost) = path.strip_prefix("/cost/") {
         let mut r = full(StatusCode::OK, "ok");

@@ -212,6 +212,13 @@ fn drop_expired(windows: &ShardedMap<Held>, now_ms: u64) -> usize {
 }
 
 impl Store for MemoryStore {
+    /// Applied at once: the answers are ready.
+    fn submit(&self, items: &[Item<'_>], now_ms: u64) -> super::Submitted {
+        super::Submitted::Ready(Some(
+            items.iter().map(|i| self.apply_now(i, now_ms)).collect(),
+        ))
+    }
+
     async fn apply(&self, items: &[Item<'_>], now_ms: u64) -> Vec<Result<Verdict, StoreError>> {
         items.iter().map(|i| self.apply_now(i, now_ms)).collect()
     }
@@ -223,7 +230,9 @@ impl Store for MemoryStore {
         quota: u64,
         window_ms: u64,
         now_ms: u64,
+        _lessee: &super::Lessee,
     ) -> Result<Grant, StoreError> {
+        // One process: the leases die with the store, nothing to keep a record of.
         self.lease_now(key, want, quota, window_ms, now_ms)
     }
 
@@ -232,6 +241,7 @@ impl Store for MemoryStore {
         key: &LimitKey,
         units: u64,
         reset_at_ms: u64,
+        _gateway: u64,
     ) -> Result<WindowState, StoreError> {
         Ok(self.refund_now(key, units, reset_at_ms))
     }

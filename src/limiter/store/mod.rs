@@ -15,6 +15,41 @@ use super::key::LimitKey;
 use crate::clock::SharedClock;
 use std::future::Future;
 
+/// One answer per item of a store call.
+pub type Answers = Vec<Result<Verdict, StoreError>>;
+
+/// The answers of a call handed to the store ([`Store::submit`]): one result per item.
+/// The memory store's are ready at once (no allocation); Redis's arrive later.
+pub enum Submitted {
+    /// Answered already (taken by the first poll).
+    Ready(Option<Answers>),
+    /// On its way.
+    Waiting(std::pin::Pin<Box<dyn Future<Output = Answers> + Send>>),
+}
+
+impl std::fmt::Debug for Submitted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Submitted::Ready(_) => "Submitted::Ready",
+            Submitted::Waiting(_) => "Submitted::Waiting",
+        })
+    }
+}
+
+impl Future for Submitted {
+    type Output = Answers;
+
+    fn poll(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        match self.get_mut() {
+            Submitted::Ready(answers) => std::task::Poll::Ready(answers.take().unwrap_or_default()),
+            Submitted::Waiting(future) => future.as_mut().poll(cx),
+        }
+    }
+}
+
 /// A fixed window as lease mode sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct WindowState {
@@ -80,6 +115,20 @@ pub struct Item<'a> {
     pub op: Op,
 }
 
+/// Who asks for a LEASE ([`Store::lease`]) and what it holds already.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Lessee {
+    /// The gateway's id: random per process.
+    pub gateway: u64,
+    /// `lease_ttl`: how long the store keeps this gateway's unused units for it without
+    /// hearing from it, milliseconds.
+    pub ttl_ms: u64,
+    /// Units of earlier grants this gateway still holds, unused.
+    pub kept: u64,
+    /// The end of the window those units belong to, ms since the epoch (0: none).
+    pub kept_reset_at_ms: u64,
+}
+
 /// What a LEASE got ([`Store::lease`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Grant {
@@ -95,18 +144,34 @@ pub struct Grant {
 /// the times in its answers are Redis's. Batch calls answer one result per item, in
 /// order; the Redis store sends the items that live on one shard in one script call.
 pub trait Store: Send + Sync {
-    /// Apply each item's operation at `now_ms` (ms since the Unix epoch; see
-    /// [`crate::limiter::algorithm::apply`]). Items whose operations are all peeks may
-    /// be answered from a stale copy (a replica); the others run on the primary.
+    /// Hand each item's operation at `now_ms` (ms since the Unix epoch; see
+    /// [`crate::limiter::algorithm::apply`]) to the store now, and return a future of
+    /// the answers, one per item, in order. Items whose operations are all peeks may be
+    /// answered from a stale copy (a replica); the others run on the primary.
+    ///
+    /// What "now" means is the point of this method: when it returns, the memory store
+    /// has applied the items, and a Redis shard whose reads go to its primary has them
+    /// in its FIFO queue, behind every call submitted before and ahead of every call
+    /// submitted after (the limiter orders its in-flight bookkeeping by it).
+    fn submit(&self, items: &[Item<'_>], now_ms: u64) -> Submitted;
+
+    /// [`Store::submit`], awaited.
     fn apply(
         &self,
         items: &[Item<'_>],
         now_ms: u64,
-    ) -> impl Future<Output = Vec<Result<Verdict, StoreError>>> + Send;
+    ) -> impl Future<Output = Vec<Result<Verdict, StoreError>>> + Send {
+        self.submit(items, now_ms)
+    }
 
     /// Take up to `want` units of `key`'s window for local admission (lease mode),
     /// never past `quota`: the granted units are counted in the window at once. A new
     /// window lasts `window_ms` from `now_ms` (ms since the Unix epoch).
+    ///
+    /// `lessee` says which gateway asks, what it still holds and for how long the
+    /// store keeps its unused units for it (`lease_ttl`; the Redis store gives units of a
+    /// gateway not heard from within it back to the window, see `lua/lease.lua`; the
+    /// memory store dies with its gateway and ignores it).
     fn lease(
         &self,
         key: &LimitKey,
@@ -114,15 +179,19 @@ pub trait Store: Send + Sync {
         quota: u64,
         window_ms: u64,
         now_ms: u64,
+        lessee: &Lessee,
     ) -> impl Future<Output = Result<Grant, StoreError>> + Send;
 
-    /// Give back `units` taken from the window that ends at `reset_at_ms`; nothing
-    /// happens when that window is over. Returns the window after the refund.
+    /// Give back `units` that the gateway `gateway` ([`Lessee::gateway`]) took from the
+    /// window that ends at `reset_at_ms`; nothing happens when that window is over, or
+    /// (Redis) for units whose lease record lapsed already. Returns the window after
+    /// the refund.
     fn refund(
         &self,
         key: &LimitKey,
         units: u64,
         reset_at_ms: u64,
+        gateway: u64,
     ) -> impl Future<Output = Result<WindowState, StoreError>> + Send;
 }
 
@@ -194,10 +263,17 @@ pub enum AnyStore {
 }
 
 impl Store for AnyStore {
+    fn submit(&self, items: &[Item<'_>], now_ms: u64) -> Submitted {
+        match self {
+            AnyStore::Memory(s) => s.submit(items, now_ms),
+            AnyStore::Redis(s) => s.submit(items, now_ms),
+        }
+    }
+
     async fn apply(&self, items: &[Item<'_>], now_ms: u64) -> Vec<Result<Verdict, StoreError>> {
         match self {
             AnyStore::Memory(s) => s.apply(items, now_ms).await,
-            AnyStore::Redis(s) => s.apply(items, now_ms).await,
+            AnyStore::Redis(s) => s.submit(items, now_ms).await,
         }
     }
 
@@ -208,10 +284,11 @@ impl Store for AnyStore {
         quota: u64,
         window_ms: u64,
         now_ms: u64,
+        lessee: &Lessee,
     ) -> Result<Grant, StoreError> {
         match self {
-            AnyStore::Memory(s) => s.lease(key, want, quota, window_ms, now_ms).await,
-            AnyStore::Redis(s) => s.lease(key, want, quota, window_ms, now_ms).await,
+            AnyStore::Memory(s) => s.lease(key, want, quota, window_ms, now_ms, lessee).await,
+            AnyStore::Redis(s) => s.lease(key, want, quota, window_ms, now_ms, lessee).await,
         }
     }
 
@@ -220,10 +297,11 @@ impl Store for AnyStore {
         key: &LimitKey,
         units: u64,
         reset_at_ms: u64,
+        gateway: u64,
     ) -> Result<WindowState, StoreError> {
         match self {
-            AnyStore::Memory(s) => s.refund(key, units, reset_at_ms).await,
-            AnyStore::Redis(s) => s.refund(key, units, reset_at_ms).await,
+            AnyStore::Memory(s) => s.refund(key, units, reset_at_ms, gateway).await,
+            AnyStore::Redis(s) => s.refund(key, units, reset_at_ms, gateway).await,
         }
     }
 }

@@ -55,23 +55,27 @@ impl Batcher {
         Self { tx, timeout }
     }
 
-    /// Send `keys` with `args` (the same number per key) in the next call; returns two
-    /// integers per key ([`REPLY_WIDTH`]). Bounded by twice `store.timeout`: one call ahead in the queue,
-    /// then this one.
-    pub(super) async fn submit(
+    /// Hand `keys` with `args` (the same number per key) to the next call, at once: the
+    /// queue is FIFO, so what is handed over first runs first in Redis. The returned
+    /// future answers [`REPLY_WIDTH`] integers per key, bounded by twice `store.timeout`
+    /// (one call ahead in the queue, then this one).
+    pub(super) fn enqueue(
         &self,
         keys: Vec<String>,
         args: Vec<u64>,
-    ) -> Result<Vec<i64>, StoreError> {
+    ) -> impl Future<Output = Result<Vec<i64>, StoreError>> + Send + 'static {
         let (reply, rx) = oneshot::channel();
-        self.tx
-            .send(Pending { keys, args, reply })
-            .map_err(|_| StoreError::NotStarted)?;
+        let sent = self.tx.send(Pending { keys, args, reply }).is_ok();
         let limit = self.timeout * 2;
-        match tokio::time::timeout(limit, rx).await {
-            Ok(Ok(result)) => result,
-            Ok(Err(_)) => Err(StoreError::NotStarted),
-            Err(_) => Err(StoreError::Timeout(limit.as_millis() as u64)),
+        async move {
+            if !sent {
+                return Err(StoreError::NotStarted);
+            }
+            match tokio::time::timeout(limit, rx).await {
+                Ok(Ok(result)) => result,
+                Ok(Err(_)) => Err(StoreError::NotStarted),
+                Err(_) => Err(StoreError::Timeout(limit.as_millis() as u64)),
+            }
         }
     }
 }

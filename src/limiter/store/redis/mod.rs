@@ -44,6 +44,7 @@ use node::{Node, NodeSettings, WhenDisconnected};
 use redis::Script;
 use sentinel::SentinelWatch;
 use stats::{bump, Counts, ShardStats};
+use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 
@@ -139,6 +140,15 @@ pub(crate) struct Shard {
     checks: Batcher,
     /// Writing operations of concurrent requests, sent together to the primary.
     charges: Batcher,
+    /// With `server.runtime = "per_core"` and reads on replicas: each worker's own
+    /// CHECK batcher, made on its first call, whose task runs on its runtime (so that a
+    /// peek does not wake another thread to be batched). Sized by the first worker to
+    /// call. The primary's queue (`charges`) stays one per shard: see [`Shard::batcher`].
+    per_worker: OnceLock<Box<[OnceLock<Batcher>]>>,
+    /// This shard, for the batchers made later.
+    me: Weak<Shard>,
+    scripts: Arc<Scripts>,
+    timeout: std::time::Duration,
 }
 
 impl Shard {
@@ -148,24 +158,66 @@ impl Shard {
         scripts: &Arc<Scripts>,
         timeout: std::time::Duration,
     ) -> (Batcher, Batcher) {
-        let make = |kind: Kind| {
-            let (w, s) = (weak.clone(), scripts.clone());
-            Batcher::spawn(
-                Box::new(move |keys, args| {
-                    let (w, s) = (w.clone(), s.clone());
-                    Box::pin(async move {
-                        let shard = w.upgrade().ok_or(StoreError::NotStarted)?;
-                        let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
-                        match kind {
-                            Kind::Check => shard.check(&s, &keys, &args).await,
-                            Kind::Charge => shard.on_primary(&s.apply, &keys, &args).await,
-                        }
-                    })
-                }),
-                timeout,
-            )
-        };
-        (make(Kind::Check), make(Kind::Charge))
+        (
+            Shard::batcher_of(weak, scripts, timeout, Kind::Check),
+            Shard::batcher_of(weak, scripts, timeout, Kind::Charge),
+        )
+    }
+
+    /// A batcher for calls of `kind` to the shard `weak` points to, its task on the
+    /// current runtime.
+    fn batcher_of(
+        weak: &Weak<Shard>,
+        scripts: &Arc<Scripts>,
+        timeout: std::time::Duration,
+        kind: Kind,
+    ) -> Batcher {
+        let (w, s) = (weak.clone(), scripts.clone());
+        Batcher::spawn(
+            Box::new(move |keys, args| {
+                let (w, s) = (w.clone(), s.clone());
+                Box::pin(async move {
+                    let shard = w.upgrade().ok_or(StoreError::NotStarted)?;
+                    let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+                    match kind {
+                        Kind::Check => shard.check(&s, &keys, &args).await,
+                        Kind::Charge => shard.on_primary(&s.apply, &keys, &args).await,
+                    }
+                })
+            }),
+            timeout,
+        )
+    }
+
+    /// The batcher for calls of `kind`: peeks have their own when reads go to replicas;
+    /// otherwise peeks share the writes' queue, so that the primary runs every call of
+    /// the shard in the order it was handed over.
+    ///
+    /// The primary's queue is one per shard for every worker of a `per_core` gateway
+    /// too: the in-flight accounting (`limiter::check::InFlightUnits`) relies on one
+    /// FIFO per shard, where a CHARGE handed over before a CHECK runs before it. Peeks
+    /// on replicas promise no such order, so on a `per_core` worker they go to the
+    /// worker's own batcher.
+    fn batcher(&self, kind: Kind) -> &Batcher {
+        match kind {
+            Kind::Check if self.read_from == ReadFrom::Replica => {
+                self.worker_checks().unwrap_or(&self.checks)
+            }
+            _ => &self.charges,
+        }
+    }
+
+    /// On a `per_core` worker thread, its own CHECK batcher (see `per_worker`).
+    fn worker_checks(&self) -> Option<&Batcher> {
+        let (index, count) = crate::server::runtime::worker()?;
+        let all = self
+            .per_worker
+            .get_or_init(|| (0..count).map(|_| OnceLock::new()).collect());
+        Some(
+            all.get(index)?.get_or_init(|| {
+                Shard::batcher_of(&self.me, &self.scripts, self.timeout, Kind::Check)
+            }),
+        )
     }
 
     /// Peek `keys` (arguments per key in `args`) on a healthy replica when reads go to
@@ -448,6 +500,10 @@ impl RedisStore {
                     sentinel: sentinel.clone(),
                     checks,
                     charges,
+                    per_worker: OnceLock::new(),
+                    me: weak.clone(),
+                    scripts: self.scripts.clone(),
+                    timeout: settings.timeout,
                 }
             });
             if let Some(sentinel) = sentinel {
@@ -476,14 +532,22 @@ impl RedisStore {
         }
     }
 
-    /// Send `items` to `lua/apply.lua`: one call per shard and kind (peeks, which may go
-    /// to a replica, apart from writes), through the shard's batcher (so concurrent
-    /// requests share calls), or per hash tag in cluster mode. Groups are called
-    /// concurrently; one result per item, in order. `now_ms` is the script's `now`
-    /// argument (0: the node's `TIME`).
-    async fn run_many(&self, items: &[Item<'_>], now_ms: u64) -> Vec<Result<Verdict, StoreError>> {
+    /// Hand `items` to `lua/apply.lua` at once: one call per shard and kind (peeks, which
+    /// may go to a replica, apart from writes), through the shard's batcher (so
+    /// concurrent requests share calls), or per hash tag in cluster mode. The items are
+    /// in their shard's queue when this returns; the future answers one result per item,
+    /// in order. `now_ms` is the script's `now` argument (0: the node's `TIME`).
+    ///
+    /// Ordering: when a shard's reads go to its primary, its peeks and writes share one
+    /// FIFO queue and one connection, so a call handed over later runs later in Redis
+    /// (what [`crate::limiter::Limiter`] relies on to never count a unit both in flight
+    /// and in the store). Replica reads and cluster mode give no such order.
+    fn submit_many(&self, items: &[Item<'_>], now_ms: u64) -> super::Submitted {
         let Some(live) = self.live.get() else {
-            return items.iter().map(|_| Err(StoreError::NotStarted)).collect();
+            let n = items.len();
+            return super::Submitted::Ready(Some(
+                (0..n).map(|_| Err(StoreError::NotStarted)).collect(),
+            ));
         };
         // Group items: by kind, and by shard or by hash tag (the subject's digest) in
         // cluster mode.
@@ -507,33 +571,37 @@ impl RedisStore {
                 None => groups.push((g, vec![i])),
             }
         }
-        if let [((kind, group), members)] = groups.as_slice() {
-            // Every item of one kind on one shard (the usual case): no fan-out needed.
-            return self
-                .call_group(live, *kind, *group, items, members, now_ms)
-                .await;
-        }
-        let replies = join_all(
-            groups
-                .iter()
-                .map(|((k, g), m)| self.call_group(live, *k, *g, items, m, now_ms)),
-        )
-        .await;
-        let mut out: Vec<Option<Result<Verdict, StoreError>>> =
-            items.iter().map(|_| None).collect();
-        for ((_, members), results) in groups.iter().zip(replies) {
-            for (&i, r) in members.iter().zip(results) {
-                out[i] = Some(r);
+        let n = items.len();
+        let calls: Vec<_> = groups
+            .into_iter()
+            .map(|((kind, group), members)| {
+                let call = self.call_group(live, kind, group, items, &members, now_ms);
+                (members, call)
+            })
+            .collect();
+        super::Submitted::Waiting(Box::pin(async move {
+            if calls.len() == 1 {
+                // Every item of one kind on one shard (the usual case): no reordering.
+                let (_, call) = calls.into_iter().next().expect("one call");
+                return call.await;
             }
-        }
-        out.into_iter()
-            .map(|r| r.unwrap_or(Err(StoreError::NotStarted)))
-            .collect()
+            let (members, calls): (Vec<_>, Vec<_>) = calls.into_iter().unzip();
+            let replies = join_all(calls).await;
+            let mut out: Vec<Option<Result<Verdict, StoreError>>> = (0..n).map(|_| None).collect();
+            for (members, results) in members.iter().zip(replies) {
+                for (&i, r) in members.iter().zip(results) {
+                    out[i] = Some(r);
+                }
+            }
+            out.into_iter()
+                .map(|r| r.unwrap_or(Err(StoreError::NotStarted)))
+                .collect()
+        }))
     }
 
     /// One script call for the items `members` of `items` that share a kind and a shard
-    /// (or a hash tag in cluster mode).
-    async fn call_group(
+    /// (or a hash tag in cluster mode), handed to the shard's batcher now.
+    fn call_group(
         &self,
         live: &Topology,
         kind: Kind,
@@ -541,7 +609,7 @@ impl RedisStore {
         items: &[Item<'_>],
         members: &[usize],
         now_ms: u64,
-    ) -> Vec<Result<Verdict, StoreError>> {
+    ) -> impl Future<Output = Vec<Result<Verdict, StoreError>>> + Send + 'static {
         let names: Vec<String> = members.iter().map(|&i| items[i].key.key.clone()).collect();
         let flat: Vec<u64> = members
             .iter()
@@ -560,30 +628,34 @@ impl RedisStore {
                 ]
             })
             .collect();
-        let reply = match live {
-            Topology::Cluster(c) => {
-                let names: Vec<&str> = names.iter().map(String::as_str).collect();
-                c.call(&self.scripts.apply, &names, &flat).await
-            }
-            Topology::Sharded(shards) => match shards.get(group as usize) {
-                None => Err(StoreError::NotStarted),
-                Some(shard) => match kind {
-                    Kind::Check => shard.checks.submit(names, flat).await,
-                    Kind::Charge => shard.charges.submit(names, flat).await,
+        let count = members.len();
+        let reply: std::pin::Pin<Box<dyn Future<Output = Result<Vec<i64>, StoreError>> + Send>> =
+            match live {
+                Topology::Cluster(c) => {
+                    let (c, scripts) = (c.clone(), self.scripts.clone());
+                    Box::pin(async move {
+                        let names: Vec<&str> = names.iter().map(String::as_str).collect();
+                        c.call(&scripts.apply, &names, &flat).await
+                    })
+                }
+                Topology::Sharded(shards) => match shards.get(group as usize) {
+                    None => Box::pin(async { Err(StoreError::NotStarted) }),
+                    Some(shard) => Box::pin(shard.batcher(kind).enqueue(names, flat)),
                 },
-            },
-        };
-        match reply {
-            Ok(r) if r.len() == batch::REPLY_WIDTH * members.len() => verdicts(&r),
-            Ok(r) => vec![
-                Err(StoreError::BadReply(format!(
-                    "{} integers for {} keys",
-                    r.len(),
-                    members.len()
-                )));
-                members.len()
-            ],
-            Err(e) => vec![Err(e); members.len()],
+            };
+        async move {
+            match reply.await {
+                Ok(r) if r.len() == batch::REPLY_WIDTH * count => verdicts(&r),
+                Ok(r) => vec![
+                    Err(StoreError::BadReply(format!(
+                        "{} integers for {} keys",
+                        r.len(),
+                        count
+                    )));
+                    count
+                ],
+                Err(e) => vec![Err(e); count],
+            }
         }
     }
 
@@ -700,8 +772,8 @@ pub struct NodeReport {
 }
 
 impl Store for RedisStore {
-    async fn apply(&self, items: &[Item<'_>], now_ms: u64) -> Vec<Result<Verdict, StoreError>> {
-        self.run_many(items, self.now_arg(now_ms)).await
+    fn submit(&self, items: &[Item<'_>], now_ms: u64) -> super::Submitted {
+        self.submit_many(items, self.now_arg(now_ms))
     }
 
     async fn lease(
@@ -711,12 +783,22 @@ impl Store for RedisStore {
         quota: u64,
         window_ms: u64,
         now_ms: u64,
+        lessee: &super::Lessee,
     ) -> Result<Grant, StoreError> {
         let reply = self
             .on_primary(
                 &self.scripts.lease,
                 key,
-                &[want, quota, window_ms, self.now_arg(now_ms)],
+                &[
+                    want,
+                    quota,
+                    window_ms,
+                    self.now_arg(now_ms),
+                    lessee.gateway,
+                    lessee.ttl_ms,
+                    lessee.kept,
+                    lessee.kept_reset_at_ms,
+                ],
             )
             .await?;
         match reply.as_slice() {
@@ -738,9 +820,10 @@ impl Store for RedisStore {
         key: &LimitKey,
         units: u64,
         reset_at_ms: u64,
+        gateway: u64,
     ) -> Result<WindowState, StoreError> {
         let reply = self
-            .on_primary(&self.scripts.refund, key, &[units, reset_at_ms])
+            .on_primary(&self.scripts.refund, key, &[units, reset_at_ms, gateway])
             .await?;
         match reply.as_slice() {
             [used, reset_at] if *used >= 0 && *reset_at >= 0 => Ok(WindowState {

@@ -1,0 +1,451 @@
+//! The descriptor budget: one count of the file descriptors the proxy holds for its
+//! traffic (client connections, upstream sockets, and both ends of every tunnel), bounded
+//! by the process's open-file limit less a reserve, so that running out is met with 503
+//! answers, never with failing `accept`s that would take the admin listener down too.
+//!
+//! A [`Descriptor`] is one counted socket. It travels with its socket ([`Counted`]): a
+//! client connection that becomes a WebSocket tunnel, or an upstream connection handed
+//! to one, keeps its descriptor counted until the socket is closed. Tunnels are also
+//! counted on their own, up to `server.max_tunnels` ([`Budget::tunnel`]). Client
+//! connections are also counted per client address, up to
+//! `server.max_connections_per_ip`, so that one client cannot take every connection.
+
+use crate::metrics::{Metrics, RefusalLabels};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use std::collections::HashMap;
+use std::io;
+use std::net::IpAddr;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+/// File descriptors kept out of the budget for what is not proxied traffic: the
+/// listeners, the admin listener's connections, Redis connections, config and
+/// certificate files, and connections being refused.
+pub const FD_RESERVE: u64 = 64;
+
+/// Connections being answered 503 at once, each holding its socket for a moment; past
+/// it, a refused connection is written its answer without waiting and closed.
+const MAX_REFUSING: usize = (FD_RESERVE / 2) as usize;
+
+/// What the budget bounds, and the gauges it keeps.
+#[derive(Debug)]
+pub struct Budget {
+    /// Client connections (`server.max_connections`, as lowered to fit the fd limit).
+    connections: Arc<Semaphore>,
+    max_connections: usize,
+    /// Client connections per client address (`server.max_connections_per_ip`).
+    per_address: Arc<PerAddress>,
+    /// Descriptors for client connections and upstream sockets.
+    descriptors: Arc<Semaphore>,
+    total_descriptors: usize,
+    /// Open tunnels (`server.max_tunnels`).
+    tunnels: Arc<Semaphore>,
+    max_tunnels: usize,
+    /// `server.tunnel_idle_timeout` (or `server.idle_timeout`).
+    pub tunnel_idle_timeout: Duration,
+    /// Connections being refused (see [`MAX_REFUSING`]).
+    refusing: Arc<Semaphore>,
+    open_connections: Gauge,
+    upstream_connections: Gauge,
+    open_tunnels: Gauge,
+    refusals: Family<RefusalLabels, Counter>,
+}
+
+/// What a [`Budget`] is built from.
+#[derive(Debug, Clone, Copy)]
+pub struct BudgetLimits {
+    /// Client connections at once (already fitted to the fd limit).
+    pub max_connections: usize,
+    /// Client connections at once from one client address (as keyed by the caller of
+    /// [`Budget::client`]).
+    pub max_connections_per_ip: usize,
+    /// Descriptors for client connections and upstream sockets together; `None`: the
+    /// open-file limit is unknown or unlimited, so only `max_connections` bounds clients.
+    pub descriptors: Option<usize>,
+    /// Tunnels open at once.
+    pub max_tunnels: usize,
+    /// An open tunnel that moves no byte either way for this long is closed.
+    pub tunnel_idle_timeout: Duration,
+}
+
+/// Why a client connection is refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refused {
+    /// `server.max_connections` client connections are open.
+    MaxConnections,
+    /// `server.max_connections_per_ip` client connections from the same address are
+    /// open.
+    MaxConnectionsPerIp,
+    /// The descriptor budget is spent (by client connections and upstream sockets).
+    Descriptors,
+}
+
+impl Refused {
+    /// The `limit` label of `tollgate_overload_refusals_total`.
+    pub fn label(self) -> &'static str {
+        match self {
+            Refused::MaxConnections => "max_connections",
+            Refused::MaxConnectionsPerIp => "max_connections_per_ip",
+            Refused::Descriptors => "descriptors",
+        }
+    }
+}
+
+impl Budget {
+    /// A budget of `limits`, keeping `metrics`' gauges.
+    pub fn new(limits: BudgetLimits, metrics: &Metrics) -> Arc<Self> {
+        let max = Semaphore::MAX_PERMITS;
+        let descriptors = limits.descriptors.unwrap_or(max).clamp(1, max);
+        Arc::new(Self {
+            connections: Arc::new(Semaphore::new(limits.max_connections.clamp(1, max))),
+            max_connections: limits.max_connections,
+            per_address: Arc::new(PerAddress {
+                max: limits.max_connections_per_ip.max(1),
+                open: Mutex::default(),
+            }),
+            descriptors: Arc::new(Semaphore::new(descriptors)),
+            total_descriptors: descriptors,
+            tunnels: Arc::new(Semaphore::new(limits.max_tunnels.min(max))),
+            max_tunnels: limits.max_tunnels,
+            tunnel_idle_timeout: limits.tunnel_idle_timeout,
+            refusing: Arc::new(Semaphore::new(MAX_REFUSING)),
+            open_connections: metrics.open_connections.clone(),
+            upstream_connections: metrics.upstream_connections.clone(),
+            open_tunnels: metrics.open_tunnels.clone(),
+            refusals: metrics.overload_refusals.clone(),
+        })
+    }
+
+    /// `server.max_connections` as applied (connections).
+    pub fn max_connections(&self) -> usize {
+        self.max_connections
+    }
+
+    /// `server.max_connections_per_ip` (connections from one client address).
+    pub fn max_connections_per_ip(&self) -> usize {
+        self.per_address.max
+    }
+
+    /// The descriptors client connections and upstream sockets may hold together.
+    pub fn descriptors(&self) -> usize {
+        self.total_descriptors
+    }
+
+    /// `server.max_tunnels` (tunnels).
+    pub fn max_tunnels(&self) -> usize {
+        self.max_tunnels
+    }
+
+    fn refused(&self, limit: &'static str) {
+        self.refusals.get_or_create(&RefusalLabels { limit }).inc();
+    }
+
+    /// A descriptor for a client connection just accepted from `address` (the key of its
+    /// client address, see [`crate::identity::Identities::ip_key`]; `None`: not counted
+    /// per address, e.g. a trusted proxy): one of `server.max_connections_per_ip` for
+    /// that address, one of `server.max_connections` and one of the descriptor budget.
+    /// Counted in `tollgate_open_connections` until dropped.
+    ///
+    /// Errors: [`Refused`] when any is spent (the connection gets 503).
+    pub fn client(&self, address: Option<IpAddr>) -> Result<Descriptor, Refused> {
+        let refuse = |why: Refused| {
+            self.refused(why.label());
+            why
+        };
+        let per_address = match address {
+            Some(address) => Some(
+                self.per_address
+                    .take(address)
+                    .ok_or_else(|| refuse(Refused::MaxConnectionsPerIp))?,
+            ),
+            None => None,
+        };
+        let connection = self
+            .connections
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| refuse(Refused::MaxConnections))?;
+        let fd = self
+            .descriptors
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| refuse(Refused::Descriptors))?;
+        self.open_connections.inc();
+        Ok(Descriptor {
+            _fd: fd,
+            _connection: Some(connection),
+            _per_address: per_address,
+            gauge: self.open_connections.clone(),
+        })
+    }
+
+    /// A descriptor for a new upstream socket, counted in
+    /// `tollgate_upstream_connections` until dropped; `None` when the budget is spent
+    /// (the request gets 503).
+    pub fn upstream(&self) -> Option<Descriptor> {
+        let Ok(fd) = self.descriptors.clone().try_acquire_owned() else {
+            self.refused("descriptors");
+            return None;
+        };
+        self.upstream_connections.inc();
+        Some(Descriptor {
+            _fd: fd,
+            _connection: None,
+            _per_address: None,
+            gauge: self.upstream_connections.clone(),
+        })
+    }
+
+    /// A place for one more tunnel (taken before the upgrade is forwarded); `None` when
+    /// `server.max_tunnels` are open (the upgrade gets 503).
+    pub fn tunnel(&self) -> Option<TunnelSlot> {
+        let Ok(permit) = self.tunnels.clone().try_acquire_owned() else {
+            self.refused("max_tunnels");
+            return None;
+        };
+        Some(TunnelSlot {
+            _permit: permit,
+            gauge: self.open_tunnels.clone(),
+            open: false,
+        })
+    }
+
+    /// Whether a refused connection may be answered in a task of its own (at most
+    /// [`MAX_REFUSING`] at once, so that refusals never eat the reserve); the permit is
+    /// held until its answer is written.
+    pub(crate) fn refusing(&self) -> Option<OwnedSemaphorePermit> {
+        self.refusing.clone().try_acquire_owned().ok()
+    }
+}
+
+/// Client connections open per client address, each at most `max`.
+#[derive(Debug)]
+struct PerAddress {
+    max: usize,
+    /// Addresses with at least one connection open (so the map holds at most
+    /// `server.max_connections` entries); SipHash with a random key, as the addresses
+    /// are the clients' choice.
+    open: Mutex<HashMap<IpAddr, usize>>,
+}
+
+impl PerAddress {
+    fn open(&self) -> std::sync::MutexGuard<'_, HashMap<IpAddr, usize>> {
+        // A panic while the lock is held leaves consistent counts (one `+= 1` or `-= 1`).
+        self.open.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// One more connection from `address`; `None` when it has `max` open.
+    fn take(self: &Arc<Self>, address: IpAddr) -> Option<AddressSlot> {
+        let mut open = self.open();
+        let count = open.entry(address).or_insert(0);
+        if *count >= self.max {
+            return None;
+        }
+        *count += 1;
+        Some(AddressSlot {
+            table: self.clone(),
+            address,
+        })
+    }
+}
+
+/// A client connection's place among `server.max_connections_per_ip` for its address;
+/// given back when dropped.
+#[derive(Debug)]
+struct AddressSlot {
+    table: Arc<PerAddress>,
+    address: IpAddr,
+}
+
+impl Drop for AddressSlot {
+    fn drop(&mut self) {
+        let mut open = self.table.open();
+        if let Some(count) = open.get_mut(&self.address) {
+            *count = count.saturating_sub(1);
+            if *count == 0 {
+                open.remove(&self.address);
+            }
+        }
+    }
+}
+
+/// One counted socket: a client connection (and its place among
+/// `server.max_connections` and `server.max_connections_per_ip`) or an upstream
+/// connection. Given back when dropped.
+#[derive(Debug)]
+pub struct Descriptor {
+    _fd: OwnedSemaphorePermit,
+    _connection: Option<OwnedSemaphorePermit>,
+    _per_address: Option<AddressSlot>,
+    gauge: Gauge,
+}
+
+impl Drop for Descriptor {
+    fn drop(&mut self) {
+        self.gauge.dec();
+    }
+}
+
+/// A tunnel's place among `server.max_tunnels`, counted in `tollgate_open_tunnels` once
+/// the tunnel is open ([`TunnelSlot::open`]); given back when dropped.
+#[derive(Debug)]
+pub struct TunnelSlot {
+    _permit: OwnedSemaphorePermit,
+    gauge: Gauge,
+    open: bool,
+}
+
+impl TunnelSlot {
+    /// Both sides are upgraded: the tunnel is open.
+    pub fn open(&mut self) {
+        if !self.open {
+            self.open = true;
+            self.gauge.inc();
+        }
+    }
+}
+
+impl Drop for TunnelSlot {
+    fn drop(&mut self) {
+        if self.open {
+            self.gauge.dec();
+        }
+    }
+}
+
+/// A socket with its [`Descriptor`]: counted for as long as the socket is open,
+/// whoever holds it (a connection, the pool, a tunnel).
+#[derive(Debug)]
+pub struct Counted<T> {
+    io: T,
+    _descriptor: Descriptor,
+}
+
+impl<T> Counted<T> {
+    /// `io`, counted by `descriptor`.
+    pub fn new(io: T, descriptor: Descriptor) -> Self {
+        Self {
+            io,
+            _descriptor: descriptor,
+        }
+    }
+
+    /// The socket.
+    pub fn get_ref(&self) -> &T {
+        &self.io
+    }
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for Counted<T> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_read(cx, buf)
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for Counted<T> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().io).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn budget(max_connections: usize, descriptors: usize, max_tunnels: usize) -> Arc<Budget> {
+        let metrics = Metrics::new(Box::new(|| None));
+        Budget::new(
+            BudgetLimits {
+                max_connections,
+                max_connections_per_ip: 2,
+                descriptors: Some(descriptors),
+                max_tunnels,
+                tunnel_idle_timeout: Duration::from_secs(1),
+            },
+            &metrics,
+        )
+    }
+
+    #[test]
+    fn clients_and_upstream_sockets_share_the_descriptors() {
+        let b = budget(2, 3, 1);
+        let c1 = b.client(None).unwrap();
+        let u1 = b.upstream().unwrap();
+        let c2 = b.client(None).unwrap();
+        // max_connections first, then the descriptors.
+        assert_eq!(b.client(None).unwrap_err(), Refused::MaxConnections);
+        assert!(b.upstream().is_none(), "3 descriptors held");
+        drop(c1);
+        assert!(
+            b.upstream().is_some(),
+            "a closed client gives its descriptor back"
+        );
+        drop((u1, c2));
+        assert!(b.client(None).is_ok());
+    }
+
+    #[test]
+    fn connections_are_bounded_per_address() {
+        let b = budget(10, 10, 1);
+        let (one, two): (IpAddr, IpAddr) =
+            ("192.0.2.1".parse().unwrap(), "2001:db8::".parse().unwrap());
+        let held = [b.client(Some(one)).unwrap(), b.client(Some(one)).unwrap()];
+        assert_eq!(
+            b.client(Some(one)).unwrap_err(),
+            Refused::MaxConnectionsPerIp
+        );
+        assert!(b.client(Some(two)).is_ok(), "another address");
+        assert!(b.client(None).is_ok(), "not counted per address");
+        drop(held);
+        let again = [b.client(Some(one)).unwrap(), b.client(Some(one)).unwrap()];
+        drop(again);
+        assert!(
+            b.per_address.open().is_empty(),
+            "no entry for an address with none open"
+        );
+    }
+
+    #[test]
+    fn tunnels_are_bounded() {
+        let b = budget(10, 10, 1);
+        let mut t = b.tunnel().unwrap();
+        t.open();
+        assert!(b.tunnel().is_none());
+        drop(t);
+        assert!(b.tunnel().is_some());
+    }
+}

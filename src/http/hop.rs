@@ -1,0 +1,79 @@
+//! Hop-by-hop headers: they describe one connection, not the message (RFC 9110
+//! §7.6.1), so they are never forwarded, in either direction.
+
+use http::header::{self, HeaderMap, HeaderName};
+
+/// `HTTP2-Settings`: the settings of an `h2c` upgrade (RFC 7540 §3.2.1), meaningful on
+/// one connection only. tollgate never forwards an `h2c` upgrade, so never this either.
+pub static HTTP2_SETTINGS: HeaderName = HeaderName::from_static("http2-settings");
+
+/// Headers that are hop-by-hop whatever `Connection` says.
+const HOP_BY_HOP: [HeaderName; 9] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+    HeaderName::from_static("http2-settings"),
+];
+
+/// Whether `name` is hop-by-hop whatever `Connection` says: the fixed list above and
+/// every `Proxy-*` header.
+pub fn always_hop_by_hop(name: &HeaderName) -> bool {
+    HOP_BY_HOP.contains(name) || name.as_str().starts_with("proxy-")
+}
+
+/// Remove hop-by-hop headers: the fixed list, every `Proxy-*` header, and every header
+/// named in `Connection`. One pass over the names finds what to remove; most messages
+/// have nothing to remove or only `Connection` itself.
+pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let mut doomed: Vec<HeaderName> = headers
+        .keys()
+        .filter(|name| always_hop_by_hop(name))
+        .cloned()
+        .collect();
+    if doomed.is_empty() {
+        return;
+    }
+    doomed.extend(
+        headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .filter_map(|name| {
+                HeaderName::from_bytes(name.trim().to_ascii_lowercase().as_bytes()).ok()
+            }),
+    );
+    for name in doomed {
+        headers.remove(name);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::HeaderValue;
+
+    #[test]
+    fn strips_hop_by_hop_and_connection_listed() {
+        let mut h = HeaderMap::new();
+        for (k, v) in [
+            ("connection", "keep-alive, x-private"),
+            ("keep-alive", "timeout=5"),
+            ("x-private", "1"),
+            ("proxy-connection", "keep-alive"),
+            ("te", "trailers"),
+            ("upgrade", "websocket"),
+            ("http2-settings", "AAMAAABkAAQAAP__"),
+            ("x-kept", "yes"),
+        ] {
+            h.insert(HeaderName::from_static(k), HeaderValue::from_static(v));
+        }
+        strip_hop_by_hop(&mut h);
+        assert_eq!(h.keys().map(|k| k.as_str()).collect::<Vec<_>>(), ["x-kept"]);
+    }
+}

@@ -1,0 +1,426 @@
+//! A `[[limits]]` entry ready to use ([`Limit`], built and checked from config), the
+//! subject it counts for a caller ([`By`]), and one limit applied to one request
+//! ([`Applied`]: the storage key of its state and the policy for the caller's tier).
+
+use super::algorithm::{Algorithm, Align, Policy};
+use super::key::{LimitKey, SubjectDigest};
+use super::Limiter;
+use crate::config::{LimitConfig, Problems};
+use crate::identity::Caller;
+use http::{HeaderMap, HeaderName};
+use std::collections::{BTreeSet, HashMap};
+use std::sync::Arc;
+
+/// What a limit's windows count.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum By {
+    /// The client id for callers with a key, else the client IP.
+    Caller,
+    /// The client IP, key or no key.
+    Ip,
+    /// One window shared by every caller.
+    Global,
+    /// The value of a request header; callers without it count as `Caller`.
+    Header(HeaderName),
+    /// `trusted_only = true`: the value of a request header, believed only when the
+    /// socket peer is a trusted proxy (callers without it count as `Caller`); from any
+    /// other peer, the client IP.
+    TrustedHeader(HeaderName),
+}
+
+/// A `[[limits]]` entry, ready to use.
+#[derive(Debug)]
+pub struct Limit {
+    /// Name, reported as `X-RateLimit-Resource`.
+    pub name: Arc<str>,
+    /// Window length in milliseconds.
+    pub window_ms: u64,
+    /// Quota (cost units per window) by tier; a tier absent here is not limited by this limit.
+    pub quota: HashMap<Arc<str>, u64>,
+    /// What the windows count.
+    pub by: By,
+    /// Lease mode: units taken from the store at a time and admitted locally (0: off,
+    /// every request is checked and charged in the store).
+    pub lease: u64,
+    /// Lease mode: how long the store keeps a gateway's unused leased units without
+    /// hearing from it, in milliseconds (`lease_ttl`).
+    pub lease_ttl_ms: u64,
+    /// The algorithm.
+    pub algorithm: Algorithm,
+    /// GCRA bucket size in units; `None`: the tier's quota.
+    pub burst: Option<u64>,
+    /// Where fixed windows start.
+    pub align: Align,
+    /// The name in storage keys: the limit's name, plus `:ALGORITHM` for every algorithm
+    /// but the fixed window (so a changed algorithm starts from fresh state).
+    pub key_name: Arc<str>,
+    /// Percent of subjects (0-100) for whom a refusal is enforced; the others are
+    /// shadowed: reported, never refused. `mode = "shadow"` is 0.
+    pub enforce_percent: u8,
+    /// `on_limit = "delay"`: hold a refused request up to this many milliseconds until
+    /// the limit admits it (0: refuse at once).
+    pub max_delay_ms: u64,
+    /// `on_limit = "delay"`: requests of one subject held at once on this gateway.
+    pub max_waiting: u32,
+}
+
+/// `window = "1mo"` in milliseconds (humantime's month: 30.44 days).
+const MONTH_MS: u64 = 2_630_016_000;
+
+impl Limit {
+    /// Build from config, recording problems under `limits[index]`. `tiers` are the tiers
+    /// a caller can have (quota keys must name one of them).
+    pub fn build(
+        index: usize,
+        cfg: &LimitConfig,
+        tiers: &BTreeSet<Arc<str>>,
+        problems: &mut Problems,
+    ) -> Option<Self> {
+        let at = format!("limits[{index}]");
+        let before = problems.errors.len();
+        if cfg.name.trim().is_empty() {
+            problems.error(format!("{at}.name"), "must not be empty");
+        } else if cfg.name.contains(['{', '}', ':']) || cfg.name.contains(char::is_whitespace) {
+            problems.error(
+                format!("{at}.name"),
+                "must not contain white space, `:` or braces (it is part of Redis keys)",
+            );
+        }
+        let algorithm = cfg.algorithm;
+        // At most a year: longer durations would also overflow epoch milliseconds.
+        let year = std::time::Duration::from_secs(366 * 86_400);
+        let window_ms = cfg.window.0.min(year).as_millis() as u64;
+        if window_ms < 1_000 {
+            problems.error(format!("{at}.window"), "must be at least 1s");
+        }
+        if cfg.window.0 > year {
+            problems.error(format!("{at}.window"), "must be at most 1 year (\"366d\")");
+        }
+        let align = match cfg.align.as_str() {
+            "first_request" => Align::FirstRequest,
+            "calendar" if algorithm != Algorithm::FixedWindow => {
+                problems.error(
+                    format!("{at}.align"),
+                    "align = \"calendar\" is for fixed windows only (algorithm = \"fixed_window\")",
+                );
+                Align::FirstRequest
+            }
+            "calendar" if window_ms == MONTH_MS => Align::Month,
+            "calendar" if window_ms > 0 && 86_400_000 % window_ms == 0 => Align::Epoch,
+            "calendar" => {
+                problems.error(
+                    format!("{at}.align"),
+                    "a calendar window must divide a day (e.g. \"1h\", \"1d\") or be \"1mo\"",
+                );
+                Align::FirstRequest
+            }
+            other => {
+                problems.error(
+                    format!("{at}.align"),
+                    format!("{other:?}: expected \"first_request\" or \"calendar\""),
+                );
+                Align::FirstRequest
+            }
+        };
+        match cfg.burst {
+            Some(_) if algorithm != Algorithm::Gcra => problems.error(
+                format!("{at}.burst"),
+                "burst is for algorithm = \"gcra\" only",
+            ),
+            Some(0) => problems.error(format!("{at}.burst"), "must be at least 1"),
+            _ => {}
+        }
+        let enforce_percent = match cfg.mode.as_str() {
+            "enforce" => cfg.enforce_percent,
+            "shadow" => 0,
+            other => {
+                problems.error(
+                    format!("{at}.mode"),
+                    format!("{other:?}: expected \"enforce\" or \"shadow\""),
+                );
+                100
+            }
+        };
+        if cfg.enforce_percent > 100 {
+            problems.error(format!("{at}.enforce_percent"), "must be between 0 and 100");
+        } else if cfg.mode == "shadow" && cfg.enforce_percent != 100 {
+            problems.error(
+                format!("{at}.enforce_percent"),
+                "a limit in mode = \"shadow\" enforces for nobody: leave enforce_percent out",
+            );
+        }
+        let max_delay_ms = match cfg.on_limit.as_str() {
+            "reject" => 0,
+            "delay" if cfg.max_delay.as_millis() == 0 || cfg.max_delay.as_millis() > 60_000 => {
+                problems.error(
+                    format!("{at}.max_delay"),
+                    "must be more than 0 and at most 1m",
+                );
+                0
+            }
+            "delay" if algorithm == Algorithm::Concurrency => {
+                problems.error(
+                    format!("{at}.on_limit"),
+                    "a concurrency limit cannot delay (when a slot frees is unknown)",
+                );
+                0
+            }
+            "delay" => cfg.max_delay.as_millis(),
+            other => {
+                problems.error(
+                    format!("{at}.on_limit"),
+                    format!("{other:?}: expected \"reject\" or \"delay\""),
+                );
+                0
+            }
+        };
+        if cfg.max_waiting == 0 {
+            problems.error(format!("{at}.max_waiting"), "must be at least 1");
+        }
+        if cfg.lease.is_some() && algorithm != Algorithm::FixedWindow {
+            problems.error(
+                format!("{at}.lease"),
+                "lease mode is for fixed windows only (algorithm = \"fixed_window\")",
+            );
+        }
+        if cfg.quota.is_empty() {
+            problems.error(
+                format!("{at}.quota"),
+                "is empty: give a quota for at least one tier, e.g. { anonymous = 60 }",
+            );
+        }
+        let mut quota = HashMap::new();
+        for (tier, n) in &cfg.quota {
+            if !tiers.contains(tier.as_str()) {
+                let known: Vec<&str> = tiers.iter().map(|t| &**t).collect();
+                problems.error(
+                    format!("{at}.quota.{tier}"),
+                    format!("unknown tier {tier:?}; known tiers: {}", known.join(", ")),
+                );
+            }
+            if *n == 0 {
+                problems.error(format!("{at}.quota.{tier}"), "must be at least 1");
+            }
+            if algorithm == Algorithm::Gcra && *n > window_ms {
+                problems.error(
+                    format!("{at}.quota.{tier}"),
+                    format!("GCRA spaces units at least 1 ms apart: at most {window_ms} per window of {window_ms} ms"),
+                );
+            }
+            quota.insert(Arc::from(tier.as_str()), *n);
+        }
+        for tier in tiers {
+            if !cfg.quota.is_empty() && !cfg.quota.contains_key(&**tier) {
+                problems.warn(
+                    format!("{at}.quota"),
+                    format!(
+                        "tier {tier:?} has no quota here: its callers are not limited by {:?}",
+                        cfg.name
+                    ),
+                );
+            }
+        }
+        let header_by = |h: HeaderName| {
+            if cfg.trusted_only {
+                By::TrustedHeader(h)
+            } else {
+                By::Header(h)
+            }
+        };
+        let by = match cfg.by.as_str() {
+            "caller" => By::Caller,
+            "ip" => By::Ip,
+            "global" => By::Global,
+            other => {
+                match other
+                    .strip_prefix("header:")
+                    .map(|h| HeaderName::from_bytes(h.trim().to_ascii_lowercase().as_bytes()))
+                {
+                    Some(Ok(h)) => header_by(h),
+                    _ => {
+                        problems.error(format!("{at}.by"), format!("{other:?}: expected \"caller\", \"ip\", \"global\" or \"header:NAME\""));
+                        By::Caller
+                    }
+                }
+            }
+        };
+        let lease_ttl_ms = cfg.lease_ttl.as_millis();
+        if !(2_000..=3_600_000).contains(&lease_ttl_ms) {
+            problems.error(format!("{at}.lease_ttl"), "must be between 2s and 1h");
+        } else if cfg.lease.is_none()
+            && cfg.lease_ttl != crate::config::LimitConfig::DEFAULT_LEASE_TTL
+        {
+            problems.error(
+                format!("{at}.lease_ttl"),
+                "applies to lease mode only: set `lease` too, or remove lease_ttl",
+            );
+        }
+        if cfg.trusted_only && !matches!(by, By::TrustedHeader(_)) {
+            problems.error(
+                format!("{at}.trusted_only"),
+                "is for limits with by = \"header:NAME\" only",
+            );
+        }
+        if cfg.lease == Some(0) {
+            problems.error(
+                format!("{at}.lease"),
+                "must be at least 1 (leave it out to turn lease mode off)",
+            );
+        }
+        (problems.errors.len() == before).then(|| Self {
+            name: cfg.name.as_str().into(),
+            window_ms,
+            quota,
+            by,
+            lease: cfg.lease.unwrap_or(0),
+            lease_ttl_ms,
+            algorithm,
+            burst: cfg.burst,
+            align,
+            enforce_percent,
+            max_delay_ms,
+            max_waiting: cfg.max_waiting,
+            key_name: match algorithm {
+                Algorithm::FixedWindow => cfg.name.as_str().into(),
+                other => format!("{}:{}", cfg.name, other.name()).into(),
+            },
+        })
+    }
+
+    /// The policy this limit applies to a caller whose tier has `quota`.
+    pub fn policy(&self, quota: u64) -> Policy {
+        Policy {
+            algorithm: self.algorithm,
+            quota,
+            window_ms: self.window_ms,
+            burst: self.burst.unwrap_or(quota),
+            align: self.align,
+        }
+    }
+
+    /// Write the subject this limit counts for a caller into `out` (cleared first): e.g.
+    /// `client:acme`, `ip:192.0.2.7`, `global`, `header:x-tenant:t1`. It is hashed
+    /// before it reaches a store.
+    fn subject_into(&self, caller: &Caller, headers: &HeaderMap, out: &mut Vec<u8>) {
+        out.clear();
+        let by_caller = |out: &mut Vec<u8>| match &caller.client {
+            Some(c) => {
+                out.extend_from_slice(b"client:");
+                out.extend_from_slice(c.id.as_bytes());
+            }
+            None => ip_subject(caller.ip_key, out),
+        };
+        match &self.by {
+            By::Caller => by_caller(out),
+            By::Ip => ip_subject(caller.ip_key, out),
+            By::Global => out.extend_from_slice(b"global"),
+            By::TrustedHeader(_) if !caller.peer_trusted => ip_subject(caller.ip_key, out),
+            By::Header(h) | By::TrustedHeader(h) => match headers.get(h) {
+                Some(v) => {
+                    out.extend_from_slice(b"header:");
+                    out.extend_from_slice(h.as_str().as_bytes());
+                    out.push(b':');
+                    // As before: invalid UTF-8 hashes as its lossy form.
+                    match std::str::from_utf8(v.as_bytes()) {
+                        Ok(s) => out.extend_from_slice(s.as_bytes()),
+                        Err(_) => {
+                            out.extend_from_slice(String::from_utf8_lossy(v.as_bytes()).as_bytes())
+                        }
+                    }
+                }
+                None => by_caller(out),
+            },
+        }
+    }
+}
+
+/// Append the subject of a client IP, `ip:ADDRESS`, to `out`.
+pub(super) fn ip_subject(ip: std::net::IpAddr, out: &mut Vec<u8>) {
+    use std::io::Write;
+    let _ = write!(out, "ip:{ip}");
+}
+
+/// One limit applied to one request: where its state is and what policy applies.
+#[derive(Debug, Clone)]
+pub struct Applied {
+    pub(super) limit: Arc<Limit>,
+    pub(super) key: LimitKey,
+    pub(super) policy: Policy,
+}
+
+impl Applied {
+    /// The storage key of this limit's state for this caller.
+    pub fn key(&self) -> &LimitKey {
+        &self.key
+    }
+
+    /// The limit applied (its name, window length in milliseconds, lease mode).
+    pub fn limit(&self) -> &Arc<Limit> {
+        &self.limit
+    }
+
+    /// The policy (algorithm, quota for the caller's tier, window, burst).
+    pub fn policy(&self) -> &Policy {
+        &self.policy
+    }
+
+    /// The caller's quota in this limit: cost units per window.
+    pub fn quota(&self) -> u64 {
+        self.policy.quota
+    }
+
+    /// Whether a refusal of this limit is enforced for this subject (`enforce_percent`,
+    /// by a stable hash of the subject, the same on every gateway); otherwise it is
+    /// shadowed: reported, not refused.
+    pub fn enforced(&self) -> bool {
+        match self.limit.enforce_percent {
+            100 => true,
+            0 => false,
+            p => self.key.shard_hash.rotate_right(32) % 100 < u64::from(p),
+        }
+    }
+}
+
+impl Limiter {
+    /// The 32 hex digits that stand for a client IP in storage keys (its by-IP windows).
+    pub fn ip_hash(&self, ip: std::net::IpAddr) -> String {
+        let mut subject = Vec::with_capacity(48);
+        ip_subject(ip, &mut subject);
+        self.keys.digest(&subject).hex().to_string()
+    }
+
+    /// The limits among `limits` that apply to `caller` (those with a quota for its tier).
+    pub fn applicable(
+        &self,
+        limits: &[Arc<Limit>],
+        caller: &Caller,
+        headers: &HeaderMap,
+    ) -> Vec<Applied> {
+        // Limits of one route usually count the same subject: hash it once. The buffers
+        // swap roles, so the common case allocates one.
+        let mut subject = Vec::with_capacity(64);
+        let mut last = Vec::new();
+        let mut last_digest: Option<SubjectDigest> = None;
+        limits
+            .iter()
+            .filter_map(|limit| {
+                let quota = *limit.quota.get(&caller.tier)?;
+                limit.subject_into(caller, headers, &mut subject);
+                let digest = match last_digest {
+                    Some(d) if last == subject => d,
+                    _ => {
+                        let d = self.keys.digest(&subject);
+                        std::mem::swap(&mut last, &mut subject);
+                        last_digest = Some(d);
+                        d
+                    }
+                };
+                Some(Applied {
+                    limit: limit.clone(),
+                    key: self.keys.key_for(&limit.key_name, &digest),
+                    policy: limit.policy(quota),
+                })
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,164 @@
+//! The runtime shape (`server.runtime`): where the proxy listener's connections are
+//! served. This module is the one seam between the two shapes; the rest of the server
+//! and the proxy do not know which one runs.
+//!
+//! - `multi_thread` (the default): one work-stealing Tokio runtime, the caller's, serves
+//!   every connection from one listener. A request may wake tasks on any of its threads.
+//! - `per_core`: [`Workers`]: `server.workers` single-threaded Tokio runtimes, each on an
+//!   OS thread of its own ([`WORKER_THREAD`]), each accepting on a listener of its own
+//!   bound to `server.listen` with `SO_REUSEPORT` (Linux: the kernel spreads new
+//!   connections over them; elsewhere they share one listener) and serving what it
+//!   accepted to the end. What a request needs per thread is kept per worker, found by
+//!   [`worker`]: the upstream connection pools (`proxy::pool`) and the Redis batchers
+//!   (`limiter::store::redis`). The config snapshot, the metrics and the connection
+//!   budget are shared (atomics and an `ArcSwap`). The admin listener, the reloader
+//!   (SIGHUP, the file watcher), the store's background tasks and the sweepers stay on
+//!   the caller's runtime, off the proxy threads.
+
+use crate::config::{RuntimeShape, ServerConfig};
+use std::cell::Cell;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use tokio::sync::mpsc;
+
+/// The name of every `per_core` worker thread (as `ps -T` and `/proc/PID/task/*/comm`
+/// show it; at most 15 bytes).
+pub const WORKER_THREAD: &str = "tollgate-worker";
+
+/// Connections a listener's accept queue holds (as Tokio's own `TcpListener::bind`).
+const BACKLOG: i32 = 1024;
+
+thread_local! {
+    /// On a `per_core` worker thread: (its index, how many workers its gateway has).
+    static WORKER: Cell<Option<(usize, usize)>> = const { Cell::new(None) };
+}
+
+/// On a `per_core` worker thread, `(index, count)`: which of its gateway's `count`
+/// workers this thread is (`index < count`). `None` on any other thread (the
+/// `multi_thread` runtime's, the admin runtime's, a test's).
+pub fn worker() -> Option<(usize, usize)> {
+    WORKER.with(Cell::get)
+}
+
+/// `server.workers`, or one per CPU the process may use (at least 1).
+pub fn worker_count(cfg: &ServerConfig) -> usize {
+    cfg.workers.filter(|n| *n > 0).unwrap_or_else(|| {
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+    })
+}
+
+/// How many per-worker parts (upstream sub-pools) a config's gateway needs: one per
+/// worker with `per_core`, else one.
+pub fn per_worker_parts(cfg: &ServerConfig) -> usize {
+    match cfg.runtime {
+        RuntimeShape::PerCore => worker_count(cfg),
+        RuntimeShape::MultiThread => 1,
+    }
+}
+
+/// The slot of this thread among `len` per-worker parts: its worker index on a
+/// `per_core` worker thread (when `len` has room for it), else 0.
+pub(crate) fn slot(len: usize) -> usize {
+    match worker() {
+        Some((i, _)) if i < len => i,
+        _ => 0,
+    }
+}
+
+/// `count` listeners on `addr`, bound now (so that a bind error is the caller's). On
+/// Linux each is a socket of its own with `SO_REUSEPORT`, all on the port the first one
+/// got (`addr` may have port 0); elsewhere they are one socket, duplicated.
+///
+/// Errors: the OS error of creating, binding or listening on a socket.
+pub fn bind_listeners(
+    addr: SocketAddr,
+    count: usize,
+) -> std::io::Result<Vec<std::net::TcpListener>> {
+    let count = count.max(1);
+    let first = bind_one(addr)?;
+    let local = first.local_addr()?;
+    let mut listeners = vec![first];
+    while listeners.len() < count {
+        let next = if cfg!(target_os = "linux") {
+            bind_one(local)?
+        } else {
+            listeners[0].try_clone()?
+        };
+        listeners.push(next);
+    }
+    Ok(listeners)
+}
+
+/// One non-blocking listening socket on `addr` (`SO_REUSEADDR` as Tokio sets it, and
+/// `SO_REUSEPORT` on Linux).
+fn bind_one(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+    socket.set_reuse_address(true)?;
+    #[cfg(target_os = "linux")]
+    socket.set_reuse_port(true)?;
+    socket.set_nonblocking(true)?;
+    socket.bind(&addr.into())?;
+    socket.listen(BACKLOG)?;
+    Ok(socket.into())
+}
+
+/// The `per_core` worker threads of one gateway; see the module documentation.
+#[derive(Debug)]
+pub(crate) struct Workers {
+    /// Every thread holds a sender: when all are dropped, every worker has stopped.
+    stopped: mpsc::Receiver<()>,
+}
+
+impl Workers {
+    /// Start one worker thread per listener in `listeners`: each builds a
+    /// single-threaded runtime, takes its listener into it and runs `serve` with it
+    /// until `serve` returns (after a shutdown and the drain); the runtime, with any task
+    /// still on it, is dropped then.
+    ///
+    /// Errors: a runtime or a thread could not be created (the threads started before
+    /// are told to stop by the caller's shutdown signal).
+    pub(crate) fn start<F, Fut>(
+        listeners: Vec<std::net::TcpListener>,
+        serve: F,
+    ) -> std::io::Result<Workers>
+    where
+        F: Fn(tokio::net::TcpListener) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = ()> + 'static,
+    {
+        let serve = Arc::new(serve);
+        let count = listeners.len();
+        let (done, stopped) = mpsc::channel::<()>(1);
+        for (index, listener) in listeners.into_iter().enumerate() {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            let (serve, done) = (serve.clone(), done.clone());
+            std::thread::Builder::new()
+                .name(WORKER_THREAD.into())
+                .spawn(move || {
+                    WORKER.with(|w| w.set(Some((index, count))));
+                    runtime.block_on(async move {
+                        match tokio::net::TcpListener::from_std(listener) {
+                            Ok(listener) => serve(listener).await,
+                            Err(e) => {
+                                tracing::error!(worker = index, error = %e, "worker cannot use its listener")
+                            }
+                        }
+                    });
+                    // Connections still open after the drain end here, with their tasks.
+                    runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+                    drop(done);
+                })?;
+        }
+        Ok(Workers { stopped })
+    }
+
+    /// Wait until every worker thread has stopped.
+    pub(crate) async fn wait(mut self) {
+        while self.stopped.recv().await.is_some() {}
+    }
+}

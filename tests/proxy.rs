@@ -376,3 +376,53 @@ limits = ["other"]
         (200, "other".into())
     );
 }
+
+/// Issue 16 item 2: a client connection's requests go out on the upstream connection its
+/// previous request used (pingora-style reuse), not on whichever the pool hands out:
+/// two keep-alive clients taking turns each keep their own upstream connection (a pool
+/// alone would hand both the one connection that just came back), and a connection the
+/// client closes goes back to the pool for the next client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_connection_keeps_the_upstream_connection_it_last_used() {
+    let upstream = Upstream::start().await;
+    // One worker: one pool part, so that only the connection's own choice can keep the
+    // two clients apart.
+    let gw = TestGateway::start(&config(&[upstream.url()], "workers = 1")).await;
+    async fn client(gw: &TestGateway) -> hyper::client::conn::http1::SendRequest<Full<Bytes>> {
+        let stream = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+        let (tx, conn) =
+            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+                .await
+                .unwrap();
+        tokio::spawn(conn);
+        tx
+    }
+    async fn port(tx: &mut hyper::client::conn::http1::SendRequest<Full<Bytes>>) -> String {
+        tx.ready().await.unwrap();
+        let req = Request::get("/peer")
+            .header("host", "a")
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        let resp = tx.send_request(req).await.unwrap();
+        assert_eq!(resp.status(), 200);
+        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        String::from_utf8_lossy(&body).into_owned()
+    }
+    let (mut a, mut b) = (client(&gw).await, client(&gw).await);
+    let (mut seen_a, mut seen_b) = (Vec::new(), Vec::new());
+    for _ in 0..5 {
+        seen_a.push(port(&mut a).await);
+        seen_b.push(port(&mut b).await);
+    }
+    assert!(seen_a.iter().all(|p| *p == seen_a[0]), "{seen_a:?}");
+    assert!(seen_b.iter().all(|p| *p == seen_b[0]), "{seen_b:?}");
+    assert_ne!(seen_a[0], seen_b[0], "each client keeps its own");
+    assert_eq!(upstream.connections(), 2);
+    // A closed client connection gives its upstream connection back to the pool.
+    drop(a);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut c = client(&gw).await;
+    let reused = port(&mut c).await;
+    assert_eq!(reused, seen_a[0], "the closed client's upstream connection");
+    assert_eq!(upstream.connections(), 2, "no new upstream connection");
+}

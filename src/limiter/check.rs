@@ -353,21 +353,20 @@ impl Limiter {
             if admission.holds[i].stage != Stage::Lease {
                 continue;
             }
-            let taken = self
-                .leases
-                .take(
-                    &*self.store,
-                    Ask {
-                        key: &a.key,
-                        cost,
-                        lease: a.limit.lease,
-                        lease_ttl_ms: a.limit.lease_ttl_ms,
-                        quota: a.policy.quota,
-                        window_ms: a.limit.window_ms,
-                    },
-                    now_ms,
-                )
-                .await;
+            // Boxed: kept out of the size of every request's future.
+            let taken = Box::pin(self.leases.take(
+                &*self.store,
+                Ask {
+                    key: &a.key,
+                    cost,
+                    lease: a.limit.lease,
+                    lease_ttl_ms: a.limit.lease_ttl_ms,
+                    quota: a.policy.quota,
+                    window_ms: a.limit.window_ms,
+                },
+                now_ms,
+            ))
+            .await;
             match taken {
                 Ok(Take::Taken { used, reset_at_ms }) => {
                     admission.usages[i] = Some(a.usage_at(used, reset_at_ms));

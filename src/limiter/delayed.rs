@@ -117,34 +117,68 @@ impl Limiter {
         delayed: &DelayBudget,
     ) -> Result<Admission, Refusal> {
         let started = clock.now_ms();
+        match self.check(applied, cost, on_request, started).await {
+            Err(Refusal::OverLimit(refusal)) => {
+                // Boxed: waiting is rare, and its future (a timer, a second check) would
+                // otherwise add to the size of every request's future.
+                let wait = Wait {
+                    applied,
+                    cost,
+                    on_request,
+                    clock,
+                    delayed,
+                    started,
+                };
+                Box::pin(self.delay(wait, refusal)).await
+            }
+            other => other,
+        }
+    }
+
+    /// The rest of [`Limiter::check_or_delay`] after a check refused with `refusal`:
+    /// wait while the refusing limit allows, and check again.
+    async fn delay(&self, w: Wait<'_>, mut refusal: super::Usage) -> Result<Admission, Refusal> {
         let mut held: Option<(Waiting<'_>, DelaySlot<'_>)> = None;
         loop {
-            let now_ms = clock.now_ms();
-            let refusal = match self.check(applied, cost, on_request, now_ms).await {
-                Err(Refusal::OverLimit(u)) => u,
-                other => return other,
-            };
-            let Some(a) = applied.iter().find(|a| a.limit.name == refusal.resource) else {
+            let now_ms = w.clock.now_ms();
+            let Some(a) = w.applied.iter().find(|a| a.limit.name == refusal.resource) else {
                 return Err(Refusal::OverLimit(refusal));
             };
-            let deadline = started + a.limit.max_delay_ms;
+            let deadline = w.started + a.limit.max_delay_ms;
             let at = refusal.retry_at_ms.max(now_ms + 1);
             if a.limit.max_delay_ms == 0 || at > deadline {
                 return Err(Refusal::OverLimit(refusal));
             }
             if held.is_none() {
-                let Some(w) = Waiting::enter(&self.waiting, &a.key, a.limit.max_waiting) else {
-                    delayed.refused(DelayRefusal::MaxWaiting);
+                let Some(waiting) = Waiting::enter(&self.waiting, &a.key, a.limit.max_waiting)
+                else {
+                    w.delayed.refused(DelayRefusal::MaxWaiting);
                     return Err(Refusal::OverLimit(refusal));
                 };
-                let Some(slot) = delayed.enter() else {
+                let Some(slot) = w.delayed.enter() else {
                     return Err(Refusal::OverLimit(refusal));
                 };
-                held = Some((w, slot));
+                held = Some((waiting, slot));
             }
             tokio::time::sleep(std::time::Duration::from_millis(at - now_ms)).await;
+            let now_ms = w.clock.now_ms();
+            refusal = match self.check(w.applied, w.cost, w.on_request, now_ms).await {
+                Err(Refusal::OverLimit(u)) => u,
+                other => return other,
+            };
         }
     }
+}
+
+/// What [`Limiter::delay`] needs of the request it holds.
+struct Wait<'a> {
+    applied: &'a [Applied],
+    cost: u64,
+    on_request: bool,
+    clock: &'a dyn crate::clock::Clock,
+    delayed: &'a DelayBudget,
+    /// When the first check ran (milliseconds since the epoch).
+    started: u64,
 }
 
 /// One request held by `on_limit = "delay"`, counted against `max_waiting` until dropped.

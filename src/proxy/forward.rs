@@ -506,8 +506,13 @@ pub async fn forward(
             );
         };
         let budget = upstream.response_timeout.saturating_sub(started.elapsed());
-        let sent =
-            tokio::time::timeout(budget, upstream.targets[i].pool.send(request, down.budget)).await;
+        let sent = tokio::time::timeout(
+            budget,
+            upstream.targets[i]
+                .pool
+                .send(request, down.budget, Some(&down.peer.upstream)),
+        )
+        .await;
         let error = match sent {
             Ok(Ok(mut response)) => {
                 upstream.healthy(i);
@@ -819,6 +824,9 @@ pub struct Peer {
     pub addr: std::net::SocketAddr,
     /// The IP as a header value (`X-Forwarded-For` when the client sent none).
     ip_header: HeaderValue,
+    /// The upstream connection this client connection used last, kept for its next
+    /// request ([`super::pool::Affinity`]).
+    pub upstream: super::pool::Affinity,
 }
 
 impl Peer {
@@ -826,7 +834,11 @@ impl Peer {
     pub fn new(addr: std::net::SocketAddr) -> Self {
         let ip_header = HeaderValue::from_str(&addr.ip().to_string())
             .unwrap_or(HeaderValue::from_static("unknown"));
-        Self { addr, ip_header }
+        Self {
+            addr,
+            ip_header,
+            upstream: Default::default(),
+        }
     }
 
     /// The peer's IP.

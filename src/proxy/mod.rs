@@ -167,7 +167,9 @@ pub async fn serve(
             // IPv6 client's by its network (identity.ipv6_prefix_len).
             let ip = snap.identities.client_ip(req.headers(), peer.ip());
             let key = snap.identities.ip_key(ip);
-            if let Some(usage) = snap.limiter.failed_auth(key, clock.now_ms()).await {
+            // Boxed: a rare path, kept out of the request future's size (every request's
+            // future is moved whole into hyper's dispatcher).
+            if let Some(usage) = Box::pin(snap.limiter.failed_auth(key, clock.now_ms())).await {
                 log.decision = Decision::Rejected;
                 log.usage = Some(usage.clone());
                 let now_ms = clock.now_ms();
@@ -200,7 +202,7 @@ pub async fn serve(
         log.decision = Decision::RateLimitStatus;
         let applied = snap.limiter.applicable(snap.limits, &caller, req.headers());
         let now_ms = clock.now_ms();
-        let usages = snap.limiter.peek(&applied, now_ms).await;
+        let usages = Box::pin(snap.limiter.peek(&applied, now_ms)).await;
         return rate_limit_status(&applied, &usages);
     }
 
@@ -312,13 +314,9 @@ pub async fn serve(
         body_timeout: ctx.body_timeout,
         budget: ctx.budget,
     };
-    let forwarded = log
-        .time_upstream(
-            &route.upstream.name,
-            ctx.metrics,
-            forward::forward(&route.upstream, req, down),
-        )
-        .await;
+    let upstream_started = std::time::Instant::now();
+    let forwarded = forward::forward(&route.upstream, req, down).await;
+    log.upstream_took(&route.upstream.name, ctx.metrics, upstream_started);
     let mut response = match forwarded {
         Ok(response) => response,
         Err(e @ ProxyError::BodyTimeout(_)) => {

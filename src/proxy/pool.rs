@@ -13,6 +13,11 @@
 //! the same job with a keyed pool, a connect/checkout race and more boxing per request:
 //! about an eighth of the instructions of a proxied request (see BENCHMARKS.md).
 //!
+//! A downstream connection keeps the HTTP/1.1 upstream connection its last request used
+//! ([`Affinity`], as pingora does) and sends its next request on it, without the pool's
+//! lock and stack; it falls back to the pool when that connection is gone or busy, and
+//! gives it back to the pool when the downstream connection ends.
+//!
 //! With `server.runtime = "per_core"` a pool holds one part per worker: a request takes
 //! and returns connections in its own worker's part, whose connections' tasks run on
 //! that worker's runtime, so that no exchange with the upstream wakes another thread.
@@ -187,14 +192,20 @@ impl Pool {
     ///
     /// Errors: [`SendError`], with the request when it was not sent at all
     /// ([`PoolError::NoDescriptor`] when `budget` has no descriptor for a new socket).
+    ///
+    /// On HTTP/1.1, `affinity` (the downstream connection's, `None` on HTTP/2) is tried
+    /// first, and the connection the response came on is kept there for the next request
+    /// when its exchange ends (see [`Affinity`]).
     pub async fn send(
         self: &Arc<Self>,
         req: Request<RequestBody>,
         budget: &Budget,
+        affinity: Option<&Affinity>,
     ) -> Result<Response<PooledBody>, SendError> {
         match self.connector.protocol {
-            UpstreamProtocol::Http1 => self.send_h1(req, budget).await,
-            UpstreamProtocol::Http2 => self.send_h2(req, budget).await,
+            UpstreamProtocol::Http1 => self.send_h1(req, budget, affinity).await,
+            // Boxed: kept out of the size of every request's future (see `proxy::handle`).
+            UpstreamProtocol::Http2 => Box::pin(self.send_h2(req, budget)).await,
         }
     }
 
@@ -202,25 +213,37 @@ impl Pool {
         self: &Arc<Self>,
         mut req: Request<RequestBody>,
         budget: &Budget,
+        affinity: Option<&Affinity>,
     ) -> Result<Response<PooledBody>, SendError> {
         let body = req.body().state();
         let (part, _) = self.part();
-        while let Some(mut tx) = self.checkout(part) {
+        let kept = affinity.and_then(|a| a.take(self));
+        let back = |tx| Back {
+            part,
+            tx,
+            body: body.clone(),
+            affinity: affinity.cloned(),
+        };
+        for mut tx in kept
+            .into_iter()
+            .chain(std::iter::from_fn(|| self.checkout(part)))
+        {
             if !tx.is_ready() && tx.ready().await.is_err() {
                 continue;
             }
             match tx.try_send_request(req).await {
-                Ok(response) => return Ok(self.wrap(response, Some((part, tx, body)))),
+                Ok(response) => return Ok(self.wrap(response, Some(back(tx)))),
                 Err(mut e) => match e.take_message() {
                     // Not sent: the connection was closing. Try the next one.
-                    Some(back) => req = back,
+                    Some(again) => req = again,
                     None => return Err(PoolError::Http(e.into_error()).into()),
                 },
             }
         }
-        let (mut tx, req) = unsent_on_error(self.connect_h1(budget).await, req)?;
+        // Boxed: connecting (TCP, TLS, handshake) is rare and its future large.
+        let (mut tx, req) = unsent_on_error(Box::pin(self.connect_h1(budget)).await, req)?;
         let response = tx.send_request(req).await.map_err(PoolError::Http)?;
-        Ok(self.wrap(response, Some((part, tx, body))))
+        Ok(self.wrap(response, Some(back(tx))))
     }
 
     async fn send_h2(
@@ -306,16 +329,20 @@ impl Pool {
             let pool = self.clone();
             tokio::spawn(async move {
                 if let Ok(Ok(())) = tokio::time::timeout(CLEAN_WAIT, tx.ready()).await {
-                    pool.keep(part, tx);
+                    pool.keep(part, tx, Instant::now());
                 }
             });
             return;
         }
-        self.keep(part, tx);
+        self.keep(part, tx, Instant::now());
     }
 
-    /// Put a ready connection on the idle stack of `part`.
-    fn keep(&self, part: usize, tx: http1::SendRequest<RequestBody>) {
+    /// Put a ready connection, idle `since`, on the idle stack of `part` (unless it has
+    /// closed or been idle for `keepalive_timeout`).
+    fn keep(&self, part: usize, tx: http1::SendRequest<RequestBody>, since: Instant) {
+        if tx.is_closed() || since.elapsed() >= self.idle_timeout {
+            return;
+        }
         let mut idle = self.parts[part]
             .idle
             .lock()
@@ -324,10 +351,7 @@ impl Pool {
             // Make room by dropping the least recently used (the bottom of the stack).
             idle.remove(0);
         }
-        idle.push(Idle {
-            tx,
-            since: Instant::now(),
-        });
+        idle.push(Idle { tx, since });
     }
 
     /// A new TCP connection to the target, counted in `budget`.
@@ -397,15 +421,16 @@ impl Pool {
     fn wrap(
         self: &Arc<Self>,
         response: Response<Incoming>,
-        h1: Option<(usize, http1::SendRequest<RequestBody>, Arc<BodyState>)>,
+        h1: Option<Back>,
     ) -> Response<PooledBody> {
         response.map(|inner| PooledBody {
             inner,
-            slot: h1.map(|(part, tx, body)| Slot {
+            slot: h1.map(|back| Slot {
                 pool: self.clone(),
-                part,
-                tx,
-                body,
+                part: back.part,
+                tx: back.tx,
+                body: back.body,
+                affinity: back.affinity,
             }),
         })
     }
@@ -445,6 +470,81 @@ where
     Ok(tx)
 }
 
+/// Where an HTTP/1.1 connection goes when its exchange ends: the pool's `part`, or the
+/// downstream connection's [`Affinity`]; `body` tells whether its request body was sent.
+struct Back {
+    part: usize,
+    tx: http1::SendRequest<RequestBody>,
+    body: Arc<BodyState>,
+    affinity: Option<Affinity>,
+}
+
+/// The HTTP/1.1 upstream connection that one downstream connection used last, kept for
+/// that downstream connection's next request (pingora's connection reuse): checking it
+/// out is one uncontended lock, with no pool stack and no clock read. One connection is
+/// kept at most (the last one whose exchange ended, ready for another request); the one
+/// it replaces, and the one kept when the downstream connection ends, go back to their
+/// pool (where the idle bound and `keepalive_timeout` apply). A kept connection older
+/// than its pool's `keepalive_timeout` is not used. Cloning shares it (the response body
+/// holds a clone to put the connection back).
+#[derive(Debug, Clone, Default)]
+pub struct Affinity(Arc<KeptCell>);
+
+/// See [`Affinity`].
+#[derive(Debug)]
+struct Kept {
+    pool: Arc<Pool>,
+    part: usize,
+    tx: http1::SendRequest<RequestBody>,
+    since: Instant,
+}
+
+impl Affinity {
+    /// The kept connection, when it is `pool`'s, still open and young enough.
+    fn take(&self, pool: &Arc<Pool>) -> Option<http1::SendRequest<RequestBody>> {
+        let mut kept = self.0 .0.lock().unwrap_or_else(|e| e.into_inner());
+        if !kept.as_ref().is_some_and(|k| Arc::ptr_eq(&k.pool, pool)) {
+            return None;
+        }
+        let k = kept.take()?;
+        (!k.tx.is_closed() && k.since.elapsed() < pool.idle_timeout).then_some(k.tx)
+    }
+
+    /// Keep `tx` (ready for another request); the connection kept before goes back to
+    /// its pool.
+    fn keep(&self, pool: Arc<Pool>, part: usize, tx: http1::SendRequest<RequestBody>) {
+        let new = Kept {
+            pool,
+            part,
+            tx,
+            since: Instant::now(),
+        };
+        let old = self
+            .0
+             .0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .replace(new);
+        if let Some(old) = old {
+            old.pool.keep(old.part, old.tx, old.since);
+        }
+    }
+}
+
+/// The cell an [`Affinity`] shares: when the downstream connection and its last response
+/// are gone, the connection kept in it goes back to its pool.
+#[derive(Debug, Default)]
+struct KeptCell(Mutex<Option<Kept>>);
+
+impl Drop for KeptCell {
+    fn drop(&mut self) {
+        let kept = self.0.get_mut().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(k) = kept {
+            k.pool.keep(k.part, k.tx, k.since);
+        }
+    }
+}
+
 /// A response body from a pooled connection: when it has been read to its end (or had
 /// none), an HTTP/1.1 connection goes back to its pool if its request body was sent to
 /// its end, and is closed otherwise (an HTTP/2 one is shared anyway).
@@ -462,17 +562,22 @@ struct Slot {
     part: usize,
     tx: http1::SendRequest<RequestBody>,
     body: Arc<BodyState>,
+    /// The downstream connection's, to keep the connection for its next request.
+    affinity: Option<Affinity>,
 }
 
 impl Slot {
-    /// The response was read to its end: the connection goes back to the pool if the
-    /// request body was sent to its end too; otherwise the upload is cut off, which
-    /// closes the connection.
+    /// The response was read to its end: the connection goes back to the downstream
+    /// connection's [`Affinity`] (or the pool) if the request body was sent to its end
+    /// too; otherwise the upload is cut off, which closes the connection.
     fn release(self) {
-        if self.body.is_done() {
-            self.pool.checkin(self.part, self.tx);
-        } else {
+        if !self.body.is_done() {
             self.body.cut_off();
+            return;
+        }
+        match self.affinity {
+            Some(affinity) if self.tx.is_ready() => affinity.keep(self.pool, self.part, self.tx),
+            _ => self.pool.checkin(self.part, self.tx),
         }
     }
 }

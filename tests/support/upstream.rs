@@ -9,6 +9,8 @@
 //! - `/set-headers?NAME=VALUE&...`: answers with each pair as a response header
 //!   (percent-decoded; a repeated name gives several values), and with the status of a
 //!   `status=NNN` pair (default 200).
+//! - `/peer`: the port the request's connection comes from (which connection of the
+//!   gateway's carried it).
 //! - anything else: 200 "ok".
 
 use bytes::Bytes;
@@ -43,15 +45,21 @@ impl Upstream {
         let c = connections.clone();
         let task = tokio::spawn(async move {
             loop {
-                let Ok((stream, _)) = listener.accept().await else {
+                let Ok((stream, from)) = listener.accept().await else {
                     continue;
                 };
                 c.fetch_add(1, Ordering::SeqCst);
                 let h = h.clone();
                 tokio::spawn(async move {
-                    let svc = service_fn(move |req| {
+                    let svc = service_fn(move |req: Request<Incoming>| {
                         h.fetch_add(1, Ordering::SeqCst);
-                        serve(req)
+                        let peer = (req.uri().path() == "/peer").then(|| from.port());
+                        async move {
+                            match peer {
+                                Some(port) => Ok(full(StatusCode::OK, port.to_string())),
+                                None => serve(req).await,
+                            }
+                        }
                     });
                     let _ = auto::Builder::new(TokioExecutor::new())
                         .serve_connection(TokioIo::new(stream), svc)

@@ -309,7 +309,7 @@ fn own_work(c: &mut Criterion) {
         let h = response.headers();
         assert_eq!(h["x-ratelimit-limit"], HUGE_QUOTA.to_string().as_str());
         assert_eq!(h["x-ratelimit-used"], i.to_string().as_str());
-        assert!(h.contains_key(access::REQUEST_ID));
+        assert!(h.contains_key(&access::REQUEST_ID));
         assert!(!h.contains_key(header::CONNECTION), "hop-by-hop stripped");
     }
     let rendered = gw.metrics.render();

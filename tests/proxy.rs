@@ -226,6 +226,24 @@ async fn cleartext_http2_is_served_on_the_same_listener() {
     );
 }
 
+/// Send a header line every 100 ms until the gateway closes `s` (or answers: hyper may
+/// answer 408 before closing); how long that took. Fails after 4 s.
+async fn dribble_until_closed(s: &mut tokio::net::TcpStream) -> Duration {
+    let started = Instant::now();
+    for _ in 0..40 {
+        if s.write_all(b"X-Slow: 1\r\n").await.is_err() {
+            return started.elapsed();
+        }
+        let mut buf = [0u8; 256];
+        if let Ok(_closed_or_answered) =
+            tokio::time::timeout(Duration::from_millis(100), s.read(&mut buf)).await
+        {
+            return started.elapsed();
+        }
+    }
+    panic!("connection still open after {:?}", started.elapsed());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_dribbles_headers_is_cut_off() {
     let upstream = Upstream::start().await;
@@ -236,37 +254,8 @@ async fn a_client_that_dribbles_headers_is_cut_off() {
     .await;
     let mut s = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
     s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n").await.unwrap();
-    let started = Instant::now();
-    let mut closed = false;
-    for _ in 0..40 {
-        if s.write_all(b"X-Slow: 1\r\n").await.is_err() {
-            closed = true;
-            break;
-        }
-        let mut buf = [0u8; 256];
-        match tokio::time::timeout(Duration::from_millis(100), s.read(&mut buf)).await {
-            Ok(Ok(0)) | Ok(Err(_)) => {
-                closed = true;
-                break;
-            }
-            Ok(Ok(_)) => {
-                // hyper may answer 408 before closing.
-                closed = true;
-                break;
-            }
-            Err(_) => {}
-        }
-    }
-    assert!(
-        closed,
-        "connection still open after {:?}",
-        started.elapsed()
-    );
-    assert!(
-        started.elapsed() < Duration::from_secs(2),
-        "cut off after {:?}",
-        started.elapsed()
-    );
+    let took = dribble_until_closed(&mut s).await;
+    assert!(took < Duration::from_secs(2), "cut off after {took:?}");
     assert_eq!(upstream.hits(), 0);
 }
 
@@ -425,4 +414,56 @@ async fn a_client_connection_keeps_the_upstream_connection_it_last_used() {
     let reused = port(&mut c).await;
     assert_eq!(reused, seen_a[0], "the closed client's upstream connection");
     assert_eq!(upstream.connections(), 2, "no new upstream connection");
+}
+
+/// Issue 16 item 3: `server.header_read_timeout` is the connection's own deadline, not a
+/// hyper timer per request: it still cuts off a head dribbled after a first request on a
+/// kept-alive connection, and it never closes an HTTP/2 connection that sits between
+/// requests (its frames are not a request head).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_header_read_deadline_covers_every_head_of_a_connection_and_spares_http2() {
+    let upstream = Upstream::start().await;
+    let gw = TestGateway::start(&config(
+        &[upstream.url()],
+        "header_read_timeout = \"500ms\"\nidle_timeout = \"30s\"",
+    ))
+    .await;
+    let mut s = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut buf = [0u8; 1024];
+    let n = s.read(&mut buf).await.unwrap();
+    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
+    // A second head, dribbled: cut off about 500 ms after its first byte.
+    s.write_all(b"GET / HTTP/1.1\r\n").await.unwrap();
+    let took = dribble_until_closed(&mut s).await;
+    assert!(
+        took >= Duration::from_millis(400) && took < Duration::from_millis(1500),
+        "cut off after {took:?}"
+    );
+    // HTTP/2 (prior knowledge), one connection: between requests for 3
+    // header_read_timeouts with only PINGs arriving, then a request on the same
+    // connection is served.
+    let stream = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    let (mut h2, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+        .timer(hyper_util::rt::TokioTimer::new())
+        .keep_alive_interval(Duration::from_millis(100))
+        .keep_alive_while_idle(true)
+        .handshake(hyper_util::rt::TokioIo::new(stream))
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    for pause in [0, 1500] {
+        tokio::time::sleep(Duration::from_millis(pause)).await;
+        let req = Request::get(gw.url("/"))
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        let resp = h2
+            .send_request(req)
+            .await
+            .expect("the HTTP/2 connection is open");
+        assert_eq!(resp.status(), 200);
+    }
+    assert_eq!(upstream.hits(), 3);
 }

@@ -104,9 +104,26 @@ fn decide(
 /// The host name a request is routed on, from its [`settle`]d `Host`: without its port
 /// and without a trailing dot (`api.example.com.` is `api.example.com`), borrowed as
 /// sent (routes compare hosts in any case). `None` without a (usable) Host.
+/// (The Host was checked by [`settle`], so it is not checked again: only cut.)
 pub fn host_name(headers: &HeaderMap) -> Option<&str> {
     let text = headers.get(header::HOST)?.to_str().ok()?;
-    split(text).ok().map(|(name, _)| name)
+    let (name, _) = cut(text);
+    let name = name.strip_suffix('.').unwrap_or(name);
+    (!name.is_empty()).then_some(name)
+}
+
+/// `host[:port]` cut into the name (an IPv6 literal with its brackets) and the rest
+/// (`""` or `:` and the port), unchecked.
+fn cut(raw: &str) -> (&str, &str) {
+    if raw.starts_with('[') {
+        let end = raw.find(']').map_or(raw.len(), |i| i + 1);
+        raw.split_at(end)
+    } else {
+        match raw.rsplit_once(':') {
+            Some((name, _)) => raw.split_at(name.len()),
+            None => (raw, ""),
+        }
+    }
 }
 
 /// `host[:port]` → the host name (trailing dot removed; an IPv6 literal keeps its
@@ -123,15 +140,7 @@ fn split(raw: &str) -> Result<(&str, Option<&str>), AuthorityError> {
     if http::uri::Authority::try_from(raw).is_err() {
         return Err(invalid("not an authority"));
     }
-    let (name, rest) = if raw.starts_with('[') {
-        let end = raw.find(']').map_or(raw.len(), |i| i + 1);
-        raw.split_at(end)
-    } else {
-        match raw.rsplit_once(':') {
-            Some((name, _)) => raw.split_at(name.len()),
-            None => (raw, ""),
-        }
-    };
+    let (name, rest) = cut(raw);
     let port = match rest.strip_prefix(':') {
         None if rest.is_empty() => None,
         Some(p) if !p.is_empty() && p.len() <= 5 && p.bytes().all(|b| b.is_ascii_digit()) => {

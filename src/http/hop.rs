@@ -8,7 +8,7 @@ use http::header::{self, HeaderMap, HeaderName};
 pub static HTTP2_SETTINGS: HeaderName = HeaderName::from_static("http2-settings");
 
 /// Headers that are hop-by-hop whatever `Connection` says.
-const HOP_BY_HOP: [HeaderName; 9] = [
+static HOP_BY_HOP: [HeaderName; 9] = [
     header::CONNECTION,
     HeaderName::from_static("keep-alive"),
     header::PROXY_AUTHENTICATE,
@@ -44,9 +44,11 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
             .iter()
             .filter_map(|v| v.to_str().ok())
             .flat_map(|v| v.split(','))
-            .filter_map(|name| {
-                HeaderName::from_bytes(name.trim().to_ascii_lowercase().as_bytes()).ok()
-            }),
+            .map(str::trim)
+            // The usual tokens: `keep-alive` is on the list already, `close` names no
+            // header. (from_bytes folds case itself.)
+            .filter(|t| !t.eq_ignore_ascii_case("keep-alive") && !t.eq_ignore_ascii_case("close"))
+            .filter_map(|name| HeaderName::from_bytes(name.as_bytes()).ok()),
     );
     for name in doomed {
         headers.remove(name);

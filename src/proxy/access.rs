@@ -8,14 +8,14 @@
 use super::Body;
 use crate::limiter::Usage;
 use crate::metrics::{Metrics, RequestLabels, UpstreamLabels};
-use http::{HeaderValue, Method, Request, Response};
+use http::{HeaderName, HeaderValue, Method, Request, Response};
 use prometheus_client::metrics::gauge::Gauge;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 /// The header that carries the request id, in both directions.
-pub const REQUEST_ID: &str = "x-request-id";
+pub static REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
 /// The limiting decision of a request, as logged and counted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -117,13 +117,14 @@ impl AccessLog {
     pub fn start<B>(req: &mut Request<B>, metrics: &Metrics) -> Self {
         let request_id = req
             .headers()
-            .get(REQUEST_ID)
+            .get(&REQUEST_ID)
             .filter(|v| {
                 !v.is_empty() && v.len() <= 200 && v.as_bytes().iter().all(|b| b.is_ascii_graphic())
             })
             .cloned()
             .unwrap_or_else(new_request_id);
-        req.headers_mut().insert(REQUEST_ID, request_id.clone());
+        req.headers_mut()
+            .insert(REQUEST_ID.clone(), request_id.clone());
         // The path only (a query string may carry secrets), and only when the line is
         // written at all.
         let path = if enabled() {
@@ -173,7 +174,7 @@ impl AccessLog {
         self.done = true;
         response
             .headers_mut()
-            .insert(REQUEST_ID, self.request_id.clone());
+            .insert(REQUEST_ID.clone(), self.request_id.clone());
         let status = response.status().as_u16();
         let route = self.count(status);
         enabled().then(|| AccessLine {

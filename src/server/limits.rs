@@ -1,7 +1,9 @@
 //! What tells an idle client connection: [`Activity`] follows a connection's requests so
-//! that it can be closed after `server.idle_timeout` without one, and its responses'
-//! bodies ([`SendWatch`]) so that it can be closed when the client stops reading for
-//! `server.send_timeout` (see `Connection::serve`). Header size, header-read time and HTTP/2 streams are hyper's
+//! that it can be closed after `server.idle_timeout` without one, its reads ([`Reads`])
+//! so that an HTTP/1 request head still incomplete after `server.header_read_timeout`
+//! closes it, and its responses' bodies ([`SendWatch`]) so that it can be closed when the
+//! client stops reading for `server.send_timeout`. One deadline per connection serves all
+//! three (see `Connection::serve`): no timer is set per request. Header size, header-read time and HTTP/2 streams are hyper's
 //! settings, applied in `accept_loop`; `server.max_connections` and the descriptor budget
 //! are [`crate::budget::Budget`]'s, sized here from the open-file limit.
 
@@ -27,6 +29,10 @@ pub(crate) struct Activity {
     waiting: AtomicUsize,
     /// When a response body of this connection was last asked for data.
     sent_ms: AtomicU64,
+    /// When the first byte of an HTTP/1 request head arrived (milliseconds since the
+    /// connection opened, plus one), while no request is being handled; 0: no head is
+    /// being read.
+    head_ms: AtomicU64,
 }
 
 impl Activity {
@@ -38,7 +44,26 @@ impl Activity {
             last_ms: AtomicU64::new(0),
             waiting: AtomicUsize::new(0),
             sent_ms: AtomicU64::new(0),
+            head_ms: AtomicU64::new(0),
         })
+    }
+
+    /// Bytes of an HTTP/1 request arrived: with no request being handled, they begin a
+    /// request head (unless one is begun already).
+    fn head_bytes(&self) {
+        if self.active.load(Ordering::Relaxed) == 0 && self.head_ms.load(Ordering::Relaxed) == 0 {
+            self.head_ms.store(self.now_ms() + 1, Ordering::Relaxed);
+        }
+    }
+
+    /// How long the request head being read has taken so far: zero when none is (no
+    /// byte of one yet, a request being handled, or an HTTP/2 connection).
+    pub(crate) fn head_for(&self) -> Duration {
+        let since = self.head_ms.load(Ordering::Relaxed);
+        if since == 0 || self.active.load(Ordering::Relaxed) > 0 {
+            return Duration::ZERO;
+        }
+        Duration::from_millis(self.now_ms().saturating_sub(since - 1))
     }
 
     fn now_ms(&self) -> u64 {
@@ -65,6 +90,7 @@ impl Activity {
     /// handler returned the response).
     pub(crate) fn request(self: &Arc<Self>) -> RequestActivity {
         self.active.fetch_add(1, Ordering::Relaxed);
+        self.head_ms.store(0, Ordering::Relaxed);
         self.touch();
         RequestActivity(self.clone())
     }
@@ -156,6 +182,100 @@ impl hyper::body::Body for SendWatch {
 impl Drop for SendWatch {
     fn drop(&mut self) {
         self.set_waiting(false);
+    }
+}
+
+/// The client preface of HTTP/2 (RFC 9113 §3.4), as far as it tells HTTP/2 from HTTP/1.
+const PREFACE: &[u8] = b"PRI * HTTP/2.0";
+
+/// A client connection's transport (TCP, or TLS above it), telling its [`Activity`] when
+/// bytes of an HTTP/1 request head arrive, so that one deadline per connection bounds
+/// the time a head may take (`server.header_read_timeout`) instead of a timer per
+/// request. A connection that opens with the HTTP/2 preface is not watched: HTTP/2
+/// frames arrive between requests, and its limits are HTTP/2's.
+pub(crate) struct Reads<T> {
+    io: T,
+    activity: Arc<Activity>,
+    /// Bytes of [`PREFACE`] matched so far; `None` once the protocol is known.
+    sniffed: Option<usize>,
+    http2: bool,
+}
+
+impl<T> Reads<T> {
+    /// Watch the reads of `io` for `activity`.
+    pub(crate) fn new(io: T, activity: Arc<Activity>) -> Self {
+        Self {
+            io,
+            activity,
+            sniffed: Some(0),
+            http2: false,
+        }
+    }
+
+    fn arrived(&mut self, bytes: &[u8]) {
+        if let Some(k) = self.sniffed {
+            let n = bytes.len().min(PREFACE.len() - k);
+            if bytes[..n] != PREFACE[k..k + n] {
+                self.sniffed = None;
+            } else if k + n == PREFACE.len() {
+                self.sniffed = None;
+                self.http2 = true;
+                self.activity.head_ms.store(0, Ordering::Relaxed);
+                return;
+            } else {
+                self.sniffed = Some(k + n);
+            }
+        }
+        if !self.http2 {
+            self.activity.head_bytes();
+        }
+    }
+}
+
+impl<T: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Reads<T> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let polled = Pin::new(&mut self.io).poll_read(cx, buf);
+        if let Poll::Ready(Ok(())) = polled {
+            if buf.filled().len() > before {
+                self.arrived(&buf.filled()[before..]);
+            }
+        }
+        polled
+    }
+}
+
+impl<T: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Reads<T> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
     }
 }
 

@@ -306,6 +306,7 @@ struct Connection {
     shutdown: watch::Receiver<bool>,
     idle_timeout: Duration,
     send_timeout: Duration,
+    header_read_timeout: Duration,
     shared: Arc<Shared>,
     peer: SocketAddr,
     /// Held until the connection ends: the accept loop waits for every one at shutdown.
@@ -349,9 +350,14 @@ impl ConnLimits {
 
 impl Connection {
     /// Serve HTTP/1.1 or HTTP/2 on `io` until the connection ends; `tls` (what the
-    /// handshake told) goes into every request's extensions.
-    async fn serve<I>(self, io: I, tls: Option<crate::tls::TlsInfo>)
-    where
+    /// handshake told) goes into every request's extensions. `io`'s reads tell
+    /// `activity` ([`limits::Reads`]).
+    async fn serve<I>(
+        self,
+        io: I,
+        tls: Option<crate::tls::TlsInfo>,
+        activity: Arc<limits::Activity>,
+    ) where
         I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
     {
         let Connection {
@@ -359,12 +365,12 @@ impl Connection {
             mut shutdown,
             idle_timeout,
             send_timeout,
+            header_read_timeout,
             shared,
             peer,
             _held,
         } = self;
         let conn_peer = Arc::new(proxy::forward::Peer::new(peer));
-        let activity = limits::Activity::new();
         let conn_activity = activity.clone();
         let service = service_fn(move |mut req: http::Request<hyper::body::Incoming>| {
             let shared = shared.clone();
@@ -391,12 +397,16 @@ impl Connection {
         let conn = builder.serve_connection_with_upgrades(io, service);
         tokio::pin!(conn);
         // Close gracefully (a response under way finishes first) at shutdown, or once
-        // no request has been handled for `idle_timeout`.
+        // no request has been handled for `idle_timeout`; drop it when an HTTP/1 request
+        // head has taken `header_read_timeout`, or the client has stopped reading a
+        // response for `send_timeout`. One timer, re-armed when it fires: requests set
+        // none.
         let mut closing = *shutdown.borrow();
         if closing {
             conn.as_mut().graceful_shutdown();
         }
-        let idle_check = tokio::time::sleep(idle_timeout.min(send_timeout));
+        let idle_check =
+            tokio::time::sleep(idle_timeout.min(send_timeout).min(header_read_timeout));
         tokio::pin!(idle_check);
         let second = Duration::from_secs(1);
         loop {
@@ -412,6 +422,11 @@ impl Connection {
                     conn.as_mut().graceful_shutdown();
                 }
                 _ = idle_check.as_mut() => {
+                    let head_for = activity.head_for();
+                    if head_for >= header_read_timeout {
+                        tracing::debug!(%peer, ?head_for, "request head incomplete; connection closed (server.header_read_timeout)");
+                        return;
+                    }
                     let stalled_for = activity.stalled_for();
                     if stalled_for >= send_timeout {
                         // A response waits for a client that stopped reading (a graceful
@@ -441,6 +456,9 @@ impl Connection {
                     } else {
                         next = next.min(send_timeout);
                     }
+                    // A head begun since this check is found by the next one, at most
+                    // `header_read_timeout` away, which then waits for what it has left.
+                    next = next.min(header_read_timeout - head_for);
                     let next = next.max(Duration::from_millis(10));
                     idle_check.as_mut().reset(tokio::time::Instant::now() + next);
                 }
@@ -495,8 +513,9 @@ async fn accept_loop(
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
-        .timer(TokioTimer::new())
-        .header_read_timeout(limits.header_read_timeout)
+        // `server.header_read_timeout` is the connection's own deadline (see
+        // `Connection::serve`), not a hyper timer re-armed for every request.
+        .header_read_timeout(None)
         // A head past this gets 431 (hyper's buffer holds at least 8 KiB).
         .max_buf_size(limits.max_header_bytes.max(8192));
     builder
@@ -578,19 +597,25 @@ async fn accept_loop(
                     shutdown: shutdown.clone(),
                     idle_timeout: limits.idle_timeout,
                     send_timeout: limits.send_timeout,
+                    header_read_timeout: limits.header_read_timeout,
                     shared: shared.clone(),
                     peer,
                     _held: drained_tx.clone(),
                 };
                 tokio::spawn(async move {
+                    let activity = limits::Activity::new();
                     match tls {
-                        None => conn.serve(TokioIo::new(stream), None).await,
+                        None => {
+                            let io = TokioIo::new(limits::Reads::new(stream, activity.clone()));
+                            conn.serve(io, None, activity).await
+                        }
                         Some(tls) => {
                             let handshake = tls.acceptor().accept(stream);
                             match tokio::time::timeout(tls.handshake_timeout, handshake).await {
                                 Ok(Ok(stream)) => {
                                     let info = tls.info(stream.get_ref().1);
-                                    conn.serve(TokioIo::new(stream), Some(info)).await;
+                                    let io = TokioIo::new(limits::Reads::new(stream, activity.clone()));
+                                    conn.serve(io, Some(info), activity).await;
                                 }
                                 Ok(Err(e)) => {
                                     tracing::debug!(%peer, error = %e, "TLS handshake failed");

@@ -89,7 +89,7 @@ impl Tls {
         if cfg.handshake_timeout.0.is_zero() {
             problems.error("server.tls.handshake_timeout", "must be more than 0");
         }
-        let default = load_pair(
+        let mut default = load_pair(
             &base.join(&cfg.cert),
             &base.join(&cfg.key),
             "server.tls",
@@ -97,6 +97,21 @@ impl Tls {
             &mut digest,
             problems,
         );
+        if let Some(ocsp) = &cfg.ocsp {
+            // Stapled with the default certificate (its bytes digested after the key's).
+            let response = read(&base.join(ocsp), "server.tls.ocsp", problems);
+            if let Some(bytes) = &response {
+                digest_file(&mut digest, bytes);
+                if bytes.is_empty() {
+                    problems.error("server.tls.ocsp", "the OCSP response file is empty");
+                }
+            }
+            if let (Some(pair), Some(bytes)) = (default.as_mut(), response) {
+                let mut with_ocsp = CertifiedKey::clone(pair);
+                with_ocsp.ocsp = Some(bytes);
+                *pair = Arc::new(with_ocsp);
+            }
+        }
         let mut by_host = HashMap::new();
         for (i, sni) in cfg.sni.iter().enumerate() {
             let at = format!("server.tls.sni[{i}]");
@@ -159,6 +174,10 @@ impl Tls {
         let resolver = Arc::new(SniResolver { default, by_host });
         let mut config = builder.with_cert_resolver(resolver.clone());
         config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+        // Stateless session tickets (TLS 1.2 and 1.3): no session cache to share.
+        if let Some(ticketer) = ticketer() {
+            config.ticketer = ticketer;
+        }
         Some(Tls {
             config: Arc::new(config),
             resolver,
@@ -196,9 +215,31 @@ impl Tls {
     }
 }
 
+/// The process's session-ticket keys: rustls' ring `Ticketer`, which makes a new
+/// ChaCha20-Poly1305 key every 6 hours and still takes tickets of the one before, so a
+/// ticket is good for up to 12 hours. One for the process, not per snapshot: tickets
+/// issued before a reload still resume after it. `None` if no key could be made (the
+/// system's random source failed): then sessions resume by id only.
+fn ticketer() -> Option<Arc<dyn rustls::server::ProducesTickets>> {
+    static TICKETER: std::sync::OnceLock<Option<Arc<dyn rustls::server::ProducesTickets>>> =
+        std::sync::OnceLock::new();
+    TICKETER
+        .get_or_init(|| match rustls::crypto::ring::Ticketer::new() {
+            Ok(t) => Some(t),
+            Err(e) => {
+                tracing::warn!(error = %e, "no TLS session-ticket key; sessions resume by id only");
+                None
+            }
+        })
+        .clone()
+}
+
 /// Every file `cfg` names, resolved against `base`.
 pub fn files(cfg: &TlsConfig, base: &Path) -> Vec<PathBuf> {
     let mut v = vec![base.join(&cfg.cert), base.join(&cfg.key)];
+    if let Some(ocsp) = &cfg.ocsp {
+        v.push(base.join(ocsp));
+    }
     for s in &cfg.sni {
         v.push(base.join(&s.cert));
         v.push(base.join(&s.key));
@@ -515,6 +556,7 @@ mod tests {
             handshake_timeout: crate::config::Dur::from_secs(10),
             client_ca: Some("ca.pem".into()),
             client_auth: None,
+            ocsp: None,
         };
         let mut problems = Problems::default();
         let tls = Tls::build(&cfg, dir.path(), &mut problems).expect("builds");

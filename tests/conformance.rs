@@ -597,15 +597,19 @@ impl Pki {
         )
     }
 
-    fn client_config(&self, alpn: &[&str]) -> rustls::ClientConfig {
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
+    fn root_store(&self) -> rustls::RootCertStore {
         let mut roots = rustls::RootCertStore::empty();
         let der = rustls::pki_types::CertificateDer::from_pem_slice(self.ca_pem.as_bytes());
         roots.add(der.unwrap()).unwrap();
+        roots
+    }
+
+    fn client_config(&self, alpn: &[&str]) -> rustls::ClientConfig {
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
         let mut config = rustls::ClientConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()
             .unwrap()
-            .with_root_certificates(roots)
+            .with_root_certificates(self.root_store())
             .with_no_client_auth();
         config.alpn_protocols = alpn.iter().map(|p| p.as_bytes().to_vec()).collect();
         config
@@ -695,11 +699,11 @@ fn h2_frame_types(bytes: &[u8]) -> Vec<u8> {
 
 async fn tls_connect(
     addr: SocketAddr,
-    config: rustls::ClientConfig,
+    config: impl Into<Arc<rustls::ClientConfig>>,
 ) -> tokio_rustls::client::TlsStream<TcpStream> {
     let tcp = TcpStream::connect(addr).await.unwrap();
     let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
-    tokio_rustls::TlsConnector::from(Arc::new(config))
+    tokio_rustls::TlsConnector::from(config.into())
         .connect(name, tcp)
         .await
         .expect("TLS handshake")
@@ -761,4 +765,262 @@ async fn alpn_decides_the_protocol_on_tls() {
         "{}",
         String::from_utf8_lossy(&out)
     );
+}
+
+// ---- 6. session tickets and OCSP stapling ----
+
+/// One HTTP/1.1 request on a new TLS connection made with `config` (whose resumption
+/// store carries sessions from one connection to the next); how the handshake went.
+async fn handshake_kind(
+    addr: SocketAddr,
+    config: &Arc<rustls::ClientConfig>,
+) -> rustls::HandshakeKind {
+    let mut tls = tls_connect(addr, config.clone()).await;
+    let out = exchange(
+        &mut tls,
+        b"GET /t HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(
+        out.starts_with(b"HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&out)
+    );
+    // Read on to the close: TLS 1.3 tickets come after the handshake.
+    let mut rest = Vec::new();
+    let _ = tokio::time::timeout(
+        std::time::Duration::from_secs(2),
+        tls.read_to_end(&mut rest),
+    )
+    .await;
+    tls.get_ref().1.handshake_kind().unwrap()
+}
+
+#[tokio::test]
+async fn sessions_resume_by_stateless_ticket_on_tls12_and_tls13_across_a_reload() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let pki = Pki::new();
+    let origin = start_origin().await;
+    let target = format!("http://{}", origin.addr);
+    let text = tls_config(&target, &pki, "", "", 1000);
+    let gw = TestGateway::start(&text).await;
+    for version in [&rustls::version::TLS12, &rustls::version::TLS13] {
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let mut config = rustls::ClientConfig::builder_with_provider(provider)
+            .with_protocol_versions(&[version])
+            .unwrap()
+            .with_root_certificates(pki.root_store())
+            .with_no_client_auth();
+        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        let config = Arc::new(config);
+        assert_eq!(
+            handshake_kind(gw.addr, &config).await,
+            rustls::HandshakeKind::Full
+        );
+        assert_eq!(
+            handshake_kind(gw.addr, &config).await,
+            rustls::HandshakeKind::Resumed,
+            "{version:?}"
+        );
+        // A reload builds a new TLS config with a new, empty session cache: a session
+        // id is forgotten, a ticket still resumes.
+        let changed = text.replace(
+            "quota = { anonymous = 1000 }",
+            "quota = { anonymous = 999 }",
+        );
+        gw.reload(&changed).unwrap();
+        assert_eq!(
+            handshake_kind(gw.addr, &config).await,
+            rustls::HandshakeKind::Resumed,
+            "{version:?} after a reload"
+        );
+        gw.reload(&text).unwrap();
+    }
+}
+
+/// A server certificate verifier that keeps the stapled OCSP response it was shown.
+#[derive(Debug)]
+struct Stapled {
+    inner: Arc<rustls::client::WebPkiServerVerifier>,
+    seen: std::sync::Mutex<Vec<u8>>,
+}
+
+impl rustls::client::danger::ServerCertVerifier for Stapled {
+    fn verify_server_cert(
+        &self,
+        end_entity: &rustls::pki_types::CertificateDer<'_>,
+        intermediates: &[rustls::pki_types::CertificateDer<'_>],
+        server_name: &rustls::pki_types::ServerName<'_>,
+        ocsp_response: &[u8],
+        now: rustls::pki_types::UnixTime,
+    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+        *self.seen.lock().unwrap() = ocsp_response.to_vec();
+        self.inner
+            .verify_server_cert(end_entity, intermediates, server_name, ocsp_response, now)
+    }
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &rustls::pki_types::CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls12_signature(message, cert, dss)
+    }
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &rustls::pki_types::CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls13_signature(message, cert, dss)
+    }
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.inner.supported_verify_schemes()
+    }
+}
+
+/// The OCSP response stapled to a fresh handshake with the gateway.
+async fn stapled(
+    addr: SocketAddr,
+    pki: &Pki,
+    version: &'static rustls::SupportedProtocolVersion,
+) -> Vec<u8> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let inner = rustls::client::WebPkiServerVerifier::builder_with_provider(
+        Arc::new(pki.root_store()),
+        provider.clone(),
+    )
+    .build()
+    .unwrap();
+    let verifier = Arc::new(Stapled {
+        inner,
+        seen: Default::default(),
+    });
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[version])
+        .unwrap()
+        .dangerous()
+        .with_custom_certificate_verifier(verifier.clone())
+        .with_no_client_auth();
+    let _tls = tls_connect(addr, config).await;
+    let seen = verifier.seen.lock().unwrap().clone();
+    seen
+}
+
+#[tokio::test]
+async fn the_ocsp_response_is_stapled_and_reloads_with_the_certificate() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let pki = Pki::new();
+    let origin = start_origin().await;
+    let ocsp = pki.path("ocsp.der");
+    std::fs::write(&ocsp, b"first OCSP response (DER)").unwrap();
+    let extra = format!("ocsp = \"{}\"", ocsp.display());
+    let text = tls_config(&format!("http://{}", origin.addr), &pki, &extra, "", 1000);
+    let gw = TestGateway::start(&text).await;
+    for version in [&rustls::version::TLS12, &rustls::version::TLS13] {
+        assert_eq!(
+            stapled(gw.addr, &pki, version).await,
+            b"first OCSP response (DER)"
+        );
+    }
+    std::fs::write(&ocsp, b"second OCSP response (DER)").unwrap();
+    gw.reload(&text).unwrap();
+    assert_eq!(
+        stapled(gw.addr, &pki, &rustls::version::TLS13).await,
+        b"second OCSP response (DER)"
+    );
+    // Without `ocsp`, nothing is stapled; an unreadable file is a config error.
+    drop(gw);
+    let plain = tls_config(&format!("http://{}", origin.addr), &pki, "", "", 1000);
+    let gw = TestGateway::start(&plain).await;
+    assert!(stapled(gw.addr, &pki, &rustls::version::TLS13)
+        .await
+        .is_empty());
+    std::fs::remove_file(&ocsp).unwrap();
+    let err = gw.reload(&text).unwrap_err().to_string();
+    assert!(err.contains("server.tls.ocsp"), "{err}");
+}
+
+/// Server-side CPU of one handshake, full and resumed by ticket, in microseconds: the
+/// gateway's own TLS config (`Tls::build`), a rustls client, both in memory; only the
+/// server's calls are timed. For BENCHMARKS.md:
+/// `cargo test --release --test conformance handshake_cpu -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn handshake_cpu() {
+    use rustls::{ClientConnection, ServerConnection};
+    let pki = Pki::new();
+    let cfg = tollgate::config::TlsConfig {
+        cert: "cert.pem".into(),
+        key: "key.pem".into(),
+        sni: Vec::new(),
+        handshake_timeout: tollgate::config::Dur::from_secs(10),
+        client_ca: None,
+        client_auth: None,
+        ocsp: None,
+    };
+    let mut problems = tollgate::config::Problems::default();
+    let tls = tollgate::tls::Tls::build(&cfg, pki.dir.path(), &mut problems).unwrap();
+    let server_config = tls.acceptor().config().clone();
+    let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+
+    // One handshake (and the tickets after it); the server's time.
+    let handshake = |client_config: &Arc<rustls::ClientConfig>| {
+        let mut client = ClientConnection::new(client_config.clone(), name.clone()).unwrap();
+        let mut server = ServerConnection::new(server_config.clone()).unwrap();
+        let mut spent = std::time::Duration::ZERO;
+        let mut buf = Vec::new();
+        for _ in 0..10 {
+            buf.clear();
+            client.write_tls(&mut buf).unwrap();
+            let t = std::time::Instant::now();
+            server.read_tls(&mut &buf[..]).unwrap();
+            server.process_new_packets().unwrap();
+            buf.clear();
+            server.write_tls(&mut buf).unwrap();
+            spent += t.elapsed();
+            client.read_tls(&mut &buf[..]).unwrap();
+            client.process_new_packets().unwrap();
+            if !client.is_handshaking() && !server.is_handshaking() && !server.wants_write() {
+                break;
+            }
+        }
+        (spent, client.handshake_kind().unwrap())
+    };
+    for version in [&rustls::version::TLS12, &rustls::version::TLS13] {
+        let client = |resume: bool| {
+            let provider = Arc::new(rustls::crypto::ring::default_provider());
+            let mut c = rustls::ClientConfig::builder_with_provider(provider)
+                .with_protocol_versions(&[version])
+                .unwrap()
+                .with_root_certificates(pki.root_store())
+                .with_no_client_auth();
+            if !resume {
+                c.resumption = rustls::client::Resumption::disabled();
+            }
+            Arc::new(c)
+        };
+        let n = 500u32;
+        let full = client(false);
+        let mut total = std::time::Duration::ZERO;
+        for _ in 0..n {
+            let (spent, kind) = handshake(&full);
+            assert_eq!(kind, rustls::HandshakeKind::Full);
+            total += spent;
+        }
+        let full_us = total.as_secs_f64() * 1e6 / f64::from(n);
+        let resuming = client(true);
+        handshake(&resuming);
+        let mut total = std::time::Duration::ZERO;
+        for _ in 0..n {
+            let (spent, kind) = handshake(&resuming);
+            assert_eq!(kind, rustls::HandshakeKind::Resumed);
+            total += spent;
+        }
+        let resumed_us = total.as_secs_f64() * 1e6 / f64::from(n);
+        println!(
+            "{version:?}: server CPU per handshake: full {full_us:.0} µs, resumed {resumed_us:.0} µs ({:.0}% saved)",
+            100.0 * (1.0 - resumed_us / full_us)
+        );
+    }
 }

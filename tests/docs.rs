@@ -35,6 +35,7 @@ fn full_config() -> Config {
                 handshake_timeout: Dur::from_secs(10),
                 client_ca: Some("ca.pem".into()),
                 client_auth: Some(ClientAuth::Required),
+                ocsp: Some("ocsp.der".into()),
             }),
             workers: Some(2),
             runtime: RuntimeShape::PerCore,

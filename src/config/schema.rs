@@ -209,6 +209,11 @@ pub struct TlsConfig {
     /// connection).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub client_auth: Option<ClientAuth>,
+    /// DER file of an OCSP response for `cert` (e.g. from `openssl ocsp -respout`),
+    /// stapled to every handshake that asks for it; read again with the certificates on
+    /// every reload. Default: none (no stapling).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ocsp: Option<String>,
 }
 
 fn default_handshake_timeout() -> Dur {

@@ -175,7 +175,7 @@ impl Tls {
         let mut config = builder.with_cert_resolver(resolver.clone());
         config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
         // Stateless session tickets (TLS 1.2 and 1.3): no session cache to share.
-        if let Some(ticketer) = ticketer() {
+        if let Some(ticketer) = ticketer(&resolver.certificates_digest()) {
             config.ticketer = ticketer;
         }
         Some(Tls {
@@ -215,23 +215,36 @@ impl Tls {
     }
 }
 
-/// The process's session-ticket keys: rustls' ring `Ticketer`, which makes a new
+/// The session-ticket keys for a set of certificates (`certificates`: their
+/// [`SniResolver::certificates_digest`]): rustls' ring `Ticketer`, which makes a new
 /// ChaCha20-Poly1305 key every 6 hours and still takes tickets of the one before, so a
-/// ticket is good for up to 12 hours. One for the process, not per snapshot: tickets
-/// issued before a reload still resume after it. `None` if no key could be made (the
-/// system's random source failed): then sessions resume by id only.
-fn ticketer() -> Option<Arc<dyn rustls::server::ProducesTickets>> {
-    static TICKETER: std::sync::OnceLock<Option<Arc<dyn rustls::server::ProducesTickets>>> =
-        std::sync::OnceLock::new();
-    TICKETER
-        .get_or_init(|| match rustls::crypto::ring::Ticketer::new() {
-            Ok(t) => Some(t),
-            Err(e) => {
-                tracing::warn!(error = %e, "no TLS session-ticket key; sessions resume by id only");
-                None
+/// ticket is good for up to 12 hours. Kept for the process, not the snapshot: a reload
+/// that keeps the certificates keeps the keys, so tickets issued before it still
+/// resume; one that changes a certificate gets new keys, so no client resumes a session
+/// of the old certificate. `None` if no key could be made (the system's random source
+/// failed): then sessions resume by id only.
+fn ticketer(certificates: &str) -> Option<Arc<dyn rustls::server::ProducesTickets>> {
+    type Keys = Vec<(String, Arc<dyn rustls::server::ProducesTickets>)>;
+    /// Certificate sets remembered (the newest last): one listener needs one or two.
+    const KEPT: usize = 8;
+    static TICKETERS: std::sync::Mutex<Keys> = std::sync::Mutex::new(Vec::new());
+    let mut kept = TICKETERS.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, t)) = kept.iter().find(|(d, _)| d == certificates) {
+        return Some(t.clone());
+    }
+    match rustls::crypto::ring::Ticketer::new() {
+        Ok(t) => {
+            if kept.len() >= KEPT {
+                kept.remove(0);
             }
-        })
-        .clone()
+            kept.push((certificates.to_string(), t.clone()));
+            Some(t)
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "no TLS session-ticket key; sessions resume by id only");
+            None
+        }
+    }
 }
 
 /// Every file `cfg` names, resolved against `base`.
@@ -421,6 +434,20 @@ struct SniResolver {
 }
 
 impl SniResolver {
+    /// SHA-256 over every certificate chain (the default, then each host's in host
+    /// order), hex: what tells one set of certificates from another.
+    fn certificates_digest(&self) -> String {
+        let mut h = Sha256::new();
+        let mut hosts: Vec<_> = self.by_host.iter().collect();
+        hosts.sort_by(|a, b| a.0.cmp(b.0));
+        for key in std::iter::once(&self.default).chain(hosts.into_iter().map(|(_, k)| k)) {
+            for cert in &key.cert {
+                digest_file(&mut h, cert.as_ref());
+            }
+        }
+        hex::encode(h.finalize())
+    }
+
     /// The certificate for the host `name` (SNI, or a request's host): its
     /// `[[server.tls.sni]]` entry's (case-insensitive, a trailing dot ignored), else the
     /// default.

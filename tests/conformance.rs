@@ -1024,3 +1024,127 @@ fn handshake_cpu() {
         );
     }
 }
+
+// ---- 1. 1xx responses ----
+
+/// A raw HTTP/1.1 upstream: to every request, `102 Processing`, then `103 Early Hints`
+/// with a `Link`, then (after 400 ms) `200` with body `ok`.
+async fn start_early_hints_upstream() -> (SocketAddr, tokio::task::JoinHandle<()>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let task = tokio::spawn(async move {
+        loop {
+            let Ok((mut stream, _)) = listener.accept().await else {
+                continue;
+            };
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 8192];
+                let mut got = Vec::new();
+                loop {
+                    let n = match stream.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => n,
+                    };
+                    got.extend_from_slice(&buf[..n]);
+                    while let Some(end) = got.windows(4).position(|w| w == b"\r\n\r\n") {
+                        got.drain(..end + 4);
+                        let interim = "HTTP/1.1 102 Processing\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </style.css>; rel=preload\r\nConnection: x-hop\r\nx-hop: 1\r\n\r\n";
+                        if stream.write_all(interim.as_bytes()).await.is_err() {
+                            return;
+                        }
+                        tokio::time::sleep(std::time::Duration::from_millis(400)).await;
+                        let last = "HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                        if stream.write_all(last.as_bytes()).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+            });
+        }
+    });
+    (addr, task)
+}
+
+/// Read from `stream` until `needle` has arrived (or 3 s pass); all bytes read.
+async fn read_until<S: tokio::io::AsyncRead + Unpin>(stream: &mut S, needle: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(3);
+    while !out.windows(needle.len()).any(|w| w == needle) {
+        match tokio::time::timeout_at(deadline, stream.read(&mut buf)).await {
+            Ok(Ok(n)) if n > 0 => out.extend_from_slice(&buf[..n]),
+            _ => break,
+        }
+    }
+    out
+}
+
+/// On one HTTP/1.1 connection (two requests, to show it stays in step): the 1xx
+/// responses arrive before the upstream has sent its final response, then the 200.
+async fn early_hints_over<S>(stream: &mut S)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    for _ in 0..2 {
+        let started = tokio::time::Instant::now();
+        stream
+            .write_all(b"GET /hints HTTP/1.1\r\nHost: localhost\r\n\r\n")
+            .await
+            .unwrap();
+        let early = read_until(stream, b"rel=preload\r\n\r\n").await;
+        let text = String::from_utf8_lossy(&early).to_string();
+        assert!(
+            started.elapsed() < std::time::Duration::from_millis(350),
+            "the 1xx waited for the final response: {text}"
+        );
+        assert!(
+            text.starts_with("HTTP/1.1 102 Processing\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: </style.css>; rel=preload\r\n\r\n"),
+            "{text:?}"
+        );
+        assert!(
+            !text.contains("x-hop"),
+            "hop-by-hop headers of a 1xx are dropped: {text:?}"
+        );
+        let rest = read_until(stream, b"\r\n\r\nok").await;
+        let text = String::from_utf8_lossy(&rest).to_string();
+        assert!(text.starts_with("HTTP/1.1 200 OK\r\n"), "{text:?}");
+    }
+}
+
+#[tokio::test]
+async fn early_hints_and_other_1xx_reach_http1_clients_before_the_final_response() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let (addr, task) = start_early_hints_upstream().await;
+    let pki = Pki::new();
+    let target = format!("http://{addr}");
+
+    // Cleartext HTTP/1.1.
+    let gw = TestGateway::start(&config(&target, "", "", 1000)).await;
+    let mut tcp = TcpStream::connect(gw.addr).await.unwrap();
+    early_hints_over(&mut tcp).await;
+
+    // HTTP/1.0 clients never get a 1xx (RFC 9110 §15.2).
+    let mut old = TcpStream::connect(gw.addr).await.unwrap();
+    old.write_all(b"GET /hints HTTP/1.0\r\nHost: localhost\r\n\r\n")
+        .await
+        .unwrap();
+    let mut all = Vec::new();
+    let _ =
+        tokio::time::timeout(std::time::Duration::from_secs(3), old.read_to_end(&mut all)).await;
+    let text = String::from_utf8_lossy(&all);
+    assert!(text.starts_with("HTTP/1.0 200 OK\r\n"), "{text:?}");
+
+    // HTTP/2 clients get the final response intact (hyper's HTTP/2 server cannot send a
+    // 1xx, so none is forwarded there).
+    let req = Request::get(gw.url("/hints")).body(Empty::new()).unwrap();
+    let (parts, body, _) = send(&support::h2_client(), req).await;
+    assert_eq!(parts.status, StatusCode::OK);
+    assert_eq!(&body[..], b"ok");
+    drop(gw);
+
+    // HTTP/1.1 over TLS.
+    let gw = TestGateway::start(&tls_config(&target, &pki, "", "", 1000)).await;
+    let mut tls = tls_connect(gw.addr, pki.client_config(&["http/1.1"])).await;
+    early_hints_over(&mut tls).await;
+    task.abort();
+}

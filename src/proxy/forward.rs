@@ -513,10 +513,23 @@ pub async fn forward(
     // body that would have to be sent twice.
     let retriable = upstream.targets.len() > 1 && idempotent(&parts.method) && body.is_end_stream();
 
+    let informational = match (upstream.protocol, downstream_version) {
+        (UpstreamProtocol::Http1, Version::HTTP_11) => parts
+            .extensions
+            .get::<super::interim::Informational>()
+            .cloned(),
+        _ => None,
+    };
     let mut request = Request::from_parts(
         parts,
         RequestBody::new(body, down.max_request_bytes, down.body_timeout),
     );
+    if let Some(client) = informational {
+        // 1xx from the upstream (103 Early Hints, ...) go on to the client at once.
+        hyper::ext::on_informational(&mut request, move |response| {
+            client.send(response.status(), response.headers());
+        });
+    }
     let mut tried = None;
     let started = tokio::time::Instant::now();
     loop {

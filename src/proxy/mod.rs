@@ -21,6 +21,7 @@ pub mod error;
 pub mod forward;
 pub mod grpc;
 pub mod headers;
+pub mod interim;
 pub mod path;
 pub mod pool;
 pub mod route;

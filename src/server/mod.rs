@@ -352,10 +352,15 @@ impl Connection {
     /// Serve HTTP/1.1 or HTTP/2 on `io` until the connection ends (only the protocol
     /// `alpn` names, when the TLS handshake negotiated one); `tls` (what the handshake
     /// told) goes into every request's extensions.
-    async fn serve<I>(self, io: I, tls: Option<crate::tls::TlsInfo>, alpn: Option<Vec<u8>>)
+    async fn serve<T>(self, io: T, tls: Option<crate::tls::TlsInfo>, alpn: Option<Vec<u8>>)
     where
-        I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+        T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
     {
+        // 1xx responses reach HTTP/1.1 clients through the socket itself (hyper's server
+        // cannot send them): see `proxy::interim`.
+        let io = proxy::interim::Interim::new(io);
+        let informational = io.handle();
+        let io = TokioIo::new(io);
         let Connection {
             builders,
             mut shutdown,
@@ -373,6 +378,9 @@ impl Connection {
             let peer = conn_peer.clone();
             if let Some(info) = &tls {
                 req.extensions_mut().insert(info.clone());
+            }
+            if req.version() == http::Version::HTTP_11 {
+                req.extensions_mut().insert(informational.clone());
             }
             // Busy until the response body ends (the guard travels with it).
             let busy = conn_activity.request();
@@ -593,7 +601,7 @@ async fn accept_loop(
                 };
                 tokio::spawn(async move {
                     match tls {
-                        None => conn.serve(TokioIo::new(stream), None, None).await,
+                        None => conn.serve(stream, None, None).await,
                         Some(tls) => {
                             let handshake = tls.acceptor().accept(stream);
                             match tokio::time::timeout(tls.handshake_timeout, handshake).await {
@@ -605,10 +613,10 @@ async fn accept_loop(
                                         // Only HTTP/2: an invalid preface gets GOAWAY.
                                         let timeout = limits.header_read_timeout;
                                         if let Some(stream) = alpn::h2_preface(stream, timeout).await {
-                                            conn.serve(TokioIo::new(stream), Some(info), alpn).await;
+                                            conn.serve(stream, Some(info), alpn).await;
                                         }
                                     } else {
-                                        conn.serve(TokioIo::new(stream), Some(info), alpn).await;
+                                        conn.serve(stream, Some(info), alpn).await;
                                     }
                                 }
                                 Ok(Err(e)) => {

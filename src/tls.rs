@@ -136,6 +136,22 @@ impl Tls {
                 }
             }
         }
+        // Shared ticket keys (read here, in `files()` order: after the SNI pairs' files).
+        let shared_tickets = cfg.ticket_keys.as_ref().and_then(|path| {
+            let bytes = read(&base.join(path), "server.tls.ticket_keys", problems)?;
+            digest_file(&mut digest, &bytes);
+            let text = String::from_utf8_lossy(&bytes);
+            match crate::tickets::SharedTicketer::parse(&text) {
+                Ok(t) => Some(Arc::new(t) as Arc<dyn rustls::server::ProducesTickets>),
+                Err(e) => {
+                    problems.error(
+                        "server.tls.ticket_keys",
+                        format!("{}: {e}", base.join(path).display()),
+                    );
+                    None
+                }
+            }
+        });
         let verifier = match &cfg.client_ca {
             None => {
                 if cfg.client_auth.is_some() {
@@ -175,7 +191,11 @@ impl Tls {
         let mut config = builder.with_cert_resolver(resolver.clone());
         config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
         // Stateless session tickets (TLS 1.2 and 1.3): no session cache to share.
-        if let Some(ticketer) = ticketer(&resolver.certificates_digest()) {
+        let ticketer = match shared_tickets {
+            Some(shared) => Some(shared),
+            None => ticketer(&resolver.certificates_digest()),
+        };
+        if let Some(ticketer) = ticketer {
             config.ticketer = ticketer;
         }
         Some(Tls {
@@ -256,6 +276,9 @@ pub fn files(cfg: &TlsConfig, base: &Path) -> Vec<PathBuf> {
     for s in &cfg.sni {
         v.push(base.join(&s.cert));
         v.push(base.join(&s.key));
+    }
+    if let Some(keys) = &cfg.ticket_keys {
+        v.push(base.join(keys));
     }
     if let Some(ca) = &cfg.client_ca {
         v.push(base.join(ca));
@@ -584,6 +607,7 @@ mod tests {
             client_ca: Some("ca.pem".into()),
             client_auth: None,
             ocsp: None,
+            ticket_keys: None,
         };
         let mut problems = Problems::default();
         let tls = Tls::build(&cfg, dir.path(), &mut problems).expect("builds");

@@ -958,6 +958,7 @@ fn handshake_cpu() {
         client_ca: None,
         client_auth: None,
         ocsp: None,
+        ticket_keys: None,
     };
     let mut problems = tollgate::config::Problems::default();
     let tls = tollgate::tls::Tls::build(&cfg, pki.dir.path(), &mut problems).unwrap();
@@ -1147,4 +1148,73 @@ async fn early_hints_and_other_1xx_reach_http1_clients_before_the_final_response
     let mut tls = tls_connect(gw.addr, pki.client_config(&["http/1.1"])).await;
     early_hints_over(&mut tls).await;
     task.abort();
+}
+
+/// Two gateway processes with the same certificate: with `server.tls.ticket_keys`
+/// shared, a session made with one resumes with the other; without it, it does not
+/// (each process has keys of its own).
+#[tokio::test]
+async fn a_shared_ticket_key_file_lets_sessions_resume_on_another_gateway() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let pki = Pki::new();
+    let origin = start_origin().await;
+    let target = format!("http://{}", origin.addr);
+    let keys = pki.path("tickets.keys");
+    std::fs::write(
+        &keys,
+        "# newest first\n00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff\n",
+    )
+    .unwrap();
+    let gateway = |name: &str, shared: bool| {
+        let port = support::redis::free_port();
+        let extra = if shared {
+            format!("ticket_keys = \"{}\"", keys.display())
+        } else {
+            String::new()
+        };
+        let text = tls_config(&target, &pki, &extra, "", 1000).replace(
+            "listen = \"127.0.0.1:0\"",
+            &format!("listen = \"127.0.0.1:{port}\""),
+        );
+        let path = pki.path(&format!("{name}.toml"));
+        std::fs::write(&path, text).unwrap();
+        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        (support::Binary::spawn(&path, port, &[]), addr)
+    };
+    for shared in [true, false] {
+        let (_a, a) = gateway(&format!("a-{shared}"), shared);
+        let (_b, b) = gateway(&format!("b-{shared}"), shared);
+        for version in [&rustls::version::TLS12, &rustls::version::TLS13] {
+            let provider = Arc::new(rustls::crypto::ring::default_provider());
+            let mut config = rustls::ClientConfig::builder_with_provider(provider)
+                .with_protocol_versions(&[version])
+                .unwrap()
+                .with_root_certificates(pki.root_store())
+                .with_no_client_auth();
+            config.alpn_protocols = vec![b"http/1.1".to_vec()];
+            let config = Arc::new(config);
+            assert_eq!(
+                handshake_kind(a, &config).await,
+                rustls::HandshakeKind::Full
+            );
+            let expected = if shared {
+                rustls::HandshakeKind::Resumed
+            } else {
+                rustls::HandshakeKind::Full
+            };
+            assert_eq!(
+                handshake_kind(b, &config).await,
+                expected,
+                "{version:?}, shared keys: {shared}"
+            );
+        }
+    }
+    // A key that is not 64 hex digits is an error that names the key and the line.
+    std::fs::write(&keys, "not-a-key\n").unwrap();
+    let (code, _, err) = support::check(&pki.path("a-true.toml"));
+    assert_eq!(code, 1);
+    assert!(
+        err.contains("server.tls.ticket_keys") && err.contains("line 1"),
+        "{err}"
+    );
 }

@@ -36,6 +36,7 @@ fn full_config() -> Config {
                 client_ca: Some("ca.pem".into()),
                 client_auth: Some(ClientAuth::Required),
                 ocsp: Some("ocsp.der".into()),
+                ticket_keys: Some("tickets.keys".into()),
             }),
             workers: Some(2),
             runtime: RuntimeShape::PerCore,

@@ -214,6 +214,11 @@ pub struct TlsConfig {
     /// every reload. Default: none (no stapling).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ocsp: Option<String>,
+    /// File of session-ticket keys shared by several gateways (one a line, 64 hex
+    /// digits; the first encrypts, all decrypt), so that a client resumes with any of
+    /// them. Default: none (each process makes its own keys, rotated every 6 hours).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ticket_keys: Option<String>,
 }
 
 fn default_handshake_timeout() -> Dur {

@@ -604,6 +604,21 @@ impl Pki {
         roots
     }
 
+    /// A client of `version` only, with ALPN `http/1.1` and its own resumption store.
+    fn http1_client(
+        &self,
+        version: &'static rustls::SupportedProtocolVersion,
+    ) -> Arc<rustls::ClientConfig> {
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let mut config = rustls::ClientConfig::builder_with_provider(provider)
+            .with_protocol_versions(&[version])
+            .unwrap()
+            .with_root_certificates(self.root_store())
+            .with_no_client_auth();
+        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        Arc::new(config)
+    }
+
     fn client_config(&self, alpn: &[&str]) -> rustls::ClientConfig {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let mut config = rustls::ClientConfig::builder_with_provider(provider)
@@ -805,14 +820,7 @@ async fn sessions_resume_by_stateless_ticket_on_tls12_and_tls13_across_a_reload(
     let text = tls_config(&target, &pki, "", "", 1000);
     let gw = TestGateway::start(&text).await;
     for version in [&rustls::version::TLS12, &rustls::version::TLS13] {
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let mut config = rustls::ClientConfig::builder_with_provider(provider)
-            .with_protocol_versions(&[version])
-            .unwrap()
-            .with_root_certificates(pki.root_store())
-            .with_no_client_auth();
-        config.alpn_protocols = vec![b"http/1.1".to_vec()];
-        let config = Arc::new(config);
+        let config = pki.http1_client(version);
         assert_eq!(
             handshake_kind(gw.addr, &config).await,
             rustls::HandshakeKind::Full
@@ -1185,14 +1193,7 @@ async fn a_shared_ticket_key_file_lets_sessions_resume_on_another_gateway() {
         let (_a, a) = gateway(&format!("a-{shared}"), shared);
         let (_b, b) = gateway(&format!("b-{shared}"), shared);
         for version in [&rustls::version::TLS12, &rustls::version::TLS13] {
-            let provider = Arc::new(rustls::crypto::ring::default_provider());
-            let mut config = rustls::ClientConfig::builder_with_provider(provider)
-                .with_protocol_versions(&[version])
-                .unwrap()
-                .with_root_certificates(pki.root_store())
-                .with_no_client_auth();
-            config.alpn_protocols = vec![b"http/1.1".to_vec()];
-            let config = Arc::new(config);
+            let config = pki.http1_client(version);
             assert_eq!(
                 handshake_kind(a, &config).await,
                 rustls::HandshakeKind::Full

@@ -98,11 +98,23 @@ impl Informational {
         }
         bytes.extend_from_slice(b"\r\n");
         let mut state = self.0.state.lock().unwrap_or_else(|e| e.into_inner());
-        if !self.0.clean.load(Ordering::Acquire) {
+        let before = state.queue.len();
+        state.queue.extend_from_slice(&bytes);
+        // Queued, then checked (both SeqCst, against a write's `clean = false` then
+        // `pending` check): either the writer sees it pending and writes it before its
+        // own bytes, or this sees the writer has written since its last flush and takes
+        // it back. Never after the start of a message of hyper's.
+        self.0.pending.store(true, Ordering::SeqCst);
+        if !self.0.clean.load(Ordering::SeqCst) {
+            // Taken back (no drain can have written it: drains hold the lock too).
+            state.queue.truncate(before);
+            if state.queue.len() == state.written {
+                state.queue.clear();
+                state.written = 0;
+                self.0.pending.store(false, Ordering::SeqCst);
+            }
             return false;
         }
-        state.queue.extend_from_slice(&bytes);
-        self.0.pending.store(true, Ordering::Release);
         if let Some(waker) = &state.waker {
             waker.wake_by_ref();
         }
@@ -113,7 +125,7 @@ impl Informational {
 impl<T: AsyncWrite + Unpin> Interim<T> {
     /// Write what is queued; `Ready(Ok)` once nothing is left.
     fn drain(&mut self, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        if !self.shared.pending.load(Ordering::Acquire) {
+        if !self.shared.pending.load(Ordering::SeqCst) {
             return Poll::Ready(Ok(()));
         }
         let mut state = self.shared.state.lock().unwrap_or_else(|e| e.into_inner());
@@ -130,7 +142,7 @@ impl<T: AsyncWrite + Unpin> Interim<T> {
         }
         state.queue.clear();
         state.written = 0;
-        self.shared.pending.store(false, Ordering::Release);
+        self.shared.pending.store(false, Ordering::SeqCst);
         Poll::Ready(Ok(()))
     }
 }
@@ -152,7 +164,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Interim<T> {
         buf: &[u8],
     ) -> Poll<std::io::Result<usize>> {
         let this = self.get_mut();
-        this.shared.clean.store(false, Ordering::Release);
+        this.shared.clean.store(false, Ordering::SeqCst);
         std::task::ready!(this.drain(cx))?;
         Pin::new(&mut this.io).poll_write(cx, buf)
     }
@@ -163,7 +175,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Interim<T> {
         bufs: &[IoSlice<'_>],
     ) -> Poll<std::io::Result<usize>> {
         let this = self.get_mut();
-        this.shared.clean.store(false, Ordering::Release);
+        this.shared.clean.store(false, Ordering::SeqCst);
         std::task::ready!(this.drain(cx))?;
         Pin::new(&mut this.io).poll_write_vectored(cx, bufs)
     }
@@ -188,7 +200,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Interim<T> {
             {
                 state.waker = Some(cx.waker().clone());
             }
-            this.shared.clean.store(true, Ordering::Release);
+            this.shared.clean.store(true, Ordering::SeqCst);
         }
         flushed
     }

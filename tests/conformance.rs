@@ -198,7 +198,7 @@ async fn large_response_heads_pass_up_to_max_response_header_bytes_on_h1_and_h2(
 }
 
 #[tokio::test]
-async fn a_response_header_limit_under_1024_is_a_config_error() {
+async fn a_response_header_limit_under_1024_and_a_via_that_is_no_token_are_config_errors() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("t.toml");
     let text = config(
@@ -212,6 +212,18 @@ async fn a_response_header_limit_under_1024_is_a_config_error() {
     assert_eq!(code, 1);
     assert!(
         err.contains("upstreams[0].max_response_header_bytes") && err.contains("1024"),
+        "{err}"
+    );
+    // A Via pseudonym must be a token.
+    std::fs::write(
+        &path,
+        config("http://127.0.0.1:9", "via = \"my gateway\"", "", 10),
+    )
+    .unwrap();
+    let (code, _, err) = support::check(&path);
+    assert_eq!(code, 1);
+    assert!(
+        err.contains("server.via") && err.contains("not a token"),
         "{err}"
     );
 }

@@ -22,6 +22,7 @@ pub mod reload;
 pub mod response;
 pub mod server;
 pub mod snapshot;
+pub mod tickets;
 pub mod tls;
 
 pub use server::Gateway;

@@ -14,10 +14,16 @@ pub fn json_response(status: StatusCode, body: &serde_json::Value) -> Response<B
     json_bytes_response(status, body.to_string().into_bytes())
 }
 
+/// `bytes` as a whole response body.
+pub fn bytes_body(bytes: Vec<u8>) -> Body {
+    Full::new(Bytes::from(bytes))
+        .map_err(|never| match never {})
+        .boxed()
+}
+
 /// A response with `bytes` (JSON) as body and `Content-Type: application/json`.
 pub fn json_bytes_response(status: StatusCode, bytes: Vec<u8>) -> Response<Body> {
-    let bytes = Bytes::from(bytes);
-    let mut r = Response::new(Full::new(bytes).map_err(|never| match never {}).boxed());
+    let mut r = Response::new(bytes_body(bytes));
     *r.status_mut() = status;
     r.headers_mut().insert(
         header::CONTENT_TYPE,

@@ -292,7 +292,7 @@ impl Snapshot {
         let running = previous
             .map(|p| p.running.clone())
             .unwrap_or_else(|| Arc::new((cfg.server.clone(), cfg.log.clone())));
-        let edge = edge_rules(cfg, running.0.underscores_in_headers, &mut problems);
+        let edge = edge_rules(cfg, &running.0, &mut problems);
 
         let report = ConfigReport {
             path: file.path.clone(),
@@ -374,7 +374,22 @@ impl Snapshot {
 /// tier headers, `by = "header:NAME"`), whose other spellings are always dropped. A
 /// header tollgate must read that has `_` in its name needs `underscores`, or it would
 /// be dropped before it is read: an error at its key.
-fn edge_rules(cfg: &Config, underscores: bool, problems: &mut Problems) -> crate::http::Edge {
+fn edge_rules(
+    cfg: &Config,
+    server: &crate::config::ServerConfig,
+    problems: &mut Problems,
+) -> crate::http::Edge {
+    let underscores = server.underscores_in_headers;
+    let via = server
+        .via
+        .pseudonym()
+        .and_then(|name| match crate::http::via::Via::new(name) {
+            Ok(via) => Some(via),
+            Err(e) => {
+                problems.error("server.via", e);
+                None
+            }
+        });
     let id = &cfg.identity;
     let mut read = vec![(
         "identity.api_key_header".to_string(),
@@ -405,6 +420,7 @@ fn edge_rules(cfg: &Config, underscores: bool, problems: &mut Problems) -> crate
             .map(|(_, n)| *n)
             .chain(set.into_iter().flatten()),
     )
+    .with_via(via)
 }
 
 /// Load `[server.tls]` (relative paths against the config file's directory), and check

@@ -89,7 +89,7 @@ impl Tls {
         if cfg.handshake_timeout.0.is_zero() {
             problems.error("server.tls.handshake_timeout", "must be more than 0");
         }
-        let default = load_pair(
+        let mut default = load_pair(
             &base.join(&cfg.cert),
             &base.join(&cfg.key),
             "server.tls",
@@ -97,6 +97,21 @@ impl Tls {
             &mut digest,
             problems,
         );
+        if let Some(ocsp) = &cfg.ocsp {
+            // Stapled with the default certificate (its bytes digested after the key's).
+            let response = read(&base.join(ocsp), "server.tls.ocsp", problems);
+            if let Some(bytes) = &response {
+                digest_file(&mut digest, bytes);
+                if bytes.is_empty() {
+                    problems.error("server.tls.ocsp", "the OCSP response file is empty");
+                }
+            }
+            if let (Some(pair), Some(bytes)) = (default.as_mut(), response) {
+                let mut with_ocsp = CertifiedKey::clone(pair);
+                with_ocsp.ocsp = Some(bytes);
+                *pair = Arc::new(with_ocsp);
+            }
+        }
         let mut by_host = HashMap::new();
         for (i, sni) in cfg.sni.iter().enumerate() {
             let at = format!("server.tls.sni[{i}]");
@@ -121,6 +136,22 @@ impl Tls {
                 }
             }
         }
+        // Shared ticket keys (read here, in `files()` order: after the SNI pairs' files).
+        let shared_tickets = cfg.ticket_keys.as_ref().and_then(|path| {
+            let bytes = read(&base.join(path), "server.tls.ticket_keys", problems)?;
+            digest_file(&mut digest, &bytes);
+            let text = String::from_utf8_lossy(&bytes);
+            match crate::tickets::SharedTicketer::parse(&text) {
+                Ok(t) => Some(Arc::new(t) as Arc<dyn rustls::server::ProducesTickets>),
+                Err(e) => {
+                    problems.error(
+                        "server.tls.ticket_keys",
+                        format!("{}: {e}", base.join(path).display()),
+                    );
+                    None
+                }
+            }
+        });
         let verifier = match &cfg.client_ca {
             None => {
                 if cfg.client_auth.is_some() {
@@ -159,6 +190,14 @@ impl Tls {
         let resolver = Arc::new(SniResolver { default, by_host });
         let mut config = builder.with_cert_resolver(resolver.clone());
         config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+        // Stateless session tickets (TLS 1.2 and 1.3): no session cache to share.
+        let ticketer = match shared_tickets {
+            Some(shared) => Some(shared),
+            None => ticketer(&resolver.certificates_digest()),
+        };
+        if let Some(ticketer) = ticketer {
+            config.ticketer = ticketer;
+        }
         Some(Tls {
             config: Arc::new(config),
             resolver,
@@ -196,12 +235,50 @@ impl Tls {
     }
 }
 
+/// The session-ticket keys for a set of certificates (`certificates`: their
+/// [`SniResolver::certificates_digest`]): rustls' ring `Ticketer`, which makes a new
+/// ChaCha20-Poly1305 key every 6 hours and still takes tickets of the one before, so a
+/// ticket is good for up to 12 hours. Kept for the process, not the snapshot: a reload
+/// that keeps the certificates keeps the keys, so tickets issued before it still
+/// resume; one that changes a certificate gets new keys, so no client resumes a session
+/// of the old certificate. `None` if no key could be made (the system's random source
+/// failed): then sessions resume by id only.
+fn ticketer(certificates: &str) -> Option<Arc<dyn rustls::server::ProducesTickets>> {
+    type Keys = Vec<(String, Arc<dyn rustls::server::ProducesTickets>)>;
+    /// Certificate sets remembered (the newest last): one listener needs one or two.
+    const KEPT: usize = 8;
+    static TICKETERS: std::sync::Mutex<Keys> = std::sync::Mutex::new(Vec::new());
+    let mut kept = TICKETERS.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, t)) = kept.iter().find(|(d, _)| d == certificates) {
+        return Some(t.clone());
+    }
+    match rustls::crypto::ring::Ticketer::new() {
+        Ok(t) => {
+            if kept.len() >= KEPT {
+                kept.remove(0);
+            }
+            kept.push((certificates.to_string(), t.clone()));
+            Some(t)
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "no TLS session-ticket key; sessions resume by id only");
+            None
+        }
+    }
+}
+
 /// Every file `cfg` names, resolved against `base`.
 pub fn files(cfg: &TlsConfig, base: &Path) -> Vec<PathBuf> {
     let mut v = vec![base.join(&cfg.cert), base.join(&cfg.key)];
+    if let Some(ocsp) = &cfg.ocsp {
+        v.push(base.join(ocsp));
+    }
     for s in &cfg.sni {
         v.push(base.join(&s.cert));
         v.push(base.join(&s.key));
+    }
+    if let Some(keys) = &cfg.ticket_keys {
+        v.push(base.join(keys));
     }
     if let Some(ca) = &cfg.client_ca {
         v.push(base.join(ca));
@@ -380,6 +457,20 @@ struct SniResolver {
 }
 
 impl SniResolver {
+    /// SHA-256 over every certificate chain (the default, then each host's in host
+    /// order), hex: what tells one set of certificates from another.
+    fn certificates_digest(&self) -> String {
+        let mut h = Sha256::new();
+        let mut hosts: Vec<_> = self.by_host.iter().collect();
+        hosts.sort_by(|a, b| a.0.cmp(b.0));
+        for key in std::iter::once(&self.default).chain(hosts.into_iter().map(|(_, k)| k)) {
+            for cert in &key.cert {
+                digest_file(&mut h, cert.as_ref());
+            }
+        }
+        hex::encode(h.finalize())
+    }
+
     /// The certificate for the host `name` (SNI, or a request's host): its
     /// `[[server.tls.sni]]` entry's (case-insensitive, a trailing dot ignored), else the
     /// default.
@@ -515,6 +606,8 @@ mod tests {
             handshake_timeout: crate::config::Dur::from_secs(10),
             client_ca: Some("ca.pem".into()),
             client_auth: None,
+            ocsp: None,
+            ticket_keys: None,
         };
         let mut problems = Problems::default();
         let tls = Tls::build(&cfg, dir.path(), &mut problems).expect("builds");

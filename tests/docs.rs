@@ -35,9 +35,12 @@ fn full_config() -> Config {
                 handshake_timeout: Dur::from_secs(10),
                 client_ca: Some("ca.pem".into()),
                 client_auth: Some(ClientAuth::Required),
+                ocsp: Some("ocsp.der".into()),
+                ticket_keys: Some("tickets.keys".into()),
             }),
             workers: Some(2),
             runtime: RuntimeShape::PerCore,
+            via: Via::Named("edge-1".into()),
         },
         log: LogConfig {
             level: "info".into(),
@@ -111,6 +114,7 @@ fn full_config() -> Config {
             client_cert: Some("client.pem".into()),
             client_key: Some("client.key".into()),
             eject_for: Dur::from_secs(10),
+            max_response_header_bytes: 64 * 1024,
         }],
         limits: vec![LimitConfig {
             name: "core".into(),

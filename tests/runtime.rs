@@ -126,9 +126,12 @@ async fn per_core_workers_keep_their_own_upstream_connections() {
     // Sequential requests, each on a new client connection, over the three workers: a
     // worker reuses its own idle upstream connection, never another worker's, so there
     // are as many upstream connections as workers that served (a pool shared by the
-    // workers would carry every one of them on a single connection).
+    // workers would carry every one of them on a single connection). A client
+    // connection keeps its upstream connection until it closes: the pause lets the
+    // gateway see each close before the next client connects.
     for _ in 0..30 {
         assert_eq!(get(&gw.url("/")).await.status, 200);
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let text = metrics(&gw).await;
     let served = (0..3)

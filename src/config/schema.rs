@@ -120,6 +120,38 @@ pub struct ServerConfig {
     /// waits for one) ends the request with 408, charged like a request whose client
     /// went away. Default 30 s.
     pub body_timeout: Dur,
+    /// The `Via` header tollgate adds to every request it forwards and every response it
+    /// passes back (RFC 9110 §7.6.3): `true` (default) names the gateway `tollgate`,
+    /// a string names it by that pseudonym (a token, e.g. `"edge-1"`), `false` adds none
+    /// (to hide the gateway). Read at start only.
+    pub via: Via,
+}
+
+/// `server.via`: whether and by which name tollgate adds itself to `Via`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(untagged)]
+pub enum Via {
+    /// `true`: `Via: 1.1 tollgate`; `false`: no `Via` is added.
+    On(bool),
+    /// The pseudonym the gateway goes by in `Via` (an RFC 9110 token).
+    Named(String),
+}
+
+impl Default for Via {
+    fn default() -> Self {
+        Via::On(true)
+    }
+}
+
+impl Via {
+    /// The name tollgate goes by in `Via`, or `None` when it adds none.
+    pub fn pseudonym(&self) -> Option<&str> {
+        match self {
+            Via::On(true) => Some("tollgate"),
+            Via::On(false) => None,
+            Via::Named(name) => Some(name),
+        }
+    }
 }
 
 impl Default for ServerConfig {
@@ -144,6 +176,7 @@ impl Default for ServerConfig {
             max_tunnels: 1000,
             tunnel_idle_timeout: None,
             body_timeout: Dur::from_secs(30),
+            via: Via::default(),
         }
     }
 }
@@ -176,6 +209,16 @@ pub struct TlsConfig {
     /// connection).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub client_auth: Option<ClientAuth>,
+    /// DER file of an OCSP response for `cert` (e.g. from `openssl ocsp -respout`),
+    /// stapled to every handshake that asks for it; read again with the certificates on
+    /// every reload. Default: none (no stapling).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ocsp: Option<String>,
+    /// File of session-ticket keys shared by several gateways (one a line, 64 hex
+    /// digits; the first encrypts, all decrypt), so that a client resumes with any of
+    /// them. Default: none (each process makes its own keys, rotated every 6 hours).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ticket_keys: Option<String>,
 }
 
 fn default_handshake_timeout() -> Dur {
@@ -623,6 +666,15 @@ pub struct UpstreamConfig {
     /// success. Default 10 s.
     #[serde(default = "default_eject_for")]
     pub eject_for: Dur,
+    /// Largest response head accepted from a target, in bytes, over HTTP/1.1 and HTTP/2
+    /// alike (counted as HTTP/2 does: each field's name and value plus 32); a larger
+    /// one gives the client 502. Default 65536. At least 1024.
+    #[serde(default = "default_max_response_header_bytes")]
+    pub max_response_header_bytes: usize,
+}
+
+fn default_max_response_header_bytes() -> usize {
+    64 * 1024
 }
 
 /// How the proxy listener's connections are served (`server.runtime`).

@@ -7,14 +7,15 @@ use http::header::{self, HeaderMap, HeaderName};
 /// one connection only. tollgate never forwards an `h2c` upgrade, so never this either.
 pub static HTTP2_SETTINGS: HeaderName = HeaderName::from_static("http2-settings");
 
-/// Headers that are hop-by-hop whatever `Connection` says.
-static HOP_BY_HOP: [HeaderName; 9] = [
+/// Headers that are hop-by-hop whatever `Connection` says. (`Trailer` is not: it
+/// declares the trailer fields of the message, which cross with it; hyper's HTTP/1.1
+/// encoder sends only the trailer fields it declares.)
+static HOP_BY_HOP: [HeaderName; 8] = [
     header::CONNECTION,
     HeaderName::from_static("keep-alive"),
     header::PROXY_AUTHENTICATE,
     header::PROXY_AUTHORIZATION,
     header::TE,
-    header::TRAILER,
     header::TRANSFER_ENCODING,
     header::UPGRADE,
     HeaderName::from_static("http2-settings"),
@@ -24,6 +25,21 @@ static HOP_BY_HOP: [HeaderName; 9] = [
 /// every `Proxy-*` header.
 pub fn always_hop_by_hop(name: &HeaderName) -> bool {
     HOP_BY_HOP.contains(name) || name.as_str().starts_with("proxy-")
+}
+
+/// Whether the request's `TE` accepts trailer fields (`TE: trailers`, RFC 9110
+/// §10.1.4): the one `TE` value that is passed on to the upstream.
+pub fn accepts_trailers(headers: &HeaderMap) -> bool {
+    headers
+        .get_all(header::TE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|t| {
+            t.split(';')
+                .next()
+                .is_some_and(|t| t.trim().eq_ignore_ascii_case("trailers"))
+        })
 }
 
 /// Remove hop-by-hop headers: the fixed list, every `Proxy-*` header, and every header
@@ -77,5 +93,20 @@ mod tests {
         }
         strip_hop_by_hop(&mut h);
         assert_eq!(h.keys().map(|k| k.as_str()).collect::<Vec<_>>(), ["x-kept"]);
+    }
+
+    #[test]
+    fn trailer_crosses_and_te_trailers_is_seen() {
+        let mut h = HeaderMap::new();
+        h.insert(header::TRAILER, HeaderValue::from_static("grpc-status"));
+        h.insert(header::TE, HeaderValue::from_static("gzip, Trailers;q=1"));
+        assert!(accepts_trailers(&h));
+        strip_hop_by_hop(&mut h);
+        assert_eq!(
+            h.keys().map(|k| k.as_str()).collect::<Vec<_>>(),
+            ["trailer"]
+        );
+        h.insert(header::TE, HeaderValue::from_static("gzip"));
+        assert!(!accepts_trailers(&h));
     }
 }

@@ -20,12 +20,15 @@
 //! - the **host** is named once: two `Host` fields, or an HTTP/2 `Host` that disagrees
 //!   with `:authority`, are 400, and an absolute-form target's authority replaces
 //!   `Host`; routing, limits and the upstream all see that one authority ([`authority`]);
-//! - a **transfer coding** other than `chunked` is not implemented: 501.
+//! - a **transfer coding** other than `chunked` is not implemented: 501;
+//! - `Via` names the gateway both ways (`server.via`), and `OPTIONS`/`TRACE` with
+//!   `Max-Forwards: 0` are answered by the gateway ([`via`]).
 
 pub mod authority;
 pub mod hop;
 pub mod target;
 pub mod upgrade;
+pub mod via;
 
 pub use hop::{always_hop_by_hop, strip_hop_by_hop};
 
@@ -84,6 +87,8 @@ pub struct Edge {
     underscores: bool,
     /// Configured names in dash form, lowercase.
     configured: Vec<String>,
+    /// `server.via`: tollgate's `Via` entries; `None` adds none.
+    via: Option<via::Via>,
 }
 
 impl Edge {
@@ -96,7 +101,50 @@ impl Edge {
         Self {
             underscores: underscores_in_headers,
             configured,
+            via: None,
         }
+    }
+
+    /// These rules with `via` as tollgate's `Via` entries (`server.via`).
+    pub fn with_via(mut self, via: Option<via::Via>) -> Self {
+        self.via = via;
+        self
+    }
+
+    /// Tollgate's `Via` entries, or `None` when `server.via = false`.
+    pub fn via(&self) -> Option<&via::Via> {
+        self.via.as_ref()
+    }
+
+    /// The answer of the gateway as the last hop of an `OPTIONS` or `TRACE` request
+    /// with `Max-Forwards: 0` ([`via::max_forwards`]): `OPTIONS` gets 200 with
+    /// `Allow`, `TRACE` gets 200 `message/http` reflecting the request without its
+    /// credentials or the headers tollgate reads or sets. `None`: forward it (its
+    /// `Max-Forwards` decremented).
+    pub fn last_hop<B>(&self, req: &mut http::Request<B>) -> Option<http::Response<Vec<u8>>> {
+        let method = req.method().clone();
+        if via::max_forwards(&method, req.headers_mut()) == via::Hops::Forward {
+            return None;
+        }
+        let (body, name, value) = if method == http::Method::TRACE {
+            let target = req
+                .uri()
+                .path_and_query()
+                .map_or("/", http::uri::PathAndQuery::as_str);
+            let echo = via::trace_echo(&method, target, req.version(), req.headers(), |n| {
+                self.reserved(n)
+            });
+            (echo, header::CONTENT_TYPE, "message/http")
+        } else {
+            let allow = "GET, HEAD, POST, PUT, DELETE, PATCH, OPTIONS";
+            (Vec::new(), header::ALLOW, allow)
+        };
+        let mut response = http::Response::new(Vec::new());
+        let h = response.headers_mut();
+        h.insert(name, http::HeaderValue::from_static(value));
+        h.insert(header::CONTENT_LENGTH, body.len().into());
+        *response.body_mut() = body;
+        Some(response)
     }
 
     /// Whether a header name (in dash form) is one tollgate reads, sets or strips.

@@ -45,6 +45,9 @@ pub enum Decision {
     /// A TLS request whose host another certificate than its connection's is for (421),
     /// answered before anything else.
     Misdirected,
+    /// An `OPTIONS` or `TRACE` with `Max-Forwards: 0`, answered by the gateway as the
+    /// last hop (RFC 9110 §7.6.2); not forwarded, not charged.
+    LastHop,
 }
 
 impl Decision {
@@ -62,6 +65,7 @@ impl Decision {
             Decision::TooLarge => "too_large",
             Decision::BadRequest => "bad_request",
             Decision::Misdirected => "misdirected",
+            Decision::LastHop => "last_hop",
         }
     }
 }

@@ -77,6 +77,8 @@ pub struct Upstream {
     pub cost_header: Option<HeaderName>,
     /// Warnings about invalid cost headers: at most one per [`COST_WARN_INTERVAL_MS`].
     cost_warnings: crate::logging::Throttle,
+    /// `upstreams.max_response_header_bytes`: a larger response head gives 502.
+    max_response_header_bytes: usize,
 }
 
 /// Idle keep-alive connections kept per target.
@@ -125,6 +127,12 @@ impl Upstream {
         }
         if cfg.eject_for.0.is_zero() {
             problems.error(format!("{at}.eject_for"), "must be more than 0");
+        }
+        if cfg.max_response_header_bytes < 1024 {
+            problems.error(
+                format!("{at}.max_response_header_bytes"),
+                "must be at least 1024 (bytes)",
+            );
         }
         let any_tls = targets.iter().any(|t: &Target| t.scheme == Scheme::HTTPS);
         let tls_keys = [
@@ -194,6 +202,7 @@ impl Upstream {
                 connect_timeout: cfg.connect_timeout.0,
                 tls,
                 protocol: cfg.protocol,
+                max_response_header_bytes: cfg.max_response_header_bytes,
             };
             members.push(Member {
                 target: t,
@@ -211,6 +220,7 @@ impl Upstream {
             eject_for: cfg.eject_for.0,
             cost_header,
             cost_warnings: crate::logging::Throttle::default(),
+            max_response_header_bytes: cfg.max_response_header_bytes,
         })
     }
 
@@ -311,6 +321,15 @@ fn idempotent(method: &Method) -> bool {
     )
 }
 
+/// The size of a header list as HTTP/2 counts it (RFC 9113 §6.5.2): each field's
+/// name and value, plus 32, in bytes.
+fn head_bytes(headers: &HeaderMap) -> usize {
+    headers
+        .iter()
+        .map(|(name, value)| name.as_str().len() + value.len() + 32)
+        .sum()
+}
+
 /// A cost header's value: ASCII digits only (no sign, no space), fitting a `u64`.
 fn parse_cost(value: &[u8]) -> Option<u64> {
     if value.is_empty() || !value.iter().all(u8::is_ascii_digit) {
@@ -367,6 +386,8 @@ pub struct Downstream<'a> {
     pub body_timeout: Duration,
     /// Where new upstream sockets and tunnels are counted (503 when spent).
     pub budget: &'a crate::budget::Budget,
+    /// `server.via`: the `Via` entries added both ways; `None` adds none.
+    pub via: Option<&'a crate::http::via::Via>,
 }
 
 /// Send `req` to the next target of `upstream` and return its response, whose body
@@ -421,8 +442,20 @@ pub async fn forward(
         _ => PathAndQuery::from_static("/"),
     };
 
+    // `TE: trailers` is hop-by-hop, yet says what the upstream may send: passed on
+    // (only that value), as gRPC servers require.
+    let te_trailers = crate::http::hop::accepts_trailers(&parts.headers);
     strip_hop_by_hop(&mut parts.headers);
     let h = &mut parts.headers;
+    if te_trailers {
+        h.insert(header::TE, HeaderValue::from_static("trailers"));
+        if upstream.protocol == UpstreamProtocol::Http1 {
+            h.append(header::CONNECTION, HeaderValue::from_static("te"));
+        }
+    }
+    if let Some(via) = down.via {
+        via.append(h, downstream_version);
+    }
     if let Some(protocol) = &upgrade {
         h.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
         h.insert(header::UPGRADE, protocol.clone());
@@ -480,10 +513,23 @@ pub async fn forward(
     // body that would have to be sent twice.
     let retriable = upstream.targets.len() > 1 && idempotent(&parts.method) && body.is_end_stream();
 
+    let informational = match (upstream.protocol, downstream_version) {
+        (UpstreamProtocol::Http1, Version::HTTP_11) => parts
+            .extensions
+            .get::<super::interim::Informational>()
+            .cloned(),
+        _ => None,
+    };
     let mut request = Request::from_parts(
         parts,
         RequestBody::new(body, down.max_request_bytes, down.body_timeout),
     );
+    if let Some(client) = informational {
+        // 1xx from the upstream (103 Early Hints, ...) go on to the client at once.
+        hyper::ext::on_informational(&mut request, move |response| {
+            client.send(response.status(), response.headers());
+        });
+    }
     let mut tried = None;
     let started = tokio::time::Instant::now();
     loop {
@@ -516,6 +562,19 @@ pub async fn forward(
         let error = match sent {
             Ok(Ok(mut response)) => {
                 upstream.healthy(i);
+                let head = head_bytes(response.headers());
+                if head > upstream.max_response_header_bytes {
+                    // HTTP/2 enforces this while decoding; HTTP/1.1 here, on the
+                    // parsed head, so that both protocols draw the same line.
+                    failed(
+                        "sent a response head past upstreams.max_response_header_bytes",
+                        format!("{head} bytes, limit {}", upstream.max_response_header_bytes),
+                    );
+                    return Err(ProxyError::UpstreamUnreachable(
+                        upstream.name.to_string(),
+                        "the response headers are too large".into(),
+                    ));
+                }
                 if response.status() == StatusCode::SWITCHING_PROTOCOLS {
                     let offered = upgrade.as_ref();
                     let answered = response.headers().get(header::UPGRADE);
@@ -546,14 +605,14 @@ pub async fn forward(
                     ));
                     if h2_websocket {
                         // Over HTTP/2 the handshake is answered 200 (RFC 8441).
-                        let mut response = respond(response, downstream_version);
+                        let mut response = respond(response, downstream_version, down.via);
                         *response.status_mut() = StatusCode::OK;
                         response.headers_mut().remove(header::SEC_WEBSOCKET_ACCEPT);
                         return Ok(response);
                     }
-                    return Ok(respond_upgraded(response, downstream_version));
+                    return Ok(respond_upgraded(response, downstream_version, down.via));
                 }
-                return Ok(respond(response, downstream_version));
+                return Ok(respond(response, downstream_version, down.via));
             }
             Err(_) => {
                 failed(
@@ -796,9 +855,13 @@ impl<T: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Touch<T> {
 }
 
 /// A 101 answer to the client: the upstream's, with its `Upgrade` and `Connection`.
-fn respond_upgraded(response: Response<PooledBody>, downstream_version: Version) -> Response<Body> {
+fn respond_upgraded(
+    response: Response<PooledBody>,
+    downstream_version: Version,
+    via: Option<&crate::http::via::Via>,
+) -> Response<Body> {
     let upgrade = response.headers().get(header::UPGRADE).cloned();
-    let mut response = respond(response, downstream_version);
+    let mut response = respond(response, downstream_version, via);
     let h = response.headers_mut();
     h.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
     if let Some(upgrade) = upgrade {
@@ -808,11 +871,19 @@ fn respond_upgraded(response: Response<PooledBody>, downstream_version: Version)
 }
 
 /// The upstream's response for the client: in the client's HTTP version, whatever the
-/// upstream spoke, without hop-by-hop headers.
-fn respond(response: Response<PooledBody>, downstream_version: Version) -> Response<Body> {
+/// upstream spoke, without hop-by-hop headers, with tollgate's `Via` entry for the
+/// version it came in (`via`).
+fn respond(
+    response: Response<PooledBody>,
+    downstream_version: Version,
+    via: Option<&crate::http::via::Via>,
+) -> Response<Body> {
     let (mut parts, body) = response.into_parts();
-    parts.version = downstream_version;
     strip_hop_by_hop(&mut parts.headers);
+    if let Some(via) = via {
+        via.append(&mut parts.headers, parts.version);
+    }
+    parts.version = downstream_version;
     Response::from_parts(parts, body.boxed())
 }
 

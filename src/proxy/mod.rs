@@ -19,7 +19,9 @@ pub mod access;
 pub mod body;
 pub mod error;
 pub mod forward;
+pub mod grpc;
 pub mod headers;
+pub mod interim;
 pub mod path;
 pub mod pool;
 pub mod route;
@@ -104,8 +106,13 @@ pub async fn handle(
 ) -> Response<Body> {
     let in_flight = access::InFlight::new(&ctx.metrics.in_flight);
     let mut log = AccessLog::start(&mut req, ctx.metrics);
+    let grpc = grpc::is_grpc(req.headers());
     let mut response = serve(snap, ctx, req, peer, &mut log).await;
     let line = log.finish(&mut response);
+    if grpc {
+        // Logged and counted with its HTTP status; a gRPC client reads grpc-status.
+        response = grpc::gateway_error(response);
+    }
     // The request is in flight, and its log line waits, until the response body ends.
     response.map(|body| crate::response::with_guard(body, (in_flight, line)))
 }
@@ -226,6 +233,13 @@ pub async fn serve(
     };
     log.route = Some(route.path_prefix.clone()); // an Arc: no copy
 
+    // `OPTIONS`/`TRACE` with `Max-Forwards: 0` stop here (RFC 9110 §7.6.2): answered by
+    // the gateway, neither forwarded nor charged; other values are counted down.
+    if let Some(answer) = snap.edge.last_hop(&mut req) {
+        log.decision = Decision::LastHop;
+        return answer.map(crate::response::bytes_body);
+    }
+
     // Only an upgrade the route allows crosses; any other is a plain request.
     let upgrade = match crate::http::upgrade::decide(&req, &route.upgrades) {
         Ok(upgrade) => upgrade,
@@ -313,6 +327,7 @@ pub async fn serve(
         max_request_bytes: route.max_request_bytes,
         body_timeout: ctx.body_timeout,
         budget: ctx.budget,
+        via: snap.edge.via(),
     };
     let upstream_started = std::time::Instant::now();
     let forwarded = forward::forward(&route.upstream, req, down).await;

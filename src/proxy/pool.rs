@@ -114,6 +114,9 @@ pub struct Connector {
     pub tls: Option<(TlsConnector, ServerName<'static>)>,
     /// The HTTP version spoken on the connections.
     pub protocol: UpstreamProtocol,
+    /// `upstreams.max_response_header_bytes`: the HTTP/2 header-list limit sent to the
+    /// target, and the least head an HTTP/1.1 connection's buffer holds, in bytes.
+    pub max_response_header_bytes: usize,
 }
 
 impl std::fmt::Debug for Connector {
@@ -123,6 +126,7 @@ impl std::fmt::Debug for Connector {
             .field("connect_timeout", &self.connect_timeout)
             .field("tls_server_name", &self.tls.as_ref().map(|(_, name)| name))
             .field("protocol", &self.protocol)
+            .field("max_response_header_bytes", &self.max_response_header_bytes)
             .finish()
     }
 }
@@ -399,9 +403,10 @@ impl Pool {
         budget: &Budget,
     ) -> Result<http1::SendRequest<RequestBody>, PoolError> {
         let stream = self.tcp(budget).await?;
+        let max = self.connector.max_response_header_bytes;
         let tx = match &self.connector.tls {
-            None => spawn_h1(TokioIo::new(stream)).await?,
-            Some(tls) => spawn_h1(TokioIo::new(self.tls(stream, tls).await?)).await?,
+            None => spawn_h1(TokioIo::new(stream), max).await?,
+            Some(tls) => spawn_h1(TokioIo::new(self.tls(stream, tls).await?), max).await?,
         };
         Ok(tx)
     }
@@ -411,9 +416,10 @@ impl Pool {
         budget: &Budget,
     ) -> Result<http2::SendRequest<RequestBody>, PoolError> {
         let stream = self.tcp(budget).await?;
+        let max = self.connector.max_response_header_bytes;
         let tx = match &self.connector.tls {
-            None => spawn_h2(TokioIo::new(stream)).await?,
-            Some(tls) => spawn_h2(TokioIo::new(self.tls(stream, tls).await?)).await?,
+            None => spawn_h2(TokioIo::new(stream), max).await?,
+            Some(tls) => spawn_h2(TokioIo::new(self.tls(stream, tls).await?), max).await?,
         };
         Ok(tx)
     }
@@ -443,11 +449,24 @@ impl Part {
     }
 }
 
-async fn spawn_h1<T>(io: TokioIo<T>) -> Result<http1::SendRequest<RequestBody>, PoolError>
+/// hyper's default HTTP/1.1 read buffer limit (8 KiB + 100 × 4 KiB), in bytes: the
+/// buffer is never made smaller than this, so that large bodies still stream in large
+/// reads; `upstreams.max_response_header_bytes` is checked on the parsed head.
+const H1_DEFAULT_MAX_BUF: usize = 8192 + 4096 * 100;
+
+/// An HTTP/1.1 connection on `io` whose read buffer holds a head of
+/// `max_head_bytes` (and its request line) at least.
+async fn spawn_h1<T>(
+    io: TokioIo<T>,
+    max_head_bytes: usize,
+) -> Result<http1::SendRequest<RequestBody>, PoolError>
 where
     T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
 {
-    let (tx, conn) = http1::handshake(io).await?;
+    let (tx, conn) = http1::Builder::new()
+        .max_buf_size(max_head_bytes.saturating_add(8192).max(H1_DEFAULT_MAX_BUF))
+        .handshake(io)
+        .await?;
     tokio::spawn(async move {
         // With upgrades: a 101 answer hands the connection over to a tunnel (WebSocket).
         if let Err(e) = conn.with_upgrades().await {
@@ -457,11 +476,19 @@ where
     Ok(tx)
 }
 
-async fn spawn_h2<T>(io: TokioIo<T>) -> Result<http2::SendRequest<RequestBody>, PoolError>
+/// An HTTP/2 connection on `io` that accepts response header lists of up to
+/// `max_head_bytes` (RFC 9113 §6.5.2 accounting: name, value and 32 per field).
+async fn spawn_h2<T>(
+    io: TokioIo<T>,
+    max_head_bytes: usize,
+) -> Result<http2::SendRequest<RequestBody>, PoolError>
 where
     T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
 {
-    let (tx, conn) = http2::handshake(TokioExecutor::new(), io).await?;
+    let (tx, conn) = http2::Builder::new(TokioExecutor::new())
+        .max_header_list_size(u32::try_from(max_head_bytes).unwrap_or(u32::MAX))
+        .handshake(io)
+        .await?;
     tokio::spawn(async move {
         if let Err(e) = conn.await {
             tracing::debug!(error = %e, "upstream HTTP/2 connection ended with an error");

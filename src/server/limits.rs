@@ -212,6 +212,16 @@ impl<T> Reads<T> {
         }
     }
 
+    /// Watch nothing of `io`: it carries HTTP/2 (negotiated by ALPN).
+    pub(crate) fn http2(io: T, activity: Arc<Activity>) -> Self {
+        Self {
+            io,
+            activity,
+            sniffed: None,
+            http2: true,
+        }
+    }
+
     fn arrived(&mut self, bytes: &[u8]) {
         if let Some(k) = self.sniffed {
             let n = bytes.len().min(PREFACE.len() - k);

@@ -3,6 +3,7 @@
 //! connection's task), graceful shutdown, and the running [`Gateway`] that tests and
 //! `main` drive.
 
+mod alpn;
 mod limits;
 pub mod runtime;
 
@@ -302,7 +303,7 @@ fn start_store(snap: &Snapshot, clock: SharedClock) {
 /// One accepted connection, ready to serve HTTP once its transport (plain TCP, or TLS
 /// after the handshake) is ready.
 struct Connection {
-    builder: Arc<auto::Builder<TokioExecutor>>,
+    builders: Arc<alpn::Builders>,
     shutdown: watch::Receiver<bool>,
     idle_timeout: Duration,
     send_timeout: Duration,
@@ -349,19 +350,30 @@ impl ConnLimits {
 }
 
 impl Connection {
-    /// Serve HTTP/1.1 or HTTP/2 on `io` until the connection ends; `tls` (what the
-    /// handshake told) goes into every request's extensions. `io`'s reads tell
-    /// `activity` ([`limits::Reads`]).
-    async fn serve<I>(
+    /// Serve HTTP/1.1 or HTTP/2 on `io` until the connection ends (only the protocol
+    /// `alpn` names, when the TLS handshake negotiated one); `tls` (what the handshake
+    /// told) goes into every request's extensions. `io`'s reads tell `activity`
+    /// ([`limits::Reads`]).
+    async fn serve<T>(
         self,
-        io: I,
+        io: T,
         tls: Option<crate::tls::TlsInfo>,
+        alpn: Option<Vec<u8>>,
         activity: Arc<limits::Activity>,
     ) where
-        I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+        T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
     {
+        let io = match alpn.as_deref() {
+            Some(b"h2") => limits::Reads::http2(io, activity.clone()),
+            _ => limits::Reads::new(io, activity.clone()),
+        };
+        // 1xx responses reach HTTP/1.1 clients through the socket itself (hyper's server
+        // cannot send them): see `proxy::interim`.
+        let io = proxy::interim::Interim::new(io);
+        let informational = io.handle();
+        let io = TokioIo::new(io);
         let Connection {
-            builder,
+            builders,
             mut shutdown,
             idle_timeout,
             send_timeout,
@@ -377,6 +389,9 @@ impl Connection {
             let peer = conn_peer.clone();
             if let Some(info) = &tls {
                 req.extensions_mut().insert(info.clone());
+            }
+            if req.version() == http::Version::HTTP_11 {
+                req.extensions_mut().insert(informational.clone());
             }
             // Busy until the response body ends (the guard travels with it).
             let busy = conn_activity.request();
@@ -394,7 +409,7 @@ impl Connection {
                 Ok::<_, Infallible>(response.map(|body| limits::SendWatch::new(body, busy)))
             }
         });
-        let conn = builder.serve_connection_with_upgrades(io, service);
+        let conn = builders.serve(alpn.as_deref(), io, service);
         tokio::pin!(conn);
         // Close gracefully (a response under way finishes first) at shutdown, or once
         // no request has been handled for `idle_timeout`; drop it when an HTTP/1 request
@@ -403,7 +418,7 @@ impl Connection {
         // none.
         let mut closing = *shutdown.borrow();
         if closing {
-            conn.as_mut().graceful_shutdown();
+            conn.graceful_shutdown();
         }
         let idle_check =
             tokio::time::sleep(idle_timeout.min(send_timeout).min(header_read_timeout));
@@ -419,7 +434,7 @@ impl Connection {
                 }
                 _ = shutdown.changed(), if !closing => {
                     closing = true;
-                    conn.as_mut().graceful_shutdown();
+                    conn.graceful_shutdown();
                 }
                 _ = idle_check.as_mut() => {
                     let head_for = activity.head_for();
@@ -444,7 +459,7 @@ impl Connection {
                     let mut next = if !closing && idle_for >= idle_timeout {
                         tracing::debug!(%peer, ?idle_for, "idle connection closed");
                         closing = true;
-                        conn.as_mut().graceful_shutdown();
+                        conn.graceful_shutdown();
                         second
                     } else if closing {
                         second
@@ -511,13 +526,17 @@ async fn accept_loop(
     tls_listener: bool,
 ) {
     let mut builder = auto::Builder::new(TokioExecutor::new());
+    // A head past max_header_bytes gets 431 (hyper's buffer holds at least 8 KiB).
+    let max_buf = limits.max_header_bytes.max(8192);
     builder
         .http1()
         // `server.header_read_timeout` is the connection's own deadline (see
         // `Connection::serve`), not a hyper timer re-armed for every request.
         .header_read_timeout(None)
-        // A head past this gets 431 (hyper's buffer holds at least 8 KiB).
-        .max_buf_size(limits.max_header_bytes.max(8192));
+        .max_buf_size(max_buf);
+    // The same settings, for TLS connections that negotiated http/1.1 (see `alpn`).
+    let mut http1 = hyper::server::conn::http1::Builder::new();
+    http1.header_read_timeout(None).max_buf_size(max_buf);
     builder
         .http2()
         .timer(TokioTimer::new())
@@ -532,7 +551,7 @@ async fn accept_loop(
         // A peer that stops answering PINGs is dropped.
         .keep_alive_interval(Duration::from_secs(20))
         .keep_alive_timeout(Duration::from_secs(20));
-    let builder = Arc::new(builder);
+    let builders = Arc::new(alpn::Builders::new(builder, http1));
     // Every connection holds a sender: when all are dropped, every connection ended.
     let (drained_tx, mut drained) = mpsc::channel::<()>(1);
     let refused_log = crate::logging::Throttle::new();
@@ -593,7 +612,7 @@ async fn accept_loop(
                 // New handshakes use the certificates of the snapshot current now.
                 let tls = if tls_listener { shared.snapshot.load().tls.clone() } else { None };
                 let conn = Connection {
-                    builder: builder.clone(), // an Arc
+                    builders: builders.clone(), // an Arc
                     shutdown: shutdown.clone(),
                     idle_timeout: limits.idle_timeout,
                     send_timeout: limits.send_timeout,
@@ -605,17 +624,23 @@ async fn accept_loop(
                 tokio::spawn(async move {
                     let activity = limits::Activity::new();
                     match tls {
-                        None => {
-                            let io = TokioIo::new(limits::Reads::new(stream, activity.clone()));
-                            conn.serve(io, None, activity).await
-                        }
+                        None => conn.serve(stream, None, None, activity).await,
                         Some(tls) => {
                             let handshake = tls.acceptor().accept(stream);
                             match tokio::time::timeout(tls.handshake_timeout, handshake).await {
                                 Ok(Ok(stream)) => {
-                                    let info = tls.info(stream.get_ref().1);
-                                    let io = TokioIo::new(limits::Reads::new(stream, activity.clone()));
-                                    conn.serve(io, Some(info), activity).await;
+                                    let session = stream.get_ref().1;
+                                    let info = tls.info(session);
+                                    let alpn = session.alpn_protocol().map(<[u8]>::to_vec);
+                                    if alpn.as_deref() == Some(b"h2") {
+                                        // Only HTTP/2: an invalid preface gets GOAWAY.
+                                        let timeout = limits.header_read_timeout;
+                                        if let Some(stream) = alpn::h2_preface(stream, timeout).await {
+                                            conn.serve(stream, Some(info), alpn, activity).await;
+                                        }
+                                    } else {
+                                        conn.serve(stream, Some(info), alpn, activity).await;
+                                    }
                                 }
                                 Ok(Err(e)) => {
                                     tracing::debug!(%peer, error = %e, "TLS handshake failed");

@@ -118,7 +118,11 @@ impl Limiter {
     ) -> Result<Admission, Refusal> {
         let started = clock.now_ms();
         match self.check(applied, cost, on_request, started).await {
-            Err(Refusal::OverLimit(refusal)) => {
+            Err(Refusal::OverLimit(refusal))
+                if applied
+                    .iter()
+                    .any(|a| a.limit.name == refusal.resource && a.limit.max_delay_ms > 0) =>
+            {
                 // Boxed: waiting is rare, and its future (a timer, a second check) would
                 // otherwise add to the size of every request's future.
                 let wait = Wait {

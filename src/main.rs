@@ -9,7 +9,7 @@ use std::time::Duration;
 use tollgate::clock::SystemClock;
 use tollgate::config;
 use tollgate::config::RuntimeShape;
-use tollgate::reload::{notify_systemd, reload_on_sighup, watch_file};
+use tollgate::reload::{notify_systemd, reload_on_sighup, watch_file, watch_keys};
 use tollgate::snapshot::{reshard_warning, Snapshot};
 use tollgate::Gateway;
 
@@ -50,6 +50,11 @@ enum Command {
         #[arg(long, value_name = "PATH")]
         against: Option<PathBuf>,
     },
+    /// API keys for `identity.clients_file`.
+    Key {
+        #[command(subcommand)]
+        command: KeyCommand,
+    },
     /// Exit 0 when the gateway's admin listener answers GET /healthz with 200, else 1.
     Healthcheck {
         /// The URL to probe. Default: /healthz on the config's `server.admin_listen`.
@@ -59,6 +64,54 @@ enum Command {
         #[arg(long, default_value = "2s", value_parser = parse_duration)]
         timeout: Duration,
     },
+}
+
+#[derive(Subcommand)]
+enum KeyCommand {
+    /// Make a new random key: print it once, then its keys-file line (only the key's
+    /// SHA-256 is in it), and append the line to --clients-file when given.
+    New {
+        /// The client id (a rotated key gets the id of the key it replaces).
+        #[arg(long)]
+        id: String,
+        /// The client's tier.
+        #[arg(long, default_value = "default")]
+        tier: String,
+        /// A label for logs and /top (never the key).
+        #[arg(long)]
+        label: Option<String>,
+        /// The keys file to append the line to.
+        #[arg(long, value_name = "PATH")]
+        clients_file: Option<PathBuf>,
+    },
+}
+
+/// `tollgate key new`: the key on the first line of stdout, the JSON line on the second.
+fn key_new(id: &str, tier: &str, label: Option<&str>, file: Option<&Path>) -> ExitCode {
+    if id.trim().is_empty() || tier.trim().is_empty() {
+        eprintln!("tollgate key new: --id and --tier must not be empty");
+        return ExitCode::FAILURE;
+    }
+    let made = match tollgate::identity::keys::new_key(id, tier, label) {
+        Ok(k) => k,
+        Err(e) => {
+            eprintln!("tollgate key new: cannot read random bytes: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    if let Some(path) = file {
+        if let Err(e) = tollgate::identity::keys::append_line(path, &made.line) {
+            eprintln!("tollgate key new: {}: {e}", path.display());
+            return ExitCode::FAILURE;
+        }
+        eprintln!(
+            "appended to {}; the key is shown once, here: hand it to the client now",
+            path.display()
+        );
+    }
+    println!("{}", made.key);
+    println!("{}", made.line);
+    ExitCode::SUCCESS
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -74,6 +127,18 @@ fn main() -> ExitCode {
     tollgate::install_crypto_provider();
     let cli = Cli::parse();
     let command = cli.command.unwrap_or(Command::Run);
+    if let Command::Key {
+        command:
+            KeyCommand::New {
+                id,
+                tier,
+                label,
+                clients_file,
+            },
+    } = &command
+    {
+        return key_new(id, tier, label.as_deref(), clients_file.as_deref());
+    }
     // `server.runtime` and `server.workers` shape the runtime, so they are read before it
     // exists; an unreadable file is reported by `run` below.
     let server = match command {
@@ -106,6 +171,7 @@ fn main() -> ExitCode {
         Command::Healthcheck { url, timeout } => {
             runtime.block_on(healthcheck(&cli.config, url, timeout))
         }
+        Command::Key { .. } => ExitCode::SUCCESS,
     }
 }
 
@@ -170,6 +236,18 @@ async fn run(path: &Path) -> ExitCode {
                 tracing::warn!(error = %e, "cannot watch the config file; reload with SIGHUP");
                 None
             }
+        }
+    } else {
+        None
+    };
+    let _keys_watcher = if file.config.server.watch_config {
+        match watch_keys(gateway.reloader()) {
+            Some(Ok(w)) => Some(w),
+            Some(Err(e)) => {
+                tracing::warn!(error = %e, "cannot watch the keys file; reload with SIGHUP");
+                None
+            }
+            None => None,
         }
     } else {
         None

@@ -76,9 +76,10 @@ fn full_config() -> Config {
             anonymous_tier: "anonymous".into(),
             clients: vec![ClientConfig {
                 id: "a".into(),
-                key_sha256: "0".repeat(64),
+                key_sha256: "0".repeat(64).into(),
                 tier: "default".into(),
             }],
+            clients_file: Some("keys.jsonl".into()),
             failed_auth_limit: tollgate::config::FailedAuthLimit::default(),
             client_cert_subject_as_caller: true,
             jwt: Some(JwtConfig {

@@ -437,6 +437,12 @@ pub struct IdentityConfig {
     pub anonymous_tier: String,
     /// `[[identity.clients]]`: known API keys.
     pub clients: Vec<ClientConfig>,
+    /// A file of further API keys, one JSON object a line (`{"id": "acme",
+    /// "key_sha256": "…", "tier": "gold"}`, see [`crate::identity::keys`]); relative to
+    /// the config file's directory. Reloaded on its own when it changes, and on SIGHUP.
+    /// Default: none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub clients_file: Option<String>,
     /// Failed authentications (unknown API keys) allowed per client IP and window, in
     /// the same store as the limits; past it, 429 instead of 401. Default 30 a minute.
     pub failed_auth_limit: FailedAuthLimit,
@@ -529,6 +535,7 @@ impl Default for IdentityConfig {
             ipv6_prefix_len: 64,
             anonymous_tier: "anonymous".into(),
             clients: Vec::new(),
+            clients_file: None,
             failed_auth_limit: FailedAuthLimit::default(),
             client_cert_subject_as_caller: false,
             jwt: None,
@@ -558,17 +565,46 @@ impl Default for FailedAuthLimit {
     }
 }
 
-/// `[[identity.clients]]`: one API key.
+/// `[[identity.clients]]`: one client and its API key(s).
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ClientConfig {
-    /// Caller id, used in limit keys (hashed), logs and error messages.
+    /// Caller id, used in limit keys (hashed), logs and error messages. Several entries
+    /// (here or in `identity.clients_file`) may share an id: they are keys of one client
+    /// and share its windows.
     pub id: String,
-    /// SHA-256 of the API key, 64 hex characters.
-    pub key_sha256: String,
+    /// SHA-256 of the API key, 64 hex characters, or an array of them (several keys of
+    /// one client, e.g. while rotating).
+    pub key_sha256: KeyHashes,
     /// The client's tier. Default `"default"`.
     #[serde(default = "default_tier")]
     pub tier: String,
+}
+
+/// `key_sha256`: one hex SHA-256, or an array of them.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(untagged)]
+pub enum KeyHashes {
+    /// One key.
+    One(String),
+    /// Several keys of one client.
+    Many(Vec<String>),
+}
+
+impl KeyHashes {
+    /// The hashes, in order.
+    pub fn as_slice(&self) -> &[String] {
+        match self {
+            Self::One(s) => std::slice::from_ref(s),
+            Self::Many(v) => v,
+        }
+    }
+}
+
+impl From<String> for KeyHashes {
+    fn from(s: String) -> Self {
+        Self::One(s)
+    }
 }
 
 fn default_tier() -> String {

@@ -194,6 +194,7 @@ pub async fn serve(
         }
     };
     log.caller = caller.client.as_ref().map(|c| c.id.clone());
+    log.key_label = caller.key_label.clone();
 
     // The caller's own limits (rate_limit_endpoint.path): answered here, never charged.
     if req.method() == http::Method::GET && snap.rate_limit_path == Some(req.uri().path()) {

@@ -96,6 +96,11 @@ fn full_config() -> Config {
                 default_tier: "default".into(),
                 tiers: vec!["gold".into()],
             }),
+            auth_request: Some(AuthRequestConfig {
+                url: "http://127.0.0.1:9100/auth".into(),
+                forward_headers: vec!["x-tenant".into()],
+                ..AuthRequestConfig::default()
+            }),
             forward_caller_header: Some("x-consumer-id".into()),
             forward_tier_header: Some("x-consumer-tier".into()),
             strip_credentials: true,

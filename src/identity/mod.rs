@@ -11,6 +11,7 @@
 //! Before forwarding, [`Identities::to_upstream`] tells the upstream who called
 //! (`forward_caller_header`, `forward_tier_header`) and may strip the credential.
 
+pub mod auth_request;
 mod client_ip;
 pub mod jwt;
 pub mod keys;
@@ -111,6 +112,20 @@ pub enum IdentityError {
     /// gateway cannot identify unambiguously, it must not forward either.
     #[error("malformed credentials: {0}")]
     Malformed(&'static str),
+    /// `[identity.auth_request]` answered 401 or 403: passed to the client as it is.
+    #[error("refused by the auth service")]
+    Refused {
+        /// 401 or 403.
+        status: u16,
+        /// The answer's `Content-Type`.
+        content_type: Option<HeaderValue>,
+        /// The answer's body (at most 64 KB).
+        body: bytes::Bytes,
+    },
+    /// `[identity.auth_request]` failed (why: `error`, `timeout`, `breaker_open`) and
+    /// its `on_error = "deny"` (HTTP 503).
+    #[error("authentication service unavailable")]
+    AuthUnavailable(&'static str),
 }
 
 /// The identity part of a config snapshot.
@@ -118,6 +133,8 @@ pub enum IdentityError {
 pub struct Identities {
     header: HeaderName,
     scheme_prefixed: bool,
+    /// `[identity.auth_request]`, when configured.
+    auth_request: Option<Arc<auth_request::AuthRequest>>,
     /// Every API key: swapped as a whole when the keys file is reloaded.
     keys: Arc<ArcSwap<KeySet>>,
     /// What `keys` is built from.
@@ -253,6 +270,7 @@ impl Identities {
         }
 
         let mut identities = Self {
+            auth_request: None,
             header,
             scheme_prefixed,
             keys,
@@ -267,7 +285,21 @@ impl Identities {
         };
         let tiers = identities.tiers();
         if let Some(jwt) = &mut identities.jwt {
-            jwt.known_tiers = tiers;
+            jwt.known_tiers = tiers.clone();
+        }
+        if let Some(a) = &cfg.auth_request {
+            let mut tiers = tiers;
+            let source = &identities.key_source;
+            tiers.extend(source.tiers.iter().flatten().map(|t| Arc::from(t.as_str())));
+            let limits: Vec<String> = source.limits.iter().flatten().cloned().collect();
+            identities.auth_request = auth_request::AuthRequest::build(
+                a,
+                &identities.header,
+                tiers,
+                &limits,
+                previous.and_then(|p| p.auth_request.as_ref()),
+                problems,
+            );
         }
         identities
     }
@@ -279,6 +311,9 @@ impl Identities {
         t.insert(self.anonymous_tier.clone());
         if let Some(jwt) = &self.jwt {
             t.extend(jwt.declared_tiers.iter().cloned());
+        }
+        if let Some(a) = &self.auth_request {
+            t.insert(a.default_tier());
         }
         t
     }
@@ -309,6 +344,56 @@ impl Identities {
         let counts = (set.clients(), set.keys());
         self.keys.store(Arc::new(set));
         Ok(counts)
+    }
+
+    /// For a request whose credential no local key matches (it got
+    /// [`IdentityError::BadCredentials`]), ask `[identity.auth_request]`: `None` when
+    /// there is none, the request has no key, or the key is a local one (disabled or
+    /// expired keys stay refused). The answer: the caller it names; its 401/403
+    /// ([`IdentityError::Refused`]); or, when the service fails, what `on_error` says
+    /// ([`IdentityError::AuthUnavailable`] or an anonymous caller).
+    pub async fn ask_auth_service(
+        &self,
+        headers: &HeaderMap,
+        peer: IpAddr,
+        method: &http::Method,
+        uri: &http::Uri,
+        metrics: &crate::metrics::Metrics,
+    ) -> Option<Result<Caller, IdentityError>> {
+        let auth = self.auth_request.as_ref()?;
+        let key = self.presented_key(headers).ok()??;
+        let digest: [u8; 32] = Sha256::digest(key).into();
+        if self.keys.load().find(&digest, || 0).is_some() {
+            return None;
+        }
+        let answer = auth.ask(digest, headers, method, uri, metrics).await;
+        let ip = client_ip(headers, peer, &self.trusted_proxies);
+        let caller = |client: Option<Arc<Client>>| Caller {
+            tier: client
+                .as_ref()
+                .map_or_else(|| self.anonymous_tier.clone(), |c| c.tier.clone()),
+            client,
+            ip,
+            ip_key: self.ip_key(ip),
+            peer_trusted: self.trusts(peer),
+            key_label: None,
+        };
+        Some(match answer {
+            auth_request::Answer::Caller(client) => Ok(caller(Some(client))),
+            auth_request::Answer::Refused {
+                status,
+                content_type,
+                body,
+            } => Err(IdentityError::Refused {
+                status,
+                content_type,
+                body,
+            }),
+            auth_request::Answer::Failed(why) => match auth.on_error() {
+                crate::config::AuthOnError::Deny => Err(IdentityError::AuthUnavailable(why)),
+                crate::config::AuthOnError::Anonymous => Ok(caller(None)),
+            },
+        })
     }
 
     /// Tell the upstream who called, just before forwarding: remove any

@@ -405,7 +405,9 @@ impl Parsed {
             }
         }
         let mut client = Client::new(id.into(), tier);
-        client.quotas = quotas.into_boxed_slice();
+        if !quotas.is_empty() {
+            client.quotas = Some(Box::new(quotas.into_boxed_slice()));
+        }
         Answer::Caller(Arc::new(client))
     }
 }

@@ -31,7 +31,7 @@ use std::sync::Arc;
 use subtle::ConstantTimeEq;
 
 /// A client's own quotas: (limit name, cost units per window).
-type Quotas = Box<[(Arc<str>, u64)]>;
+pub(super) type Quotas = Box<[(Arc<str>, u64)]>;
 
 /// An empty slot of the table.
 const EMPTY: u32 = u32::MAX;
@@ -209,17 +209,27 @@ impl KeySource {
         }
     }
 
-    /// Read the keys file (if any) and build the set.
+    /// Read the keys file (if any) and build the set. Clients that `previous` (the set
+    /// this one replaces) has with the same id, key and attributes are shared with it
+    /// rather than allocated again, so that a reload of a big file needs little more
+    /// memory than the new table.
     ///
     /// Errors: every problem found, each tied to an inline entry's key path or to a line
     /// of the file (see [`KeyErrors`]).
-    pub fn build(&self) -> Result<KeySet, KeyErrors> {
+    pub fn build(&self, previous: Option<&KeySet>) -> Result<KeySet, KeyErrors> {
         let mut b = Builder::new(self);
+        b.previous = previous;
         for (i, c) in self.inline.iter().enumerate() {
             b.inline(i, c);
         }
         if let Some(path) = &self.file {
             b.set.fingerprint = fingerprint(path);
+            // A line is at least 84 bytes: reserve for the most lines the file can
+            // have, so that the vectors never grow by copying. Pages never written are
+            // not resident.
+            let most = b.set.fingerprint.map_or(0, |(len, _)| len / 84) as usize;
+            b.set.entries.reserve(most);
+            b.origins.reserve(most);
             match std::fs::File::open(path) {
                 Ok(f) => b.read(std::io::BufReader::with_capacity(1 << 20, f)),
                 Err(e) => b.errors.file(0, format!("cannot read the keys file: {e}")),
@@ -334,26 +344,25 @@ impl KeyErrors {
     }
 }
 
-/// A client while its keys are read: attributes with where they were given.
-struct Draft {
-    id: Arc<str>,
-    tier: Option<Arc<str>>,
-    tier_at: Origin,
-    quotas: Option<Quotas>,
-    quotas_at: Origin,
-    disabled: Option<bool>,
-    disabled_at: Origin,
-}
+/// Where a client's tier, quotas and disabled flag were given (0: not given).
+type Given = [Origin; 3];
 
 struct Builder<'s> {
     source: &'s KeySource,
     set: KeySet,
     /// Where each entry was given.
     origins: Vec<Origin>,
-    drafts: Vec<Draft>,
-    ids: HashMap<Arc<str>, u32, foldhash::fast::RandomState>,
+    /// Per client (as `set.clients`), where its attributes were given.
+    given: Vec<Given>,
+    /// Clients by id: an open-addressing table of indices into `set.clients`.
+    ids: Vec<u32>,
+    /// The set this one replaces: clients whose keys and attributes stay are shared
+    /// with it, not allocated again.
+    previous: Option<&'s KeySet>,
     /// Interned tier and limit names.
     names: BTreeSet<Arc<str>>,
+    /// `"default"`, the tier of clients given none.
+    default_tier: Arc<str>,
     errors: KeyErrors,
 }
 
@@ -371,9 +380,11 @@ impl<'s> Builder<'s> {
             source,
             set: KeySet::default(),
             origins: Vec::new(),
-            drafts: Vec::new(),
-            ids: HashMap::default(),
-            names: BTreeSet::new(),
+            given: Vec::new(),
+            ids: vec![EMPTY; 1024],
+            previous: None,
+            names: BTreeSet::from([Arc::from("default")]),
+            default_tier: Arc::from("default"),
             errors: KeyErrors {
                 file: source.file.clone(),
                 ..Default::default()
@@ -391,6 +402,9 @@ impl<'s> Builder<'s> {
     }
 
     fn intern(&mut self, name: &str) -> Arc<str> {
+        if *self.default_tier == *name {
+            return self.default_tier.clone();
+        }
         if let Some(n) = self.names.get(name) {
             return n.clone();
         }
@@ -410,9 +424,6 @@ impl<'s> Builder<'s> {
             return;
         }
         let tier = self.intern(&c.tier);
-        let Some(client) = self.client(o, &c.id, Some(tier), None, None) else {
-            return;
-        };
         let hashes = c.key_sha256.as_slice();
         if hashes.is_empty() {
             self.problem(o, "key_sha256", "give at least one key hash".into());
@@ -423,7 +434,12 @@ impl<'s> Builder<'s> {
                 crate::config::KeyHashes::Many(_) => format!("key_sha256[{j}]"),
             };
             match parse_sha256(h) {
-                Some(d) => self.key(o, d, client, 0, None),
+                Some(d) => {
+                    if let Some(client) = self.client(o, &c.id, &d, Some(tier.clone()), None, None)
+                    {
+                        self.key(o, d, client, 0, None);
+                    }
+                }
                 None => self.problem(
                     o,
                     &key,
@@ -539,67 +555,115 @@ impl<'s> Builder<'s> {
             },
         };
         let label = line.label.as_deref().map(Arc::from);
-        let Some(client) = self.client(n, &line.id, tier, quotas, line.disabled) else {
+        let Some(client) = self.client(n, &line.id, &digest, tier, quotas, line.disabled) else {
             return;
         };
         self.key(n, digest, client, expires_at, label);
     }
 
-    /// The client `id`, created on its first key; `tier`, `quotas` and `disabled`, when
-    /// given, must agree with what earlier keys of the client gave.
+    /// The slot of `id` in the id table: where it is, or the empty slot where it goes.
+    fn id_slot(&self, id: &str) -> usize {
+        use std::hash::BuildHasher;
+        let mask = self.ids.len() - 1;
+        let mut i = foldhash::fast::FixedState::default().hash_one(id) as usize & mask;
+        loop {
+            let at = self.ids[i];
+            if at == EMPTY || &*self.set.clients[at as usize].id == id {
+                return i;
+            }
+            i = (i + 1) & mask;
+        }
+    }
+
+    /// Double the id table (kept at most half full).
+    fn grow_ids(&mut self) {
+        let old = std::mem::replace(&mut self.ids, vec![EMPTY; 0]);
+        self.ids = vec![EMPTY; old.len() * 2];
+        for at in old.into_iter().filter(|at| *at != EMPTY) {
+            let slot = self.id_slot(&self.set.clients[at as usize].id.clone());
+            self.ids[slot] = at;
+        }
+    }
+
+    /// The client `id`, created on its first key (shared with the previous set when
+    /// that key was already its); `tier`, `quotas` and `disabled`, when given, must
+    /// agree with what earlier keys of the client gave.
     fn client(
         &mut self,
         o: Origin,
         id: &str,
+        digest: &[u8; 32],
         tier: Option<Arc<str>>,
         quotas: Option<Quotas>,
         disabled: Option<bool>,
     ) -> Option<u32> {
-        let index = match self.ids.get(id) {
-            Some(i) => *i,
-            None => {
-                let i = self.drafts.len() as u32;
-                let id: Arc<str> = id.into();
-                self.drafts.push(Draft {
-                    id: id.clone(),
-                    tier: None,
-                    tier_at: 0,
-                    quotas: None,
-                    quotas_at: 0,
-                    disabled: None,
-                    disabled_at: 0,
+        let slot = self.id_slot(id);
+        let index = match self.ids[slot] {
+            EMPTY => {
+                let index = self.set.clients.len() as u32;
+                let kept = self
+                    .previous
+                    .and_then(|p| p.find(digest, || 0))
+                    .filter(|f| &*f.client.id == id)
+                    .map(|f| f.client.clone());
+                let client = kept.unwrap_or_else(|| {
+                    Arc::new(Client::new(id.into(), self.default_tier.clone()))
                 });
-                self.ids.insert(id, i);
-                i
+                self.set.clients.push(client);
+                self.given.push([0; 3]);
+                self.ids[slot] = index;
+                if self.set.clients.len() * 2 > self.ids.len() {
+                    self.grow_ids();
+                }
+                index
             }
+            index => index,
         };
-        let d = &mut self.drafts[index as usize];
+        let (given, client) = (
+            &mut self.given[index as usize],
+            &mut self.set.clients[index as usize],
+        );
         let mut conflict = None;
         if let Some(t) = tier {
-            match &d.tier {
-                Some(old) if *old != t => {
-                    conflict = Some(("tier", format!("tier {t:?} differs from {old:?} given at {} for client {id:?} (a client has one tier: give it on one line, or the same on each)", at(d.tier_at))));
+            match given[0] {
+                0 => {
+                    if client.tier != t {
+                        Arc::make_mut(client).tier = t;
+                    }
+                    given[0] = o;
                 }
-                Some(_) => {}
-                None => (d.tier, d.tier_at) = (Some(t), o),
+                _ if client.tier != t => {
+                    conflict = Some(("tier", format!("tier {t:?} differs from {:?} given at {} for client {id:?} (a client has one tier: give it on one line, or the same on each)", client.tier, at(given[0]))));
+                }
+                _ => {}
             }
         }
         if let Some(q) = quotas {
-            match &d.quotas {
-                Some(old) if *old != q => {
-                    conflict = Some(("quotas", format!("quotas differ from those given at {} for client {id:?} (give them on one line, or the same on each)", at(d.quotas_at))));
+            match given[1] {
+                0 => {
+                    if client.quotas.as_deref() != Some(&q) {
+                        Arc::make_mut(client).quotas = Some(Box::new(q));
+                    }
+                    given[1] = o;
                 }
-                Some(_) => {}
-                None => (d.quotas, d.quotas_at) = (Some(q), o),
+                _ if client.quotas.as_deref() != Some(&q) => {
+                    conflict = Some(("quotas", format!("quotas differ from those given at {} for client {id:?} (give them on one line, or the same on each)", at(given[1]))));
+                }
+                _ => {}
             }
         }
         if let Some(x) = disabled {
-            match d.disabled {
-                Some(old) if old != x => {
-                    conflict = Some(("disabled", format!("disabled {x} differs from {old} given at {} for client {id:?} (disabling a client disables all its keys; to retire one key, remove it or give it an expires_at)", at(d.disabled_at))));
+            match given[2] {
+                0 => {
+                    if client.disabled != x {
+                        Arc::make_mut(client).disabled = x;
+                    }
+                    given[2] = o;
                 }
-                Some(_) => {}
-                None => (d.disabled, d.disabled_at) = (Some(x), o),
+                _ if client.disabled != x => {
+                    conflict = Some(("disabled", format!("disabled {x} differs from {} given at {} for client {id:?} (disabling a client disables all its keys; to retire one key, remove it or give it an expires_at)", client.disabled, at(given[2]))));
+                }
+                _ => {}
             }
         }
         match conflict {
@@ -666,30 +730,30 @@ impl<'s> Builder<'s> {
             return Err(self.errors);
         }
         drop(std::mem::take(&mut self.origins));
-        let keep_ids = self.source.by_id;
-        let ids = std::mem::take(&mut self.ids);
-        if keep_ids {
-            self.set.by_id = ids.into_iter().collect();
-        } else {
-            drop(ids);
+        // What no line gave takes its default (a client shared with the previous set
+        // may have had it).
+        let given = std::mem::take(&mut self.given);
+        for (client, given) in self.set.clients.iter_mut().zip(given) {
+            if given[0] == 0 && client.tier != self.default_tier {
+                Arc::make_mut(client).tier = self.default_tier.clone();
+            }
+            if given[1] == 0 && client.quotas.is_some() {
+                Arc::make_mut(client).quotas = None;
+            }
+            if given[2] == 0 && client.disabled {
+                Arc::make_mut(client).disabled = false;
+            }
+            self.set.tiers.insert(client.tier.clone());
         }
-        let default_tier = self.intern("default");
-        let drafts = std::mem::take(&mut self.drafts);
-        self.set.clients = drafts
-            .into_iter()
-            .map(|d| {
-                let tier = d.tier.unwrap_or_else(|| default_tier.clone());
-                self.set.tiers.insert(tier.clone());
-                Arc::new(Client {
-                    id: d.id,
-                    tier,
-                    quotas: d.quotas.unwrap_or_default(),
-                    disabled: d.disabled.unwrap_or(false),
-                })
-            })
-            .collect();
+        let ids = std::mem::take(&mut self.ids);
+        if self.source.by_id {
+            self.set.by_id = ids
+                .into_iter()
+                .filter(|at| *at != EMPTY)
+                .map(|at| (self.set.clients[at as usize].id.clone(), at))
+                .collect();
+        }
         self.set.slots = slots;
-        self.set.entries.shrink_to_fit();
         Ok(self.set)
     }
 }
@@ -798,7 +862,14 @@ mod tests {
             tiers: None,
             by_id: false,
         };
-        let set = source.build().unwrap();
+        let set = source.build(None).unwrap();
+        // Built again over itself: every client is shared.
+        let again = source.build(Some(&set)).unwrap();
+        assert!(set
+            .clients
+            .iter()
+            .zip(&again.clients)
+            .all(|(a, b)| Arc::ptr_eq(a, b)));
         assert_eq!((set.keys(), set.clients()), (5000, 2500));
         for i in 0..5000 {
             let found = set.find(&digest(i), || 0).unwrap();

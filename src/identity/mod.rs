@@ -31,7 +31,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 /// A known API client (all its keys share it, and so share its windows).
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Client {
     /// Caller id (from config, the keys file, or a JWT claim).
     pub id: Arc<str>,
@@ -39,7 +39,7 @@ pub struct Client {
     pub tier: Arc<str>,
     /// Per-client quotas by limit name (cost units per window), which win over the
     /// tier's quota (`"quotas"` in the keys file).
-    quotas: Box<[(Arc<str>, u64)]>,
+    quotas: Option<Box<keys::Quotas>>,
     /// Every key of a disabled client is refused (401).
     disabled: bool,
 }
@@ -50,7 +50,7 @@ impl Client {
         Self {
             id,
             tier,
-            quotas: Box::default(),
+            quotas: None,
             disabled: false,
         }
     }
@@ -59,6 +59,7 @@ impl Client {
     /// one; otherwise its tier's applies.
     pub fn quota_for(&self, name: &str) -> Option<u64> {
         self.quotas
+            .as_deref()?
             .iter()
             .find(|(n, _)| &**n == name)
             .map(|(_, q)| *q)
@@ -227,7 +228,7 @@ impl Identities {
         let kept = previous.filter(|p| *p.key_source == source);
         let keys = match kept {
             Some(p) => p.keys.clone(),
-            None => match source.build() {
+            None => match source.build(previous.map(|p| p.keys.load_full()).as_deref()) {
                 Ok(set) => Arc::new(ArcSwap::from_pointee(set)),
                 Err(errors) => {
                     record_key_errors(&errors, problems);
@@ -340,7 +341,7 @@ impl Identities {
     /// Errors: every problem of the file ([`KeyErrors::lines`]); the running set
     /// stays.
     pub fn reload_keys(&self) -> Result<(usize, usize), KeyErrors> {
-        let set = self.key_source.build()?;
+        let set = self.key_source.build(Some(&self.keys.load()))?;
         let counts = (set.clients(), set.keys());
         self.keys.store(Arc::new(set));
         Ok(counts)

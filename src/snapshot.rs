@@ -333,7 +333,12 @@ impl Snapshot {
                     cfg.identity.failed_auth_limit.quota,
                     cfg.identity.failed_auth_limit.window.as_millis(),
                 )
-                .with_reserve_in_flight(cfg.store.reserve_in_flight),
+                .with_reserve_in_flight(cfg.store.reserve_in_flight)
+                .with_top(
+                    previous
+                        .map(|p| p.limiter.top().clone())
+                        .unwrap_or_default(),
+                ),
             listen,
             admin_listen,
             tls,

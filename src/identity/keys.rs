@@ -606,9 +606,8 @@ impl<'s> Builder<'s> {
                     .and_then(|p| p.find(digest, || 0))
                     .filter(|f| &*f.client.id == id)
                     .map(|f| f.client.clone());
-                let client = kept.unwrap_or_else(|| {
-                    Arc::new(Client::new(id.into(), self.default_tier.clone()))
-                });
+                let client = kept
+                    .unwrap_or_else(|| Arc::new(Client::new(id.into(), self.default_tier.clone())));
                 self.set.clients.push(client);
                 self.given.push([0; 3]);
                 self.ids[slot] = index;

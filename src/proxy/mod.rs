@@ -289,6 +289,8 @@ pub async fn serve(
         Ok(admission) => admission,
         Err(Refusal::OverLimit(usage)) => {
             log.decision = Decision::Rejected;
+            snap.limiter
+                .count_refused(&usage.resource, &caller, clock.now_ms());
             ctx.metrics
                 .rejections
                 .get_or_create(&crate::metrics::RejectionLabels {
@@ -312,6 +314,8 @@ pub async fn serve(
             return ProxyError::StoreUnavailable.into_response();
         }
     };
+    snap.limiter
+        .count_used(&applied, &caller, route.cost, clock.now_ms());
     if admission.usages.iter().any(Option::is_none) {
         log.decision = Decision::StoreErrorAllowed;
     }

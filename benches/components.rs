@@ -56,7 +56,7 @@ fn identity(c: &mut Criterion) {
         clients: (0..100)
             .map(|i| ClientConfig {
                 id: format!("client-{i}"),
-                key_sha256: sha256_hex(&format!("key-{i}")),
+                key_sha256: sha256_hex(&format!("key-{i}")).into(),
                 tier: if i % 2 == 0 { "default" } else { "gold" }.into(),
             })
             .collect(),

@@ -8,6 +8,7 @@
 //!   and `[log]` as they run, with reloaded values that wait for a restart under
 //!   `pending_restart`), with its
 //!   generation and content hash.
+//! - `GET /top[?n=N]`: who is being limited now ([`top_view`]).
 
 use crate::limiter::store::StoreStatus;
 use crate::metrics::Metrics;
@@ -92,11 +93,61 @@ fn route(req: &Request<Incoming>, snap: &Snapshot, metrics: &Metrics) -> Respons
             r
         }
         "/config" => json_response(StatusCode::OK, &config_view(snap)),
+        "/top" => {
+            let n = req
+                .uri()
+                .query()
+                .unwrap_or("")
+                .split('&')
+                .find_map(|p| p.strip_prefix("n="))
+                .and_then(|n| n.parse::<usize>().ok())
+                .unwrap_or(10)
+                .clamp(1, 100);
+            let now_s = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs());
+            json_response(StatusCode::OK, &top_view(snap, n, now_s))
+        }
         _ => json_response(
             StatusCode::NOT_FOUND,
-            &json!({ "message": "not found; try /healthz, /readyz, /metrics, /config" }),
+            &json!({ "message": "not found; try /healthz, /readyz, /metrics, /config, /top" }),
         ),
     }
+}
+
+/// `GET /top`: per limit (in config order), the `n` callers with the most refusals and
+/// the most units admitted in the current and the previous minute (since `since`, epoch
+/// seconds), from the gateway's bounded heavy-hitters sketch:
+/// `{"since": S, "limits": [{"name": "core", "refused": [{"caller": "acme", "tier":
+/// "gold", "count": 1234, "error": 0}], "used": [...]}]}`. `error` bounds how much of
+/// `count` may belong to callers the sketch forgot. Anonymous callers appear as the
+/// access log shows them (`log.client_ip`: the keyed hash, or the IP).
+pub fn top_view(snap: &Snapshot, n: usize, now_s: u64) -> Value {
+    use crate::limiter::top::Who;
+    let mut top = snap.limiter.top().top(n, now_s);
+    let gate = snap.gate();
+    let render = |list: Vec<crate::limiter::top::Hitter>| -> Vec<Value> {
+        list.into_iter()
+            .map(|h| {
+                let caller = match &h.who {
+                    Who::Client(id) => id.to_string(),
+                    Who::Ip(ip) => gate
+                        .log_client(*ip)
+                        .unwrap_or_else(|| snap.limiter.ip_hash(*ip)),
+                };
+                json!({ "caller": caller, "tier": &*h.tier, "count": h.count, "error": h.error })
+            })
+            .collect()
+    };
+    let limits: Vec<Value> = snap
+        .limits
+        .iter()
+        .map(|l| {
+            let t = top.remove(&l.name).unwrap_or_default();
+            json!({ "name": &*l.name, "refused": render(t.refused), "used": render(t.used) })
+        })
+        .collect();
+    json!({ "since": (now_s / 60).saturating_sub(1) * 60, "limits": limits })
 }
 
 /// Readiness and per-shard state.

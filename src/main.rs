@@ -9,7 +9,7 @@ use std::time::Duration;
 use tollgate::clock::SystemClock;
 use tollgate::config;
 use tollgate::config::RuntimeShape;
-use tollgate::reload::{notify_systemd, reload_on_sighup, watch_file};
+use tollgate::reload::{notify_systemd, reload_on_sighup, watch_file, watch_keys};
 use tollgate::snapshot::{reshard_warning, Snapshot};
 use tollgate::Gateway;
 
@@ -50,6 +50,23 @@ enum Command {
         #[arg(long, value_name = "PATH")]
         against: Option<PathBuf>,
     },
+    /// Who is being limited now: GET /top of a running gateway, refreshed every second.
+    Top {
+        /// The admin listener, HOST:PORT. Default: the config's `server.admin_listen`.
+        #[arg(long, value_name = "ADDR")]
+        admin: Option<String>,
+        /// Callers per limit.
+        #[arg(long, default_value_t = 10)]
+        n: usize,
+        /// Print once and exit (for scripts).
+        #[arg(long)]
+        once: bool,
+    },
+    /// API keys for `identity.clients_file`.
+    Key {
+        #[command(subcommand)]
+        command: KeyCommand,
+    },
     /// Exit 0 when the gateway's admin listener answers GET /healthz with 200, else 1.
     Healthcheck {
         /// The URL to probe. Default: /healthz on the config's `server.admin_listen`.
@@ -59,6 +76,54 @@ enum Command {
         #[arg(long, default_value = "2s", value_parser = parse_duration)]
         timeout: Duration,
     },
+}
+
+#[derive(Subcommand)]
+enum KeyCommand {
+    /// Make a new random key: print it once, then its keys-file line (only the key's
+    /// SHA-256 is in it), and append the line to --clients-file when given.
+    New {
+        /// The client id (a rotated key gets the id of the key it replaces).
+        #[arg(long)]
+        id: String,
+        /// The client's tier.
+        #[arg(long, default_value = "default")]
+        tier: String,
+        /// A label for logs and /top (never the key).
+        #[arg(long)]
+        label: Option<String>,
+        /// The keys file to append the line to.
+        #[arg(long, value_name = "PATH")]
+        clients_file: Option<PathBuf>,
+    },
+}
+
+/// `tollgate key new`: the key on the first line of stdout, the JSON line on the second.
+fn key_new(id: &str, tier: &str, label: Option<&str>, file: Option<&Path>) -> ExitCode {
+    if id.trim().is_empty() || tier.trim().is_empty() {
+        eprintln!("tollgate key new: --id and --tier must not be empty");
+        return ExitCode::FAILURE;
+    }
+    let made = match tollgate::identity::keys::new_key(id, tier, label) {
+        Ok(k) => k,
+        Err(e) => {
+            eprintln!("tollgate key new: cannot read random bytes: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    if let Some(path) = file {
+        if let Err(e) = tollgate::identity::keys::append_line(path, &made.line) {
+            eprintln!("tollgate key new: {}: {e}", path.display());
+            return ExitCode::FAILURE;
+        }
+        eprintln!(
+            "appended to {}; the key is shown once, here: hand it to the client now",
+            path.display()
+        );
+    }
+    println!("{}", made.key);
+    println!("{}", made.line);
+    ExitCode::SUCCESS
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -74,6 +139,18 @@ fn main() -> ExitCode {
     tollgate::install_crypto_provider();
     let cli = Cli::parse();
     let command = cli.command.unwrap_or(Command::Run);
+    if let Command::Key {
+        command:
+            KeyCommand::New {
+                id,
+                tier,
+                label,
+                clients_file,
+            },
+    } = &command
+    {
+        return key_new(id, tier, label.as_deref(), clients_file.as_deref());
+    }
     // `server.runtime` and `server.workers` shape the runtime, so they are read before it
     // exists; an unreadable file is reported by `run` below.
     let server = match command {
@@ -106,6 +183,8 @@ fn main() -> ExitCode {
         Command::Healthcheck { url, timeout } => {
             runtime.block_on(healthcheck(&cli.config, url, timeout))
         }
+        Command::Key { .. } => ExitCode::SUCCESS,
+        Command::Top { admin, n, once } => runtime.block_on(top(&cli.config, admin, n, once)),
     }
 }
 
@@ -174,6 +253,18 @@ async fn run(path: &Path) -> ExitCode {
     } else {
         None
     };
+    let _keys_watcher = if file.config.server.watch_config {
+        match watch_keys(gateway.reloader()) {
+            Some(Ok(w)) => Some(w),
+            Some(Err(e)) => {
+                tracing::warn!(error = %e, "cannot watch the keys file; reload with SIGHUP");
+                None
+            }
+            None => None,
+        }
+    } else {
+        None
+    };
     // Listeners are bound and the config is loaded.
     notify_systemd(&[NotifyState::Ready]);
     spawn_watchdog();
@@ -213,6 +304,101 @@ async fn wait_for_shutdown_signal() {
     tokio::select! {
         _ = term.recv() => tracing::info!("SIGTERM received"),
         _ = int.recv() => tracing::info!("SIGINT received"),
+    }
+}
+
+/// `tollgate top`: GET /top every second, as a table: per limit and caller, refusals a
+/// second (since the previous poll), refusals and units admitted in the current and the
+/// previous minute.
+async fn top(path: &Path, admin: Option<String>, n: usize, once: bool) -> ExitCode {
+    let admin = match admin {
+        Some(a) => a,
+        None => match config::read(path) {
+            Ok(file) => match file.config.server.admin_listen {
+                Some(a) => a,
+                None => {
+                    eprintln!(
+                        "tollgate top: {}: server.admin_listen is not set; pass --admin",
+                        path.display()
+                    );
+                    return ExitCode::FAILURE;
+                }
+            },
+            Err(report) => {
+                eprint!("{report}");
+                return ExitCode::FAILURE;
+            }
+        },
+    };
+    let url = format!("http://{admin}/top?n={n}");
+    let Ok(uri) = url.parse::<http::Uri>() else {
+        eprintln!("tollgate top: {admin:?} is not HOST:PORT");
+        return ExitCode::FAILURE;
+    };
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<http_body_util::Empty<bytes::Bytes>>();
+    let mut before: std::collections::HashMap<(String, String), (u64, std::time::Instant)> =
+        std::collections::HashMap::new();
+    loop {
+        use http_body_util::BodyExt;
+        let body = match client.get(uri.clone()).await {
+            Ok(r) => r.into_body().collect().await.map(|b| b.to_bytes()).ok(),
+            Err(e) => {
+                eprintln!("tollgate top: {url}: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
+        let Some(v) = body.and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+        else {
+            eprintln!("tollgate top: {url}: not a /top answer");
+            return ExitCode::FAILURE;
+        };
+        let now = std::time::Instant::now();
+        let mut out = String::new();
+        if !once {
+            out.push_str("\x1b[H\x1b[2J");
+        }
+        out.push_str(&format!(
+            "{:<16} {:<32} {:<12} {:>10} {:>10} {:>12}\n",
+            "LIMIT", "CALLER", "TIER", "REFUSED/S", "REFUSED", "USED"
+        ));
+        for limit in v["limits"].as_array().into_iter().flatten() {
+            let name = limit["name"].as_str().unwrap_or("");
+            let mut rows: std::collections::BTreeMap<String, (String, u64, u64)> =
+                std::collections::BTreeMap::new();
+            for (list, refused) in [("refused", true), ("used", false)] {
+                for h in limit[list].as_array().into_iter().flatten() {
+                    let caller = h["caller"].as_str().unwrap_or("").to_string();
+                    let row = rows.entry(caller).or_default();
+                    row.0 = h["tier"].as_str().unwrap_or("").to_string();
+                    let count = h["count"].as_u64().unwrap_or(0);
+                    if refused {
+                        row.1 = count;
+                    } else {
+                        row.2 = count;
+                    }
+                }
+            }
+            let mut rows: Vec<_> = rows.into_iter().collect();
+            rows.sort_by_key(|(_, (_, refused, used))| std::cmp::Reverse((*refused, *used)));
+            for (caller, (tier, refused, used)) in rows {
+                let key = (name.to_string(), caller.clone());
+                let rate = match before.insert(key, (refused, now)) {
+                    Some((was, at)) if refused >= was => {
+                        (refused - was) as f64 / now.duration_since(at).as_secs_f64().max(0.001)
+                    }
+                    _ => 0.0,
+                };
+                out.push_str(&format!(
+                    "{name:<16} {caller:<32} {tier:<12} {rate:>10.1} {refused:>10} {used:>12}\n"
+                ));
+            }
+        }
+        print!("{out}");
+        if once {
+            return ExitCode::SUCCESS;
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
     }
 }
 

@@ -60,6 +60,14 @@ pub struct ReloadLabels {
     pub result: &'static str,
 }
 
+/// Labels of `tollgate_auth_requests_total`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct AuthLabels {
+    /// `allowed` (a 2xx naming a caller), `refused` (401/403), `error` (another status,
+    /// an unusable answer, or no connection), `timeout`, or `breaker_open` (not called).
+    pub result: &'static str,
+}
+
 /// Labels of `tollgate_overload_refusals_total`.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RefusalLabels {
@@ -88,6 +96,11 @@ pub struct Metrics {
     pub upstream_latency: Family<UpstreamLabels, Histogram, fn() -> Histogram>,
     /// Config reloads by result.
     pub reloads: Family<ReloadLabels, Counter>,
+    /// `tollgate_auth_requests_total{result}`: callouts to `[identity.auth_request]`.
+    pub auth_requests: Family<AuthLabels, Counter>,
+    /// `tollgate_auth_request_duration_seconds`: how long callouts took (as the request
+    /// that made one waited), seconds.
+    pub auth_latency: Histogram,
     /// 429s by limit and tier.
     pub rejections: Family<RejectionLabels, Counter>,
     /// `tollgate_shadow_rejections_total{limit, tier}`: requests a limit in shadow mode
@@ -152,6 +165,18 @@ impl Metrics {
         );
         let reloads = Family::<ReloadLabels, Counter>::default();
         registry.register("reloads", "Config reloads by result", reloads.clone());
+        let auth_requests = Family::<AuthLabels, Counter>::default();
+        registry.register(
+            "auth_requests",
+            "Callouts to identity.auth_request, by result",
+            auth_requests.clone(),
+        );
+        let auth_latency = latency_histogram();
+        registry.register(
+            "auth_request_duration_seconds",
+            "How long callouts to identity.auth_request took",
+            auth_latency.clone(),
+        );
         let config_generation = Gauge::default();
         registry.register(
             "config_generation",
@@ -215,6 +240,8 @@ impl Metrics {
             requests,
             upstream_latency,
             reloads,
+            auth_requests,
+            auth_latency,
             rejections,
             shadow_rejections,
             config_generation,

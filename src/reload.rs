@@ -53,7 +53,22 @@ pub fn reload_on_sighup(reloader: Reloader, path: PathBuf) -> std::io::Result<()
             // Reading, validating and reporting a big file takes CPU time: a blocking
             // thread does it, so the workers keep serving requests meanwhile.
             let (reloader, path) = (reloader.clone(), path.clone());
-            let _ = tokio::task::spawn_blocking(move || reloader.reload_from(&path, false)).await;
+            let _ = tokio::task::spawn_blocking(move || {
+                let before = reloader.0.snapshot.load_full();
+                let _ = reloader.reload_from(&path, false);
+                // A reload that kept the keys did not read the keys file: read it now.
+                let kept = reloader
+                    .0
+                    .snapshot
+                    .load()
+                    .identities
+                    .shares_keys(&before.identities);
+                drop(before);
+                if kept {
+                    reloader.reload_keys(false);
+                }
+            })
+            .await;
         }
     });
     Ok(())
@@ -114,6 +129,82 @@ pub fn watch_file(reloader: Reloader, path: PathBuf) -> notify::Result<notify::R
         }
     });
     Ok(watcher)
+}
+
+/// Watch the directory of the running config's `identity.clients_file` and reload the
+/// keys (only them) when the file changes and settles: its size and modification time
+/// stay the same for [`SETTLE`] with no new event. The new set is built on a blocking
+/// thread and swapped in whole; a broken file is logged (`PATH:LINE: what is wrong`)
+/// and the running keys stay. `None` when the config has no keys file. The returned
+/// watcher must be kept alive.
+///
+/// Errors: the watcher could not be set up.
+pub fn watch_keys(reloader: Reloader) -> Option<notify::Result<notify::RecommendedWatcher>> {
+    let path = reloader
+        .0
+        .snapshot
+        .load()
+        .identities
+        .clients_file()?
+        .to_path_buf();
+    Some(watch_keys_file(reloader, path))
+}
+
+fn watch_keys_file(
+    reloader: Reloader,
+    path: PathBuf,
+) -> notify::Result<notify::RecommendedWatcher> {
+    let dir = crate::tls::base_dir(&path);
+    let (tx, mut rx) = mpsc::unbounded_channel::<()>();
+    let watched = path.clone();
+    let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
+        if let Ok(event) = event {
+            if !event.kind.is_access() && event.paths.iter().any(|p| concerns(&watched, p)) {
+                let _ = tx.send(());
+            }
+        }
+    })?;
+    watcher.watch(&dir, RecursiveMode::NonRecursive)?;
+    tracing::info!(file = %path.display(), "watching the keys file for changes");
+    tokio::spawn(async move {
+        while rx.recv().await.is_some() {
+            tokio::time::sleep(DEBOUNCE).await;
+            while rx.try_recv().is_ok() {}
+            if !settled_metadata(&path, &mut rx).await {
+                continue;
+            }
+            let reloader = reloader.clone();
+            let _ = tokio::task::spawn_blocking(move || reloader.reload_keys(true)).await;
+        }
+    });
+    Ok(watcher)
+}
+
+/// Whether the file's size and modification time stayed the same over [`SETTLE`] with
+/// no file event in between (false when it kept changing for [`SETTLE_LIMIT`]). Unlike
+/// [`settled`], the content is not read: a keys file may be hundreds of megabytes.
+async fn settled_metadata(path: &Path, events: &mut mpsc::UnboundedReceiver<()>) -> bool {
+    let look = |path: &Path| {
+        std::fs::metadata(path)
+            .ok()
+            .map(|m| (m.len(), m.modified().ok()))
+    };
+    let started = tokio::time::Instant::now();
+    let mut before = look(path);
+    while started.elapsed() < SETTLE_LIMIT {
+        tokio::time::sleep(SETTLE).await;
+        let mut quiet = true;
+        while events.try_recv().is_ok() {
+            quiet = false;
+        }
+        let now = look(path);
+        if quiet && now == before {
+            return true;
+        }
+        before = now;
+    }
+    tracing::warn!(file = %path.display(), "the keys file kept changing; not reloaded until it settles");
+    false
 }
 
 /// How long the config file's bytes must stay the same (and no new event arrive) before
@@ -243,6 +334,42 @@ impl Reloader {
             .as_ref()
             .map(|t| t.files().to_vec())
             .unwrap_or_default()
+    }
+
+    /// Read the running config's `identity.clients_file` again and swap the new key set
+    /// in (validated as a whole; a broken file is logged as `PATH:LINE: what is wrong`
+    /// lines, capped, and the running keys stay). With `skip_unchanged` (watchers), a
+    /// file whose size and modification time are those already loaded is left alone.
+    /// Returns whether a new set is in use.
+    pub fn reload_keys(&self, skip_unchanged: bool) -> bool {
+        let _serial = self.0.reload_lock.lock().unwrap_or_else(|e| e.into_inner());
+        let snap = self.0.snapshot.load_full();
+        let Some(path) = snap.identities.clients_file() else {
+            return false;
+        };
+        if skip_unchanged && snap.identities.keys().same_file(path) {
+            return false;
+        }
+        let started = std::time::Instant::now();
+        match snap.identities.reload_keys() {
+            Ok((clients, keys)) => {
+                tracing::info!(
+                    file = %path.display(),
+                    clients,
+                    keys,
+                    ms = started.elapsed().as_millis() as u64,
+                    "keys file reloaded"
+                );
+                true
+            }
+            Err(errors) => {
+                for line in errors.lines() {
+                    tracing::error!("{line}");
+                }
+                tracing::error!(file = %path.display(), "keys file rejected; the running keys stay");
+                false
+            }
+        }
     }
 
     /// Count a reload in `tollgate_reloads_total{result}`.

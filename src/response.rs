@@ -69,3 +69,24 @@ impl<G: Send + Sync + Unpin + 'static> hyper::body::Body for Guarded<G> {
         self.body.size_hint()
     }
 }
+
+/// A response passed on as another service gave it: `status`, its `Content-Type` and
+/// `body` (an auth service's 401 or 403).
+pub fn passed_on(
+    status: u16,
+    content_type: Option<http::HeaderValue>,
+    body: Bytes,
+) -> Response<Body> {
+    let mut response = Response::new(
+        http_body_util::Full::new(body)
+            .map_err(|never| match never {})
+            .boxed(),
+    );
+    *response.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::UNAUTHORIZED);
+    if let Some(ct) = content_type {
+        response
+            .headers_mut()
+            .insert(http::header::CONTENT_TYPE, ct);
+    }
+    response
+}

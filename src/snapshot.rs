@@ -146,8 +146,21 @@ impl Snapshot {
         }
 
         let base_dir = crate::tls::base_dir(&file.path);
-        let identities = Identities::build_in(&cfg.identity, &base_dir, &mut problems);
-        let tiers = identities.tiers();
+        let identities = Identities::build_for(
+            cfg,
+            &base_dir,
+            previous.map(|p| &p.identities),
+            &mut problems,
+        );
+        let mut tiers = identities.tiers();
+        if cfg.identity.clients_file.is_some() {
+            // The keys file may give any tier a limit names, now or after a reload.
+            tiers.extend(
+                cfg.limits
+                    .iter()
+                    .flat_map(|l| l.quota.keys().map(|t| std::sync::Arc::from(t.as_str()))),
+            );
+        }
 
         // PEM paths in the config are relative to the config file's directory. Not
         // `tls::base_dir`: for a bare file name this base is "", not ".", so error
@@ -320,7 +333,12 @@ impl Snapshot {
                     cfg.identity.failed_auth_limit.quota,
                     cfg.identity.failed_auth_limit.window.as_millis(),
                 )
-                .with_reserve_in_flight(cfg.store.reserve_in_flight),
+                .with_reserve_in_flight(cfg.store.reserve_in_flight)
+                .with_top(
+                    previous
+                        .map(|p| p.limiter.top().clone())
+                        .unwrap_or_default(),
+                ),
             listen,
             admin_listen,
             tls,
@@ -363,7 +381,7 @@ impl Snapshot {
             self.router.len(),
             c.upstreams.len(),
             c.limits.len(),
-            c.identity.clients.len(),
+            self.identities.keys().clients(),
             store
         )
     }

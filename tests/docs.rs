@@ -79,9 +79,10 @@ fn full_config() -> Config {
             anonymous_tier: "anonymous".into(),
             clients: vec![ClientConfig {
                 id: "a".into(),
-                key_sha256: "0".repeat(64),
+                key_sha256: "0".repeat(64).into(),
                 tier: "default".into(),
             }],
+            clients_file: Some("keys.jsonl".into()),
             failed_auth_limit: tollgate::config::FailedAuthLimit::default(),
             client_cert_subject_as_caller: true,
             jwt: Some(JwtConfig {
@@ -97,6 +98,11 @@ fn full_config() -> Config {
                 tier_claim: Some("tier".into()),
                 default_tier: "default".into(),
                 tiers: vec!["gold".into()],
+            }),
+            auth_request: Some(AuthRequestConfig {
+                url: "http://127.0.0.1:9100/auth".into(),
+                forward_headers: vec!["x-tenant".into()],
+                ..AuthRequestConfig::default()
             }),
             forward_caller_header: Some("x-consumer-id".into()),
             forward_tier_header: Some("x-consumer-tier".into()),

@@ -480,6 +480,12 @@ pub struct IdentityConfig {
     pub anonymous_tier: String,
     /// `[[identity.clients]]`: known API keys.
     pub clients: Vec<ClientConfig>,
+    /// A file of further API keys, one JSON object a line (`{"id": "acme",
+    /// "key_sha256": "…", "tier": "gold"}`, see [`crate::identity::keys`]); relative to
+    /// the config file's directory. Reloaded on its own when it changes, and on SIGHUP.
+    /// Default: none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub clients_file: Option<String>,
     /// Failed authentications (unknown API keys) allowed per client IP and window, in
     /// the same store as the limits; past it, 429 instead of 401. Default 30 a minute.
     pub failed_auth_limit: FailedAuthLimit,
@@ -492,6 +498,10 @@ pub struct IdentityConfig {
     /// Default: none (bearer tokens are API keys only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub jwt: Option<JwtConfig>,
+    /// `[identity.auth_request]`: an auth service asked about credentials no local key
+    /// matches. Default: none (unknown keys get 401).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub auth_request: Option<AuthRequestConfig>,
     /// Request header set to the caller id before forwarding (e.g. `"x-consumer-id"`),
     /// or removed for anonymous callers; the client's own value is always removed first.
     /// Default: none (off).
@@ -572,14 +582,90 @@ impl Default for IdentityConfig {
             ipv6_prefix_len: 64,
             anonymous_tier: "anonymous".into(),
             clients: Vec::new(),
+            clients_file: None,
             failed_auth_limit: FailedAuthLimit::default(),
             client_cert_subject_as_caller: false,
             jwt: None,
+            auth_request: None,
             forward_caller_header: None,
             forward_tier_header: None,
             strip_credentials: false,
         }
     }
+}
+
+/// `[identity.auth_request]`: the auth callout (like nginx's `auth_request`, Traefik's
+/// `ForwardAuth`, Envoy's `ext_authz`).
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AuthRequestConfig {
+    /// The auth service, `http://HOST:PORT/PATH`. Required.
+    pub url: String,
+    /// The HTTP method of the callout. Default `"GET"`.
+    pub method: String,
+    /// Further request headers copied to the callout besides the credential header
+    /// (e.g. `["x-tenant"]`). Default: none.
+    pub forward_headers: Vec<String>,
+    /// Send the request's method and path as `X-Original-Method` and `X-Original-URI`.
+    /// Default true.
+    pub send_request_line: bool,
+    /// Response header of a 2xx answer naming the caller id. Default `"x-caller-id"`.
+    pub caller_header: String,
+    /// Response header naming the caller's tier. Default `"x-caller-tier"`; absent:
+    /// `default_tier`.
+    pub tier_header: String,
+    /// Tier of callers whose answer names none. Default `"default"`.
+    pub default_tier: String,
+    /// Prefix of response headers carrying per-limit quotas, e.g.
+    /// `X-Caller-Quota-core: 10000`. Default `"x-caller-quota-"`.
+    pub quota_header_prefix: String,
+    /// How long an answer that names a caller is cached, per credential. Default 60 s.
+    pub cache_ttl: Dur,
+    /// How long a 401/403 answer is cached, per credential. Default 10 s.
+    pub negative_ttl: Dur,
+    /// Most credentials cached at once. Default 100000.
+    pub cache_size: usize,
+    /// Budget for one callout (connect, answer and body). Default 500 ms.
+    pub timeout: Dur,
+    /// What a request gets when the service fails, is slow or its breaker is open:
+    /// `"deny"` (503, the default) or `"anonymous"` (served as an anonymous caller).
+    pub on_error: AuthOnError,
+    /// Consecutive failed callouts that open the breaker. Default 5.
+    pub breaker_failures: u32,
+    /// How long an open breaker skips the service before trying it again. Default 5 s.
+    pub breaker_cooloff: Dur,
+}
+
+impl Default for AuthRequestConfig {
+    fn default() -> Self {
+        Self {
+            url: String::new(),
+            method: "GET".into(),
+            forward_headers: Vec::new(),
+            send_request_line: true,
+            caller_header: "x-caller-id".into(),
+            tier_header: "x-caller-tier".into(),
+            default_tier: "default".into(),
+            quota_header_prefix: "x-caller-quota-".into(),
+            cache_ttl: Dur::from_secs(60),
+            negative_ttl: Dur::from_secs(10),
+            cache_size: 100_000,
+            timeout: Dur::from_millis(500),
+            on_error: AuthOnError::Deny,
+            breaker_failures: 5,
+            breaker_cooloff: Dur::from_secs(5),
+        }
+    }
+}
+
+/// `identity.auth_request.on_error`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AuthOnError {
+    /// 503.
+    Deny,
+    /// Served as an anonymous caller.
+    Anonymous,
 }
 
 /// `identity.failed_auth_limit`: `{ quota = 30, window = "1m" }`.
@@ -601,17 +687,46 @@ impl Default for FailedAuthLimit {
     }
 }
 
-/// `[[identity.clients]]`: one API key.
+/// `[[identity.clients]]`: one client and its API key(s).
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ClientConfig {
-    /// Caller id, used in limit keys (hashed), logs and error messages.
+    /// Caller id, used in limit keys (hashed), logs and error messages. Several entries
+    /// (here or in `identity.clients_file`) may share an id: they are keys of one client
+    /// and share its windows.
     pub id: String,
-    /// SHA-256 of the API key, 64 hex characters.
-    pub key_sha256: String,
+    /// SHA-256 of the API key, 64 hex characters, or an array of them (several keys of
+    /// one client, e.g. while rotating).
+    pub key_sha256: KeyHashes,
     /// The client's tier. Default `"default"`.
     #[serde(default = "default_tier")]
     pub tier: String,
+}
+
+/// `key_sha256`: one hex SHA-256, or an array of them.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(untagged)]
+pub enum KeyHashes {
+    /// One key.
+    One(String),
+    /// Several keys of one client.
+    Many(Vec<String>),
+}
+
+impl KeyHashes {
+    /// The hashes, in order.
+    pub fn as_slice(&self) -> &[String] {
+        match self {
+            Self::One(s) => std::slice::from_ref(s),
+            Self::Many(v) => v,
+        }
+    }
+}
+
+impl From<String> for KeyHashes {
+    fn from(s: String) -> Self {
+        Self::One(s)
+    }
 }
 
 fn default_tier() -> String {

@@ -11,32 +11,59 @@
 //! Before forwarding, [`Identities::to_upstream`] tells the upstream who called
 //! (`forward_caller_header`, `forward_tier_header`) and may strip the credential.
 
+pub mod auth_request;
 mod client_ip;
 pub mod jwt;
+pub mod keys;
 
 pub use client_ip::{client_ip, network};
 pub use jwt::{JwtCaller, JwtVerifier};
 
-use crate::config::{IdentityConfig, Problems};
+use crate::config::{Config, IdentityConfig, Problems};
+use arc_swap::ArcSwap;
 use http::{HeaderMap, HeaderName, HeaderValue};
 use ipnet::IpNet;
+use keys::{KeyErrors, KeyProblem, KeySet, KeySource};
 use sha2::{Digest, Sha256};
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
 use std::net::IpAddr;
 use std::path::Path;
 use std::sync::Arc;
-use subtle::ConstantTimeEq;
 
-/// A known API client.
-#[derive(Debug)]
+/// A known API client (all its keys share it, and so share its windows).
+#[derive(Debug, Clone)]
 pub struct Client {
-    /// Caller id (from config).
+    /// Caller id (from config, the keys file, or a JWT claim).
     pub id: Arc<str>,
     /// Tier, which selects the quota of each limit.
     pub tier: Arc<str>,
-    /// SHA-256 of the API key (all zeros for JWT callers, which are never looked up by
-    /// digest).
-    key_sha256: [u8; 32],
+    /// Per-client quotas by limit name (cost units per window), which win over the
+    /// tier's quota (`"quotas"` in the keys file).
+    quotas: Option<Box<keys::Quotas>>,
+    /// Every key of a disabled client is refused (401).
+    disabled: bool,
+}
+
+impl Client {
+    /// A client with no quota overrides (JWT callers).
+    pub fn new(id: Arc<str>, tier: Arc<str>) -> Self {
+        Self {
+            id,
+            tier,
+            quotas: None,
+            disabled: false,
+        }
+    }
+
+    /// This client's own quota for the limit `name` (cost units per window), if it has
+    /// one; otherwise its tier's applies.
+    pub fn quota_for(&self, name: &str) -> Option<u64> {
+        self.quotas
+            .as_deref()?
+            .iter()
+            .find(|(n, _)| &**n == name)
+            .map(|(_, q)| *q)
+    }
 }
 
 /// The caller of one request.
@@ -56,6 +83,9 @@ pub struct Caller {
     /// Whether the socket peer is one of `identity.trusted_proxies` (limits with
     /// `trusted_only = true` believe its headers).
     pub peer_trusted: bool,
+    /// The label of the key presented (`"label"` in the keys file), for logs and
+    /// `/top`; never the key.
+    pub key_label: Option<Arc<str>>,
 }
 
 impl Caller {
@@ -83,6 +113,20 @@ pub enum IdentityError {
     /// gateway cannot identify unambiguously, it must not forward either.
     #[error("malformed credentials: {0}")]
     Malformed(&'static str),
+    /// `[identity.auth_request]` answered 401 or 403: passed to the client as it is.
+    #[error("refused by the auth service")]
+    Refused {
+        /// 401 or 403.
+        status: u16,
+        /// The answer's `Content-Type`.
+        content_type: Option<HeaderValue>,
+        /// The answer's body (at most 64 KB).
+        body: bytes::Bytes,
+    },
+    /// `[identity.auth_request]` failed (why: `error`, `timeout`, `breaker_open`) and
+    /// its `on_error = "deny"` (HTTP 503).
+    #[error("authentication service unavailable")]
+    AuthUnavailable(&'static str),
 }
 
 /// The identity part of a config snapshot.
@@ -90,13 +134,16 @@ pub enum IdentityError {
 pub struct Identities {
     header: HeaderName,
     scheme_prefixed: bool,
-    by_digest: HashMap<[u8; 32], Arc<Client>>,
+    /// `[identity.auth_request]`, when configured.
+    auth_request: Option<Arc<auth_request::AuthRequest>>,
+    /// Every API key: swapped as a whole when the keys file is reloaded.
+    keys: Arc<ArcSwap<KeySet>>,
+    /// What `keys` is built from.
+    key_source: Arc<KeySource>,
     trusted_proxies: Vec<IpNet>,
     /// `identity.ipv6_prefix_len` (1 to 128).
     ipv6_prefix_len: u8,
     anonymous_tier: Arc<str>,
-    /// Clients by id, when `client_cert_subject_as_caller` is on (else empty).
-    by_cert_cn: HashMap<Arc<str>, Arc<Client>>,
     jwt: Option<JwtVerifier>,
     forward_caller: Option<HeaderName>,
     forward_tier: Option<HeaderName>,
@@ -111,9 +158,35 @@ impl Identities {
     }
 
     /// Build from `[identity]`, recording problems under `identity.*`; key files of
-    /// `[identity.jwt]` are read now, relative to `base_dir` (the config file's
-    /// directory).
+    /// `[identity.jwt]` and `identity.clients_file` are read now, relative to `base_dir`
+    /// (the config file's directory). Tier and limit names in the keys file are not
+    /// checked (see [`Identities::build_for`]).
     pub fn build_in(cfg: &IdentityConfig, base_dir: &Path, problems: &mut Problems) -> Self {
+        let source = KeySource::of_identity(cfg, base_dir);
+        Self::build_with(cfg, base_dir, source, None, problems)
+    }
+
+    /// Build the identity part of a whole config: the keys file's tiers and quota
+    /// overrides are checked against its limits. When `previous` was built from the same
+    /// keys (inline list, keys file path and the names they are checked against), its
+    /// key set is kept, and so is the cell the keys file's reloads swap.
+    pub fn build_for(
+        cfg: &Config,
+        base_dir: &Path,
+        previous: Option<&Identities>,
+        problems: &mut Problems,
+    ) -> Self {
+        let source = KeySource::of_config(cfg, base_dir);
+        Self::build_with(&cfg.identity, base_dir, source, previous, problems)
+    }
+
+    fn build_with(
+        cfg: &IdentityConfig,
+        base_dir: &Path,
+        source: KeySource,
+        previous: Option<&Identities>,
+        problems: &mut Problems,
+    ) -> Self {
         let header =
             match HeaderName::from_bytes(cfg.api_key_header.to_ascii_lowercase().as_bytes()) {
                 Ok(h) => h,
@@ -152,43 +225,26 @@ impl Identities {
         }
         let ipv6_prefix_len = cfg.ipv6_prefix_len.clamp(1, 128) as u8;
 
-        let mut by_digest = HashMap::new();
-        let mut by_cert_cn = HashMap::new();
-        let mut ids = BTreeSet::new();
-        for (i, c) in cfg.clients.iter().enumerate() {
-            let at = format!("identity.clients[{i}]");
-            if c.id.trim().is_empty() {
-                problems.error(format!("{at}.id"), "must not be empty");
-            } else if !ids.insert(c.id.as_str()) {
-                problems.error(
-                    format!("{at}.id"),
-                    format!("duplicate client id {:?}", c.id),
-                );
-            }
-            if c.tier.trim().is_empty() {
-                problems.error(format!("{at}.tier"), "must not be empty");
-            }
-            let Some(digest) = parse_sha256(&c.key_sha256) else {
-                problems.error(
-                    format!("{at}.key_sha256"),
-                    "must be 64 hex characters (the SHA-256 of the API key)",
-                );
-                continue;
-            };
-            let client = Arc::new(Client {
-                id: c.id.as_str().into(),
-                tier: c.tier.as_str().into(),
-                key_sha256: digest,
-            });
-            if cfg.client_cert_subject_as_caller {
-                by_cert_cn.insert(client.id.clone(), client.clone());
-            }
-            if by_digest.insert(digest, client).is_some() {
-                problems.error(
-                    format!("{at}.key_sha256"),
-                    "the same key is already given to another client",
-                );
-            }
+        let kept = previous.filter(|p| *p.key_source == source);
+        let keys = match kept {
+            Some(p) => p.keys.clone(),
+            None => match source.build(previous.map(|p| p.keys.load_full()).as_deref()) {
+                Ok(set) => Arc::new(ArcSwap::from_pointee(set)),
+                Err(errors) => {
+                    record_key_errors(&errors, problems);
+                    Arc::new(ArcSwap::from_pointee(KeySet::failed(&source)))
+                }
+            },
+        };
+        if cfg
+            .clients_file
+            .as_ref()
+            .is_some_and(|f| f.trim().is_empty())
+        {
+            problems.error(
+                "identity.clients_file",
+                "must not be empty (leave it out for none)",
+            );
         }
 
         let jwt = cfg
@@ -215,13 +271,14 @@ impl Identities {
         }
 
         let mut identities = Self {
+            auth_request: None,
             header,
             scheme_prefixed,
-            by_digest,
+            keys,
+            key_source: Arc::new(source),
             trusted_proxies,
             ipv6_prefix_len,
             anonymous_tier: cfg.anonymous_tier.as_str().into(),
-            by_cert_cn,
             jwt,
             forward_caller,
             forward_tier,
@@ -229,7 +286,21 @@ impl Identities {
         };
         let tiers = identities.tiers();
         if let Some(jwt) = &mut identities.jwt {
-            jwt.known_tiers = tiers;
+            jwt.known_tiers = tiers.clone();
+        }
+        if let Some(a) = &cfg.auth_request {
+            let mut tiers = tiers;
+            let source = &identities.key_source;
+            tiers.extend(source.tiers.iter().flatten().map(|t| Arc::from(t.as_str())));
+            let limits: Vec<String> = source.limits.iter().flatten().cloned().collect();
+            identities.auth_request = auth_request::AuthRequest::build(
+                a,
+                &identities.header,
+                tiers,
+                &limits,
+                previous.and_then(|p| p.auth_request.as_ref()),
+                problems,
+            );
         }
         identities
     }
@@ -237,12 +308,93 @@ impl Identities {
     /// Every tier a caller can have: the anonymous tier, each client's tier, and the
     /// tiers `[identity.jwt]` declares (`default_tier`, `tiers`).
     pub fn tiers(&self) -> BTreeSet<Arc<str>> {
-        let mut t: BTreeSet<Arc<str>> = self.by_digest.values().map(|c| c.tier.clone()).collect();
+        let mut t: BTreeSet<Arc<str>> = self.keys.load().tiers().clone();
         t.insert(self.anonymous_tier.clone());
         if let Some(jwt) = &self.jwt {
             t.extend(jwt.declared_tiers.iter().cloned());
         }
+        if let Some(a) = &self.auth_request {
+            t.insert(a.default_tier());
+        }
         t
+    }
+
+    /// The key set in use now (it changes when the keys file is reloaded).
+    pub fn keys(&self) -> arc_swap::Guard<Arc<KeySet>> {
+        self.keys.load()
+    }
+
+    /// The keys file (resolved), if any.
+    pub fn clients_file(&self) -> Option<&Path> {
+        self.key_source.file.as_deref()
+    }
+
+    /// Whether `other` shares this one's key set cell (a reload kept the keys).
+    pub fn shares_keys(&self, other: &Identities) -> bool {
+        Arc::ptr_eq(&self.keys, &other.keys)
+    }
+
+    /// Read the keys file again and swap the new set in, for this snapshot and every
+    /// later one that kept its keys; requests in flight finish with the set they
+    /// started with. Returns the numbers of clients and keys.
+    ///
+    /// Errors: every problem of the file ([`KeyErrors::lines`]); the running set
+    /// stays.
+    pub fn reload_keys(&self) -> Result<(usize, usize), KeyErrors> {
+        let set = self.key_source.build(Some(&self.keys.load()))?;
+        let counts = (set.clients(), set.keys());
+        self.keys.store(Arc::new(set));
+        Ok(counts)
+    }
+
+    /// For a request whose credential no local key matches (it got
+    /// [`IdentityError::BadCredentials`]), ask `[identity.auth_request]`: `None` when
+    /// there is none, the request has no key, or the key is a local one (disabled or
+    /// expired keys stay refused). The answer: the caller it names; its 401/403
+    /// ([`IdentityError::Refused`]); or, when the service fails, what `on_error` says
+    /// ([`IdentityError::AuthUnavailable`] or an anonymous caller).
+    pub async fn ask_auth_service(
+        &self,
+        headers: &HeaderMap,
+        peer: IpAddr,
+        method: &http::Method,
+        uri: &http::Uri,
+        metrics: &crate::metrics::Metrics,
+    ) -> Option<Result<Caller, IdentityError>> {
+        let auth = self.auth_request.as_ref()?;
+        let key = self.presented_key(headers).ok()??;
+        let digest: [u8; 32] = Sha256::digest(key).into();
+        if self.keys.load().find(&digest, || 0).is_some() {
+            return None;
+        }
+        let answer = auth.ask(digest, headers, method, uri, metrics).await;
+        let ip = client_ip(headers, peer, &self.trusted_proxies);
+        let caller = |client: Option<Arc<Client>>| Caller {
+            tier: client
+                .as_ref()
+                .map_or_else(|| self.anonymous_tier.clone(), |c| c.tier.clone()),
+            client,
+            ip,
+            ip_key: self.ip_key(ip),
+            peer_trusted: self.trusts(peer),
+            key_label: None,
+        };
+        Some(match answer {
+            auth_request::Answer::Caller(client) => Ok(caller(Some(client))),
+            auth_request::Answer::Refused {
+                status,
+                content_type,
+                body,
+            } => Err(IdentityError::Refused {
+                status,
+                content_type,
+                body,
+            }),
+            auth_request::Answer::Failed(why) => match auth.on_error() {
+                crate::config::AuthOnError::Deny => Err(IdentityError::AuthUnavailable(why)),
+                crate::config::AuthOnError::Anonymous => Ok(caller(None)),
+            },
+        })
     }
 
     /// Tell the upstream who called, just before forwarding: remove any
@@ -320,20 +472,22 @@ impl Identities {
         let ip_key = self.ip_key(ip);
         let peer_trusted = self.trusts(peer);
         match self.presented_key(headers)? {
-            None => match cert_cn.and_then(|cn| self.by_cert_cn.get(cn)) {
-                Some(client) => Ok(Caller {
+            None => match cert_cn.and_then(|cn| self.keys.load().by_id(cn).cloned()) {
+                Some(client) if !client.disabled => Ok(Caller {
                     tier: client.tier.clone(),
-                    client: Some(client.clone()),
+                    client: Some(client),
                     ip,
                     ip_key,
                     peer_trusted,
+                    key_label: None,
                 }),
-                None => Ok(Caller {
+                _ => Ok(Caller {
                     client: None,
                     tier: self.anonymous_tier.clone(),
                     ip,
                     ip_key,
                     peer_trusted,
+                    key_label: None,
                 }),
             },
             Some(token) if self.jwt.is_some() && jwt::looks_like_jwt(token) => {
@@ -343,24 +497,22 @@ impl Identities {
                     .map_err(IdentityError::InvalidToken)?;
                 Ok(Caller {
                     tier: found.tier.clone(),
-                    client: Some(Arc::new(Client {
-                        id: found.id.into(),
-                        tier: found.tier,
-                        key_sha256: [0; 32],
-                    })),
+                    client: Some(Arc::new(Client::new(found.id.into(), found.tier))),
                     ip,
                     ip_key,
                     peer_trusted,
+                    key_label: None,
                 })
             }
             Some(key) => {
-                let client = self.lookup(key).ok_or(IdentityError::BadCredentials)?;
+                let (client, key_label) = self.lookup(key).ok_or(IdentityError::BadCredentials)?;
                 Ok(Caller {
                     tier: client.tier.clone(),
                     client: Some(client),
                     ip,
                     ip_key,
                     peer_trusted,
+                    key_label,
                 })
             }
         }
@@ -416,18 +568,23 @@ impl Identities {
         }
     }
 
-    /// Find the client whose `key_sha256` is the SHA-256 of `key`.
+    /// Find the client (and the key's label) whose `key_sha256` is the SHA-256 of
+    /// `key`, when the key is usable now: its client is not disabled and it has not
+    /// expired.
     ///
-    /// The digest selects a candidate through a hash map; the final comparison of the
+    /// The digest selects a candidate through a hash table; the final comparison of the
     /// full 32 bytes is constant-time (`subtle`). Timing can reveal nothing about the raw
     /// key: an attacker controls only the key, not its digest.
-    fn lookup(&self, key: &[u8]) -> Option<Arc<Client>> {
+    fn lookup(&self, key: &[u8]) -> Option<(Arc<Client>, Option<Arc<str>>)> {
         if key.is_empty() {
             return None;
         }
         let digest: [u8; 32] = Sha256::digest(key).into();
-        let candidate = self.by_digest.get(&digest)?;
-        bool::from(candidate.key_sha256.ct_eq(&digest)).then(|| candidate.clone())
+        let keys = self.keys.load();
+        let found = keys.find(&digest, now_s)?;
+        found
+            .active
+            .then(|| (found.client.clone(), found.label.cloned()))
     }
 }
 
@@ -493,9 +650,28 @@ fn upstream_header(
     Some(h)
 }
 
-fn parse_sha256(s: &str) -> Option<[u8; 32]> {
-    let bytes = hex::decode(s.trim()).ok()?;
-    bytes.try_into().ok()
+/// Record the problems of the keys in a config report: inline entries at their key
+/// path, lines of the keys file as `PATH:LINE: what is wrong` at
+/// `identity.clients_file`.
+fn record_key_errors(errors: &KeyErrors, problems: &mut Problems) {
+    for p in &errors.problems {
+        match p {
+            KeyProblem::Config { path, message } => problems.error(path.clone(), message.clone()),
+            KeyProblem::File { line, message } => {
+                problems.error("identity.clients_file", errors.file_line(*line, message))
+            }
+        }
+    }
+    if let Some(more) = errors.more_line() {
+        problems.error("identity.clients_file", more);
+    }
+}
+
+/// The time now, epoch seconds (for `expires_at`).
+fn now_s() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 fn parse_cidr(s: &str) -> Option<IpNet> {
@@ -514,7 +690,7 @@ mod tests {
         let cfg = IdentityConfig {
             clients: vec![ClientConfig {
                 id: "acme".into(),
-                key_sha256: hex::encode(Sha256::digest(b"sekrit")),
+                key_sha256: hex::encode(Sha256::digest(b"sekrit")).into(),
                 tier: "gold".into(),
             }],
             ..Default::default()
@@ -574,7 +750,7 @@ mod tests {
             client_cert_subject_as_caller: true,
             clients: vec![ClientConfig {
                 id: "acme".into(),
-                key_sha256: hex::encode(Sha256::digest(b"sekrit")),
+                key_sha256: hex::encode(Sha256::digest(b"sekrit")).into(),
                 tier: "gold".into(),
             }],
             ..Default::default()
@@ -602,7 +778,7 @@ mod tests {
             trusted_proxies: vec!["10.0.0.0/33".into()],
             clients: vec![ClientConfig {
                 id: "a".into(),
-                key_sha256: "xyz".into(),
+                key_sha256: String::from("xyz").into(),
                 tier: "t".into(),
             }],
             ..Default::default()

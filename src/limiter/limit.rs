@@ -389,7 +389,8 @@ impl Limiter {
         self.keys.digest(&subject).hex().to_string()
     }
 
-    /// The limits among `limits` that apply to `caller` (those with a quota for its tier).
+    /// The limits among `limits` that apply to `caller` (those with a quota for its tier,
+    /// or its client's own quota).
     pub fn applicable(
         &self,
         limits: &[Arc<Limit>],
@@ -404,7 +405,12 @@ impl Limiter {
         limits
             .iter()
             .filter_map(|limit| {
-                let quota = *limit.quota.get(&caller.tier)?;
+                // A client's own quota for this limit wins over its tier's.
+                let own = caller
+                    .client
+                    .as_ref()
+                    .and_then(|c| c.quota_for(&limit.name));
+                let quota = own.or_else(|| limit.quota.get(&caller.tier).copied())?;
                 limit.subject_into(caller, headers, &mut subject);
                 let digest = match last_digest {
                     Some(d) if last == subject => d,

@@ -52,6 +52,7 @@ mod limit;
 mod settle;
 pub mod sharded;
 pub mod store;
+pub mod top;
 mod usage;
 
 pub use check::{Admission, Refusal};
@@ -60,6 +61,7 @@ pub use settle::{PendingCharge, SlotGuard};
 pub use usage::{most_constrained, Usage};
 
 use crate::config::OnError;
+use crate::identity::Caller;
 use algorithm::{Algorithm, Align};
 use cache::OverLimitCache;
 use check::InFlightUnits;
@@ -98,6 +100,8 @@ pub struct Limiter {
     /// `store.reserve_in_flight`: limits charged after the response are reserved at the
     /// check instead (see [`Limiter::reserves`]).
     reserve_in_flight: bool,
+    /// Who is being limited now (`GET /top`); kept across reloads.
+    top: Arc<top::Top>,
 }
 
 /// The longest a refusal is answered from the over-limit cache without asking the store
@@ -128,7 +132,36 @@ impl Limiter {
             waiting: Arc::default(),
             in_flight: InFlightUnits::default(),
             reserve_in_flight: false,
+            top: Arc::default(),
         }
+    }
+
+    /// Count heavy hitters in `top` (the previous snapshot's, across a reload).
+    pub fn with_top(mut self, top: Arc<top::Top>) -> Self {
+        self.top = top;
+        self
+    }
+
+    /// The heavy hitters (`GET /top`).
+    pub fn top(&self) -> &Arc<top::Top> {
+        &self.top
+    }
+
+    /// Count `units` admitted for `caller` in each limit of `applied`, at `now_ms`
+    /// (epoch milliseconds), for `GET /top`.
+    pub fn count_used(&self, applied: &[Applied], caller: &Caller, units: u64, now_ms: u64) {
+        for a in applied {
+            let who = top::Who::of(caller);
+            self.top
+                .used(&a.limit().name, who, &caller.tier, units, now_ms / 1000);
+        }
+    }
+
+    /// Count a refusal of `caller` by the limit named `limit`, at `now_ms` (epoch
+    /// milliseconds), for `GET /top`.
+    pub fn count_refused(&self, limit: &Arc<str>, caller: &Caller, now_ms: u64) {
+        self.top
+            .refused(limit, top::Who::of(caller), &caller.tier, now_ms / 1000);
     }
 
     /// `store.reserve_in_flight`: reserve the units of limits charged after the response

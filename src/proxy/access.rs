@@ -83,6 +83,8 @@ pub struct AccessLog {
     pub route: Option<Arc<str>>,
     /// The client id; `None` for anonymous callers.
     pub caller: Option<Arc<str>>,
+    /// The label of the API key presented (keys file `"label"`), never the key.
+    pub key_label: Option<Arc<str>>,
     /// The decision.
     pub decision: Decision,
     /// The usage reported in the headers.
@@ -144,6 +146,7 @@ impl AccessLog {
             client: None,
             route: None,
             caller: None,
+            key_label: None,
             decision: Decision::Allowed,
             usage: None,
             upstream_ms: None,
@@ -277,6 +280,7 @@ fn write_line(this: &AccessLog, route: &str, status: u16) {
             (_, Some(id)) => id,
             (_, None) => "anonymous",
         },
+        key = this.key_label.as_deref().unwrap_or("-"),
         decision = this.decision.as_str(),
         limit = this.usage.as_ref().map(|u| &*u.resource).unwrap_or("-"),
         remaining = this.usage.as_ref().map(|u| u.remaining() as i64).unwrap_or(-1),

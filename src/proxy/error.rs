@@ -27,6 +27,9 @@ pub enum ProxyError {
         /// Caller id or client IP.
         caller: String,
     },
+    /// `[identity.auth_request]` failed and its `on_error = "deny"`: 503.
+    #[error("authentication service unavailable")]
+    AuthUnavailable,
     /// The store failed and `store.on_error = "deny"`: 503.
     #[error("rate limit store unavailable")]
     StoreUnavailable,
@@ -66,7 +69,9 @@ impl ProxyError {
             ProxyError::BadCredentials | ProxyError::InvalidToken(_) => StatusCode::UNAUTHORIZED,
             ProxyError::NoRoute => StatusCode::NOT_FOUND,
             ProxyError::OverLimit { .. } => StatusCode::TOO_MANY_REQUESTS,
-            ProxyError::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+            ProxyError::StoreUnavailable | ProxyError::AuthUnavailable => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             ProxyError::UpstreamUnreachable(..) => StatusCode::BAD_GATEWAY,
             ProxyError::UpstreamTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
             ProxyError::BadRequest(_) => StatusCode::BAD_REQUEST,

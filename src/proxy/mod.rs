@@ -157,9 +157,24 @@ pub async fn serve(
 
     // 1. Identify the caller (on TLS, a verified client certificate's CN may name it).
     let cert_cn = tls.as_ref().and_then(|t| t.client_cn.as_deref());
-    let identified = snap
+    let identified = match snap
         .identities
-        .identify_with_cert(req.headers(), peer.ip(), cert_cn);
+        .identify_with_cert(req.headers(), peer.ip(), cert_cn)
+    {
+        // No local key: [identity.auth_request] may know it.
+        Err(IdentityError::BadCredentials) => snap
+            .identities
+            .ask_auth_service(
+                req.headers(),
+                peer.ip(),
+                req.method(),
+                req.uri(),
+                ctx.metrics,
+            )
+            .await
+            .unwrap_or(Err(IdentityError::BadCredentials)),
+        identified => identified,
+    };
     if access::enabled() {
         let ip = match &identified {
             Ok(caller) => caller.ip,
@@ -169,6 +184,14 @@ pub async fn serve(
     }
     let caller = match identified {
         Ok(caller) => caller,
+        Err(IdentityError::AuthUnavailable(why)) => {
+            tracing::warn!(
+                reason = why,
+                "auth service unavailable; identity.auth_request.on_error = \"deny\""
+            );
+            log.decision = Decision::Unauthenticated;
+            return ProxyError::AuthUnavailable.into_response();
+        }
         Err(failure) => {
             // Guessing keys is limited per client IP (identity.failed_auth_limit), an
             // IPv6 client's by its network (identity.ipv6_prefix_len).
@@ -195,7 +218,14 @@ pub async fn serve(
             }
             log.decision = Decision::Unauthenticated;
             return match failure {
-                IdentityError::BadCredentials => ProxyError::BadCredentials,
+                IdentityError::Refused {
+                    status,
+                    content_type,
+                    body,
+                } => return crate::response::passed_on(status, content_type, body),
+                IdentityError::BadCredentials | IdentityError::AuthUnavailable(_) => {
+                    ProxyError::BadCredentials
+                }
                 IdentityError::InvalidToken(reason) => ProxyError::InvalidToken(reason),
                 e @ IdentityError::Malformed(_) => ProxyError::BadRequest(e.to_string()),
             }
@@ -203,6 +233,7 @@ pub async fn serve(
         }
     };
     log.caller = caller.client.as_ref().map(|c| c.id.clone());
+    log.key_label = caller.key_label.clone();
 
     // The caller's own limits (rate_limit_endpoint.path): answered here, never charged.
     if req.method() == http::Method::GET && snap.rate_limit_path == Some(req.uri().path()) {
@@ -274,6 +305,8 @@ pub async fn serve(
         Ok(admission) => admission,
         Err(Refusal::OverLimit(usage)) => {
             log.decision = Decision::Rejected;
+            snap.limiter
+                .count_refused(&usage.resource, &caller, clock.now_ms());
             ctx.metrics
                 .rejections
                 .get_or_create(&crate::metrics::RejectionLabels {
@@ -297,6 +330,8 @@ pub async fn serve(
             return ProxyError::StoreUnavailable.into_response();
         }
     };
+    snap.limiter
+        .count_used(&applied, &caller, route.cost, clock.now_ms());
     if admission.usages.iter().any(Option::is_none) {
         log.decision = Decision::StoreErrorAllowed;
     }

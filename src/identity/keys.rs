@@ -1,0 +1,882 @@
+//! The API keys a gateway knows: the inline `[[identity.clients]]` list and the lines
+//! of `identity.clients_file`, merged into one [`KeySet`] that is validated as a whole.
+//!
+//! The keys file has one JSON object a line:
+//!
+//! ```text
+//! {"id": "acme", "key_sha256": "<64 hex>", "tier": "gold", "quotas": {"core": 10000}}
+//! {"id": "acme", "key_sha256": "<64 hex>", "label": "ci key", "expires_at": 1800000000}
+//! {"id": "old-customer", "key_sha256": "<64 hex>", "disabled": true}
+//! ```
+//!
+//! Blank lines and lines starting with `#` are skipped. Lines (and inline entries) that
+//! share an `id` are keys of one client: they share every window. The tier, the quota
+//! overrides and the disabled flag belong to the client, so they are given on one line
+//! or with the same value on each. A key hash appears once across the file and the
+//! inline list.
+//!
+//! Lookups are one probe sequence in an open-addressing table of `u32` slots indexed by
+//! the digest's first 8 bytes (SHA-256 output is uniform, and callers choose keys, not
+//! digests), then a constant-time comparison of the 32 bytes. 1,000,000 keys take about
+//! 8 MB of slots plus 56 bytes an entry plus the clients (BENCHMARKS.md).
+
+use super::Client;
+use crate::config::{ClientConfig, Config, IdentityConfig, MAX_REPORTED};
+use serde::Deserialize;
+use std::borrow::Cow;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::io::BufRead;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use subtle::ConstantTimeEq;
+
+/// A client's own quotas: (limit name, cost units per window).
+pub(super) type Quotas = Box<[(Arc<str>, u64)]>;
+
+/// An empty slot of the table.
+const EMPTY: u32 = u32::MAX;
+
+/// Where a key or a client attribute was given: a line of the keys file (1-based), or
+/// `CONFIG + i` for `identity.clients[i]`.
+type Origin = u32;
+const CONFIG: Origin = 1 << 31;
+
+/// One key.
+#[derive(Debug)]
+struct Entry {
+    digest: [u8; 32],
+    /// Index into [`KeySet::clients`].
+    client: u32,
+    /// Epoch seconds after which the key is refused; 0: never.
+    expires_at: u32,
+    /// Shown in logs and `/top` instead of the key.
+    label: Option<Arc<str>>,
+}
+
+/// A key that matched, and whether it may be used now.
+#[derive(Debug)]
+pub struct Found<'a> {
+    /// Its client.
+    pub client: &'a Arc<Client>,
+    /// Its label (`"label"` in the keys file), if any.
+    pub label: Option<&'a Arc<str>>,
+    /// Whether the key is usable: its client is not disabled and it has not expired
+    /// (`now_s`, epoch seconds, is past `expires_at`).
+    pub active: bool,
+}
+
+/// Every known key, by SHA-256; immutable once built (a reload builds a new one).
+#[derive(Debug, Default)]
+pub struct KeySet {
+    /// Power-of-two table of indices into `entries`; [`EMPTY`] ends a probe.
+    slots: Box<[u32]>,
+    entries: Vec<Entry>,
+    clients: Vec<Arc<Client>>,
+    /// Clients by id (only with `identity.client_cert_subject_as_caller`).
+    by_id: HashMap<Arc<str>, u32>,
+    /// The clients' tiers.
+    tiers: BTreeSet<Arc<str>>,
+    /// The keys file's size and modification time when it was read.
+    fingerprint: Option<(u64, Option<std::time::SystemTime>)>,
+}
+
+impl KeySet {
+    /// The entry whose digest is `digest`, checked for use at `now_s()` (epoch seconds;
+    /// called only for keys with an `expires_at`).
+    pub fn find(&self, digest: &[u8; 32], now_s: impl FnOnce() -> u64) -> Option<Found<'_>> {
+        if self.slots.is_empty() {
+            return None;
+        }
+        let mask = self.slots.len() - 1;
+        let mut i = slot_of(digest) & mask;
+        loop {
+            let at = self.slots[i];
+            if at == EMPTY {
+                return None;
+            }
+            let e = &self.entries[at as usize];
+            if bool::from(e.digest.ct_eq(digest)) {
+                let client = &self.clients[e.client as usize];
+                let expired = e.expires_at != 0 && now_s() >= u64::from(e.expires_at);
+                return Some(Found {
+                    client,
+                    label: e.label.as_ref(),
+                    active: !client.disabled && !expired,
+                });
+            }
+            i = (i + 1) & mask;
+        }
+    }
+
+    /// An empty set that still knows `source`'s inline tiers (stands in for a set that
+    /// failed to build, so that its errors are not followed by "unknown tier" ones).
+    pub fn failed(source: &KeySource) -> Self {
+        Self {
+            tiers: source
+                .inline
+                .iter()
+                .map(|c| Arc::from(c.tier.as_str()))
+                .collect(),
+            ..Self::default()
+        }
+    }
+
+    /// The client with id `id`, when clients are kept by id (certificate callers).
+    pub fn by_id(&self, id: &str) -> Option<&Arc<Client>> {
+        self.by_id.get(id).map(|i| &self.clients[*i as usize])
+    }
+
+    /// The tiers of the clients.
+    pub fn tiers(&self) -> &BTreeSet<Arc<str>> {
+        &self.tiers
+    }
+
+    /// How many keys.
+    pub fn keys(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// How many clients (distinct ids).
+    pub fn clients(&self) -> usize {
+        self.clients.len()
+    }
+
+    /// Whether `path`'s size and modification time are those it had when this set read
+    /// it (a watcher skips events that changed nothing).
+    pub fn same_file(&self, path: &Path) -> bool {
+        self.fingerprint.is_some() && self.fingerprint == fingerprint(path)
+    }
+}
+
+fn fingerprint(path: &Path) -> Option<(u64, Option<std::time::SystemTime>)> {
+    let m = std::fs::metadata(path).ok()?;
+    Some((m.len(), m.modified().ok()))
+}
+
+fn slot_of(digest: &[u8; 32]) -> usize {
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&digest[..8]);
+    u64::from_le_bytes(first) as usize
+}
+
+/// What a key set is built from; two equal sources build the same set (from the same
+/// file content).
+#[derive(Debug, Clone, PartialEq)]
+pub struct KeySource {
+    /// `[[identity.clients]]`.
+    pub inline: Vec<ClientConfig>,
+    /// `identity.clients_file`, resolved against the config file's directory.
+    pub file: Option<PathBuf>,
+    /// Limit names quota overrides may name; `None`: not checked.
+    pub limits: Option<BTreeSet<String>>,
+    /// Tiers the keys file may use (those some limit gives a quota, the inline
+    /// clients', `[identity.jwt]`'s and the anonymous tier); `None`: any.
+    pub tiers: Option<BTreeSet<String>>,
+    /// Keep clients by id (`identity.client_cert_subject_as_caller`).
+    pub by_id: bool,
+}
+
+impl KeySource {
+    /// The source of `[identity]` alone: names of limits and tiers are not checked.
+    pub fn of_identity(cfg: &IdentityConfig, base_dir: &Path) -> Self {
+        Self {
+            inline: cfg.clients.clone(),
+            file: cfg.clients_file.as_ref().map(|f| base_dir.join(f)),
+            limits: None,
+            tiers: None,
+            by_id: cfg.client_cert_subject_as_caller,
+        }
+    }
+
+    /// The source of a whole config: quota overrides must name its limits, and tiers in
+    /// the keys file must be ones its limits or clients know.
+    pub fn of_config(cfg: &Config, base_dir: &Path) -> Self {
+        let mut tiers: BTreeSet<String> = cfg
+            .limits
+            .iter()
+            .flat_map(|l| l.quota.keys().cloned())
+            .collect();
+        tiers.extend(cfg.identity.clients.iter().map(|c| c.tier.clone()));
+        tiers.insert(cfg.identity.anonymous_tier.clone());
+        if let Some(jwt) = &cfg.identity.jwt {
+            tiers.insert(jwt.default_tier.clone());
+            tiers.extend(jwt.tiers.iter().cloned());
+        }
+        Self {
+            limits: Some(cfg.limits.iter().map(|l| l.name.clone()).collect()),
+            tiers: Some(tiers),
+            ..Self::of_identity(&cfg.identity, base_dir)
+        }
+    }
+
+    /// Read the keys file (if any) and build the set. Clients that `previous` (the set
+    /// this one replaces) has with the same id, key and attributes are shared with it
+    /// rather than allocated again, so that a reload of a big file needs little more
+    /// memory than the new table.
+    ///
+    /// Errors: every problem found, each tied to an inline entry's key path or to a line
+    /// of the file (see [`KeyErrors`]).
+    pub fn build(&self, previous: Option<&KeySet>) -> Result<KeySet, KeyErrors> {
+        let mut b = Builder::new(self);
+        b.previous = previous;
+        for (i, c) in self.inline.iter().enumerate() {
+            b.inline(i, c);
+        }
+        if let Some(path) = &self.file {
+            b.set.fingerprint = fingerprint(path);
+            // A line is at least 84 bytes: reserve for the most lines the file can
+            // have, so that the vectors never grow by copying. Pages never written are
+            // not resident.
+            let most = b.set.fingerprint.map_or(0, |(len, _)| len / 84) as usize;
+            b.set.entries.reserve(most);
+            b.origins.reserve(most);
+            match std::fs::File::open(path) {
+                Ok(f) => b.read(std::io::BufReader::with_capacity(1 << 20, f)),
+                Err(e) => b.errors.file(0, format!("cannot read the keys file: {e}")),
+            }
+        }
+        b.finish()
+    }
+}
+
+/// One line of the keys file.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Line<'a> {
+    #[serde(borrow)]
+    id: Cow<'a, str>,
+    #[serde(borrow)]
+    key_sha256: Cow<'a, str>,
+    #[serde(default, borrow)]
+    tier: Option<Cow<'a, str>>,
+    #[serde(default)]
+    quotas: Option<BTreeMap<String, u64>>,
+    #[serde(default)]
+    disabled: Option<bool>,
+    #[serde(default)]
+    expires_at: Option<u64>,
+    #[serde(default, borrow)]
+    label: Option<Cow<'a, str>>,
+}
+
+/// A problem in the keys: at an inline entry, or at a line of the keys file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyProblem {
+    /// At a key path of the config file, e.g. `identity.clients[2].key_sha256`.
+    Config {
+        /// The key path.
+        path: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// At a line of the keys file (0: the file as a whole).
+    File {
+        /// 1-based line number.
+        line: usize,
+        /// What is wrong.
+        message: String,
+    },
+}
+
+/// The problems of a key set that could not be built: those of inline entries (the
+/// config report caps them), at most [`MAX_REPORTED`] of the keys file, and how many
+/// more the file had.
+#[derive(Debug, Clone, Default)]
+pub struct KeyErrors {
+    /// The keys file, for rendering.
+    pub file: Option<PathBuf>,
+    /// The problems kept.
+    pub problems: Vec<KeyProblem>,
+    /// Problems of the keys file kept.
+    file_problems: usize,
+    /// Problems of the keys file found past [`MAX_REPORTED`].
+    pub more: usize,
+}
+
+impl KeyErrors {
+    fn push(&mut self, p: KeyProblem) {
+        if matches!(p, KeyProblem::Config { .. }) {
+            self.problems.push(p);
+        } else if self.file_problems < MAX_REPORTED {
+            self.file_problems += 1;
+            self.problems.push(p);
+        } else {
+            self.more += 1;
+        }
+    }
+
+    fn file(&mut self, line: usize, message: String) {
+        self.push(KeyProblem::File { line, message });
+    }
+
+    fn is_empty(&self) -> bool {
+        self.problems.is_empty()
+    }
+
+    /// A problem of the keys file as `PATH:LINE: what is wrong` (`PATH: …` for the
+    /// file as a whole, line 0).
+    pub fn file_line(&self, line: usize, message: &str) -> String {
+        let path = self.file.as_deref().unwrap_or(Path::new("")).display();
+        match line {
+            0 => format!("{path}: {message}"),
+            n => format!("{path}:{n}: {message}"),
+        }
+    }
+
+    /// The count of problems not shown, as a line (`None` when all are shown).
+    pub fn more_line(&self) -> Option<String> {
+        (self.more > 0).then(|| self.file_line(0, &format!("{} more errors not shown", self.more)))
+    }
+
+    /// Each problem as one line: `PATH:LINE: what is wrong` for the keys file,
+    /// `key.path: what is wrong` for inline entries, then a count of those not shown.
+    pub fn lines(&self) -> Vec<String> {
+        let mut out: Vec<String> = self
+            .problems
+            .iter()
+            .map(|p| match p {
+                KeyProblem::Config { path, message } => format!("{path}: {message}"),
+                KeyProblem::File { line, message } => self.file_line(*line, message),
+            })
+            .collect();
+        out.extend(self.more_line());
+        out
+    }
+}
+
+/// Where a client's tier, quotas and disabled flag were given (0: not given).
+type Given = [Origin; 3];
+
+struct Builder<'s> {
+    source: &'s KeySource,
+    set: KeySet,
+    /// Where each entry was given.
+    origins: Vec<Origin>,
+    /// Per client (as `set.clients`), where its attributes were given.
+    given: Vec<Given>,
+    /// Clients by id: an open-addressing table of indices into `set.clients`.
+    ids: Vec<u32>,
+    /// The set this one replaces: clients whose keys and attributes stay are shared
+    /// with it, not allocated again.
+    previous: Option<&'s KeySet>,
+    /// Interned tier and limit names.
+    names: BTreeSet<Arc<str>>,
+    /// `"default"`, the tier of clients given none.
+    default_tier: Arc<str>,
+    errors: KeyErrors,
+}
+
+fn at(o: Origin) -> String {
+    if o >= CONFIG {
+        format!("identity.clients[{}]", o - CONFIG)
+    } else {
+        format!("line {o}")
+    }
+}
+
+impl<'s> Builder<'s> {
+    fn new(source: &'s KeySource) -> Self {
+        Self {
+            source,
+            set: KeySet::default(),
+            origins: Vec::new(),
+            given: Vec::new(),
+            ids: vec![EMPTY; 1024],
+            previous: None,
+            names: BTreeSet::from([Arc::from("default")]),
+            default_tier: Arc::from("default"),
+            errors: KeyErrors {
+                file: source.file.clone(),
+                ..Default::default()
+            },
+        }
+    }
+
+    fn problem(&mut self, o: Origin, key: &str, message: String) {
+        if o >= CONFIG {
+            let path = format!("identity.clients[{}].{key}", o - CONFIG);
+            self.errors.push(KeyProblem::Config { path, message });
+        } else {
+            self.errors.file(o as usize, message);
+        }
+    }
+
+    fn intern(&mut self, name: &str) -> Arc<str> {
+        if *self.default_tier == *name {
+            return self.default_tier.clone();
+        }
+        if let Some(n) = self.names.get(name) {
+            return n.clone();
+        }
+        let n: Arc<str> = name.into();
+        self.names.insert(n.clone());
+        n
+    }
+
+    fn inline(&mut self, i: usize, c: &ClientConfig) {
+        let o = CONFIG + i as u32;
+        if c.id.trim().is_empty() {
+            self.problem(o, "id", "must not be empty".into());
+            return;
+        }
+        if c.tier.trim().is_empty() {
+            self.problem(o, "tier", "must not be empty".into());
+            return;
+        }
+        let tier = self.intern(&c.tier);
+        let hashes = c.key_sha256.as_slice();
+        if hashes.is_empty() {
+            self.problem(o, "key_sha256", "give at least one key hash".into());
+        }
+        for (j, h) in hashes.iter().enumerate() {
+            let key = match &c.key_sha256 {
+                crate::config::KeyHashes::One(_) => "key_sha256".to_string(),
+                crate::config::KeyHashes::Many(_) => format!("key_sha256[{j}]"),
+            };
+            match parse_sha256(h) {
+                Some(d) => {
+                    if let Some(client) = self.client(o, &c.id, &d, Some(tier.clone()), None, None)
+                    {
+                        self.key(o, d, client, 0, None);
+                    }
+                }
+                None => self.problem(
+                    o,
+                    &key,
+                    "must be 64 hex characters (the SHA-256 of the API key)".into(),
+                ),
+            }
+        }
+    }
+
+    fn read(&mut self, mut r: impl BufRead) {
+        let mut buf = Vec::with_capacity(256);
+        let mut n = 0u32;
+        loop {
+            buf.clear();
+            match r.read_until(b'\n', &mut buf) {
+                Ok(0) => return,
+                Ok(_) => {}
+                Err(e) => {
+                    self.errors
+                        .file(n as usize + 1, format!("cannot read the keys file: {e}"));
+                    return;
+                }
+            }
+            n += 1;
+            if n >= CONFIG {
+                self.errors.file(n as usize, "too many lines".into());
+                return;
+            }
+            let text = buf.trim_ascii();
+            if text.is_empty() || text[0] == b'#' {
+                continue;
+            }
+            match serde_json::from_slice::<Line<'_>>(text) {
+                Ok(line) => self.line(n, line),
+                Err(e) => self.errors.file(
+                    n as usize,
+                    format!("not a key line ({e}); expected {{\"id\": …, \"key_sha256\": …}}"),
+                ),
+            }
+        }
+    }
+
+    fn line(&mut self, n: Origin, line: Line<'_>) {
+        let Some(digest) = parse_sha256(&line.key_sha256) else {
+            self.problem(
+                n,
+                "key_sha256",
+                "key_sha256 must be 64 hex characters (the SHA-256 of the API key)".into(),
+            );
+            return;
+        };
+        if line.id.trim().is_empty() {
+            self.problem(n, "id", "id must not be empty".into());
+            return;
+        }
+        let tier = match line.tier.as_deref() {
+            Some(t) if t.trim().is_empty() => {
+                self.problem(n, "tier", "tier must not be empty".into());
+                return;
+            }
+            Some(t) => {
+                if let Some(known) = &self.source.tiers {
+                    if !known.contains(t) {
+                        let list: Vec<&str> = known.iter().map(String::as_str).collect();
+                        self.problem(n, "tier", format!("unknown tier {t:?}: no limit gives it a quota and no client in the config has it; known tiers: {}", list.join(", ")));
+                        return;
+                    }
+                }
+                Some(self.intern(t))
+            }
+            None => None,
+        };
+        let quotas = match line.quotas {
+            Some(q) => {
+                let mut out = Vec::with_capacity(q.len());
+                for (name, n_units) in q {
+                    if let Some(limits) = &self.source.limits {
+                        if !limits.contains(&name) {
+                            self.problem(
+                                n,
+                                "quotas",
+                                format!("quotas: no limit is named {name:?}"),
+                            );
+                            return;
+                        }
+                    }
+                    if n_units == 0 {
+                        self.problem(n, "quotas", format!("quotas.{name}: must be at least 1 (disable the client with \"disabled\": true)"));
+                        return;
+                    }
+                    out.push((self.intern(&name), n_units));
+                }
+                Some(out.into_boxed_slice())
+            }
+            None => None,
+        };
+        let expires_at = match line.expires_at {
+            None => 0,
+            Some(0) => {
+                self.problem(n, "expires_at", "expires_at must be epoch seconds after 1970 (leave it out for a key that never expires)".into());
+                return;
+            }
+            Some(t) => match u32::try_from(t) {
+                Ok(t) => t,
+                Err(_) => {
+                    self.problem(
+                        n,
+                        "expires_at",
+                        format!("expires_at {t} is not epoch seconds (milliseconds?)"),
+                    );
+                    return;
+                }
+            },
+        };
+        let label = line.label.as_deref().map(Arc::from);
+        let Some(client) = self.client(n, &line.id, &digest, tier, quotas, line.disabled) else {
+            return;
+        };
+        self.key(n, digest, client, expires_at, label);
+    }
+
+    /// The slot of `id` in the id table: where it is, or the empty slot where it goes.
+    fn id_slot(&self, id: &str) -> usize {
+        use std::hash::BuildHasher;
+        let mask = self.ids.len() - 1;
+        let mut i = foldhash::fast::FixedState::default().hash_one(id) as usize & mask;
+        loop {
+            let at = self.ids[i];
+            if at == EMPTY || &*self.set.clients[at as usize].id == id {
+                return i;
+            }
+            i = (i + 1) & mask;
+        }
+    }
+
+    /// Double the id table (kept at most half full).
+    fn grow_ids(&mut self) {
+        let old = std::mem::replace(&mut self.ids, vec![EMPTY; 0]);
+        self.ids = vec![EMPTY; old.len() * 2];
+        for at in old.into_iter().filter(|at| *at != EMPTY) {
+            let slot = self.id_slot(&self.set.clients[at as usize].id.clone());
+            self.ids[slot] = at;
+        }
+    }
+
+    /// The client `id`, created on its first key (shared with the previous set when
+    /// that key was already its); `tier`, `quotas` and `disabled`, when given, must
+    /// agree with what earlier keys of the client gave.
+    fn client(
+        &mut self,
+        o: Origin,
+        id: &str,
+        digest: &[u8; 32],
+        tier: Option<Arc<str>>,
+        quotas: Option<Quotas>,
+        disabled: Option<bool>,
+    ) -> Option<u32> {
+        let slot = self.id_slot(id);
+        let index = match self.ids[slot] {
+            EMPTY => {
+                let index = self.set.clients.len() as u32;
+                let kept = self
+                    .previous
+                    .and_then(|p| p.find(digest, || 0))
+                    .filter(|f| &*f.client.id == id)
+                    .map(|f| f.client.clone());
+                let client = kept
+                    .unwrap_or_else(|| Arc::new(Client::new(id.into(), self.default_tier.clone())));
+                self.set.clients.push(client);
+                self.given.push([0; 3]);
+                self.ids[slot] = index;
+                if self.set.clients.len() * 2 > self.ids.len() {
+                    self.grow_ids();
+                }
+                index
+            }
+            index => index,
+        };
+        let (given, client) = (
+            &mut self.given[index as usize],
+            &mut self.set.clients[index as usize],
+        );
+        let mut conflict = None;
+        if let Some(t) = tier {
+            match given[0] {
+                0 => {
+                    if client.tier != t {
+                        Arc::make_mut(client).tier = t;
+                    }
+                    given[0] = o;
+                }
+                _ if client.tier != t => {
+                    conflict = Some(("tier", format!("tier {t:?} differs from {:?} given at {} for client {id:?} (a client has one tier: give it on one line, or the same on each)", client.tier, at(given[0]))));
+                }
+                _ => {}
+            }
+        }
+        if let Some(q) = quotas {
+            match given[1] {
+                0 => {
+                    if client.quotas.as_deref() != Some(&q) {
+                        Arc::make_mut(client).quotas = Some(Box::new(q));
+                    }
+                    given[1] = o;
+                }
+                _ if client.quotas.as_deref() != Some(&q) => {
+                    conflict = Some(("quotas", format!("quotas differ from those given at {} for client {id:?} (give them on one line, or the same on each)", at(given[1]))));
+                }
+                _ => {}
+            }
+        }
+        if let Some(x) = disabled {
+            match given[2] {
+                0 => {
+                    if client.disabled != x {
+                        Arc::make_mut(client).disabled = x;
+                    }
+                    given[2] = o;
+                }
+                _ if client.disabled != x => {
+                    conflict = Some(("disabled", format!("disabled {x} differs from {} given at {} for client {id:?} (disabling a client disables all its keys; to retire one key, remove it or give it an expires_at)", client.disabled, at(given[2]))));
+                }
+                _ => {}
+            }
+        }
+        match conflict {
+            Some((key, message)) => {
+                self.problem(o, key, message);
+                None
+            }
+            None => Some(index),
+        }
+    }
+
+    /// Add a key; duplicates are found when the table is built.
+    fn key(
+        &mut self,
+        o: Origin,
+        digest: [u8; 32],
+        client: u32,
+        expires_at: u32,
+        label: Option<Arc<str>>,
+    ) {
+        self.set.entries.push(Entry {
+            digest,
+            client,
+            expires_at,
+            label,
+        });
+        self.origins.push(o);
+    }
+
+    fn finish(mut self) -> Result<KeySet, KeyErrors> {
+        // The table: at most half full, so a miss probes about two slots.
+        let n = self.set.entries.len();
+        let size = (n * 2).max(8).next_power_of_two();
+        let mut slots = vec![EMPTY; size].into_boxed_slice();
+        let mask = size - 1;
+        for (k, e) in self.set.entries.iter().enumerate() {
+            let mut i = slot_of(&e.digest) & mask;
+            loop {
+                let at_slot = slots[i];
+                if at_slot == EMPTY {
+                    slots[i] = k as u32;
+                    break;
+                }
+                if self.set.entries[at_slot as usize].digest == e.digest {
+                    let (o, first) = (self.origins[k], self.origins[at_slot as usize]);
+                    let message = format!(
+                        "the same key is already given at {} (a key hash must be unique across identity.clients and identity.clients_file)",
+                        at(first)
+                    );
+                    if o >= CONFIG {
+                        self.errors.push(KeyProblem::Config {
+                            path: format!("identity.clients[{}].key_sha256", o - CONFIG),
+                            message,
+                        });
+                    } else {
+                        self.errors.file(o as usize, message);
+                    }
+                    break;
+                }
+                i = (i + 1) & mask;
+            }
+        }
+        if !self.errors.is_empty() {
+            return Err(self.errors);
+        }
+        drop(std::mem::take(&mut self.origins));
+        // What no line gave takes its default (a client shared with the previous set
+        // may have had it).
+        let given = std::mem::take(&mut self.given);
+        for (client, given) in self.set.clients.iter_mut().zip(given) {
+            if given[0] == 0 && client.tier != self.default_tier {
+                Arc::make_mut(client).tier = self.default_tier.clone();
+            }
+            if given[1] == 0 && client.quotas.is_some() {
+                Arc::make_mut(client).quotas = None;
+            }
+            if given[2] == 0 && client.disabled {
+                Arc::make_mut(client).disabled = false;
+            }
+            self.set.tiers.insert(client.tier.clone());
+        }
+        let ids = std::mem::take(&mut self.ids);
+        if self.source.by_id {
+            self.set.by_id = ids
+                .into_iter()
+                .filter(|at| *at != EMPTY)
+                .map(|at| (self.set.clients[at as usize].id.clone(), at))
+                .collect();
+        }
+        self.set.slots = slots;
+        Ok(self.set)
+    }
+}
+
+/// Parse 64 hex characters.
+pub(super) fn parse_sha256(s: &str) -> Option<[u8; 32]> {
+    let mut out = [0u8; 32];
+    hex::decode_to_slice(s.trim(), &mut out).ok()?;
+    Some(out)
+}
+
+/// What `tollgate key new` makes: a new random key and its keys-file line.
+#[derive(Debug, Clone)]
+pub struct NewKey {
+    /// The key: `tg_` and 256 random bits in URL-safe base64 without padding (46
+    /// characters). Shown once; only its hash is stored.
+    pub key: String,
+    /// The JSON line of the keys file for it (no newline).
+    pub line: String,
+}
+
+/// Prefix of keys made by [`new_key`], so that a leaked one is recognisable.
+pub const KEY_PREFIX: &str = "tg_";
+
+/// A new random key (256 bits from the operating system's generator) for client `id`
+/// in `tier`, with its keys-file line; `label` goes into the line when given.
+///
+/// Errors: the random generator (`/dev/urandom`) could not be read.
+pub fn new_key(id: &str, tier: &str, label: Option<&str>) -> std::io::Result<NewKey> {
+    use base64::Engine;
+    use sha2::{Digest, Sha256};
+    use std::io::Read;
+    let mut random = [0u8; 32];
+    std::fs::File::open("/dev/urandom")?.read_exact(&mut random)?;
+    let key = format!(
+        "{KEY_PREFIX}{}",
+        base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(random)
+    );
+    let mut line = serde_json::Map::new();
+    line.insert("id".into(), id.into());
+    line.insert(
+        "key_sha256".into(),
+        hex::encode(Sha256::digest(key.as_bytes())).into(),
+    );
+    line.insert("tier".into(), tier.into());
+    if let Some(label) = label {
+        line.insert("label".into(), label.into());
+    }
+    Ok(NewKey {
+        key,
+        line: serde_json::Value::Object(line).to_string(),
+    })
+}
+
+/// Append `line` to the keys file at `path` (created if missing), on a line of its own.
+///
+/// Errors: the file could not be opened, read or written.
+pub fn append_line(path: &Path, line: &str) -> std::io::Result<()> {
+    use std::io::{Seek, SeekFrom, Write};
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .read(true)
+        .append(true)
+        .open(path)?;
+    let len = f.metadata()?.len();
+    let mut text = String::with_capacity(line.len() + 2);
+    if len > 0 {
+        let mut last = [0u8; 1];
+        f.seek(SeekFrom::End(-1))?;
+        std::io::Read::read_exact(&mut f, &mut last)?;
+        if last[0] != b'\n' {
+            text.push('\n');
+        }
+    }
+    text.push_str(line);
+    text.push('\n');
+    f.write_all(text.as_bytes())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sha2::{Digest, Sha256};
+
+    fn digest(i: usize) -> [u8; 32] {
+        Sha256::digest(format!("key-{i}").as_bytes()).into()
+    }
+
+    #[test]
+    fn every_key_is_found_and_no_other() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("keys.jsonl");
+        let mut text = String::new();
+        for i in 0..5000 {
+            text.push_str(&format!(
+                "{{\"id\": \"c{}\", \"key_sha256\": \"{}\"}}\n",
+                i / 2,
+                hex::encode(digest(i))
+            ));
+        }
+        std::fs::write(&path, text).unwrap();
+        let source = KeySource {
+            inline: Vec::new(),
+            file: Some(path),
+            limits: None,
+            tiers: None,
+            by_id: false,
+        };
+        let set = source.build(None).unwrap();
+        // Built again over itself: every client is shared.
+        let again = source.build(Some(&set)).unwrap();
+        assert!(set
+            .clients
+            .iter()
+            .zip(&again.clients)
+            .all(|(a, b)| Arc::ptr_eq(a, b)));
+        assert_eq!((set.keys(), set.clients()), (5000, 2500));
+        for i in 0..5000 {
+            let found = set.find(&digest(i), || 0).unwrap();
+            assert_eq!(&*found.client.id, format!("c{}", i / 2));
+            assert!(found.active);
+        }
+        for i in 5000..10000 {
+            assert!(set.find(&digest(i), || 0).is_none());
+        }
+    }
+}

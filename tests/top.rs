@@ -1,0 +1,105 @@
+//! `GET /top` on the admin listener and `tollgate top`: who is being limited now.
+
+mod support;
+
+use support::*;
+
+fn config(up: &Upstream) -> String {
+    format!(
+        r#"
+[server]
+listen = "127.0.0.1:0"
+admin_listen = "127.0.0.1:0"
+
+[[identity.clients]]
+id = "acme"
+key_sha256 = "{acme}"
+tier = "gold"
+
+[[identity.clients]]
+id = "bob"
+key_sha256 = "{bob}"
+tier = "gold"
+
+[[upstreams]]
+name = "api"
+targets = ["{up}"]
+
+[[limits]]
+name = "core"
+window = "1h"
+quota = {{ anonymous = 2, gold = 3 }}
+
+[[routes]]
+path_prefix = "/"
+upstream = "api"
+limits = ["core"]
+cost = 2
+"#,
+        acme = sha256_hex("acme-key"),
+        bob = sha256_hex("bob-key"),
+        up = up.url(),
+    )
+}
+
+#[tokio::test]
+async fn top_names_the_callers_being_refused_and_using_the_most() {
+    let up = Upstream::start().await;
+    let gw = TestGateway::start(&config(&up)).await;
+    let auth = |k: &str| format!("Bearer {k}");
+    // acme: 1 admitted (2 units), then 5 refusals; bob: 1 admitted; an anonymous caller:
+    // 1 admitted, 1 refused.
+    for _ in 0..6 {
+        get_with(&gw.url("/x"), &[("authorization", &auth("acme-key"))]).await;
+    }
+    get_with(&gw.url("/x"), &[("authorization", &auth("bob-key"))]).await;
+    assert_eq!(get(&gw.url("/x")).await.status, 200);
+    assert_eq!(get(&gw.url("/x")).await.status, 429);
+
+    let admin = gw.gateway.admin_addr().unwrap();
+    let v = get(&format!("http://{admin}/top")).await.json();
+    let core = &v["limits"][0];
+    assert_eq!(core["name"], "core");
+    assert_eq!(core["refused"][0]["caller"], "acme");
+    assert_eq!(core["refused"][0]["tier"], "gold");
+    assert_eq!(core["refused"][0]["count"], 5);
+    let anonymous = &core["refused"][1];
+    assert_eq!(anonymous["tier"], "anonymous");
+    assert_eq!(anonymous["count"], 1);
+    let hash = anonymous["caller"].as_str().unwrap();
+    assert!(
+        hash.len() == 32 && hash.chars().all(|c| c.is_ascii_hexdigit()),
+        "{hash}"
+    );
+    let used: Vec<(String, u64)> = core["used"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|h| {
+            (
+                h["caller"].as_str().unwrap().to_string(),
+                h["count"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert!(used.contains(&("acme".into(), 2)), "{used:?}");
+    assert!(used.contains(&("bob".into(), 2)), "{used:?}");
+    assert!(used.contains(&(hash.to_string(), 2)), "{used:?}");
+
+    // The terminal view, once (off this thread: the gateway answers on it).
+    let out = tokio::task::spawn_blocking(move || {
+        tollgate()
+            .args(["top", "--once", "--admin", &admin.to_string()])
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    let first = text.lines().nth(1).unwrap();
+    assert!(
+        first.starts_with("core") && first.contains("acme") && first.contains("gold"),
+        "{text}"
+    );
+}

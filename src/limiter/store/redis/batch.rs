@@ -1,18 +1,26 @@
 //! Natural batching of one shard's script calls.
 //!
 //! Every CHECK (or CHARGE) meant for one node of a shard goes through that node's
-//! [`Batcher`]: a task that sends one script call at a time and, while it waits for the
-//! reply, collects what arrives meanwhile into the next call. An idle shard adds no
+//! [`Batcher`], which has at most one script call in flight. The first submitter to an
+//! idle batcher sends its call itself, from its own task (no hop through another task);
+//! what is submitted while a call is in flight waits in a FIFO queue, and when the call
+//! is answered, everything queued goes out as the next call (at most [`MAX_KEYS`] keys
+//! a call), from a task on the runtime the batcher was made on. An idle shard adds no
 //! delay (a lone request is sent at once); a busy one sends fewer, larger calls, so
 //! Redis runs one script per batch instead of one per request. The scripts take any
-//! number of keys (`lua/apply.lua`); a request's own items always
-//! travel in one call.
+//! number of keys (`lua/apply.lua`); a request's own items always travel in one call.
+//!
+//! Order: calls reach the node in the order they were submitted (one in flight, then
+//! the queue in order), whoever sends them. A submitter that goes away never loses its
+//! call: a call not yet sent, or in flight, is finished on the batcher's runtime.
 
 use super::StoreError;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 use std::time::Duration;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 
 /// Most keys sent in one script call (a Lua call blocks Redis while it runs).
 pub(super) const MAX_KEYS: usize = 256;
@@ -20,16 +28,12 @@ pub(super) const MAX_KEYS: usize = 256;
 /// Integers `lua/apply.lua` answers per key.
 pub(super) const REPLY_WIDTH: usize = 5;
 
+/// A script call under way: [`REPLY_WIDTH`] integers per key, or the error.
+type Call = Pin<Box<dyn Future<Output = Result<Vec<i64>, StoreError>> + Send>>;
+
 /// Sends one script call for a batch: keys, their arguments (a fixed number per key, in
 /// key order) → [`REPLY_WIDTH`] integers per key.
-pub(super) type Flush = Box<
-    dyn Fn(
-            Vec<String>,
-            Vec<u64>,
-        ) -> Pin<Box<dyn Future<Output = Result<Vec<i64>, StoreError>> + Send>>
-        + Send
-        + Sync,
->;
+pub(super) type Flush = Box<dyn Fn(Vec<String>, Vec<u64>) -> Call + Send + Sync>;
 
 /// One request's items for the batch.
 struct Pending {
@@ -39,58 +43,161 @@ struct Pending {
 }
 
 /// See the module documentation.
-#[derive(Debug)]
 pub(super) struct Batcher {
-    tx: mpsc::UnboundedSender<Pending>,
+    shared: Arc<Shared>,
     /// Bound on one submission, queueing included.
     timeout: Duration,
 }
 
+impl std::fmt::Debug for Batcher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Batcher")
+            .field("timeout", &self.timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What the submitters and the batcher's task share.
+struct Shared {
+    flush: Flush,
+    /// The runtime the batcher was made on: where queued calls, and calls whose
+    /// submitter went away, are sent from.
+    runtime: tokio::runtime::Handle,
+    state: Mutex<State>,
+}
+
+#[derive(Default)]
+struct State {
+    /// A call is in flight (sent by a submitter, or by the queue's task).
+    busy: bool,
+    /// Submitted while busy, in order.
+    queue: Vec<Pending>,
+}
+
 impl Batcher {
-    /// Start the batching task (inside a Tokio runtime). It ends when the batcher is
-    /// dropped.
+    /// A batcher whose queued calls are sent from the current Tokio runtime (call it
+    /// inside one).
     pub(super) fn spawn(flush: Flush, timeout: Duration) -> Self {
-        let (tx, rx) = mpsc::unbounded_channel();
-        tokio::spawn(run(rx, flush));
-        Self { tx, timeout }
+        Self {
+            shared: Arc::new(Shared {
+                flush,
+                runtime: tokio::runtime::Handle::current(),
+                state: Mutex::new(State::default()),
+            }),
+            timeout,
+        }
     }
 
-    /// Hand `keys` with `args` (the same number per key) to the next call, at once: the
-    /// queue is FIFO, so what is handed over first runs first in Redis. The returned
-    /// future answers [`REPLY_WIDTH`] integers per key, bounded by twice `store.timeout`
-    /// (one call ahead in the queue, then this one).
+    /// Hand `keys` with `args` (the same number per key) over, at once: to be sent by
+    /// the returned future when the batcher is idle (its first poll sends it), else into
+    /// the queue for the next call. What is handed over first runs first in Redis. The
+    /// returned future answers [`REPLY_WIDTH`] integers per key, bounded by twice
+    /// `store.timeout` (one call ahead, then this one).
     pub(super) fn enqueue(
         &self,
         keys: Vec<String>,
         args: Vec<u64>,
     ) -> impl Future<Output = Result<Vec<i64>, StoreError>> + Send + 'static {
-        let (reply, rx) = oneshot::channel();
-        let sent = self.tx.send(Pending { keys, args, reply }).is_ok();
         let limit = self.timeout * 2;
+        let mut state = self.shared.lock();
+        let turn = if state.busy {
+            let (reply, rx) = oneshot::channel();
+            state.queue.push(Pending { keys, args, reply });
+            Turn::Queued(rx)
+        } else {
+            state.busy = true;
+            Turn::Send(Sending {
+                shared: self.shared.clone(),
+                call: Some((self.shared.flush)(keys, args)),
+            })
+        };
+        drop(state);
         async move {
-            if !sent {
-                return Err(StoreError::NotStarted);
-            }
-            match tokio::time::timeout(limit, rx).await {
-                Ok(Ok(result)) => result,
-                Ok(Err(_)) => Err(StoreError::NotStarted),
-                Err(_) => Err(StoreError::Timeout(limit.as_millis() as u64)),
-            }
+            let answer = match turn {
+                Turn::Send(sending) => tokio::time::timeout(limit, sending).await,
+                Turn::Queued(rx) => match tokio::time::timeout(limit, rx).await {
+                    Ok(Ok(result)) => Ok(result),
+                    Ok(Err(_)) => Ok(Err(StoreError::NotStarted)),
+                    Err(elapsed) => Err(elapsed),
+                },
+            };
+            answer.unwrap_or(Err(StoreError::Timeout(limit.as_millis() as u64)))
         }
     }
 }
 
-async fn run(mut rx: mpsc::UnboundedReceiver<Pending>, flush: Flush) {
-    while let Some(first) = rx.recv().await {
-        let mut n = first.keys.len();
-        let mut batch = vec![first];
-        while n < MAX_KEYS {
-            match rx.try_recv() {
-                Ok(p) => {
-                    n += p.keys.len();
-                    batch.push(p);
-                }
-                Err(_) => break,
+/// Whose turn a submission is: to send now, or to wait for its slice of a queued call.
+enum Turn {
+    Send(Sending),
+    Queued(oneshot::Receiver<Result<Vec<i64>, StoreError>>),
+}
+
+impl Shared {
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The call in flight has been answered: send what was queued meanwhile (from a
+    /// task, one call at a time), or become idle.
+    fn answered(self: &Arc<Self>) {
+        let mut state = self.lock();
+        if state.queue.is_empty() {
+            state.busy = false;
+            return;
+        }
+        let queued = std::mem::take(&mut state.queue);
+        drop(state);
+        self.runtime.spawn(drain(self.clone(), queued));
+    }
+}
+
+/// A submitter's own call, sent from its task. Dropped before it is answered (the
+/// submitter went away, or timed out), the call is finished on the batcher's runtime,
+/// so that it is never lost and the queue behind it goes on.
+struct Sending {
+    shared: Arc<Shared>,
+    call: Option<Call>,
+}
+
+impl Future for Sending {
+    type Output = Result<Vec<i64>, StoreError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let Some(call) = self.call.as_mut() else {
+            return Poll::Ready(Err(StoreError::NotStarted));
+        };
+        let answer = std::task::ready!(call.as_mut().poll(cx));
+        self.call = None;
+        self.shared.answered();
+        Poll::Ready(answer)
+    }
+}
+
+impl Drop for Sending {
+    fn drop(&mut self) {
+        if let Some(call) = self.call.take() {
+            let shared = self.shared.clone();
+            self.shared.runtime.spawn(async move {
+                let _ = call.await;
+                shared.answered();
+            });
+        }
+    }
+}
+
+/// Send `queued` (in order, at most [`MAX_KEYS`] keys a call) and whatever is queued
+/// meanwhile, until the queue is empty.
+async fn drain(shared: Arc<Shared>, mut queued: Vec<Pending>) {
+    loop {
+        let mut rest = Vec::new();
+        let mut n = 0;
+        let mut batch = Vec::with_capacity(queued.len());
+        for p in queued {
+            if n > 0 && n + p.keys.len() > MAX_KEYS || !rest.is_empty() {
+                rest.push(p);
+            } else {
+                n += p.keys.len();
+                batch.push(p);
             }
         }
         let counts: Vec<usize> = batch.iter().map(|p| p.keys.len()).collect();
@@ -102,8 +209,16 @@ async fn run(mut rx: mpsc::UnboundedReceiver<Pending>, flush: Flush) {
             args.append(&mut p.args);
             replies.push(p.reply);
         }
-        let result = flush(keys, args).await;
+        let result = (shared.flush)(keys, args).await;
         deliver(replies, &counts, result);
+        let mut state = shared.lock();
+        rest.append(&mut state.queue);
+        if rest.is_empty() {
+            state.busy = false;
+            return;
+        }
+        drop(state);
+        queued = rest;
     }
 }
 
@@ -136,5 +251,84 @@ fn deliver(
                 let _ = tx.send(Err(e.clone()));
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A flush that records each call's keys and the task it ran in, answers after
+    /// `delay`, with REPLY_WIDTH copies of each key's number.
+    fn recording(
+        delay: Duration,
+    ) -> (
+        Flush,
+        Arc<Mutex<Vec<(Vec<String>, Option<tokio::task::Id>)>>>,
+    ) {
+        let calls = Arc::new(Mutex::new(Vec::new()));
+        let seen = calls.clone();
+        let flush: Flush = Box::new(move |keys: Vec<String>, _args: Vec<u64>| {
+            let seen = seen.clone();
+            Box::pin(async move {
+                seen.lock()
+                    .unwrap()
+                    .push((keys.clone(), tokio::task::try_id()));
+                tokio::time::sleep(delay).await;
+                Ok(keys
+                    .iter()
+                    .flat_map(|k| [k.parse::<i64>().unwrap(); REPLY_WIDTH])
+                    .collect())
+            })
+        });
+        (flush, calls)
+    }
+
+    #[tokio::test]
+    async fn an_idle_batcher_sends_from_the_submitters_task_and_queues_the_rest_in_order() {
+        let (flush, calls) = recording(Duration::from_millis(50));
+        let batcher = Batcher::spawn(flush, Duration::from_secs(5));
+        let first = batcher.enqueue(vec!["1".into()], vec![]);
+        let queued: Vec<_> = (2..5)
+            .map(|k| batcher.enqueue(vec![k.to_string()], vec![]))
+            .collect();
+        let me = tokio::spawn(async move {
+            let id = tokio::task::id();
+            (first.await, id)
+        });
+        let (answer, submitter) = me.await.unwrap();
+        assert_eq!(answer.unwrap(), vec![1; REPLY_WIDTH]);
+        for (k, q) in (2..5).zip(queued) {
+            assert_eq!(q.await.unwrap(), vec![k; REPLY_WIDTH]);
+        }
+        let calls = calls.lock().unwrap();
+        assert_eq!(calls.len(), 2, "one call, then the queue in one call");
+        assert_eq!(calls[0].0, ["1"]);
+        assert_eq!(
+            calls[0].1,
+            Some(submitter),
+            "sent from the submitter's task"
+        );
+        assert_eq!(calls[1].0, ["2", "3", "4"]);
+        assert_ne!(calls[1].1, Some(submitter));
+    }
+
+    #[tokio::test]
+    async fn a_submitter_that_goes_away_still_has_its_call_sent_and_the_queue_goes_on() {
+        let (flush, calls) = recording(Duration::from_millis(20));
+        let batcher = Batcher::spawn(flush, Duration::from_secs(5));
+        drop(batcher.enqueue(vec!["7".into()], vec![])); // never polled
+        let next = batcher.enqueue(vec!["8".into()], vec![]);
+        assert_eq!(next.await.unwrap(), vec![8; REPLY_WIDTH]);
+        // And the batcher is idle again: the next call is sent by its submitter.
+        let again = batcher.enqueue(vec!["9".into()], vec![]);
+        assert_eq!(again.await.unwrap(), vec![9; REPLY_WIDTH]);
+        let calls = calls.lock().unwrap();
+        let keys: Vec<&[String]> = calls.iter().map(|(k, _)| k.as_slice()).collect();
+        assert_eq!(
+            keys,
+            [["7"], ["8"], ["9"]],
+            "the dropped submitter's call went first"
+        );
     }
 }

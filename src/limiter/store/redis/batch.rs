@@ -258,14 +258,12 @@ fn deliver(
 mod tests {
     use super::*;
 
+    /// Each call's keys, and the task it was sent from.
+    type Calls = Arc<Mutex<Vec<(Vec<String>, Option<tokio::task::Id>)>>>;
+
     /// A flush that records each call's keys and the task it ran in, answers after
     /// `delay`, with REPLY_WIDTH copies of each key's number.
-    fn recording(
-        delay: Duration,
-    ) -> (
-        Flush,
-        Arc<Mutex<Vec<(Vec<String>, Option<tokio::task::Id>)>>>,
-    ) {
+    fn recording(delay: Duration) -> (Flush, Calls) {
         let calls = Arc::new(Mutex::new(Vec::new()));
         let seen = calls.clone();
         let flush: Flush = Box::new(move |keys: Vec<String>, _args: Vec<u64>| {

@@ -36,7 +36,11 @@ pub fn routing_path(path: &str) -> Cow<'_, str> {
     if path == "*" {
         return Cow::Borrowed("/");
     }
-    let touched = path.contains(';') || path.contains("./") || path.ends_with('.');
+    // One pass over the bytes: a `;` anywhere, or a `.` that ends a segment.
+    let bytes = path.as_bytes();
+    let touched = bytes.iter().enumerate().any(|(i, &b)| {
+        b == b';' || (b == b'.' && bytes.get(i + 1).is_none_or(|&next| next == b'/'))
+    });
     if !touched || !path.starts_with('/') {
         return Cow::Borrowed(path);
     }

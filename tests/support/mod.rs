@@ -4,6 +4,7 @@
 
 pub mod binary;
 pub mod client;
+pub mod raw;
 pub mod redis;
 pub mod topology;
 pub mod upstream;

@@ -9,6 +9,10 @@
 //!   `pending_restart`), with its
 //!   generation and content hash.
 //! - `GET /top[?n=N]`: who is being limited now ([`top_view`]).
+//! - `POST /callers/{id}/reset[?limit=NAME]`: clear a client's windows, with
+//!   `server.admin_token_sha256` ([`write`]).
+
+mod write;
 
 use crate::limiter::store::StoreStatus;
 use crate::metrics::Metrics;
@@ -48,14 +52,24 @@ pub(crate) async fn serve(
     loop {
         tokio::select! {
             accepted = listener.accept() => {
-                let Ok((stream, _)) = accepted else {
+                let Ok((stream, peer)) = accepted else {
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     continue;
                 };
                 let (snapshot, metrics) = (snapshot.clone(), metrics.clone());
-                let service = service_fn(move |req| {
+                let service = service_fn(move |req: Request<Incoming>| {
                     let (snapshot, metrics) = (snapshot.clone(), metrics.clone());
-                    async move { Ok::<_, Infallible>(route(&req, &snapshot.load_full(), &metrics)) }
+                    async move {
+                        let snap = snapshot.load_full();
+                        let path = req.uri().path();
+                        if write::is_write(path) {
+                            let (method, query) = (req.method(), req.uri().query());
+                            return Ok::<_, Infallible>(
+                                write::handle(method, path, query, req.headers(), &snap, peer).await,
+                            );
+                        }
+                        Ok(route(&req, &snap, &metrics))
+                    }
                 });
                 let conn = builder.serve_connection(TokioIo::new(stream), service).into_owned();
                 let conn = graceful.watch(conn);
@@ -110,7 +124,7 @@ fn route(req: &Request<Incoming>, snap: &Snapshot, metrics: &Metrics) -> Respons
         }
         _ => json_response(
             StatusCode::NOT_FOUND,
-            &json!({ "message": "not found; try /healthz, /readyz, /metrics, /config, /top" }),
+            &json!({ "message": "not found; try /healthz, /readyz, /metrics, /config, /top, POST /callers/{id}/reset" }),
         ),
     }
 }
@@ -200,11 +214,16 @@ pub fn config_view(snap: &Snapshot) -> Value {
     // `[server]` and `[log]` as they run; the file's values, when a reload changed them,
     // wait for a restart and are shown apart.
     let (server, log) = &*snap.running;
+    // The admin token reloads: it runs as the file has it.
+    let server = crate::config::ServerConfig {
+        admin_token_sha256: snap.config.server.admin_token_sha256.clone(),
+        ..server.clone()
+    };
     let mut pending = serde_json::Map::new();
     for (section, running, in_file) in [
         (
             "server",
-            serde_json::to_value(server),
+            serde_json::to_value(&server),
             serde_json::to_value(&snap.config.server),
         ),
         (
@@ -240,7 +259,12 @@ fn redact(v: &mut Value) {
             for (k, v) in map.iter_mut() {
                 if matches!(
                     k.as_str(),
-                    "key_sha256" | "hash_key" | "key" | "secret" | "password"
+                    "key_sha256"
+                        | "hash_key"
+                        | "key"
+                        | "secret"
+                        | "password"
+                        | "admin_token_sha256"
                 ) {
                     if !v.is_null() {
                         *v = Value::String(REDACTED.into());

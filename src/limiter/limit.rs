@@ -304,10 +304,7 @@ impl Limit {
     fn subject_into(&self, caller: &Caller, headers: &HeaderMap, out: &mut Vec<u8>) {
         out.clear();
         let by_caller = |out: &mut Vec<u8>| match &caller.client {
-            Some(c) => {
-                out.extend_from_slice(b"client:");
-                out.extend_from_slice(c.id.as_bytes());
-            }
+            Some(c) => client_subject(&c.id, out),
             None => ip_subject(caller.ip_key, out),
         };
         match &self.by {
@@ -332,6 +329,12 @@ impl Limit {
             },
         }
     }
+}
+
+/// Append the subject of a client, `client:ID`, to `out`.
+pub(super) fn client_subject(id: &str, out: &mut Vec<u8>) {
+    out.extend_from_slice(b"client:");
+    out.extend_from_slice(id.as_bytes());
 }
 
 /// Append the subject of a client IP, `ip:ADDRESS`, to `out`.

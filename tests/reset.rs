@@ -148,6 +148,22 @@ async fn unblocks_a_caller(store: &str) {
     assert_eq!(served.num("x-ratelimit-remaining"), 1);
     assert_eq!(served.num("x-ratelimit-limit"), 2);
 
+    // GET /top reads the windows from the store: acme's are full again.
+    let top = get(&format!("http://{admin}/top")).await.json();
+    let search = top["limits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l["name"] == "search")
+        .unwrap();
+    let acme = search["refused"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|h| h["caller"] == "acme")
+        .unwrap();
+    assert_eq!(acme["remaining"], 1, "{top}");
+
     // bob's windows were not touched.
     let bob = call(&url, "bob-key").await;
     assert_eq!(bob.status, 200);

@@ -302,6 +302,11 @@ async fn write_endpoints_need_the_admin_token() {
     assert!(r.text().contains("by = \\\"ip\\\""), "{}", r.text());
     let r = reset(&admin, "/callers/acme/reset?n=3", Some(TOKEN)).await;
     assert_eq!(r.status, 400);
+    let r = reset(&admin, "/callers/acme%0Aforged/reset", Some(TOKEN)).await;
+    assert_eq!(r.status, 400, "no forged log lines");
+    let r = reset(&admin, "/callers/a%2Fb/reset", Some(TOKEN)).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.json()["caller"], "a/b");
     // The token's hash is not shown by GET /config.
     let cfg = get(&format!("http://{admin}/config")).await.json();
     assert_eq!(cfg["config"]["server"]["admin_token_sha256"], "<redacted>");

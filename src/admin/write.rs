@@ -41,6 +41,12 @@ pub(super) async fn handle(
             &json!({ "message": "not found; try POST /callers/{id}/reset[?limit=NAME]" }),
         );
     };
+    if id.chars().any(char::is_control) {
+        return json_response(
+            StatusCode::BAD_REQUEST,
+            &json!({ "message": "a caller id has no control characters" }),
+        );
+    }
     if method != Method::POST {
         let mut r = json_response(
             StatusCode::METHOD_NOT_ALLOWED,

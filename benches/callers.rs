@@ -9,13 +9,14 @@ use sha2::{Digest, Sha256};
 use std::net::IpAddr;
 use std::sync::Arc;
 use tollgate::identity::keys::KeySource;
+use tollgate::identity::Client;
 use tollgate::limiter::top::{Top, Who};
 
 fn sketch(c: &mut Criterion) {
     let top = Top::default();
     let (core, gold): (Arc<str>, Arc<str>) = ("core".into(), "gold".into());
-    let clients: Vec<Arc<str>> = (0..1000)
-        .map(|i| Arc::from(format!("client-{i}")))
+    let clients: Vec<Arc<Client>> = (0..1000)
+        .map(|i| Arc::new(Client::new(format!("client-{i}").into(), gold.clone())))
         .collect();
     let now = 1_800_000_000;
     let mut i = 0usize;

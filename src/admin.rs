@@ -9,6 +9,10 @@
 //!   `pending_restart`), with its
 //!   generation and content hash.
 //! - `GET /top[?n=N]`: who is being limited now ([`top_view`]).
+//! - `POST /callers/{id}/reset[?limit=NAME]`: clear a client's windows, with
+//!   `server.admin_token_sha256` ([`write`]).
+
+mod write;
 
 use crate::limiter::store::StoreStatus;
 use crate::metrics::Metrics;
@@ -48,14 +52,31 @@ pub(crate) async fn serve(
     loop {
         tokio::select! {
             accepted = listener.accept() => {
-                let Ok((stream, _)) = accepted else {
+                let Ok((stream, peer)) = accepted else {
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     continue;
                 };
                 let (snapshot, metrics) = (snapshot.clone(), metrics.clone());
-                let service = service_fn(move |req| {
+                let service = service_fn(move |req: Request<Incoming>| {
                     let (snapshot, metrics) = (snapshot.clone(), metrics.clone());
-                    async move { Ok::<_, Infallible>(route(&req, &snapshot.load_full(), &metrics)) }
+                    async move {
+                        let snap = snapshot.load_full();
+                        let path = req.uri().path();
+                        if write::is_write(path) {
+                            let (method, query) = (req.method(), req.uri().query());
+                            return Ok::<_, Infallible>(
+                                write::handle(method, path, query, req.headers(), &snap, peer).await,
+                            );
+                        }
+                        if path == "/top" && matches!(*req.method(), Method::GET | Method::HEAD) {
+                            let n = top_n(req.uri().query());
+                            let now_ms = std::time::SystemTime::now()
+                                .duration_since(std::time::UNIX_EPOCH)
+                                .map_or(0, |d| d.as_millis() as u64);
+                            return Ok(json_response(StatusCode::OK, &top_view(&snap, n, now_ms).await));
+                        }
+                        Ok(route(&req, &snap, &metrics))
+                    }
                 });
                 let conn = builder.serve_connection(TokioIo::new(stream), service).into_owned();
                 let conn = graceful.watch(conn);
@@ -93,58 +114,90 @@ fn route(req: &Request<Incoming>, snap: &Snapshot, metrics: &Metrics) -> Respons
             r
         }
         "/config" => json_response(StatusCode::OK, &config_view(snap)),
-        "/top" => {
-            let n = req
-                .uri()
-                .query()
-                .unwrap_or("")
-                .split('&')
-                .find_map(|p| p.strip_prefix("n="))
-                .and_then(|n| n.parse::<usize>().ok())
-                .unwrap_or(10)
-                .clamp(1, 100);
-            let now_s = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_secs());
-            json_response(StatusCode::OK, &top_view(snap, n, now_s))
-        }
         _ => json_response(
             StatusCode::NOT_FOUND,
-            &json!({ "message": "not found; try /healthz, /readyz, /metrics, /config, /top" }),
+            &json!({ "message": "not found; try /healthz, /readyz, /metrics, /config, /top, POST /callers/{id}/reset" }),
         ),
     }
+}
+
+/// `?n=N` of `GET /top`: callers per list, 1 to 100, default 10.
+fn top_n(query: Option<&str>) -> usize {
+    query
+        .unwrap_or("")
+        .split('&')
+        .find_map(|p| p.strip_prefix("n="))
+        .and_then(|n| n.parse::<usize>().ok())
+        .unwrap_or(10)
+        .clamp(1, 100)
 }
 
 /// `GET /top`: per limit (in config order), the `n` callers with the most refusals and
 /// the most units admitted in the current and the previous minute (since `since`, epoch
 /// seconds), from the gateway's bounded heavy-hitters sketch:
 /// `{"since": S, "limits": [{"name": "core", "refused": [{"caller": "acme", "tier":
-/// "gold", "count": 1234, "error": 0}], "used": [...]}]}`. `error` bounds how much of
-/// `count` may belong to callers the sketch forgot. Anonymous callers appear as the
-/// access log shows them (`log.client_ip`: the keyed hash, or the IP).
-pub fn top_view(snap: &Snapshot, n: usize, now_s: u64) -> Value {
-    use crate::limiter::top::Who;
+/// "gold", "count": 1234, "error": 0, "quota": 5000, "remaining": 0}], "used":
+/// [...]}]}`. `error` bounds how much of `count` may belong to callers the sketch forgot.
+/// `quota` and `remaining` are the caller's window in the store now (one read per shard
+/// for the whole answer, at `now_ms`, epoch milliseconds), `null` when the store did
+/// not answer or the caller's window cannot be told from the sketch (a limit by header,
+/// or by IP for an identified caller). Anonymous callers appear as the access log shows
+/// them (`log.client_ip`: the keyed hash, or the IP).
+pub async fn top_view(snap: &Snapshot, n: usize, now_ms: u64) -> Value {
+    use crate::limiter::top::{Hitter, Who};
+    let now_s = now_ms / 1000;
     let mut top = snap.limiter.top().top(n, now_s);
     let gate = snap.gate();
-    let render = |list: Vec<crate::limiter::top::Hitter>| -> Vec<Value> {
-        list.into_iter()
-            .map(|h| {
-                let caller = match &h.who {
-                    Who::Client(id) => id.to_string(),
-                    Who::Ip(ip) => gate
-                        .log_client(*ip)
-                        .unwrap_or_else(|| snap.limiter.ip_hash(*ip)),
-                };
-                json!({ "caller": caller, "tier": &*h.tier, "count": h.count, "error": h.error })
-            })
-            .collect()
-    };
-    let limits: Vec<Value> = snap
+    // Each limit's two lists, and the window of each caller in them, read at once.
+    let lists: Vec<(&std::sync::Arc<crate::limiter::Limit>, [Vec<Hitter>; 2])> = snap
         .limits
         .iter()
         .map(|l| {
             let t = top.remove(&l.name).unwrap_or_default();
-            json!({ "name": &*l.name, "refused": render(t.refused), "used": render(t.used) })
+            (l, [t.refused, t.used])
+        })
+        .collect();
+    let mut applied = Vec::new();
+    let windows: Vec<Option<usize>> = lists
+        .iter()
+        .flat_map(|(l, both)| both.iter().flatten().map(move |h| (l, h)))
+        .map(|(l, h)| {
+            let a = snap.limiter.applied_for(l, &h.who, &h.tier)?;
+            applied.push(a);
+            Some(applied.len() - 1)
+        })
+        .collect();
+    let usages = snap.limiter.peek(&applied, now_ms).await;
+    let mut windows = windows.into_iter();
+    let mut render = |list: &[Hitter]| -> Vec<Value> {
+        list.iter()
+            .map(|h| {
+                let caller = match &h.who {
+                    Who::Client(c) => c.id.to_string(),
+                    Who::Ip(ip) => gate
+                        .log_client(*ip)
+                        .unwrap_or_else(|| snap.limiter.ip_hash(*ip)),
+                };
+                let usage = windows
+                    .next()
+                    .flatten()
+                    .and_then(|i| usages.get(i).cloned().flatten());
+                json!({
+                    "caller": caller,
+                    "tier": &*h.tier,
+                    "count": h.count,
+                    "error": h.error,
+                    "quota": usage.as_ref().map(|u| u.quota),
+                    "remaining": usage.as_ref().map(|u| u.remaining()),
+                })
+            })
+            .collect()
+    };
+    let limits: Vec<Value> = lists
+        .iter()
+        .map(|(l, [refused, used])| {
+            let refused = render(refused);
+            json!({ "name": &*l.name, "refused": refused, "used": render(used) })
         })
         .collect();
     json!({ "since": (now_s / 60).saturating_sub(1) * 60, "limits": limits })
@@ -200,11 +253,16 @@ pub fn config_view(snap: &Snapshot) -> Value {
     // `[server]` and `[log]` as they run; the file's values, when a reload changed them,
     // wait for a restart and are shown apart.
     let (server, log) = &*snap.running;
+    // The admin token reloads: it runs as the file has it.
+    let server = crate::config::ServerConfig {
+        admin_token_sha256: snap.config.server.admin_token_sha256.clone(),
+        ..server.clone()
+    };
     let mut pending = serde_json::Map::new();
     for (section, running, in_file) in [
         (
             "server",
-            serde_json::to_value(server),
+            serde_json::to_value(&server),
             serde_json::to_value(&snap.config.server),
         ),
         (
@@ -240,7 +298,12 @@ fn redact(v: &mut Value) {
             for (k, v) in map.iter_mut() {
                 if matches!(
                     k.as_str(),
-                    "key_sha256" | "hash_key" | "key" | "secret" | "password"
+                    "key_sha256"
+                        | "hash_key"
+                        | "key"
+                        | "secret"
+                        | "password"
+                        | "admin_token_sha256"
                 ) {
                     if !v.is_null() {
                         *v = Value::String(REDACTED.into());

@@ -309,7 +309,7 @@ async fn wait_for_shutdown_signal() {
 
 /// `tollgate top`: GET /top every second, as a table: per limit and caller, refusals a
 /// second (since the previous poll), refusals and units admitted in the current and the
-/// previous minute.
+/// previous minute, and the units left in the caller's window now (`-`: unknown).
 async fn top(path: &Path, admin: Option<String>, n: usize, once: bool) -> ExitCode {
     let admin = match admin {
         Some(a) => a,
@@ -359,12 +359,12 @@ async fn top(path: &Path, admin: Option<String>, n: usize, once: bool) -> ExitCo
             out.push_str("\x1b[H\x1b[2J");
         }
         out.push_str(&format!(
-            "{:<16} {:<32} {:<12} {:>10} {:>10} {:>12}\n",
-            "LIMIT", "CALLER", "TIER", "REFUSED/S", "REFUSED", "USED"
+            "{:<16} {:<32} {:<12} {:>10} {:>10} {:>12} {:>10}\n",
+            "LIMIT", "CALLER", "TIER", "REFUSED/S", "REFUSED", "USED", "REMAINING"
         ));
         for limit in v["limits"].as_array().into_iter().flatten() {
             let name = limit["name"].as_str().unwrap_or("");
-            let mut rows: std::collections::BTreeMap<String, (String, u64, u64)> =
+            let mut rows: std::collections::BTreeMap<String, (String, u64, u64, Option<u64>)> =
                 std::collections::BTreeMap::new();
             for (list, refused) in [("refused", true), ("used", false)] {
                 for h in limit[list].as_array().into_iter().flatten() {
@@ -372,6 +372,7 @@ async fn top(path: &Path, admin: Option<String>, n: usize, once: bool) -> ExitCo
                     let row = rows.entry(caller).or_default();
                     row.0 = h["tier"].as_str().unwrap_or("").to_string();
                     let count = h["count"].as_u64().unwrap_or(0);
+                    row.3 = row.3.or(h["remaining"].as_u64());
                     if refused {
                         row.1 = count;
                     } else {
@@ -380,8 +381,8 @@ async fn top(path: &Path, admin: Option<String>, n: usize, once: bool) -> ExitCo
                 }
             }
             let mut rows: Vec<_> = rows.into_iter().collect();
-            rows.sort_by_key(|(_, (_, refused, used))| std::cmp::Reverse((*refused, *used)));
-            for (caller, (tier, refused, used)) in rows {
+            rows.sort_by_key(|(_, (_, refused, used, _))| std::cmp::Reverse((*refused, *used)));
+            for (caller, (tier, refused, used, remaining)) in rows {
                 let key = (name.to_string(), caller.clone());
                 let rate = match before.insert(key, (refused, now)) {
                     Some((was, at)) if refused >= was => {
@@ -389,8 +390,9 @@ async fn top(path: &Path, admin: Option<String>, n: usize, once: bool) -> ExitCo
                     }
                     _ => 0.0,
                 };
+                let remaining = remaining.map_or("-".to_string(), |r| r.to_string());
                 out.push_str(&format!(
-                    "{name:<16} {caller:<32} {tier:<12} {rate:>10.1} {refused:>10} {used:>12}\n"
+                    "{name:<16} {caller:<32} {tier:<12} {rate:>10.1} {refused:>10} {used:>12} {remaining:>10}\n"
                 ));
             }
         }

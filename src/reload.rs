@@ -407,6 +407,10 @@ impl Reloader {
         if server.tls.is_some() && running_server.tls.is_some() {
             server.tls = running_server.tls.clone();
         }
+        // The admin token is read from the new config by every admin request.
+        server
+            .admin_token_sha256
+            .clone_from(&running_server.admin_token_sha256);
         if server != *running_server {
             warnings.push(
                 "[server] changed: listen addresses and timeouts take effect after a restart"

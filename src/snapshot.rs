@@ -96,6 +96,14 @@ impl Snapshot {
         if cfg.identity.failed_auth_limit.window.as_millis() < 1_000 {
             problems.error("identity.failed_auth_limit.window", "must be at least 1s");
         }
+        if let Some(token) = &cfg.server.admin_token_sha256 {
+            if token.len() != 64 || !token.bytes().all(|b| b.is_ascii_hexdigit()) {
+                problems.error(
+                    "server.admin_token_sha256",
+                    "must be 64 hex characters: the SHA-256 of the admin token (e.g. `printf %s \"$TOKEN\" | sha256sum`)",
+                );
+            }
+        }
         if cfg.server.workers == Some(0) {
             problems.error(
                 "server.workers",

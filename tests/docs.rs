@@ -10,6 +10,7 @@ fn full_config() -> Config {
         server: ServerConfig {
             listen: "127.0.0.1:8080".into(),
             admin_listen: Some("127.0.0.1:9901".into()),
+            admin_token_sha256: Some("ab".repeat(32)),
             shutdown_grace: Dur::from_secs(30),
             header_read_timeout: Dur::from_secs(10),
             idle_timeout: Dur::from_secs(60),

@@ -42,6 +42,21 @@ cost = 2
     )
 }
 
+/// `tollgate top --once` against the admin listener `admin`: its table (run off this
+/// thread: the gateway answers on it).
+async fn top_once(admin: std::net::SocketAddr) -> String {
+    let out = tokio::task::spawn_blocking(move || {
+        tollgate()
+            .args(["top", "--once", "--admin", &admin.to_string()])
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(out.status.success());
+    String::from_utf8(out.stdout).unwrap()
+}
+
 #[tokio::test]
 async fn top_names_the_callers_being_refused_and_using_the_most() {
     let up = Upstream::start().await;
@@ -86,20 +101,51 @@ async fn top_names_the_callers_being_refused_and_using_the_most() {
     assert!(used.contains(&("bob".into(), 2)), "{used:?}");
     assert!(used.contains(&(hash.to_string(), 2)), "{used:?}");
 
-    // The terminal view, once (off this thread: the gateway answers on it).
-    let out = tokio::task::spawn_blocking(move || {
-        tollgate()
-            .args(["top", "--once", "--admin", &admin.to_string()])
-            .output()
-            .unwrap()
-    })
-    .await
-    .unwrap();
-    assert!(out.status.success());
-    let text = String::from_utf8(out.stdout).unwrap();
+    // The terminal view, once.
+    let text = top_once(admin).await;
     let first = text.lines().nth(1).unwrap();
     assert!(
         first.starts_with("core") && first.contains("acme") && first.contains("gold"),
         "{text}"
     );
+}
+
+#[tokio::test]
+async fn top_shows_what_remains_of_each_callers_window() {
+    let up = Upstream::start().await;
+    let gw = TestGateway::start(&config(&up)).await;
+    let auth = |k: &str| format!("Bearer {k}");
+    // acme: 1 admitted (2 of 3 units), then refused; an anonymous caller: 1 admitted
+    // (2 of 2).
+    for _ in 0..3 {
+        get_with(&gw.url("/x"), &[("authorization", &auth("acme-key"))]).await;
+    }
+    assert_eq!(get(&gw.url("/x")).await.status, 200);
+    let admin = gw.gateway.admin_addr().unwrap();
+    let v = get(&format!("http://{admin}/top")).await.json();
+    let core = &v["limits"][0];
+    let acme = &core["refused"][0];
+    assert_eq!(acme["caller"], "acme");
+    assert_eq!(
+        (acme["quota"].as_u64(), acme["remaining"].as_u64()),
+        (Some(3), Some(1))
+    );
+    let anonymous = core["used"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|h| h["tier"] == "anonymous")
+        .unwrap();
+    assert_eq!(
+        (anonymous["quota"].as_u64(), anonymous["remaining"].as_u64()),
+        (Some(2), Some(0))
+    );
+
+    let text = top_once(admin).await;
+    assert!(
+        text.lines().next().unwrap().ends_with("REMAINING"),
+        "{text}"
+    );
+    let acme = text.lines().find(|l| l.contains("acme")).unwrap();
+    assert!(acme.trim_end().ends_with(" 1"), "{text}");
 }

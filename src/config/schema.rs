@@ -60,6 +60,11 @@ pub struct ServerConfig {
     /// Optional admin listener: `GET /healthz`, `/readyz`, `/metrics`, `/config`.
     /// Default: none.
     pub admin_listen: Option<String>,
+    /// SHA-256 of the Bearer token that the admin listener's write endpoints (`POST
+    /// /callers/{id}/reset`) require, 64 hex characters. Default: none, and write
+    /// endpoints are off (403). Applied on reload.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub admin_token_sha256: Option<String>,
     /// How long in-flight requests may run after SIGTERM/SIGINT. Default 30 s.
     pub shutdown_grace: Dur,
     /// An HTTP/1 client must send its request headers within this time. Default 10 s.
@@ -159,6 +164,7 @@ impl Default for ServerConfig {
         Self {
             listen: "127.0.0.1:8080".into(),
             admin_listen: None,
+            admin_token_sha256: None,
             shutdown_grace: Dur::from_secs(30),
             header_read_timeout: Dur::from_secs(10),
             watch_config: true,

@@ -241,6 +241,12 @@ impl LeaseTable {
         }
     }
 
+    /// Drop the local lease of `key` without giving its units back: its window was
+    /// deleted in the store (`POST /callers/{id}/reset`), and the units with it.
+    pub fn forget(&self, key: &LimitKey) {
+        self.leases.shard(key).remove(&key.key);
+    }
+
     /// Drop leases of past windows and give back the units of leases idle for
     /// [`IDLE_MS`] or past their validity (all of them with `all`, at shutdown), so
     /// that the store's record of them never lapses while this gateway lives. Returns

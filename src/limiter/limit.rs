@@ -304,10 +304,7 @@ impl Limit {
     fn subject_into(&self, caller: &Caller, headers: &HeaderMap, out: &mut Vec<u8>) {
         out.clear();
         let by_caller = |out: &mut Vec<u8>| match &caller.client {
-            Some(c) => {
-                out.extend_from_slice(b"client:");
-                out.extend_from_slice(c.id.as_bytes());
-            }
+            Some(c) => client_subject(&c.id, out),
             None => ip_subject(caller.ip_key, out),
         };
         match &self.by {
@@ -332,6 +329,12 @@ impl Limit {
             },
         }
     }
+}
+
+/// Append the subject of a client, `client:ID`, to `out`.
+pub(super) fn client_subject(id: &str, out: &mut Vec<u8>) {
+    out.extend_from_slice(b"client:");
+    out.extend_from_slice(id.as_bytes());
 }
 
 /// Append the subject of a client IP, `ip:ADDRESS`, to `out`.
@@ -382,6 +385,39 @@ impl Applied {
 }
 
 impl Limiter {
+    /// The window of `limit` in which `who` (of tier `tier`) is counted, with its quota
+    /// (the client's own, else its tier's), as [`Limiter::applicable`] would find it for
+    /// a request: for `GET /top`. `None` when no quota applies, or when `who` alone does
+    /// not say which window (a limit by header, whose value is unknown here, or by IP
+    /// for an identified caller).
+    pub fn applied_for(
+        &self,
+        limit: &Arc<Limit>,
+        who: &super::top::Who,
+        tier: &str,
+    ) -> Option<Applied> {
+        use super::top::Who;
+        let own = match who {
+            Who::Client(c) => c.quota_for(&limit.name),
+            Who::Ip(_) => None,
+        };
+        let quota = own.or_else(|| limit.quota.get(tier).copied())?;
+        let mut subject = Vec::with_capacity(48);
+        match (&limit.by, who) {
+            (By::Caller, Who::Client(c)) => client_subject(&c.id, &mut subject),
+            (By::Caller | By::Ip, Who::Ip(ip)) => ip_subject(*ip, &mut subject),
+            (By::Global, _) => subject.extend_from_slice(b"global"),
+            _ => return None,
+        }
+        Some(Applied {
+            limit: limit.clone(),
+            key: self
+                .keys
+                .key_for(&limit.key_name, &self.keys.digest(&subject)),
+            policy: limit.policy(quota),
+        })
+    }
+
     /// The 32 hex digits that stand for a client IP in storage keys (its by-IP windows).
     pub fn ip_hash(&self, ip: std::net::IpAddr) -> String {
         let mut subject = Vec::with_capacity(48);

@@ -40,7 +40,8 @@
 //!   the gateway-wide `server.max_delayed`).
 //! - [`algorithm`] (the reference model of every algorithm), [`store`] (memory and
 //!   Redis), [`key`] (storage keys and shards), [`cache`] (the over-limit cache),
-//!   [`lease`] (lease mode), [`sharded`] (a map sharded by key).
+//!   [`lease`] (lease mode), [`sharded`] (a map sharded by key), [`reset`] (clearing a
+//!   client's windows: `POST /callers/{id}/reset`).
 
 pub mod algorithm;
 pub mod cache;
@@ -49,6 +50,7 @@ pub mod delayed;
 pub mod key;
 pub mod lease;
 mod limit;
+pub mod reset;
 mod settle;
 pub mod sharded;
 pub mod store;

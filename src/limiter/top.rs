@@ -10,6 +10,7 @@
 //! callers. Counts are kept per minute: the current minute's and the previous one's.
 //! Anonymous callers are kept by IP address, and shown as the access log shows them.
 
+use crate::identity::Client;
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hash};
 use std::net::IpAddr;
@@ -20,20 +21,49 @@ pub const CAPACITY: usize = 64;
 /// Shards (by caller hash).
 pub const SHARDS: usize = 16;
 
-/// A caller as counted: a client id, or an anonymous caller's address.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+/// A caller as counted: a client (one entry per client id), or an anonymous caller's
+/// address.
+#[derive(Debug, Clone)]
 pub enum Who {
-    /// An identified caller's id.
-    Client(Arc<str>),
+    /// An identified caller (compared and hashed by its id; its own quotas tell
+    /// `GET /top` what remains of its windows).
+    Client(Arc<Client>),
     /// An anonymous caller's address (`Caller::ip_key`).
     Ip(IpAddr),
 }
 
+impl PartialEq for Who {
+    fn eq(&self, other: &Self) -> bool {
+        match (self, other) {
+            (Who::Client(a), Who::Client(b)) => a.id == b.id,
+            (Who::Ip(a), Who::Ip(b)) => a == b,
+            _ => false,
+        }
+    }
+}
+
+impl Eq for Who {}
+
+impl Hash for Who {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        match self {
+            Who::Client(c) => {
+                state.write_u8(0);
+                c.id.hash(state);
+            }
+            Who::Ip(ip) => {
+                state.write_u8(1);
+                ip.hash(state);
+            }
+        }
+    }
+}
+
 impl Who {
-    /// `caller`'s client id, else its address as per-IP limits count it.
+    /// `caller`'s client, else its address as per-IP limits count it.
     pub fn of(caller: &crate::identity::Caller) -> Who {
         match &caller.client {
-            Some(c) => Who::Client(c.id.clone()),
+            Some(c) => Who::Client(c.clone()),
             None => Who::Ip(caller.ip_key),
         }
     }
@@ -235,6 +265,10 @@ impl Top {
 mod tests {
     use super::*;
 
+    fn client(id: &str) -> Who {
+        Who::Client(Arc::new(Client::new(id.into(), "gold".into())))
+    }
+
     #[test]
     fn heavy_hitters_are_found_among_many_callers_and_memory_stays_bounded() {
         let top = Top::default();
@@ -245,20 +279,13 @@ mod tests {
             top.used(&core, Who::Ip(ip), &tier, 1, 600);
             if i % 100 == 0 {
                 for (who, n) in [("a", 30), ("b", 20), ("c", 10)] {
-                    top.used(&core, Who::Client(who.into()), &tier, n, 600);
+                    top.used(&core, client(who), &tier, n, 600);
                 }
             }
         }
         let t = top.top(3, 610);
         let names: Vec<_> = t[&core].used.iter().map(|h| h.who.clone()).collect();
-        assert_eq!(
-            names,
-            [
-                Who::Client("a".into()),
-                Who::Client("b".into()),
-                Who::Client("c".into())
-            ]
-        );
+        assert_eq!(names, [client("a"), client("b"), client("c")]);
         assert!(t[&core].used[0].count >= 30_000);
         let entries: usize = top
             .shards

@@ -49,8 +49,13 @@ pub async fn get(url: &str) -> Reply {
 
 /// GET `url` with extra headers.
 pub async fn get_with(url: &str, headers: &[(&str, &str)]) -> Reply {
+    send(http::Method::GET, url, headers).await
+}
+
+/// A request with `method` to `url` with extra headers and no body.
+pub async fn send(method: http::Method, url: &str, headers: &[(&str, &str)]) -> Reply {
     let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
-    let mut req = Request::get(url);
+    let mut req = Request::builder().method(method).uri(url);
     for (k, v) in headers {
         req = req.header(*k, *v);
     }

@@ -11,7 +11,7 @@ pub mod upstream;
 
 pub use self::redis::RedisServer;
 pub use binary::Binary;
-pub use client::{get, get_with, h2_client};
+pub use client::{get, get_with, h2_client, send};
 pub use upstream::Upstream;
 
 use std::path::{Path, PathBuf};

@@ -190,6 +190,14 @@ impl MemoryStore {
         }
     }
 
+    /// Remove the states of `keys` (same rules as `lua/reset.lua`); returns how many
+    /// were held.
+    pub fn reset_now(&self, keys: &[LimitKey]) -> u64 {
+        keys.iter()
+            .filter(|k| self.windows.shard(k).remove(&k.key).is_some())
+            .count() as u64
+    }
+
     /// Drop every window whose reset is at or before `now_ms`; returns how many were dropped.
     pub fn sweep(&self, now_ms: u64) -> usize {
         drop_expired(&self.windows, now_ms)
@@ -244,6 +252,10 @@ impl Store for MemoryStore {
         _gateway: u64,
     ) -> Result<WindowState, StoreError> {
         Ok(self.refund_now(key, units, reset_at_ms))
+    }
+
+    async fn reset(&self, keys: &[LimitKey]) -> Result<u64, StoreError> {
+        Ok(self.reset_now(keys))
     }
 }
 

@@ -5,7 +5,8 @@
 //! store-contract tests hold the two to the same answers. One [`Store::apply`] call
 //! applies one operation (peek, charge, reserve, refund) to each limit of a request.
 //! Reset times are stored, never derived from a TTL. Lease mode (fixed windows only)
-//! has its own two calls, [`Store::lease`] and [`Store::refund`].
+//! has its own two calls, [`Store::lease`] and [`Store::refund`]; [`Store::reset`]
+//! deletes a caller's windows.
 
 pub mod memory;
 pub mod redis;
@@ -193,6 +194,12 @@ pub trait Store: Send + Sync {
         reset_at_ms: u64,
         gateway: u64,
     ) -> impl Future<Output = Result<WindowState, StoreError>> + Send;
+
+    /// Delete the state of each of `keys` (`POST /callers/{id}/reset`): the subject's
+    /// next request starts afresh, as if never seen. The memory store removes the keys;
+    /// Redis runs `lua/reset.lua` on each shard's primary (one call per shard). Returns
+    /// how many of the keys held state.
+    fn reset(&self, keys: &[LimitKey]) -> impl Future<Output = Result<u64, StoreError>> + Send;
 }
 
 /// How a store shows itself to the server, the admin endpoints and the metrics, none of
@@ -302,6 +309,13 @@ impl Store for AnyStore {
         match self {
             AnyStore::Memory(s) => s.refund(key, units, reset_at_ms, gateway).await,
             AnyStore::Redis(s) => s.refund(key, units, reset_at_ms, gateway).await,
+        }
+    }
+
+    async fn reset(&self, keys: &[LimitKey]) -> Result<u64, StoreError> {
+        match self {
+            AnyStore::Memory(s) => s.reset(keys).await,
+            AnyStore::Redis(s) => s.reset(keys).await,
         }
     }
 }

@@ -54,6 +54,8 @@ pub static APPLY_LUA: &str = include_str!("../../../../lua/apply.lua");
 pub static LEASE_LUA: &str = include_str!("../../../../lua/lease.lua");
 /// `lua/refund.lua`: give back unused units of a window.
 pub static REFUND_LUA: &str = include_str!("../../../../lua/refund.lua");
+/// `lua/reset.lua`: delete a caller's windows (`POST /callers/{id}/reset`).
+pub static RESET_LUA: &str = include_str!("../../../../lua/reset.lua");
 
 /// The `now` argument (ms) that tells `lua/apply.lua` and `lua/lease.lua` to read the
 /// time from the Redis node's `TIME` instead (`store.clock = "redis"`): 0, the Unix epoch
@@ -66,6 +68,7 @@ pub(crate) struct Scripts {
     apply: Script,
     lease: Script,
     refund: Script,
+    reset: Script,
 }
 
 impl Scripts {
@@ -74,11 +77,12 @@ impl Scripts {
             apply: Script::new(APPLY_LUA),
             lease: Script::new(LEASE_LUA),
             refund: Script::new(REFUND_LUA),
+            reset: Script::new(RESET_LUA),
         }
     }
 
-    fn all(&self) -> [&Script; 3] {
-        [&self.apply, &self.lease, &self.refund]
+    fn all(&self) -> [&Script; 4] {
+        [&self.apply, &self.lease, &self.refund, &self.reset]
     }
 }
 
@@ -677,6 +681,41 @@ impl RedisStore {
         }
     }
 
+    /// Delete `keys` on the primaries that hold them (`lua/reset.lua`): one call per
+    /// shard (per hash tag in cluster mode). Returns how many keys existed; the first
+    /// failing call's error when any fails (the other shards' keys are deleted anyway).
+    async fn reset_keys(&self, keys: &[LimitKey]) -> Result<u64, StoreError> {
+        let live = self.live.get().ok_or(StoreError::NotStarted)?;
+        let mut groups: Vec<(u64, Vec<&str>)> = Vec::new();
+        for k in keys {
+            let g = match live {
+                Topology::Cluster(_) => k.shard_hash,
+                Topology::Sharded(_) => self.shard_of(k) as u64,
+            };
+            match groups.iter_mut().find(|(id, _)| *id == g) {
+                Some((_, names)) => names.push(&k.key),
+                None => groups.push((g, vec![&k.key])),
+            }
+        }
+        let calls = groups.iter().map(|(g, names)| async move {
+            match live {
+                Topology::Cluster(c) => c.call(&self.scripts.reset, names, &[]).await,
+                Topology::Sharded(shards) => match shards.get(*g as usize) {
+                    None => Err(StoreError::NotStarted),
+                    Some(shard) => shard.on_primary(&self.scripts.reset, names, &[]).await,
+                },
+            }
+        });
+        let mut deleted = 0;
+        for reply in join_all(calls).await {
+            match reply?.as_slice() {
+                [n] if *n >= 0 => deleted += *n as u64,
+                other => return Err(StoreError::BadReply(format!("{other:?}"))),
+            }
+        }
+        Ok(deleted)
+    }
+
     /// The state and counters of every shard and node, for health checks and metrics.
     pub fn report(&self) -> Vec<ShardReport> {
         match self.live.get() {
@@ -832,5 +871,9 @@ impl Store for RedisStore {
             }),
             other => Err(StoreError::BadReply(format!("{other:?}"))),
         }
+    }
+
+    async fn reset(&self, keys: &[LimitKey]) -> Result<u64, StoreError> {
+        self.reset_keys(keys).await
     }
 }

@@ -1,0 +1,221 @@
+//! The admin listener's write endpoints: `POST /callers/{id}/reset[?limit=NAME]`.
+//!
+//! They need `server.admin_token_sha256`: the request must carry `Authorization:
+//! Bearer TOKEN` where the SHA-256 of TOKEN is that value. Without it configured they
+//! are off (403, with a JSON body saying how to turn them on); a missing or wrong token
+//! gets 401 (`WWW-Authenticate: Bearer`). Every reset is logged at info with who asked
+//! (the token's fingerprint: the first 8 hex digits of its SHA-256; the peer address),
+//! the caller and the limits cleared.
+
+use crate::limiter::reset::ResetError;
+use crate::response::{json_response, Body};
+use crate::snapshot::Snapshot;
+use http::{header, HeaderMap, HeaderValue, Method, Response, StatusCode};
+use serde_json::json;
+use sha2::{Digest, Sha256};
+use std::net::SocketAddr;
+use subtle::ConstantTimeEq;
+
+/// Whether `path` is one of the write endpoints (answered by [`handle`]).
+pub(super) fn is_write(path: &str) -> bool {
+    path.starts_with("/callers/")
+}
+
+/// Answer a request to a write endpoint (`is_write(path)`), from `peer`.
+pub(super) async fn handle(
+    method: &Method,
+    path: &str,
+    query: Option<&str>,
+    headers: &HeaderMap,
+    snap: &Snapshot,
+    peer: SocketAddr,
+) -> Response<Body> {
+    let Some(id) = path
+        .strip_prefix("/callers/")
+        .and_then(|rest| rest.strip_suffix("/reset"))
+        .filter(|id| !id.is_empty() && !id.contains('/'))
+        .and_then(percent_decode)
+    else {
+        return json_response(
+            StatusCode::NOT_FOUND,
+            &json!({ "message": "not found; try POST /callers/{id}/reset[?limit=NAME]" }),
+        );
+    };
+    if id.chars().any(char::is_control) {
+        return json_response(
+            StatusCode::BAD_REQUEST,
+            &json!({ "message": "a caller id has no control characters" }),
+        );
+    }
+    if method != Method::POST {
+        let mut r = json_response(
+            StatusCode::METHOD_NOT_ALLOWED,
+            &json!({ "message": "use POST" }),
+        );
+        r.headers_mut()
+            .insert(header::ALLOW, HeaderValue::from_static("POST"));
+        return r;
+    }
+    let token = match authorize(headers, snap) {
+        Ok(fingerprint) => fingerprint,
+        Err(denied) => {
+            let refusal = denied.response();
+            tracing::warn!(peer = %peer, caller = %id, "admin write refused: {}", refusal.status());
+            return refusal;
+        }
+    };
+    let only = match query.map(limit_param) {
+        Some(Err(())) => {
+            return json_response(
+                StatusCode::BAD_REQUEST,
+                &json!({ "message": "bad query: the only parameter is limit=NAME" }),
+            )
+        }
+        Some(Ok(only)) => only,
+        None => None,
+    };
+    match snap
+        .limiter
+        .reset_client(&snap.limits, &id, only.as_deref())
+        .await
+    {
+        Ok(report) => {
+            let cleared: Vec<&str> = report.cleared.iter().map(|l| &**l).collect();
+            tracing::info!(
+                token = %token,
+                peer = %peer,
+                caller = %id,
+                limits = ?cleared,
+                windows = report.deleted,
+                "caller reset"
+            );
+            let skipped: Vec<_> = report
+                .skipped
+                .iter()
+                .map(|(l, why)| json!({ "limit": &**l, "reason": why }))
+                .collect();
+            json_response(
+                StatusCode::OK,
+                &json!({
+                    "caller": id,
+                    "cleared": cleared,
+                    "skipped": skipped,
+                    "windows_deleted": report.deleted,
+                }),
+            )
+        }
+        Err(e) => {
+            let status = match e {
+                ResetError::UnknownLimit(_) => StatusCode::NOT_FOUND,
+                ResetError::NotPerCaller(..) => StatusCode::BAD_REQUEST,
+                ResetError::Store(_) => StatusCode::SERVICE_UNAVAILABLE,
+            };
+            tracing::warn!(token = %token, peer = %peer, caller = %id, error = %e, "caller reset failed");
+            json_response(status, &json!({ "message": e.to_string() }))
+        }
+    }
+}
+
+/// Why a write request was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Denied {
+    /// No `server.admin_token_sha256`: write endpoints are off (403).
+    Off,
+    /// No `Authorization: Bearer TOKEN` (401).
+    Missing,
+    /// A token whose SHA-256 is not the configured one (401).
+    Wrong,
+}
+
+impl Denied {
+    fn response(self) -> Response<Body> {
+        let (status, message) = match self {
+            Denied::Off => (
+                StatusCode::FORBIDDEN,
+                "write endpoints are off: set server.admin_token_sha256 to the SHA-256 of a Bearer token to turn them on",
+            ),
+            Denied::Missing => (
+                StatusCode::UNAUTHORIZED,
+                "admin token required: Authorization: Bearer TOKEN",
+            ),
+            Denied::Wrong => (StatusCode::UNAUTHORIZED, "bad admin token"),
+        };
+        let mut r = json_response(status, &json!({ "message": message }));
+        if status == StatusCode::UNAUTHORIZED {
+            r.headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        r
+    }
+}
+
+/// The token's fingerprint (first 8 hex digits of its SHA-256) when `headers` carry
+/// the admin token, else why not.
+fn authorize(headers: &HeaderMap, snap: &Snapshot) -> Result<String, Denied> {
+    let want = snap
+        .config
+        .server
+        .admin_token_sha256
+        .as_deref()
+        .and_then(|h| hex::decode(h).ok())
+        .ok_or(Denied::Off)?;
+    let token = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split_once(' '))
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, token)| token.trim())
+        .ok_or(Denied::Missing)?;
+    let digest = Sha256::digest(token.as_bytes());
+    if bool::from(digest.as_slice().ct_eq(&want)) {
+        Ok(hex::encode(&digest[..4]))
+    } else {
+        Err(Denied::Wrong)
+    }
+}
+
+/// `limit=NAME` (decoded) from a query string; `Err` for any other parameter.
+fn limit_param(query: &str) -> Result<Option<String>, ()> {
+    let mut only = None;
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        match pair.split_once('=') {
+            Some(("limit", v)) if only.is_none() => only = Some(percent_decode(v).ok_or(())?),
+            _ => return Err(()),
+        }
+    }
+    Ok(only)
+}
+
+/// Decode `%XX` escapes (and nothing else); `None` for a bad escape or bytes that are
+/// not UTF-8.
+fn percent_decode(s: &str) -> Option<String> {
+    let mut out = Vec::with_capacity(s.len());
+    let mut bytes = s.bytes();
+    while let Some(b) = bytes.next() {
+        if b == b'%' {
+            let hi = (bytes.next()? as char).to_digit(16)?;
+            let lo = (bytes.next()? as char).to_digit(16)?;
+            out.push((hi * 16 + lo) as u8);
+        } else {
+            out.push(b);
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decodes_ids_and_the_limit_parameter() {
+        assert_eq!(percent_decode("acme%2Fcorp").as_deref(), Some("acme/corp"));
+        assert_eq!(percent_decode("caf%C3%A9").as_deref(), Some("café"));
+        assert_eq!(percent_decode("bad%2"), None);
+        assert_eq!(percent_decode("%ff"), None);
+        assert_eq!(limit_param("limit=core"), Ok(Some("core".into())));
+        assert_eq!(limit_param(""), Ok(None));
+        assert_eq!(limit_param("limit=a&limit=b"), Err(()));
+        assert_eq!(limit_param("n=3"), Err(()));
+    }
+}

@@ -1,0 +1,423 @@
+//! `POST /callers/{id}/reset` on the admin listener: a caller at its limit is unblocked
+//! at once, on this gateway and (within 2 s) on every other gateway of a fleet.
+
+mod support;
+
+use http::Method;
+use std::time::{Duration, Instant};
+use support::redis::free_port;
+use support::*;
+use tollgate::limiter::key::KeyScheme;
+
+const TOKEN: &str = "admin-token-for-tests";
+
+/// Two clients of tier gold; `core` (fixed window, 3), `search` (sliding window, 2),
+/// `perip` (by IP) and `conc` (concurrency) on every route.
+fn config(listen: &str, admin: &str, store: &str, up: &Upstream, token: Option<&str>) -> String {
+    let token = token
+        .map(|t| format!("admin_token_sha256 = \"{}\"\n", sha256_hex(t)))
+        .unwrap_or_default();
+    format!(
+        r#"
+[server]
+listen = "{listen}"
+admin_listen = "{admin}"
+{token}
+{store}
+
+[[identity.clients]]
+id = "acme"
+key_sha256 = "{acme}"
+tier = "gold"
+
+[[identity.clients]]
+id = "bob"
+key_sha256 = "{bob}"
+tier = "gold"
+
+[[upstreams]]
+name = "api"
+targets = ["{up}"]
+
+[[limits]]
+name = "core"
+window = "1h"
+quota = {{ gold = 3 }}
+
+[[limits]]
+name = "search"
+algorithm = "sliding_window"
+window = "1h"
+quota = {{ gold = 2 }}
+
+[[limits]]
+name = "perip"
+by = "ip"
+window = "1h"
+quota = {{ gold = 1000 }}
+
+[[limits]]
+name = "conc"
+algorithm = "concurrency"
+window = "1m"
+quota = {{ gold = 100 }}
+
+[[routes]]
+path_prefix = "/"
+upstream = "api"
+limits = ["core", "search", "perip", "conc"]
+"#,
+        acme = sha256_hex("acme-key"),
+        bob = sha256_hex("bob-key"),
+        up = up.url(),
+    )
+}
+
+async fn call(url: &str, key: &str) -> Reply {
+    get_with(url, &[("authorization", &format!("Bearer {key}"))]).await
+}
+
+async fn reset(admin: &str, path: &str, token: Option<&str>) -> Reply {
+    let auth = token.map(|t| format!("Bearer {t}"));
+    let headers: Vec<(&str, &str)> = auth.iter().map(|a| ("authorization", a.as_str())).collect();
+    send(Method::POST, &format!("http://{admin}{path}"), &headers).await
+}
+
+use support::client::Reply;
+
+fn admin_of(gw: &TestGateway) -> String {
+    gw.gateway.admin_addr().unwrap().to_string()
+}
+
+/// The flow support runs, on one gateway and `store`: limited, reset one limit,
+/// limited by the other, reset all, served with full budgets; another client untouched.
+async fn unblocks_a_caller(store: &str) {
+    let up = Upstream::start().await;
+    let gw = TestGateway::start(&config(
+        "127.0.0.1:0",
+        "127.0.0.1:0",
+        store,
+        &up,
+        Some(TOKEN),
+    ))
+    .await;
+    let (url, admin) = (gw.url("/x"), admin_of(&gw));
+    assert_eq!(call(&url, "bob-key").await.status, 200);
+    for _ in 0..2 {
+        assert_eq!(call(&url, "acme-key").await.status, 200);
+    }
+    let refused = call(&url, "acme-key").await;
+    assert_eq!(refused.status, 429);
+    assert_eq!(refused.header("x-ratelimit-resource"), "search");
+    // Again, from the over-limit cache.
+    assert_eq!(call(&url, "acme-key").await.status, 429);
+
+    // Only `search`: `core` keeps its 2 units.
+    let r = reset(&admin, "/callers/acme/reset?limit=search", Some(TOKEN)).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    assert_eq!(v["caller"], "acme");
+    assert_eq!(v["cleared"], serde_json::json!(["search"]));
+    assert_eq!(v["windows_deleted"], 1);
+    let served = call(&url, "acme-key").await;
+    assert_eq!(served.status, 200);
+    assert_eq!(served.header("x-ratelimit-resource"), "core");
+    assert_eq!(served.num("x-ratelimit-used"), 3);
+    assert_eq!(served.num("x-ratelimit-remaining"), 0);
+    let refused = call(&url, "acme-key").await;
+    assert_eq!(refused.status, 429);
+    assert_eq!(refused.header("x-ratelimit-resource"), "core");
+
+    // Every limit of the caller: full budgets again.
+    let r = reset(&admin, "/callers/acme/reset", Some(TOKEN)).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    assert_eq!(v["cleared"], serde_json::json!(["core", "search"]));
+    assert_eq!(v["windows_deleted"], 2);
+    let skipped: Vec<&str> = v["skipped"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["limit"].as_str().unwrap())
+        .collect();
+    assert_eq!(skipped, ["perip", "conc"]);
+    let served = call(&url, "acme-key").await;
+    assert_eq!(served.status, 200);
+    assert_eq!(served.header("x-ratelimit-resource"), "search");
+    assert_eq!(served.num("x-ratelimit-used"), 1);
+    assert_eq!(served.num("x-ratelimit-remaining"), 1);
+    assert_eq!(served.num("x-ratelimit-limit"), 2);
+
+    // GET /top reads the windows from the store: acme's are full again.
+    let top = get(&format!("http://{admin}/top")).await.json();
+    let search = top["limits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l["name"] == "search")
+        .unwrap();
+    let acme = search["refused"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|h| h["caller"] == "acme")
+        .unwrap();
+    assert_eq!(acme["remaining"], 1, "{top}");
+
+    // bob's windows were not touched.
+    let bob = call(&url, "bob-key").await;
+    assert_eq!(bob.status, 200);
+    assert_eq!(bob.header("x-ratelimit-resource"), "search");
+    assert_eq!(bob.num("x-ratelimit-used"), 2);
+
+    // A client with no live window: nothing to delete, still 200.
+    let r = reset(&admin, "/callers/nobody/reset", Some(TOKEN)).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.json()["windows_deleted"], 0);
+}
+
+#[tokio::test]
+async fn reset_unblocks_a_caller_on_the_memory_store() {
+    unblocks_a_caller("[store]\nbackend = \"memory\"").await;
+}
+
+#[tokio::test]
+async fn reset_unblocks_a_caller_on_redis() {
+    let redis = RedisServer::start();
+    let store = store_toml(Backend::Redis, &[&redis], "deny", "500ms");
+    unblocks_a_caller(&store).await;
+}
+
+/// The storage key of `limit` (its key name) for the client `id`, as the gateway
+/// derives it.
+fn client_key(key_name: &str, id: &str) -> String {
+    KeyScheme::new("tollgate:", None)
+        .key(key_name, &format!("client:{id}"))
+        .key
+}
+
+#[tokio::test]
+async fn every_gateway_of_a_fleet_admits_the_caller_within_two_seconds() {
+    let redis = RedisServer::start();
+    let store = store_toml(Backend::Redis, &[&redis], "deny", "500ms");
+    let up = Upstream::start().await;
+    let toml = config("127.0.0.1:0", "127.0.0.1:0", &store, &up, Some(TOKEN));
+    let (a, b) = (
+        TestGateway::start(&toml).await,
+        TestGateway::start(&toml).await,
+    );
+    assert_eq!(call(&a.url("/x"), "bob-key").await.status, 200);
+    for _ in 0..2 {
+        assert_eq!(call(&a.url("/x"), "acme-key").await.status, 200);
+    }
+    // Both gateways refuse acme, and remember it in their over-limit caches.
+    assert_eq!(call(&a.url("/x"), "acme-key").await.status, 429);
+    assert_eq!(call(&b.url("/x"), "acme-key").await.status, 429);
+    let acme_keys = [
+        client_key("core", "acme"),
+        client_key("search:sliding_window", "acme"),
+    ];
+    let keys = redis.keys();
+    for k in &acme_keys {
+        assert!(keys.contains(k), "{k} not in {keys:?}");
+    }
+
+    let r = reset(&admin_of(&a), "/callers/acme/reset", Some(TOKEN)).await;
+    let asked = Instant::now();
+    assert_eq!(r.status, 200, "{}", r.text());
+    let keys = redis.keys();
+    for k in &acme_keys {
+        assert!(!keys.contains(k), "{k} still in {keys:?}");
+    }
+    assert!(
+        keys.contains(&client_key("core", "bob")),
+        "bob's window stays: {keys:?}"
+    );
+
+    // B first (its cache entry is the one to outlive), then A at once.
+    let mut b_refusals = 0;
+    loop {
+        let r = call(&b.url("/x"), "acme-key").await;
+        if r.status == 200 {
+            assert_eq!(r.num("x-ratelimit-used"), 1);
+            break;
+        }
+        assert_eq!(r.status, 429);
+        b_refusals += 1;
+        assert!(
+            asked.elapsed() < Duration::from_secs(2),
+            "gateway B still refuses acme 2 s after the reset ({b_refusals} refusals)"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let r = call(&a.url("/x"), "acme-key").await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.num("x-ratelimit-used"), 2);
+}
+
+#[tokio::test]
+async fn write_endpoints_need_the_admin_token() {
+    let up = Upstream::start().await;
+    let memory = "[store]\nbackend = \"memory\"";
+    let off = TestGateway::start(&config("127.0.0.1:0", "127.0.0.1:0", memory, &up, None)).await;
+    let r = reset(&admin_of(&off), "/callers/acme/reset", Some(TOKEN)).await;
+    assert_eq!(r.status, 403);
+    assert_eq!(r.header("content-type"), "application/json");
+    assert!(
+        r.json()["message"]
+            .as_str()
+            .unwrap()
+            .contains("server.admin_token_sha256"),
+        "{}",
+        r.text()
+    );
+
+    let gw = TestGateway::start(&config(
+        "127.0.0.1:0",
+        "127.0.0.1:0",
+        memory,
+        &up,
+        Some(TOKEN),
+    ))
+    .await;
+    let admin = admin_of(&gw);
+    for token in [None, Some("wrong-token")] {
+        let r = reset(&admin, "/callers/acme/reset", token).await;
+        assert_eq!(r.status, 401, "{token:?}");
+        assert_eq!(r.header("www-authenticate"), "Bearer");
+        assert!(r.json()["message"].is_string());
+    }
+    let r = send(
+        Method::GET,
+        &format!("http://{admin}/callers/acme/reset"),
+        &[],
+    )
+    .await;
+    assert_eq!(r.status, 405);
+    assert_eq!(r.header("allow"), "POST");
+    let r = reset(&admin, "/callers/acme/reset?limit=nope", Some(TOKEN)).await;
+    assert_eq!(r.status, 404, "{}", r.text());
+    let r = reset(&admin, "/callers/acme/reset?limit=perip", Some(TOKEN)).await;
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert!(r.text().contains("by = \\\"ip\\\""), "{}", r.text());
+    let r = reset(&admin, "/callers/acme/reset?n=3", Some(TOKEN)).await;
+    assert_eq!(r.status, 400);
+    let r = reset(&admin, "/callers/acme%0Aforged/reset", Some(TOKEN)).await;
+    assert_eq!(r.status, 400, "no forged log lines");
+    let r = reset(&admin, "/callers/a%2Fb/reset", Some(TOKEN)).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.json()["caller"], "a/b");
+    // The token's hash is not shown by GET /config.
+    let cfg = get(&format!("http://{admin}/config")).await.json();
+    assert_eq!(cfg["config"]["server"]["admin_token_sha256"], "<redacted>");
+    assert!(cfg["pending_restart"].get("server").is_none());
+
+    // A reload changes the token at once, without a restart warning for [server].
+    let toml = config(
+        "127.0.0.1:0",
+        "127.0.0.1:0",
+        memory,
+        &up,
+        Some("rotated-token"),
+    );
+    match gw.reload(&toml).unwrap() {
+        tollgate::server::ReloadOutcome::Applied { warnings, .. } => {
+            assert!(
+                warnings.iter().all(|w| !w.contains("[server]")),
+                "{warnings:?}"
+            )
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        reset(&admin, "/callers/acme/reset", Some(TOKEN))
+            .await
+            .status,
+        401
+    );
+    assert_eq!(
+        reset(&admin, "/callers/acme/reset", Some("rotated-token"))
+            .await
+            .status,
+        200
+    );
+}
+
+#[tokio::test]
+async fn a_bad_token_hash_is_a_config_error() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tollgate.toml");
+    let toml = config(
+        "127.0.0.1:0",
+        "127.0.0.1:0",
+        "[store]\nbackend = \"memory\"",
+        &up,
+        None,
+    )
+    .replace(
+        "admin_listen",
+        "admin_token_sha256 = \"not-hex\"\nadmin_listen",
+    );
+    std::fs::write(&path, toml).unwrap();
+    let (code, _, err) = check(&path);
+    assert_eq!(code, 1);
+    assert!(
+        err.contains(":4:") && err.contains("server.admin_token_sha256: must be 64 hex"),
+        "{err}"
+    );
+}
+
+#[tokio::test]
+async fn each_reset_is_logged_with_who_asked() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (port, admin_port) = (free_port(), free_port());
+    let listen = format!("127.0.0.1:{port}");
+    let admin = format!("127.0.0.1:{admin_port}");
+    let path = dir.path().join("tollgate.toml");
+    std::fs::write(
+        &path,
+        config(
+            &listen,
+            &admin,
+            "[store]\nbackend = \"memory\"",
+            &up,
+            Some(TOKEN),
+        ),
+    )
+    .unwrap();
+    let bin = Binary::spawn(&path, port, &[]);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(&admin).is_err() {
+        assert!(Instant::now() < deadline, "admin listener did not start");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let r = reset(&admin, "/callers/acme/reset?limit=core", Some(TOKEN)).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(
+        reset(&admin, "/callers/acme/reset", Some("wrong"))
+            .await
+            .status,
+        401
+    );
+    let fingerprint = &sha256_hex(TOKEN)[..8];
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let logs = bin.logs();
+        let line = logs.lines().find(|l| l.contains("caller reset"));
+        let refused = logs.lines().find(|l| l.contains("admin write refused"));
+        if let (Some(line), Some(refused)) = (line, refused) {
+            assert!(line.contains("INFO"), "{line}");
+            assert!(line.contains(&format!("token={fingerprint}")), "{line}");
+            assert!(line.contains("peer=127.0.0.1:"), "{line}");
+            assert!(line.contains("caller=acme"), "{line}");
+            assert!(line.contains("[\"core\"]"), "{line}");
+            assert!(!logs.contains(TOKEN), "the raw token is never logged");
+            assert!(refused.contains("401"), "{refused}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "no log lines:\n{logs}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

@@ -342,6 +342,10 @@ impl Snapshot {
                     cfg.identity.failed_auth_limit.window.as_millis(),
                 )
                 .with_reserve_in_flight(cfg.store.reserve_in_flight)
+                .with_check_from_charge(
+                    cfg.store.check_from_charge.as_millis(),
+                    cfg.store.local_cache_size,
+                )
                 .with_top(
                     previous
                         .map(|p| p.limiter.top().clone())

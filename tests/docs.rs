@@ -58,6 +58,7 @@ fn full_config() -> Config {
             sweep_interval: Dur::from_secs(5),
             max_callers: 1_000_000,
             reserve_in_flight: false,
+            check_from_charge: Dur::from_millis(0),
             mode: StoreMode::Sharded,
             clock: StoreClock::Redis,
             breaker_failures: 3,

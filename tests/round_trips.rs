@@ -344,3 +344,84 @@ async fn reserve_in_flight_holds_units_in_redis_and_refunds_uncharged_responses(
     assert_eq!(r.num("x-ratelimit-used"), 2, "304s were refunded");
     assert_eq!(total_count(&redis), 2);
 }
+
+/// `config` with `store.check_from_charge` set to `bound`.
+fn with_check_from_charge(toml: String, bound: &str) -> String {
+    toml.replace(
+        "on_error = \"deny\"\n",
+        &format!("on_error = \"deny\"\ncheck_from_charge = \"{bound}\"\n"),
+    )
+}
+
+/// `store.check_from_charge`: a caller's CHECK is answered from the gateway's own last
+/// CHARGE reply while it is younger than the bound (one script call per request instead
+/// of two), never past the bound, and never refuses: the 429 comes from a store read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_from_charge_answers_a_callers_checks_from_its_last_charge() {
+    let redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    let limits = "[[limits]]\nname = \"core\"\nwindow = \"1h\"\nquota = { default = 5 }\n";
+    let toml = with_check_from_charge(config(&[&redis], &upstream, limits, "\"core\""), "10s");
+    let gw = TestGateway::start(&toml).await;
+    let before = evalsha_calls(&redis);
+    let calls = || evalsha_calls(&redis) - before;
+    let mut seen = Vec::new();
+    for (i, advance) in [(1, false), (2, false), (3, false), (4, true), (5, false)] {
+        if advance {
+            // Past the bound: the next CHECK reads the store again.
+            gw.clock.advance(Duration::from_secs(11));
+        }
+        let r = get_with(&gw.url("/"), &auth()).await;
+        assert_eq!(r.status, 200, "request {i}");
+        assert_eq!(r.num("x-ratelimit-used"), i, "request {i}");
+        assert_eq!(r.num("x-ratelimit-remaining"), 5 - i, "request {i}");
+        seen.push(calls());
+    }
+    // 1: peek + charge; 2, 3: charge only; 4 (past the bound): peek + charge; 5: charge.
+    assert_eq!(seen, [2, 3, 4, 6, 7], "script calls after each request");
+    // The view leaves no room: the store is read, and the refusal shows what it holds.
+    let r = get_with(&gw.url("/"), &auth()).await;
+    assert_eq!(r.status, 429);
+    assert_eq!(r.num("x-ratelimit-used"), 5);
+    assert_eq!(r.num("x-ratelimit-remaining"), 0);
+    assert_eq!(calls(), 8, "the refusal came from one store read");
+    assert_eq!(
+        total_count(&redis),
+        5,
+        "every admitted request charged once"
+    );
+    assert_eq!(gw.gateway.snapshot().limiter.recent().hits(), 3);
+}
+
+/// The staleness `store.check_from_charge` documents: charges by another gateway within
+/// the bound are not seen by this one's view (it admits one more), and are once the
+/// bound has passed; a gateway without the option never overshoots that way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_from_charge_sees_other_gateways_charges_after_its_bound() {
+    let redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    let limits = "[[limits]]\nname = \"core\"\nwindow = \"1h\"\nquota = { default = 3 }\n";
+    let plain = config(&[&redis], &upstream, limits, "\"core\"");
+    let g1 = TestGateway::start(&with_check_from_charge(plain.clone(), "10s")).await;
+    let g2 = TestGateway::start(&plain).await;
+    assert_eq!(get_with(&g1.url("/"), &auth()).await.status, 200);
+    for used in [2, 3] {
+        let r = get_with(&g2.url("/"), &auth()).await;
+        assert_eq!((r.status.as_u16(), r.num("x-ratelimit-used")), (200, used));
+    }
+    // g2, reading the store, refuses.
+    assert_eq!(get_with(&g2.url("/"), &auth()).await.status, 429);
+    // g1's view is younger than its bound and still says 1 of 3 used: it admits, and the
+    // charge's answer shows the overshoot.
+    let r = get_with(&g1.url("/"), &auth()).await;
+    assert_eq!((r.status.as_u16(), r.num("x-ratelimit-used")), (200, 4));
+    assert_eq!(total_count(&redis), 4);
+    // Past the bound, g1 reads the store like g2.
+    g1.clock.advance(Duration::from_secs(11));
+    let r = get_with(&g1.url("/"), &auth()).await;
+    assert_eq!(
+        (r.status.as_u16(), r.num("x-ratelimit-remaining")),
+        (429, 0)
+    );
+    assert_eq!(total_count(&redis), 4);
+}

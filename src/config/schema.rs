@@ -333,6 +333,10 @@ pub struct StoreConfig {
     /// across a fleet, at the price of a write (not a replica read) per check.
     /// Default false.
     pub reserve_in_flight: bool,
+    /// Answer a CHECK of a limit charged after the response from this gateway's own last
+    /// CHARGE reply for that window while the reply is younger than this, without a
+    /// store call (see `limiter::recent`). `"0s"` (the default) turns it off.
+    pub check_from_charge: Dur,
     /// Memory store only: the most limit states it holds (one per caller and limit);
     /// a new caller past it is a store error, handled as `on_error` says. Default
     /// 1000000 (about 150 to 300 MB).
@@ -366,6 +370,7 @@ impl Default for StoreConfig {
             sweep_interval: Dur::from_secs(5),
             max_callers: 1_000_000,
             reserve_in_flight: false,
+            check_from_charge: Dur::from_millis(0),
             breaker_failures: 3,
             breaker_cooloff: Dur::from_secs(1),
             local_cache_size: 10_000,

@@ -86,6 +86,24 @@ impl InFlightUnits {
         (n, held)
     }
 
+    /// Like [`InFlightUnits::enter`] for a limit the recent-charge view may answer:
+    /// `view(n)` gets the units in flight for `key` before this request; when it admits
+    /// (returns the usage without them), `cost` units are counted in flight and the usage
+    /// is returned with them counted as used.
+    pub(super) fn enter_viewed(
+        &self,
+        key: &LimitKey,
+        cost: u64,
+        view: impl FnOnce(u64) -> Option<super::Usage>,
+    ) -> Option<super::Usage> {
+        let mut shard = self.counts.shard(key);
+        let n = shard.get(&key.key).copied().unwrap_or(0);
+        let mut u = view(n)?;
+        u.used = u.used.saturating_add(n);
+        *shard.entry(key.key.clone()).or_insert(0) += cost;
+        Some(u)
+    }
+
     /// Hold while reading the counts and handing the check's call to the store, or while
     /// handing a charge to the store and taking its units out of the counts (see the
     /// type's documentation). Held for microseconds, never across an `await`.
@@ -234,9 +252,27 @@ impl Limiter {
         let mut counted = Vec::new();
         let peeked = admission.holds.iter().any(|h| h.stage == Stage::Peek);
         let order = peeked.then(|| self.in_flight.order());
+        // Per applied limit: the usage the recent-charge view admitted it with (no store
+        // call then), when `store.check_from_charge` is on.
+        let mut viewed: Vec<Option<Usage>> = Vec::new();
+        if self.recent.enabled() {
+            viewed.resize(applied.len(), None);
+        }
         for (i, a) in applied.iter().enumerate() {
             if admission.holds[i].stage != Stage::Peek {
                 continue;
+            }
+            if let Some(slot) = viewed.get_mut(i) {
+                let fixed = a.policy.algorithm == Algorithm::FixedWindow;
+                let quota = a.policy.limit();
+                *slot = self.in_flight.enter_viewed(&a.key, cost, |n| {
+                    self.recent
+                        .admits(&a.key, quota, cost.saturating_add(n), fixed, now_ms)
+                });
+                if slot.is_some() {
+                    counted.push(a.key.clone());
+                    continue;
+                }
             }
             in_flight[i] = self.in_flight.enter(&a.key, cost, &a.policy);
             if in_flight[i].1.is_some() {
@@ -251,7 +287,9 @@ impl Limiter {
             .iter()
             .zip(admission.holds.iter().map(|h| h.stage))
             .enumerate()
-            .filter(|(_, (_, st))| *st != Stage::Lease)
+            .filter(|(i, (_, st))| {
+                *st != Stage::Lease && viewed.get(*i).is_none_or(|v| v.is_none())
+            })
             .map(|(i, (a, st))| match st {
                 Stage::Peek => Item {
                     key: &a.key,
@@ -273,6 +311,21 @@ impl Limiter {
                 },
             })
             .collect();
+        // Reservations change the windows the recent-charge view holds: counted there as
+        // pending until their answers (below).
+        let tickets: Vec<u64> = if self.recent.enabled() {
+            items
+                .iter()
+                .map(|it| match (it.op.kind, it.policy.algorithm) {
+                    (OpKind::Reserve, a) if a != Algorithm::Concurrency => {
+                        self.recent.sent(it.key, it.op.cost, now_ms)
+                    }
+                    _ => 0,
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
         let submitted = (!items.is_empty()).then(|| self.store.submit(&items, now_ms));
         drop(order);
         let mut results = match submitted {
@@ -282,12 +335,25 @@ impl Limiter {
         .into_iter();
         let mut over: Option<Usage> = None;
         let mut denied: Option<StoreError> = None;
+        // Store answers consumed so far (the index into `tickets`).
+        let mut answered = 0;
         for (i, a) in applied.iter().enumerate() {
             if admission.holds[i].stage == Stage::Lease {
                 admission.usages.push(None); // filled in below, once nothing else refused
                 continue;
             }
-            match results.next().unwrap_or(Err(StoreError::NotStarted)) {
+            if let Some(u) = viewed.get_mut(i).and_then(Option::take) {
+                admission.usages.push(Some(u));
+                continue;
+            }
+            let result = results.next().unwrap_or(Err(StoreError::NotStarted));
+            if let Some(&ticket) = tickets.get(answered) {
+                let after = result.as_ref().ok().map(|v| a.usage(v));
+                self.recent
+                    .replied(&a.key, ticket, cost, after.as_ref(), now_ms);
+            }
+            answered += 1;
+            match result {
                 Ok(v) => {
                     // Units in flight count as used, so that a refusal they caused
                     // does not show a full Remaining; but a refusal never reports

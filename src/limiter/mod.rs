@@ -50,6 +50,7 @@ pub mod delayed;
 pub mod key;
 pub mod lease;
 mod limit;
+pub mod recent;
 pub mod reset;
 mod settle;
 pub mod sharded;
@@ -70,6 +71,7 @@ use check::InFlightUnits;
 use key::KeyScheme;
 use lease::LeaseTable;
 use limit::ip_subject;
+use recent::RecentCharges;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use store::{AnyStore, StoreError};
@@ -104,6 +106,8 @@ pub struct Limiter {
     reserve_in_flight: bool,
     /// Who is being limited now (`GET /top`); kept across reloads.
     top: Arc<top::Top>,
+    /// `store.check_from_charge`: CHECKs answered from this gateway's last CHARGE reply.
+    recent: Arc<RecentCharges>,
 }
 
 /// The longest a refusal is answered from the over-limit cache without asking the store
@@ -135,6 +139,7 @@ impl Limiter {
             in_flight: InFlightUnits::default(),
             reserve_in_flight: false,
             top: Arc::default(),
+            recent: Arc::new(RecentCharges::new(0, 0)),
         }
     }
 
@@ -164,6 +169,19 @@ impl Limiter {
     pub fn count_refused(&self, limit: &Arc<str>, caller: &Caller, now_ms: u64) {
         self.top
             .refused(limit, top::Who::of(caller), &caller.tier, now_ms / 1000);
+    }
+
+    /// `store.check_from_charge`: answer CHECKs of limits charged after the response from
+    /// this gateway's last CHARGE reply of the window while it is younger than
+    /// `max_age_ms` (0: off), keeping at most `capacity` windows.
+    pub fn with_check_from_charge(mut self, max_age_ms: u64, capacity: usize) -> Self {
+        self.recent = Arc::new(RecentCharges::new(max_age_ms, capacity));
+        self
+    }
+
+    /// The recent-charge view (`store.check_from_charge`).
+    pub fn recent(&self) -> &Arc<RecentCharges> {
+        &self.recent
     }
 
     /// `store.reserve_in_flight`: reserve the units of limits charged after the response

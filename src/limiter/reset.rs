@@ -104,6 +104,7 @@ impl Limiter {
         let deleted = self.store.reset(&keys).await;
         for key in &keys {
             self.cache.forget(key);
+            self.recent.forget(key);
             self.leases.forget(key);
         }
         report.deleted = deleted?;

@@ -29,6 +29,7 @@ pub struct PendingCharge {
     /// to the store (or, once settled, when this is dropped).
     in_flight: Option<InFlightGuard>,
     units: InFlightUnits,
+    recent: Arc<super::recent::RecentCharges>,
 }
 
 impl PendingCharge {
@@ -70,6 +71,10 @@ impl Drop for PendingCharge {
             "client went away; charging the forwarded request"
         );
         let order = self.units.order();
+        // Charged without an answer here: the recent-charge view reads the store next.
+        for (key, _, _) in &charges {
+            self.recent.forget(key);
+        }
         spawn_refunds(&self.store, charges, self.clock.now_ms());
         drop(self.in_flight.take());
         drop(order);
@@ -184,11 +189,26 @@ impl Limiter {
         // The charge joins the store's queue and its units leave the in-flight counts
         // in one step (see `InFlightUnits`).
         let order = self.in_flight.order();
+        // The recent-charge view counts the charges as pending until their answers.
+        let tickets: Vec<u64> = if self.recent.enabled() {
+            items
+                .iter()
+                .map(|it| self.recent.sent(it.key, it.op.cost, now_ms))
+                .collect()
+        } else {
+            Vec::new()
+        };
         let answers = self.store.submit(&items, now_ms);
         drop(in_flight);
         drop(order);
         let results = answers.await;
-        for (&(i, _), result) in charged.iter().zip(results) {
+        for (n, (&(i, cost), result)) in charged.iter().zip(results).enumerate() {
+            if let Some(&ticket) = tickets.get(n) {
+                let after = result.as_ref().ok().map(|v| applied[i].usage(v));
+                let key = &applied[i].key;
+                self.recent
+                    .replied(key, ticket, cost, after.as_ref(), now_ms);
+            }
             match result {
                 Ok(v) => usages[i] = Some(applied[i].usage(&v)),
                 Err(e) => self
@@ -244,6 +264,7 @@ impl Limiter {
                 if let Some(Some(u)) = admission.usages.get(i) {
                     self.leases.give_back(&a.key, cost, u.reset_at_ms);
                     self.cache.forget(&a.key);
+                    self.recent.forget(&a.key);
                 }
             }
         }
@@ -253,6 +274,7 @@ impl Limiter {
         // Units go back to these windows: a refusal remembered for them may not hold.
         for (key, _, _) in &refunds {
             self.cache.forget(key);
+            self.recent.forget(key);
         }
         spawn_refunds(&self.store, refunds, now_ms);
     }
@@ -269,6 +291,7 @@ impl Limiter {
         PendingCharge {
             in_flight: admission.in_flight.take(),
             units: self.in_flight.clone(),
+            recent: self.recent.clone(),
             store: self.store.clone(),
             clock,
             checked: admission

@@ -9,7 +9,8 @@
 //! the sockets: the in-flight gauge and the request id ([`AccessLog::start`]), the path's
 //! normal form, the edge's header rules, the one authority, identity, the access-log
 //! decision (`access::enabled`: off at `log.level = "warn"`, as in the load runs), route,
-//! upgrade decision, the limiter's applicable + check (`check_or_delay`), concurrency
+//! upgrade decision, the limiter's applicable + check (`check_or_delay`), the /top
+//! sketch (`count_used`), concurrency
 //! slots and the pending charge, the headers to the upstream (`to_upstream`, hop-by-hop
 //! stripping, `X-Forwarded-*`, `X-Real-IP`, the upstream URI and Host), the upstream
 //! latency histogram (`upstream_took` for a response that is already there), the
@@ -201,12 +202,21 @@ impl Gateway {
             .applicable(&route.limits, &caller, req.headers())
             .into();
         let reserve = gate.limiter.reserves(route.on_request);
+        let now_ms = clock.now_ms();
         let mut admission = drive(
             &self.rt,
-            gate.limiter
-                .check_or_delay(&applied, route.cost, reserve, clock, &self.delayed),
+            gate.limiter.check_or_delay(
+                &applied,
+                route.cost,
+                reserve,
+                clock,
+                &self.delayed,
+                now_ms,
+            ),
         )
         .unwrap_or_else(|_| panic!("admitted"));
+        gate.limiter
+            .count_used(&applied, &caller, route.cost, now_ms);
         if admission.usages.iter().any(Option::is_none) {
             log.decision = Decision::StoreErrorAllowed;
         }
@@ -261,15 +271,15 @@ impl Gateway {
             .take_cost(response.headers_mut())
             .unwrap_or(route.cost);
         pending.settle(&mut admission);
+        let now_ms = clock.now_ms();
         let usages = if route.charges(response.status()) && cost > 0 {
             drive(
                 &self.rt,
-                gate.limiter
-                    .charge(&applied, cost, clock.now_ms(), admission),
+                gate.limiter.charge(&applied, cost, now_ms, admission),
             )
         } else {
             gate.limiter
-                .release(&applied, route.cost, &mut admission, clock.now_ms());
+                .release(&applied, route.cost, &mut admission, now_ms);
             admission.usages
         };
 
@@ -280,7 +290,7 @@ impl Gateway {
                 gate.headers,
                 usage,
                 applied.iter().map(Policy::of),
-                clock.now_ms(),
+                now_ms,
             );
             log.usage = Some(usage.clone());
         }

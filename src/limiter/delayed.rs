@@ -115,8 +115,8 @@ impl Limiter {
         on_request: bool,
         clock: &dyn crate::clock::Clock,
         delayed: &DelayBudget,
+        started: u64,
     ) -> Result<Admission, Refusal> {
-        let started = clock.now_ms();
         match self.check(applied, cost, on_request, started).await {
             Err(Refusal::OverLimit(refusal))
                 if applied

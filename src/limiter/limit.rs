@@ -339,8 +339,28 @@ pub(super) fn client_subject(id: &str, out: &mut Vec<u8>) {
 
 /// Append the subject of a client IP, `ip:ADDRESS`, to `out`.
 pub(super) fn ip_subject(ip: std::net::IpAddr, out: &mut Vec<u8>) {
-    use std::io::Write;
-    let _ = write!(out, "ip:{ip}");
+    out.extend_from_slice(b"ip:");
+    match ip {
+        // The dotted quad as `Display` writes it, without the formatting machinery.
+        std::net::IpAddr::V4(v4) => {
+            for (i, octet) in v4.octets().into_iter().enumerate() {
+                if i > 0 {
+                    out.push(b'.');
+                }
+                if octet >= 100 {
+                    out.push(b'0' + octet / 100);
+                }
+                if octet >= 10 {
+                    out.push(b'0' + octet / 10 % 10);
+                }
+                out.push(b'0' + octet % 10);
+            }
+        }
+        std::net::IpAddr::V6(_) => {
+            use std::io::Write;
+            let _ = write!(out, "{ip}");
+        }
+    }
 }
 
 /// One limit applied to one request: where its state is and what policy applies.
@@ -464,5 +484,37 @@ impl Limiter {
                 })
             })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ip_subject;
+
+    #[test]
+    fn an_ip_subject_is_ip_and_the_address_as_display_writes_it() {
+        let mut out = Vec::new();
+        for ip in [
+            "0.0.0.0",
+            "1.2.3.4",
+            "10.0.99.100",
+            "127.0.0.1",
+            "192.168.255.9",
+            "255.255.255.255",
+            "::1",
+            "2001:db8::ff00:42:8329",
+            "::ffff:1.2.3.4",
+        ] {
+            let ip: std::net::IpAddr = ip.parse().expect("ip");
+            out.clear();
+            ip_subject(ip, &mut out);
+            assert_eq!(String::from_utf8_lossy(&out), format!("ip:{ip}"));
+        }
+        for n in 0..=255u8 {
+            let ip = std::net::IpAddr::from([n, n / 3, n % 10, 255 - n]);
+            out.clear();
+            ip_subject(ip, &mut out);
+            assert_eq!(String::from_utf8_lossy(&out), format!("ip:{ip}"));
+        }
     }
 }

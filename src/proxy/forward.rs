@@ -388,6 +388,9 @@ pub struct Downstream<'a> {
     pub budget: &'a crate::budget::Budget,
     /// `server.via`: the `Via` entries added both ways; `None` adds none.
     pub via: Option<&'a crate::http::via::Via>,
+    /// When the request was handed to the upstream: `upstreams.response_timeout` counts
+    /// from here, over every attempt.
+    pub started: std::time::Instant,
 }
 
 /// Send `req` to the next target of `upstream` and return its response, whose body
@@ -531,7 +534,7 @@ pub async fn forward(
         });
     }
     let mut tried = None;
-    let started = tokio::time::Instant::now();
+    let deadline = tokio::time::Instant::from_std(down.started) + upstream.response_timeout;
     loop {
         let i = upstream.pick(tried);
         let target = &upstream.targets[i].target;
@@ -551,9 +554,8 @@ pub async fn forward(
                 "upstream {what}"
             );
         };
-        let budget = upstream.response_timeout.saturating_sub(started.elapsed());
-        let sent = tokio::time::timeout(
-            budget,
+        let sent = tokio::time::timeout_at(
+            deadline,
             upstream.targets[i]
                 .pool
                 .send(request, down.budget, Some(&down.peer.upstream)),

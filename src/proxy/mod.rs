@@ -297,16 +297,19 @@ pub async fn serve(
         .applicable(&route.limits, &caller, req.headers())
         .into();
     let reserve = snap.limiter.reserves(route.on_request);
+    // One reading of the clock for the check and what is counted with it.
+    let now_ms = clock.now_ms();
     let mut admission = match snap
         .limiter
-        .check_or_delay(&applied, route.cost, reserve, clock, ctx.delayed)
+        .check_or_delay(&applied, route.cost, reserve, clock, ctx.delayed, now_ms)
         .await
     {
         Ok(admission) => admission,
         Err(Refusal::OverLimit(usage)) => {
             log.decision = Decision::Rejected;
-            snap.limiter
-                .count_refused(&usage.resource, &caller, clock.now_ms());
+            // A delayed refusal came later than `now_ms`: read the clock again.
+            let now_ms = clock.now_ms();
+            snap.limiter.count_refused(&usage.resource, &caller, now_ms);
             ctx.metrics
                 .rejections
                 .get_or_create(&crate::metrics::RejectionLabels {
@@ -315,7 +318,6 @@ pub async fn serve(
                 })
                 .inc();
             log.usage = Some(usage.clone());
-            let now_ms = clock.now_ms();
             let mut response = ProxyError::OverLimit {
                 usage: usage.clone(),
                 retry_after_s: usage.retry_after_s(now_ms),
@@ -331,7 +333,7 @@ pub async fn serve(
         }
     };
     snap.limiter
-        .count_used(&applied, &caller, route.cost, clock.now_ms());
+        .count_used(&applied, &caller, route.cost, now_ms);
     if admission.usages.iter().any(Option::is_none) {
         log.decision = Decision::StoreErrorAllowed;
     }
@@ -363,8 +365,9 @@ pub async fn serve(
         body_timeout: ctx.body_timeout,
         budget: ctx.budget,
         via: snap.edge.via(),
+        started: std::time::Instant::now(),
     };
-    let upstream_started = std::time::Instant::now();
+    let upstream_started = down.started;
     let forwarded = forward::forward(&route.upstream, req, down).await;
     log.upstream_took(&route.upstream.name, ctx.metrics, upstream_started);
     let mut response = match forwarded {
@@ -376,12 +379,13 @@ pub async fn serve(
             return e.into_response();
         }
         Err(e) => {
+            let now_ms = clock.now_ms();
             snap.limiter
-                .release(&applied, route.cost, &mut admission, clock.now_ms());
+                .release(&applied, route.cost, &mut admission, now_ms);
             pending.settled();
             let mut response = e.into_response();
             if let Some(usage) = most_constrained(&admission.usages) {
-                put_headers(snap, &mut response, usage, &applied, clock.now_ms());
+                put_headers(snap, &mut response, usage, &applied, now_ms);
                 log.usage = Some(usage.clone());
             }
             return response; // dropping `slots` gives them back
@@ -400,20 +404,20 @@ pub async fn serve(
     // Settled now: the charge below is handed to the store in its first poll, so a
     // client going away from here on does not count it twice.
     pending.settle(&mut admission);
+    // One reading of the clock for the charge and the headers.
+    let now_ms = clock.now_ms();
     let usages = if route.charges(response.status()) && cost > 0 {
-        snap.limiter
-            .charge(&applied, cost, clock.now_ms(), admission)
-            .await
+        snap.limiter.charge(&applied, cost, now_ms, admission).await
     } else {
         snap.limiter
-            .release(&applied, route.cost, &mut admission, clock.now_ms());
+            .release(&applied, route.cost, &mut admission, now_ms);
         admission.usages
     };
 
     // 6. Headers of the limit with the fewest remaining units (and every applied limit's
     //    policy, for the IETF style).
     if let Some(usage) = most_constrained(&usages) {
-        put_headers(snap, &mut response, usage, &applied, clock.now_ms());
+        put_headers(snap, &mut response, usage, &applied, now_ms);
         log.usage = Some(usage.clone());
     }
     if let Some(guard) = slots {

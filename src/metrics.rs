@@ -238,6 +238,16 @@ impl Metrics {
             open_tunnels.clone(),
         );
         let overload_refusals = Family::<RefusalLabels, Counter>::default();
+        // Every budget's row from the start, at 0: an alert on its rate sees the first
+        // refusal, and a dashboard shows the row before anything is refused.
+        for limit in [
+            "max_connections",
+            "max_connections_per_ip",
+            "descriptors",
+            "max_tunnels",
+        ] {
+            let _ = overload_refusals.get_or_create(&RefusalLabels { limit });
+        }
         registry.register(
             "overload_refusals",
             "Connections, upstream sockets and upgrades refused with 503 because a budget was spent, by what was spent",

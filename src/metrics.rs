@@ -86,6 +86,15 @@ pub struct WorkerLabels {
     pub worker: u32,
 }
 
+/// Labels of `tollgate_tls_cert_not_after_seconds`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TlsCertLabels {
+    /// The certificate file, resolved against the config file's directory.
+    pub cert: String,
+    /// `default` (`server.tls.cert`) or the `[[server.tls.sni]]` host.
+    pub sni: String,
+}
+
 /// Every metric of one gateway.
 #[derive(Debug)]
 pub struct Metrics {
@@ -129,6 +138,12 @@ pub struct Metrics {
     /// worker accepted from its listener (refused ones included); none with the
     /// `multi_thread` runtime.
     pub worker_connections: Family<WorkerLabels, Counter>,
+    /// `tollgate_tls_cert_not_after_seconds{cert, sni}`: when each certificate the proxy
+    /// listener serves expires, UTC epoch seconds; set at start and by every reload (see
+    /// [`Metrics::set_tls_certs`]). No rows without `[server.tls]`.
+    pub tls_cert_not_after: Family<TlsCertLabels, Gauge>,
+    /// The rows [`Metrics::set_tls_certs`] set last.
+    tls_certs_shown: std::sync::Mutex<Vec<TlsCertLabels>>,
 }
 
 impl Metrics {
@@ -223,6 +238,16 @@ impl Metrics {
             open_tunnels.clone(),
         );
         let overload_refusals = Family::<RefusalLabels, Counter>::default();
+        // Every budget's row from the start, at 0: an alert on its rate sees the first
+        // refusal, and a dashboard shows the row before anything is refused.
+        for limit in [
+            "max_connections",
+            "max_connections_per_ip",
+            "descriptors",
+            "max_tunnels",
+        ] {
+            let _ = overload_refusals.get_or_create(&RefusalLabels { limit });
+        }
         registry.register(
             "overload_refusals",
             "Connections, upstream sockets and upgrades refused with 503 because a budget was spent, by what was spent",
@@ -233,6 +258,12 @@ impl Metrics {
             "worker_connections",
             "Client connections each per_core worker accepted from its listener, refused ones included",
             worker_connections.clone(),
+        );
+        let tls_cert_not_after = Family::<TlsCertLabels, Gauge>::default();
+        registry.register(
+            "tls_cert_not_after_seconds",
+            "When each certificate the proxy listener serves expires (notAfter), UTC epoch seconds",
+            tls_cert_not_after.clone(),
         );
         registry.register_collector(Box::new(StoreCollector { store }));
         Arc::new(Self {
@@ -253,7 +284,38 @@ impl Metrics {
             open_tunnels,
             overload_refusals,
             worker_connections,
+            tls_cert_not_after,
+            tls_certs_shown: std::sync::Mutex::default(),
         })
+    }
+
+    /// Make `tollgate_tls_cert_not_after_seconds` show the certificates of `tls` (the
+    /// running snapshot's) and no others: called at start and after every reload that
+    /// swapped a snapshot in.
+    pub fn set_tls_certs(&self, tls: Option<&crate::tls::Tls>) {
+        let rows = tls.map(|t| t.expiries()).unwrap_or_default();
+        let wanted: Vec<TlsCertLabels> = rows
+            .iter()
+            .map(|e| TlsCertLabels {
+                cert: e.cert.clone(),
+                sni: e.sni.clone(),
+            })
+            .collect();
+        // Set the rows served now, then drop those of certificates no longer served (a
+        // scrape in between sees a kept row's old or new value, never a missing one).
+        let mut shown = self
+            .tls_certs_shown
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        for (labels, e) in wanted.iter().zip(rows) {
+            self.tls_cert_not_after
+                .get_or_create(labels)
+                .set(e.not_after);
+        }
+        for old in shown.iter().filter(|l| !wanted.contains(l)) {
+            self.tls_cert_not_after.remove(old);
+        }
+        *shown = wanted;
     }
 
     /// The `server.max_delayed` budget of `max` held requests, counted in

@@ -422,6 +422,7 @@ impl Reloader {
         }
         snap.generation = current.generation + 1;
         let generation = snap.generation;
+        self.0.metrics.set_tls_certs(snap.tls.as_deref());
         self.0.snapshot.store(Arc::new(snap));
         self.count("ok");
         self.0.metrics.config_generation.set(generation as i64);

@@ -30,6 +30,18 @@ pub struct Tls {
     pub handshake_timeout: Duration,
     files: Vec<PathBuf>,
     digest: String,
+    expiries: Vec<CertExpiry>,
+}
+
+/// When one served certificate expires: a row of `tollgate_tls_cert_not_after_seconds`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CertExpiry {
+    /// The certificate file, resolved against the config file's directory.
+    pub cert: String,
+    /// `"default"` for `server.tls.cert`, else the `[[server.tls.sni]]` host (lower case).
+    pub sni: String,
+    /// The leaf certificate's notAfter, UTC epoch seconds.
+    pub not_after: i64,
 }
 
 /// What the request path learns of a TLS connection; the listener puts it in the
@@ -97,6 +109,26 @@ impl Tls {
             &mut digest,
             problems,
         );
+        let mut expiries = Vec::new();
+        let mut expiry = |path: &Path, sni: &str, pair: &CertifiedKey| {
+            let Some(leaf) = pair.cert.first() else {
+                return;
+            };
+            match not_after(leaf.as_ref()) {
+                Some(not_after) => expiries.push(CertExpiry {
+                    cert: path.display().to_string(),
+                    sni: sni.to_string(),
+                    not_after,
+                }),
+                None => tracing::warn!(
+                    cert = %path.display(),
+                    "cannot read the certificate's notAfter; tollgate_tls_cert_not_after_seconds leaves it out"
+                ),
+            }
+        };
+        if let Some(pair) = &default {
+            expiry(&base.join(&cfg.cert), "default", pair);
+        }
         if let Some(ocsp) = &cfg.ocsp {
             // Stapled with the default certificate (its bytes digested after the key's).
             let response = read(&base.join(ocsp), "server.tls.ocsp", problems);
@@ -128,6 +160,7 @@ impl Tls {
                 problems,
             );
             if let Some(pair) = pair {
+                expiry(&base.join(&sni.cert), &host, &pair);
                 if by_host.insert(host, pair).is_some() {
                     problems.error(
                         format!("{at}.host"),
@@ -204,6 +237,7 @@ impl Tls {
             handshake_timeout: cfg.handshake_timeout.0,
             files: files(cfg, base),
             digest: hex::encode(digest.finalize()),
+            expiries,
         })
     }
 
@@ -233,6 +267,20 @@ impl Tls {
     pub fn digest(&self) -> &str {
         &self.digest
     }
+
+    /// When each served certificate expires (the default first, then the SNI ones in
+    /// config order); a certificate whose notAfter cannot be read is left out.
+    pub fn expiries(&self) -> &[CertExpiry] {
+        &self.expiries
+    }
+}
+
+/// The notAfter of a DER X.509 certificate, UTC epoch seconds; `None` when it does not
+/// parse. x509-parser reads it (a maintained parser, rather than more of our own DER).
+pub fn not_after(der: &[u8]) -> Option<i64> {
+    x509_parser::parse_x509_certificate(der)
+        .ok()
+        .map(|(_, cert)| cert.validity().not_after.timestamp())
 }
 
 /// The session-ticket keys for a set of certificates (`certificates`: their
@@ -614,6 +662,59 @@ mod tests {
         assert!(problems.errors.is_empty(), "{:?}", problems.errors);
         assert_eq!(tls.files().len(), 5);
         assert_eq!(tls.digest(), files_digest(tls.files()));
+    }
+
+    #[test]
+    fn expiries_are_each_served_certificates_not_after() {
+        let dir = tempfile::tempdir().unwrap();
+        let write = |name: &str, (y, m, d): (i32, u8, u8)| {
+            let key = rcgen::KeyPair::generate().unwrap();
+            let mut params =
+                rcgen::CertificateParams::new(vec![format!("{name}.example")]).unwrap();
+            params.not_after = rcgen::date_time_ymd(y, m, d);
+            let cert = params.self_signed(&key).unwrap();
+            std::fs::write(dir.path().join(format!("{name}.pem")), cert.pem()).unwrap();
+            std::fs::write(dir.path().join(format!("{name}.key")), key.serialize_pem()).unwrap();
+            cert.der().to_vec()
+        };
+        let a = write("a", (2031, 5, 17));
+        write("b", (2029, 1, 2));
+        // 2031-05-17T00:00:00Z and 2029-01-02T00:00:00Z.
+        assert_eq!(not_after(&a), Some(1_936_742_400));
+        let cfg = TlsConfig {
+            cert: "a.pem".into(),
+            key: "a.key".into(),
+            sni: vec![crate::config::SniCertConfig {
+                host: "B.Example".into(),
+                cert: "b.pem".into(),
+                key: "b.key".into(),
+            }],
+            handshake_timeout: crate::config::Dur::from_secs(10),
+            client_ca: None,
+            client_auth: None,
+            ocsp: None,
+            ticket_keys: None,
+        };
+        let mut problems = Problems::default();
+        let tls = Tls::build(&cfg, dir.path(), &mut problems).expect("builds");
+        let at = |f: &str| dir.path().join(f).display().to_string();
+        assert_eq!(
+            tls.expiries(),
+            [
+                CertExpiry {
+                    cert: at("a.pem"),
+                    sni: "default".into(),
+                    not_after: 1_936_742_400
+                },
+                CertExpiry {
+                    cert: at("b.pem"),
+                    sni: "b.example".into(),
+                    not_after: 1_862_006_400
+                },
+            ]
+        );
+        assert_eq!(not_after(b"not a certificate"), None);
+        assert_eq!(not_after(&a[..a.len() / 2]), None);
     }
 
     #[test]

@@ -121,6 +121,7 @@ impl Gateway {
         // Whether the listener speaks TLS is decided here; its certificates reload.
         let tls_listener = snap.tls.is_some();
         let grace = snap.config.server.shutdown_grace.0;
+        let tls_now = snap.tls.clone();
         let snapshot = Arc::new(ArcSwap::from_pointee(snap));
         // The metrics read the store of whatever snapshot is current at scrape time.
         let current = Arc::downgrade(&snapshot);
@@ -130,6 +131,7 @@ impl Gateway {
             Some((snap.limiter.cache().hits(), store))
         }));
         metrics.config_generation.set(1);
+        metrics.set_tls_certs(tls_now.as_deref());
         let _ = metrics
             .reloads
             .get_or_create(&ReloadLabels { result: "ok" });

@@ -97,6 +97,11 @@ impl Connection {
         self.closed.load(Ordering::Acquire)
     }
 
+    /// Whether `other` is a handle of the same connection.
+    pub fn same(&self, other: &Connection) -> bool {
+        Arc::ptr_eq(&self.closed, &other.closed)
+    }
+
     /// Wait until a stream may be opened.
     ///
     /// Errors: the connection has failed or been closed by the upstream (GOAWAY): no

@@ -273,7 +273,7 @@ impl Pool {
             let (mut conn, back) = unsent_on_error(self.h2_sender(budget).await, req)?;
             req = back;
             if conn.ready().await.is_err() {
-                self.forget_h2();
+                self.forget_h2(&conn);
                 continue;
             }
             let response = conn.send(req, informational).await?;
@@ -300,11 +300,14 @@ impl Pool {
         Ok(conn)
     }
 
-    /// Drop this worker's shared HTTP/2 connection (it failed or the upstream closed
-    /// it): the next request makes a new one.
-    fn forget_h2(&self) {
+    /// Drop this worker's shared HTTP/2 connection if it is still `conn` (which failed,
+    /// or which the upstream closed): the next request makes a new one.
+    fn forget_h2(&self, conn: &h2client::Connection) {
         let (_, part) = self.part();
-        *part.shared.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        let mut shared = part.shared.lock().unwrap_or_else(|e| e.into_inner());
+        if shared.as_ref().is_some_and(|s| s.same(conn)) {
+            *shared = None;
+        }
     }
 
     fn checkout(&self, part: usize) -> Option<http1::SendRequest<RequestBody>> {

@@ -37,6 +37,7 @@
 //!   limits, keep-alive PINGs with a timeout, the two-step GOAWAY of a graceful
 //!   shutdown, `Date`, `Content-Length` from a body's size, response backpressure and
 //!   trailers.
+//!
 //! The seam for it would be `server::alpn` (`Serving::Http2`), calling the same service.
 use http::{HeaderMap, StatusCode};
 use std::io::IoSlice;

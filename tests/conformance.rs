@@ -1226,6 +1226,17 @@ async fn early_hints_from_an_http2_upstream_reach_http1_clients_before_the_final
         early_hints_over(&mut tcp).await;
     }
 
+    // HTTP/1.0 clients never get a 1xx (RFC 9110 §15.2).
+    let mut old = TcpStream::connect(gw.addr).await.unwrap();
+    old.write_all(b"GET /hints HTTP/1.0\r\nHost: localhost\r\n\r\n")
+        .await
+        .unwrap();
+    let mut all = Vec::new();
+    let _ =
+        tokio::time::timeout(std::time::Duration::from_secs(3), old.read_to_end(&mut all)).await;
+    let text = String::from_utf8_lossy(&all);
+    assert!(text.starts_with("HTTP/1.0 200 OK\r\n"), "{text:?}");
+
     // HTTP/2 clients get the final response intact (no 1xx to them: see
     // `proxy::interim`).
     let req = Request::get(gw.url("/hints")).body(Empty::new()).unwrap();

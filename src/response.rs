@@ -7,7 +7,8 @@ use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full};
 
 /// The body of every response the gateway sends: streamed from the upstream, or JSON.
-pub type Body = BoxBody<Bytes, hyper::Error>;
+/// Its error (an upstream body that failed mid-way) only ends the response early.
+pub type Body = BoxBody<Bytes, Box<dyn std::error::Error + Send + Sync>>;
 
 /// A response with a JSON body and `Content-Type: application/json`.
 pub fn json_response(status: StatusCode, body: &serde_json::Value) -> Response<Body> {
@@ -51,12 +52,12 @@ struct Guarded<G> {
 
 impl<G: Send + Sync + Unpin + 'static> hyper::body::Body for Guarded<G> {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = Box<dyn std::error::Error + Send + Sync>;
 
     fn poll_frame(
         self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, hyper::Error>>> {
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, Self::Error>>> {
         // `Body` is Unpin (a boxed body), so the guarded body is too.
         std::pin::Pin::new(&mut self.get_mut().body).poll_frame(cx)
     }

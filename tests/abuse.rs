@@ -645,6 +645,34 @@ async fn a_malformed_request_body_is_the_clients_fault_400_not_502() {
     assert_eq!(get(&gw.url("/")).await.status, 200);
 }
 
+/// With an HTTP/2 upstream, a request body that fails while it is sent is still the
+/// client's: past `max_request_bytes` 413, malformed 400 (never 502).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_an_http2_upstream_a_failing_request_body_is_413_or_400_not_502() {
+    let upstream = Upstream::start().await;
+    let text = config(&upstream)
+        .replace(
+            "limits = [\"core\"]",
+            "limits = [\"core\"]\nmax_request_bytes = 1024",
+        )
+        .replace("targets = [", "protocol = \"http2\"\ntargets = [");
+    let gw = TestGateway::start(&text).await;
+    let mut chunked =
+        b"POST /upload HTTP/1.1\r\nhost: a\r\ntransfer-encoding: chunked\r\n\r\n".to_vec();
+    for _ in 0..8 {
+        chunked.extend_from_slice(b"200\r\n");
+        chunked.extend(std::iter::repeat_n(b'y', 512));
+        chunked.extend_from_slice(b"\r\n");
+    }
+    chunked.extend_from_slice(b"0\r\n\r\n");
+    assert_eq!(raw(&gw, &chunked).await, 413, "4 KiB streamed past 1 KiB");
+    let bad = b"POST /upload HTTP/1.1\r\nhost: a\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\nzz\r\nxx\r\n0\r\n\r\n";
+    assert_eq!(raw(&gw, bad).await, 400);
+    let small = b"POST /upload HTTP/1.1\r\nhost: a\r\ncontent-length: 3\r\n\r\nabc";
+    assert_eq!(raw(&gw, small).await, 200);
+    assert_eq!(get(&gw.url("/")).await.status, 200);
+}
+
 /// Read `s` to its end (EOF or a reset) within `within`; the bytes read.
 async fn read_to_close(s: &mut tokio::net::TcpStream, within: Duration) -> usize {
     let mut buf = vec![0u8; 1 << 20];

@@ -1170,6 +1170,82 @@ async fn early_hints_and_other_1xx_reach_http1_clients_before_the_final_response
     task.abort();
 }
 
+/// An HTTP/2 (h2c) upstream on the h2 crate's server: to every request, `102
+/// Processing`, then `103 Early Hints` with a `Link`, then (after 400 ms) `200` with
+/// body `ok`.
+async fn start_early_hints_h2_upstream() -> (SocketAddr, tokio::task::JoinHandle<()>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let task = tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                continue;
+            };
+            tokio::spawn(async move {
+                let Ok(mut conn) = h2::server::handshake(stream).await else {
+                    return;
+                };
+                while let Some(Ok((_req, mut respond))) = conn.accept().await {
+                    tokio::spawn(async move {
+                        let interim = |status: u16| {
+                            let mut r = Response::builder().status(status);
+                            if status == 103 {
+                                r = r.header("link", "</style.css>; rel=preload");
+                            }
+                            r.body(()).unwrap()
+                        };
+                        respond.send_informational(interim(102)).unwrap();
+                        respond.send_informational(interim(103)).unwrap();
+                        tokio::time::sleep(std::time::Duration::from_millis(400)).await;
+                        let last = Response::builder()
+                            .status(200)
+                            .header("content-length", "2")
+                            .body(())
+                            .unwrap();
+                        if let Ok(mut body) = respond.send_response(last, false) {
+                            let _ = body.send_data(Bytes::from_static(b"ok"), true);
+                        }
+                    });
+                }
+            });
+        }
+    });
+    (addr, task)
+}
+
+#[tokio::test]
+async fn early_hints_from_an_http2_upstream_reach_http1_clients_before_the_final_response() {
+    let (addr, task) = start_early_hints_h2_upstream().await;
+    let target = format!("http://{addr}");
+    let gw = TestGateway::start(&config(&target, "", "protocol = \"http2\"", 1000)).await;
+
+    // The 1xx arrive as the upstream sends them, ahead of the 200 (twice on one
+    // connection, and on a second connection: one shared upstream connection).
+    for _ in 0..2 {
+        let mut tcp = TcpStream::connect(gw.addr).await.unwrap();
+        early_hints_over(&mut tcp).await;
+    }
+
+    // HTTP/1.0 clients never get a 1xx (RFC 9110 §15.2).
+    let mut old = TcpStream::connect(gw.addr).await.unwrap();
+    old.write_all(b"GET /hints HTTP/1.0\r\nHost: localhost\r\n\r\n")
+        .await
+        .unwrap();
+    let mut all = Vec::new();
+    let _ =
+        tokio::time::timeout(std::time::Duration::from_secs(3), old.read_to_end(&mut all)).await;
+    let text = String::from_utf8_lossy(&all);
+    assert!(text.starts_with("HTTP/1.0 200 OK\r\n"), "{text:?}");
+
+    // HTTP/2 clients get the final response intact (no 1xx to them: see
+    // `proxy::interim`).
+    let req = Request::get(gw.url("/hints")).body(Empty::new()).unwrap();
+    let (parts, body, _) = send(&support::h2_client(), req).await;
+    assert_eq!(parts.status, StatusCode::OK);
+    assert_eq!(&body[..], b"ok");
+    task.abort();
+}
+
 /// Two gateway processes with the same certificate: with `server.tls.ticket_keys`
 /// shared, a session made with one resumes with the other; without it, it does not
 /// (each process has keys of its own).

@@ -138,12 +138,20 @@ async fn refused_upstream_is_502_and_slow_upstream_is_504() {
         .unwrap()
         .contains("unreachable"));
 
-    let gw = gateway(&upstream).await;
-    let started = Instant::now();
-    let r = get(&gw.url("/slow/3000")).await;
-    assert_eq!(r.status, 504);
-    assert!(started.elapsed() < Duration::from_millis(2000));
-    assert!(r.json()["message"].as_str().unwrap().contains("timed out"));
+    for protocol in ["http1", "http2"] {
+        let text = config(&[upstream.url()], "").replace(
+            "response_timeout = \"400ms\"",
+            &format!("response_timeout = \"400ms\"\nprotocol = \"{protocol}\""),
+        );
+        let gw = TestGateway::start(&text).await;
+        let started = Instant::now();
+        let r = get(&gw.url("/slow/3000")).await;
+        assert_eq!(r.status, 504, "{protocol}");
+        assert!(started.elapsed() < Duration::from_millis(2000));
+        assert!(r.json()["message"].as_str().unwrap().contains("timed out"));
+        // The upstream connection (HTTP/2: the shared one) still serves.
+        assert_eq!(get(&gw.url("/")).await.status, 200, "{protocol}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

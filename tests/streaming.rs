@@ -21,6 +21,7 @@ listen = "127.0.0.1:0"
 name = "api"
 targets = ["UPSTREAM"]
 response_timeout = "60s"
+PROTOCOL
 
 [[limits]]
 name = "core"
@@ -44,13 +45,23 @@ fn rss_bytes() -> u64 {
         * 1024
 }
 
-/// 200 MB up and 200 MB down through the gateway; the process (gateway, upstream and
-/// client all live in it) never holds more than a small fraction of that.
+/// 200 MB up and 200 MB down through the gateway, to an HTTP/1.1 and to an HTTP/2
+/// upstream (flow control both ways); the process (gateway, upstream and client all
+/// live in it) never holds more than a small fraction of that.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn large_bodies_stream_both_ways_in_flat_memory() {
-    const SIZE: usize = 200 * 1024 * 1024;
     let upstream = Upstream::start().await;
-    let gw = TestGateway::start(&CONFIG.replace("UPSTREAM", &upstream.url())).await;
+    for protocol in ["http1", "http2"] {
+        let config = CONFIG
+            .replace("UPSTREAM", &upstream.url())
+            .replace("PROTOCOL", &format!("protocol = \"{protocol}\""));
+        let gw = TestGateway::start(&config).await;
+        stream_both_ways(&gw, protocol).await;
+    }
+}
+
+async fn stream_both_ways(gw: &TestGateway, protocol: &str) {
+    const SIZE: usize = 200 * 1024 * 1024;
     let baseline = rss_bytes();
     let peak = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(baseline));
     let sampler = {
@@ -76,7 +87,7 @@ async fn large_bodies_stream_both_ways_in_flat_memory() {
     while let Some(frame) = body.frame().await {
         received += frame.unwrap().data_ref().map(|d| d.len()).unwrap_or(0);
     }
-    assert_eq!(received, SIZE);
+    assert_eq!(received, SIZE, "{protocol} upstream");
 
     // Upload, generated as it is sent.
     let chunk = Bytes::from(vec![b'u'; 64 * 1024]);
@@ -90,7 +101,7 @@ async fn large_bodies_stream_both_ways_in_flat_memory() {
     assert_eq!(resp.status(), StatusCode::OK);
     let body = resp.into_body().collect().await.unwrap().to_bytes();
     let reply: serde_json::Value = serde_json::from_slice(&body).unwrap();
-    assert_eq!(reply["bytes"], SIZE);
+    assert_eq!(reply["bytes"], SIZE, "{protocol} upstream");
 
     sampler.abort();
     let grew = peak
@@ -98,7 +109,7 @@ async fn large_bodies_stream_both_ways_in_flat_memory() {
         .saturating_sub(baseline);
     assert!(
         grew < 64 * 1024 * 1024,
-        "memory grew by {} MiB while streaming 2×200 MiB",
+        "memory grew by {} MiB while streaming 2×200 MiB ({protocol} upstream)",
         grew >> 20
     );
 }

@@ -407,6 +407,48 @@ async fn http2_upstream_gets_http2_and_the_client_the_same_headers() {
     }
 }
 
+/// An HTTP/2 upstream (the h2 crate's server) that answers one request per
+/// connection, then closes it with GOAWAY; the connections it accepted.
+async fn start_one_request_h2_upstream() -> (SocketAddr, Arc<AtomicUsize>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let count = accepted.clone();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            count.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(async move {
+                let Ok(mut conn) = h2::server::handshake(stream).await else {
+                    return;
+                };
+                if let Some(Ok((_req, mut respond))) = conn.accept().await {
+                    let ok = Response::builder().status(200).body(()).unwrap();
+                    if let Ok(mut body) = respond.send_response(ok, false) {
+                        let _ = body.send_data(Bytes::from_static(b"ok"), true);
+                    }
+                    conn.graceful_shutdown();
+                }
+                while let Some(Ok(_)) = conn.accept().await {}
+            });
+        }
+    });
+    (addr, accepted)
+}
+
+#[tokio::test]
+async fn an_http2_upstream_that_closes_its_connection_gets_a_new_one() {
+    let (addr, accepted) = start_one_request_h2_upstream().await;
+    let target = format!("http://{addr}");
+    let gw = TestGateway::start(&config("h2-goaway", &[target], "protocol = \"http2\"")).await;
+    for round in 1..=3 {
+        let (status, _, body) = send(&gw, "GET", "/", "").await;
+        assert_eq!((status, body.as_str()), (200, "ok"), "round {round}");
+        // The GOAWAY arrives after the response: let the gateway read it.
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert_eq!(accepted.load(Ordering::SeqCst), 3);
+}
+
 #[tokio::test]
 async fn a_refusing_target_is_ejected_and_gets_are_retried_on_the_live_one() {
     capture_logs();

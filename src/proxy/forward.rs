@@ -516,12 +516,14 @@ pub async fn forward(
     // body that would have to be sent twice.
     let retriable = upstream.targets.len() > 1 && idempotent(&parts.method) && body.is_end_stream();
 
-    let informational = match (upstream.protocol, downstream_version) {
-        (UpstreamProtocol::Http1, Version::HTTP_11) => parts
+    // Only HTTP/1.1 requests carry the handle (see `proxy::interim`).
+    let informational = match upstream.protocol {
+        UpstreamProtocol::Http1 => parts
             .extensions
             .get::<super::interim::Informational>()
             .cloned(),
-        _ => None,
+        // The HTTP/2 client finds it in the extensions itself.
+        UpstreamProtocol::Http2 => None,
     };
     let mut request = Request::from_parts(
         parts,

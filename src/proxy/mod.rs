@@ -20,6 +20,7 @@ pub mod body;
 pub mod error;
 pub mod forward;
 pub mod grpc;
+pub mod h2client;
 pub mod headers;
 pub mod interim;
 pub mod path;

@@ -22,7 +22,8 @@
 //! and returns connections in its own worker's part, whose connections' tasks run on
 //! that worker's runtime, so that no exchange with the upstream wakes another thread.
 
-use super::body::{BodyState, RequestBody};
+use super::body::{BodyError, BodyState, RequestBody};
+use super::h2client;
 use crate::budget::{Budget, Counted};
 use crate::config::UpstreamProtocol;
 use bytes::Bytes;
@@ -30,8 +31,8 @@ use http::uri::Authority;
 use http::{Request, Response};
 use http_body::{Body as HttpBody, Frame, SizeHint};
 use hyper::body::Incoming;
-use hyper::client::conn::{http1, http2};
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper::client::conn::http1;
+use hyper_util::rt::TokioIo;
 use rustls::pki_types::ServerName;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
@@ -55,6 +56,14 @@ pub enum PoolError {
     /// The HTTP exchange failed (reset, closed early, bad response, ...).
     #[error("{0}")]
     Http(#[from] hyper::Error),
+    /// The HTTP/2 exchange failed (stream reset, connection error, GOAWAY, a response
+    /// head past the header-list limit, ...).
+    #[error("{0}")]
+    H2(#[from] h2::Error),
+    /// The request body failed while it was sent to an HTTP/2 upstream (too large,
+    /// stopped arriving, unreadable: see [`super::body`]).
+    #[error("request body: {0}")]
+    Body(#[source] BodyError),
     /// No socket could be opened: the descriptor budget is spent.
     #[error("no descriptor left for a connection to {0} (the open-file limit is spent)")]
     NoDescriptor(Authority),
@@ -148,7 +157,7 @@ pub struct Pool {
 struct Part {
     idle: Mutex<Vec<Idle>>,
     /// HTTP/2: the shared connection, cloned per request.
-    shared: Mutex<Option<http2::SendRequest<RequestBody>>>,
+    shared: Mutex<Option<h2client::Connection>>,
     /// HTTP/2: held while (re)connecting, so that one connection is made, not many.
     connecting: tokio::sync::Mutex<()>,
 }
@@ -255,56 +264,49 @@ impl Pool {
         mut req: Request<RequestBody>,
         budget: &Budget,
     ) -> Result<Response<PooledBody>, SendError> {
+        // 1xx go to the HTTP/1.1 client when the request path left a handle for them.
+        let informational = req
+            .extensions_mut()
+            .remove::<super::interim::Informational>();
         // At most two rounds: the shared connection, then a fresh one if it had closed.
         for _ in 0..2 {
-            let (mut tx, back) = unsent_on_error(self.h2_sender(budget).await, req)?;
+            let (mut conn, back) = unsent_on_error(self.h2_sender(budget).await, req)?;
             req = back;
-            if tx.ready().await.is_err() {
-                self.forget_h2(&tx);
+            if conn.ready().await.is_err() {
+                self.forget_h2(&conn);
                 continue;
             }
-            match tx.try_send_request(req).await {
-                Ok(response) => return Ok(self.wrap(response, None)),
-                Err(mut e) => match e.take_message() {
-                    Some(back) => {
-                        self.forget_h2(&tx);
-                        req = back;
-                    }
-                    None => return Err(PoolError::Http(e.into_error()).into()),
-                },
-            }
+            let response = conn.send(req, informational).await?;
+            return Ok(self.wrap_h2(response));
         }
-        let (mut tx, req) = unsent_on_error(self.h2_sender(budget).await, req)?;
-        let response = tx.send_request(req).await.map_err(PoolError::Http)?;
-        Ok(self.wrap(response, None))
+        let (mut conn, req) = unsent_on_error(self.h2_sender(budget).await, req)?;
+        conn.ready().await.map_err(PoolError::H2)?;
+        let response = conn.send(req, informational).await?;
+        Ok(self.wrap_h2(response))
     }
 
     /// The shared HTTP/2 connection, made if there is none or it has closed.
-    async fn h2_sender(
-        &self,
-        budget: &Budget,
-    ) -> Result<http2::SendRequest<RequestBody>, PoolError> {
+    async fn h2_sender(&self, budget: &Budget) -> Result<h2client::Connection, PoolError> {
         let (_, part) = self.part();
-        if let Some(tx) = part.live_h2() {
-            return Ok(tx);
+        if let Some(conn) = part.live_h2() {
+            return Ok(conn);
         }
         let _connecting = part.connecting.lock().await;
-        if let Some(tx) = part.live_h2() {
-            return Ok(tx);
+        if let Some(conn) = part.live_h2() {
+            return Ok(conn);
         }
-        let tx = self.connect_h2(budget).await?;
-        *part.shared.lock().unwrap_or_else(|e| e.into_inner()) = Some(tx.clone());
-        Ok(tx)
+        let conn = self.connect_h2(budget).await?;
+        *part.shared.lock().unwrap_or_else(|e| e.into_inner()) = Some(conn.clone());
+        Ok(conn)
     }
 
-    /// Drop this worker's shared connection if it is still `tx`'s and has closed.
-    fn forget_h2(&self, tx: &http2::SendRequest<RequestBody>) {
-        if tx.is_closed() {
-            let (_, part) = self.part();
-            let mut shared = part.shared.lock().unwrap_or_else(|e| e.into_inner());
-            if shared.as_ref().is_some_and(|s| s.is_closed()) {
-                *shared = None;
-            }
+    /// Drop this worker's shared HTTP/2 connection if it is still `conn` (which failed,
+    /// or which the upstream closed): the next request makes a new one.
+    fn forget_h2(&self, conn: &h2client::Connection) {
+        let (_, part) = self.part();
+        let mut shared = part.shared.lock().unwrap_or_else(|e| e.into_inner());
+        if shared.as_ref().is_some_and(|s| s.same(conn)) {
+            *shared = None;
         }
     }
 
@@ -411,17 +413,21 @@ impl Pool {
         Ok(tx)
     }
 
-    async fn connect_h2(
-        &self,
-        budget: &Budget,
-    ) -> Result<http2::SendRequest<RequestBody>, PoolError> {
+    async fn connect_h2(&self, budget: &Budget) -> Result<h2client::Connection, PoolError> {
         let stream = self.tcp(budget).await?;
         let max = self.connector.max_response_header_bytes;
-        let tx = match &self.connector.tls {
-            None => spawn_h2(TokioIo::new(stream), max).await?,
-            Some(tls) => spawn_h2(TokioIo::new(self.tls(stream, tls).await?), max).await?,
+        let conn = match &self.connector.tls {
+            None => h2client::Connection::handshake(stream, max).await?,
+            Some(tls) => h2client::Connection::handshake(self.tls(stream, tls).await?, max).await?,
         };
-        Ok(tx)
+        Ok(conn)
+    }
+
+    fn wrap_h2(&self, response: Response<h2client::ResponseBody>) -> Response<PooledBody> {
+        response.map(|body| PooledBody {
+            inner: Inner::H2(body),
+            slot: None,
+        })
     }
 
     fn wrap(
@@ -430,7 +436,7 @@ impl Pool {
         h1: Option<Back>,
     ) -> Response<PooledBody> {
         response.map(|inner| PooledBody {
-            inner,
+            inner: Inner::H1(inner),
             slot: h1.map(|back| Slot {
                 pool: self.clone(),
                 part: back.part,
@@ -443,9 +449,9 @@ impl Pool {
 }
 
 impl Part {
-    fn live_h2(&self) -> Option<http2::SendRequest<RequestBody>> {
+    fn live_h2(&self) -> Option<h2client::Connection> {
         let shared = self.shared.lock().unwrap_or_else(|e| e.into_inner());
-        shared.as_ref().filter(|tx| !tx.is_closed()).cloned()
+        shared.as_ref().filter(|conn| !conn.is_closed()).cloned()
     }
 }
 
@@ -471,27 +477,6 @@ where
         // With upgrades: a 101 answer hands the connection over to a tunnel (WebSocket).
         if let Err(e) = conn.with_upgrades().await {
             tracing::debug!(error = %e, "upstream connection ended with an error");
-        }
-    });
-    Ok(tx)
-}
-
-/// An HTTP/2 connection on `io` that accepts response header lists of up to
-/// `max_head_bytes` (RFC 9113 §6.5.2 accounting: name, value and 32 per field).
-async fn spawn_h2<T>(
-    io: TokioIo<T>,
-    max_head_bytes: usize,
-) -> Result<http2::SendRequest<RequestBody>, PoolError>
-where
-    T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
-{
-    let (tx, conn) = http2::Builder::new(TokioExecutor::new())
-        .max_header_list_size(u32::try_from(max_head_bytes).unwrap_or(u32::MAX))
-        .handshake(io)
-        .await?;
-    tokio::spawn(async move {
-        if let Err(e) = conn.await {
-            tracing::debug!(error = %e, "upstream HTTP/2 connection ended with an error");
         }
     });
     Ok(tx)
@@ -577,8 +562,24 @@ impl Drop for KeptCell {
 /// its end, and is closed otherwise (an HTTP/2 one is shared anyway).
 #[derive(Debug)]
 pub struct PooledBody {
-    inner: Incoming,
+    inner: Inner,
     slot: Option<Slot>,
+}
+
+/// The body as the connection's protocol reads it.
+#[derive(Debug)]
+enum Inner {
+    H1(Incoming),
+    H2(h2client::ResponseBody),
+}
+
+impl Inner {
+    fn is_end_stream(&self) -> bool {
+        match self {
+            Inner::H1(body) => body.is_end_stream(),
+            Inner::H2(body) => body.is_end_stream(),
+        }
+    }
 }
 
 /// The HTTP/1.1 connection a response came on, and the request body it carries.
@@ -621,13 +622,16 @@ impl PooledBody {
 
 impl HttpBody for PooledBody {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = BodyError;
 
     fn poll_frame(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+        let polled = match &mut self.inner {
+            Inner::H1(body) => Pin::new(body).poll_frame(cx).map_err(BodyError::from),
+            Inner::H2(body) => Pin::new(body).poll_frame(cx).map_err(BodyError::from),
+        };
         match &polled {
             Poll::Ready(None) => {
                 if let Some(slot) = self.slot.take() {
@@ -650,7 +654,10 @@ impl HttpBody for PooledBody {
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
+        match &self.inner {
+            Inner::H1(body) => body.size_hint(),
+            Inner::H2(body) => body.size_hint(),
+        }
     }
 }
 

@@ -151,12 +151,12 @@ impl SendWatch {
 
 impl hyper::body::Body for SendWatch {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = Box<dyn std::error::Error + Send + Sync>;
 
     fn poll_frame(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         let this = self.get_mut();
         let activity = &this.busy.0;
         activity.sent_ms.store(activity.now_ms(), Ordering::Relaxed);

@@ -1,0 +1,413 @@
+//! HTTP/2 to upstreams (`protocol = "http2"`) on the h2 crate directly, so that the
+//! 1xx responses of an HTTP/2 upstream (`103 Early Hints`, ...) reach HTTP/1.1 clients:
+//! hyper's HTTP/2 client skips them (its `on_informational` is HTTP/1.1 only).
+//!
+//! What hyper's client did is done here the same way: its connection settings (2 MiB
+//! stream and 5 MiB connection windows, 16 KiB frames, 1 MiB send buffer, no server
+//! push), with the header-list limit set to `upstreams.max_response_header_bytes`; the
+//! request head stripped of connection-specific fields, with `Content-Length` set from
+//! a body of known length; the request body piped on its own task within the stream's
+//! flow-control window (data, then trailers or an empty end-of-stream frame), reset
+//! with `CANCEL` when the response is no longer awaited; the response body read with
+//! its flow-control capacity given back as the client reads, trailers passed on, and a
+//! `RST_STREAM(NO_ERROR)` after the response taken as its end (RFC 9113 §8.1).
+//!
+//! One thing is better than hyper's: when the request body fails while being sent (too
+//! large, stopped arriving, unreadable), the response's error is that body error, so
+//! that the client gets 413, 408 or 400 as with an HTTP/1.1 upstream, not 502.
+
+use super::body::{BodyError, RequestBody};
+use super::interim::Informational;
+use super::pool::PoolError;
+use bytes::Bytes;
+use http::header::{self, HeaderMap, HeaderName};
+use http::{Method, Request, Response};
+use http_body::{Body as HttpBody, Frame, SizeHint};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{ready, Context, Poll};
+use tokio::sync::oneshot;
+
+/// hyper's HTTP/2 client defaults, kept: stream window, bytes.
+const STREAM_WINDOW: u32 = 2 * 1024 * 1024;
+/// Connection window, bytes.
+const CONN_WINDOW: u32 = 5 * 1024 * 1024;
+/// Largest frame accepted, bytes.
+const MAX_FRAME: u32 = 16 * 1024;
+/// Request body bytes buffered per stream beyond what flow control lets go, bytes.
+const MAX_SEND_BUF: usize = 1024 * 1024;
+/// Streams the client may open before the server's SETTINGS arrive.
+const INITIAL_MAX_SEND_STREAMS: usize = 100;
+/// Streams reset for a local error before the connection is given up (hyper's default).
+const MAX_LOCAL_ERROR_RESETS: usize = 1024;
+
+/// One HTTP/2 connection to an upstream target, shared by requests (cloned per request).
+#[derive(Debug, Clone)]
+pub struct Connection {
+    tx: h2::client::SendRequest<Bytes>,
+    /// Set when the connection's task has ended.
+    closed: Arc<AtomicBool>,
+}
+
+/// Connection-specific fields, never sent in HTTP/2 (RFC 9113 §8.2.2).
+static CONNECTION_HEADERS: [HeaderName; 5] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+];
+
+impl Connection {
+    /// An HTTP/2 connection on `io` (TCP or TLS, already connected) that accepts response
+    /// header lists of up to `max_head_bytes` (RFC 9113 §6.5.2 accounting: name, value
+    /// and 32 per field); its task is spawned on the current runtime.
+    ///
+    /// Errors: the handshake failed (I/O, or the peer is no HTTP/2 server).
+    pub async fn handshake<T>(io: T, max_head_bytes: usize) -> Result<Self, h2::Error>
+    where
+        T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
+    {
+        let (tx, conn) = h2::client::Builder::new()
+            .initial_max_send_streams(INITIAL_MAX_SEND_STREAMS)
+            .initial_window_size(STREAM_WINDOW)
+            .initial_connection_window_size(CONN_WINDOW)
+            .max_frame_size(MAX_FRAME)
+            .max_header_list_size(u32::try_from(max_head_bytes).unwrap_or(u32::MAX))
+            .max_send_buffer_size(MAX_SEND_BUF)
+            .max_local_error_reset_streams(Some(MAX_LOCAL_ERROR_RESETS))
+            .enable_push(false)
+            .handshake::<T, Bytes>(io)
+            .await?;
+        let closed = Arc::new(AtomicBool::new(false));
+        let ended = closed.clone();
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(error = %e, "upstream HTTP/2 connection ended with an error");
+            }
+            ended.store(true, Ordering::Release);
+        });
+        Ok(Self { tx, closed })
+    }
+
+    /// Whether the connection has ended (no request can go on it).
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+
+    /// Whether `other` is a handle of the same connection.
+    pub fn same(&self, other: &Connection) -> bool {
+        Arc::ptr_eq(&self.closed, &other.closed)
+    }
+
+    /// Wait until a stream may be opened.
+    ///
+    /// Errors: the connection has failed or been closed by the upstream (GOAWAY): no
+    /// request was sent on it, and none can be.
+    pub async fn ready(&mut self) -> Result<(), h2::Error> {
+        std::future::poll_fn(|cx| self.tx.poll_ready(cx)).await
+    }
+
+    /// Send `req` (absolute URI: scheme and authority become `:scheme` and
+    /// `:authority`) once [`Connection::ready`]; the response once its head has come,
+    /// its body streaming. 1xx responses that come before it go to `informational`
+    /// (dropped without one).
+    ///
+    /// Errors: [`PoolError::H2`] when the stream could not be opened or was reset, or
+    /// the connection failed; [`PoolError::Body`] when the request body failed first.
+    pub async fn send(
+        &mut self,
+        req: Request<RequestBody>,
+        informational: Option<Informational>,
+    ) -> Result<Response<ResponseBody>, PoolError> {
+        let (mut head, body) = req.into_parts();
+        strip_connection_headers(&mut head.headers);
+        if let Some(len) = body.size_hint().exact() {
+            if (len != 0 || has_payload_semantics(&head.method))
+                && !head.headers.contains_key(header::CONTENT_LENGTH)
+            {
+                head.headers
+                    .insert(header::CONTENT_LENGTH, http::HeaderValue::from(len));
+            }
+        }
+        let eos = body.is_end_stream();
+        let (mut response, stream) = self
+            .tx
+            .send_request(Request::from_parts(head, ()), eos)
+            .map_err(PoolError::H2)?;
+        let mut pipe = None;
+        if !eos {
+            let failure = Arc::new(Mutex::new(None));
+            let (cancel, cancelled) = oneshot::channel();
+            tokio::spawn(Pipe {
+                body,
+                tx: stream,
+                buffered: None,
+                failure: failure.clone(),
+                cancelled: Some(cancelled),
+            });
+            pipe = Some((cancel, failure));
+        }
+        let got = std::future::poll_fn(|cx| {
+            if let Some(client) = &informational {
+                // 1xx first: each goes to the client as soon as it comes. An error
+                // shows in the response's own poll.
+                while let Poll::Ready(Some(Ok(interim))) = response.poll_informational(cx) {
+                    client.send(interim.status(), interim.headers());
+                }
+            }
+            Pin::new(&mut response).poll(cx)
+        })
+        .await;
+        match got {
+            Ok(response) => {
+                if let Some((cancel, _)) = pipe {
+                    // Answered: the rest of the request body goes on being sent.
+                    let _ = cancel.send(());
+                }
+                let (parts, recv) = response.into_parts();
+                let body = ResponseBody::new(recv, &parts.headers);
+                Ok(Response::from_parts(parts, body))
+            }
+            Err(e) => {
+                let failed = pipe.and_then(|(_, failure)| {
+                    failure.lock().unwrap_or_else(|p| p.into_inner()).take()
+                });
+                Err(match failed {
+                    Some(body_error) => PoolError::Body(body_error),
+                    None => PoolError::H2(e),
+                })
+            }
+        }
+    }
+}
+
+/// Whether a request with this method has a body by definition (hyper's rule for
+/// sending `Content-Length: 0`).
+fn has_payload_semantics(method: &Method) -> bool {
+    !matches!(
+        *method,
+        Method::GET | Method::HEAD | Method::DELETE | Method::CONNECT
+    )
+}
+
+/// Remove what HTTP/2 forbids in a request head: connection-specific fields, the
+/// fields `Connection` names, and `TE` other than `trailers`.
+fn strip_connection_headers(headers: &mut HeaderMap) {
+    if let Some(connection) = headers.remove(header::CONNECTION) {
+        if let Ok(names) = connection.to_str() {
+            for name in names.split(',') {
+                headers.remove(name.trim());
+            }
+        }
+    }
+    for name in &CONNECTION_HEADERS[1..] {
+        headers.remove(name);
+    }
+    if headers
+        .get(header::TE)
+        .is_some_and(|te| !te.as_bytes().eq_ignore_ascii_case(b"trailers"))
+    {
+        headers.remove(header::TE);
+    }
+}
+
+/// The task that sends a request body on its stream (see the module documentation).
+struct Pipe {
+    body: RequestBody,
+    tx: h2::SendStream<Bytes>,
+    /// A data chunk waiting for flow-control capacity, and whether it ends the body.
+    buffered: Option<(Bytes, bool)>,
+    /// Where a failure of `body` is left for the response's error.
+    failure: Arc<Mutex<Option<BodyError>>>,
+    /// Resolves `Ok` when the response has come (the body goes on being sent), `Err`
+    /// when the request was given up before (the stream is reset).
+    cancelled: Option<oneshot::Receiver<()>>,
+}
+
+impl Pipe {
+    /// Reset the stream after a failure of the request body, kept for the response.
+    fn body_failed(&mut self, error: BodyError) {
+        tracing::debug!(error = %error, "request body failed while sent to an HTTP/2 upstream");
+        *self.failure.lock().unwrap_or_else(|p| p.into_inner()) = Some(error);
+        self.tx.send_reset(h2::Reason::INTERNAL_ERROR);
+    }
+
+    fn poll_pipe(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), h2::Error>> {
+        loop {
+            if let Some(cancelled) = &mut self.cancelled {
+                match Pin::new(cancelled).poll(cx) {
+                    Poll::Ready(Ok(())) => self.cancelled = None,
+                    Poll::Ready(Err(_)) => {
+                        self.tx.send_reset(h2::Reason::CANCEL);
+                        return Poll::Ready(Ok(()));
+                    }
+                    Poll::Pending => {}
+                }
+            }
+            if let Poll::Ready(reason) = self.tx.poll_reset(cx)? {
+                return Poll::Ready(Err(reason.into()));
+            }
+            if let Some((data, eos)) = self.buffered.take() {
+                if self.tx.capacity() == 0 {
+                    loop {
+                        match self.tx.poll_capacity(cx) {
+                            Poll::Ready(Some(Ok(0))) => {}
+                            Poll::Ready(Some(Ok(_))) => break,
+                            Poll::Ready(Some(Err(e))) => return Poll::Ready(Err(e)),
+                            Poll::Ready(None) => return Poll::Ready(Ok(())),
+                            Poll::Pending => {
+                                self.buffered = Some((data, eos));
+                                return Poll::Pending;
+                            }
+                        }
+                    }
+                }
+                self.tx.send_data(data, eos)?;
+                if eos {
+                    return Poll::Ready(Ok(()));
+                }
+                continue;
+            }
+            match ready!(Pin::new(&mut self.body).poll_frame(cx)) {
+                Some(Ok(frame)) => match frame.into_data() {
+                    Ok(data) => {
+                        let eos = self.body.is_end_stream();
+                        if data.is_empty() {
+                            self.tx.send_data(data, eos)?;
+                            if eos {
+                                return Poll::Ready(Ok(()));
+                            }
+                        } else {
+                            // A minimal claim: h2 raises it to what is buffered (as
+                            // hyper does, so that no window is pinned by a body that
+                            // sends nothing).
+                            self.tx.reserve_capacity(1);
+                            self.buffered = Some((data, eos));
+                        }
+                    }
+                    Err(frame) => {
+                        if let Ok(trailers) = frame.into_trailers() {
+                            self.tx.reserve_capacity(0);
+                            self.tx.send_trailers(trailers)?;
+                            return Poll::Ready(Ok(()));
+                        }
+                    }
+                },
+                Some(Err(e)) => {
+                    self.body_failed(e);
+                    return Poll::Ready(Ok(()));
+                }
+                None => {
+                    self.tx.send_data(Bytes::new(), true)?;
+                    return Poll::Ready(Ok(()));
+                }
+            }
+        }
+    }
+}
+
+impl Future for Pipe {
+    type Output = ();
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        if let Err(e) = ready!(self.get_mut().poll_pipe(cx)) {
+            tracing::debug!(error = %e, "request body to an HTTP/2 upstream not sent in full");
+        }
+        Poll::Ready(())
+    }
+}
+
+/// A response body from an HTTP/2 upstream (see the module documentation).
+#[derive(Debug)]
+pub struct ResponseBody {
+    recv: h2::RecvStream,
+    data_done: bool,
+    /// What `Content-Length` says is left, in bytes (`None`: not given).
+    left: Option<u64>,
+}
+
+impl ResponseBody {
+    /// The body of a response with these `headers` (its `Content-Length`, if any, is
+    /// the size hint).
+    fn new(recv: h2::RecvStream, headers: &HeaderMap) -> Self {
+        let length = headers
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse().ok());
+        Self {
+            left: length.or(recv.is_end_stream().then_some(0)),
+            recv,
+            data_done: false,
+        }
+    }
+}
+
+impl HttpBody for ResponseBody {
+    type Data = Bytes;
+    type Error = h2::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, h2::Error>>> {
+        if !self.data_done {
+            match ready!(self.recv.poll_data(cx)) {
+                Some(Ok(data)) => {
+                    let _ = self.recv.flow_control().release_capacity(data.len());
+                    if let Some(left) = &mut self.left {
+                        *left = left.saturating_sub(data.len() as u64);
+                    }
+                    return Poll::Ready(Some(Ok(Frame::data(data))));
+                }
+                // An early response (RFC 9113 §8.1): the body ends here.
+                Some(Err(e)) if e.reason() == Some(h2::Reason::NO_ERROR) => {
+                    return Poll::Ready(None)
+                }
+                Some(Err(e)) => return Poll::Ready(Some(Err(e))),
+                None => self.data_done = true,
+            }
+        }
+        match ready!(self.recv.poll_trailers(cx)) {
+            Ok(trailers) => Poll::Ready(trailers.map(|t| Ok(Frame::trailers(t)))),
+            Err(e) if e.reason() == Some(h2::Reason::NO_ERROR) => Poll::Ready(None),
+            Err(e) => Poll::Ready(Some(Err(e))),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.recv.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self.left {
+            Some(n) => SizeHint::with_exact(n),
+            None => SizeHint::default(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn connection_specific_fields_are_stripped() {
+        let mut h = HeaderMap::new();
+        h.insert(header::CONNECTION, "x-hop, keep-alive".parse().unwrap());
+        h.insert("x-hop", "1".parse().unwrap());
+        h.insert("keep-alive", "5".parse().unwrap());
+        h.insert(header::UPGRADE, "foo".parse().unwrap());
+        h.insert(header::TRANSFER_ENCODING, "chunked".parse().unwrap());
+        h.insert(header::TE, "gzip".parse().unwrap());
+        h.insert("x-kept", "1".parse().unwrap());
+        strip_connection_headers(&mut h);
+        assert_eq!(h.len(), 1, "{h:?}");
+        let mut h = HeaderMap::new();
+        h.insert(header::TE, "trailers".parse().unwrap());
+        strip_connection_headers(&mut h);
+        assert_eq!(h.get(header::TE).unwrap(), "trailers");
+    }
+}

@@ -159,6 +159,11 @@ struct Sketch {
     /// Per entry: its count.
     counts: [u64; CAPACITY],
     entries: Vec<Counted>,
+    /// At most the smallest count once full (counts only grow, and a replaced entry
+    /// gets more than the smallest): an entry at `floor` is a smallest one.
+    floor: u64,
+    /// Where the next search for the smallest count starts (after the last replaced).
+    cursor: usize,
 }
 
 impl Default for Sketch {
@@ -168,6 +173,8 @@ impl Default for Sketch {
             hashes: [0; CAPACITY],
             counts: [0; CAPACITY],
             entries: Vec::new(),
+            floor: 0,
+            cursor: 0,
         }
     }
 }
@@ -231,30 +238,39 @@ impl Sketch {
             }
             Err(empty) => empty,
         };
-        let counted = Counted {
-            key: Key {
-                limit: limit.clone(),
-                who: who.to_owned(),
-            },
-            tier: tier.clone(),
-            error: 0,
-        };
         let e = self.entries.len();
         if e < CAPACITY {
-            self.entries.push(counted);
+            self.entries.push(Counted {
+                key: Key {
+                    limit: limit.clone(),
+                    who: who.to_owned(),
+                },
+                tier: tier.clone(),
+                error: 0,
+            });
             self.hashes[e] = hash;
             self.counts[e] = n;
             self.slots[empty] = e as u8 + 1;
             return;
         }
-        // Full: the new caller takes the place of the smallest count, and inherits it.
-        let mut e = 0;
-        let mut min = self.counts[0];
-        for (i, c) in self.counts.iter().enumerate().skip(1) {
-            if *c < min {
-                (e, min) = (i, *c);
+        // Full: the new caller takes the place of a smallest count, and inherits it.
+        // From the cursor on, the first entry at the floor is one (in a flood of new
+        // callers, usually the next entry); else the smallest found, the new floor.
+        let (mut e, mut min) = (self.cursor, self.counts[self.cursor]);
+        if min != self.floor {
+            for k in 1..CAPACITY {
+                let i = (self.cursor + k) % CAPACITY;
+                let c = self.counts[i];
+                if c < min {
+                    (e, min) = (i, c);
+                    if c == self.floor {
+                        break;
+                    }
+                }
             }
+            self.floor = min;
         }
+        self.cursor = (e + 1) % CAPACITY;
         let old = self.hashes[e];
         let mut i = old as usize % SLOTS;
         while usize::from(self.slots[i]) != e + 1 {
@@ -269,10 +285,19 @@ impl Sketch {
         self.slots[i] = e as u8 + 1;
         self.hashes[e] = hash;
         self.counts[e] = min + n;
-        self.entries[e] = Counted {
-            error: min,
-            ..counted
-        };
+        // Reuse what the entry shares with the new caller (usually its limit and tier):
+        // no reference count changes.
+        let entry = &mut self.entries[e];
+        if !Arc::ptr_eq(&entry.key.limit, limit) {
+            entry.key.limit = limit.clone();
+        }
+        if !Arc::ptr_eq(&entry.tier, tier) {
+            entry.tier = tier.clone();
+        }
+        if !who.is(&entry.key.who) {
+            entry.key.who = who.to_owned();
+        }
+        entry.error = min;
     }
 
     /// Each entry with its count.

@@ -11,10 +11,12 @@
 //! Anonymous callers are kept by IP address, and shown as the access log shows them.
 //!
 //! Per request and limit, the cost is one hash of (limit, caller), one uncontended
-//! mutex, and a probe of a 128-slot table; a caller not in a full sketch also scans the
-//! sketch's 64 counts for the smallest (a flat array of `u64`). Nothing is allocated
-//! and no reference count changes unless a caller enters the sketch
-//! (`cargo bench --bench callers`).
+//! mutex, and a probe of a 128-slot table; a caller not in a full sketch also searches
+//! the sketch's 64 counts (a flat array of `u64`) for a smallest one, from a cursor,
+//! stopping at the first count at the known floor (in a flood of new callers, usually
+//! the next entry). Nothing is allocated once a sketch is full, and reference counts
+//! change only when a caller enters the sketch in place of one of another limit or
+//! tier, or is a client (`cargo bench --bench callers`).
 
 use crate::identity::Client;
 use std::collections::HashMap;

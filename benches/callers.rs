@@ -10,7 +10,7 @@ use std::net::IpAddr;
 use std::sync::Arc;
 use tollgate::identity::keys::KeySource;
 use tollgate::identity::Client;
-use tollgate::limiter::top::{Top, Who};
+use tollgate::limiter::top::{Top, WhoRef};
 
 fn sketch(c: &mut Criterion) {
     let top = Top::default();
@@ -23,13 +23,7 @@ fn sketch(c: &mut Criterion) {
     c.bench_function("top: one admitted request, 1000 clients", |b| {
         b.iter(|| {
             i = (i + 1) % clients.len();
-            top.used(
-                &core,
-                Who::Client(clients[i].clone()),
-                &gold,
-                1,
-                black_box(now),
-            );
+            top.used(&core, WhoRef::Client(&clients[i]), &gold, 1, black_box(now));
         })
     });
     let mut n = 0u32;
@@ -40,7 +34,7 @@ fn sketch(c: &mut Criterion) {
                 n = n.wrapping_add(1);
                 top.used(
                     &core,
-                    Who::Ip(IpAddr::from(n.to_be_bytes())),
+                    WhoRef::Ip(IpAddr::from(n.to_be_bytes())),
                     &gold,
                     1,
                     black_box(now),

@@ -3,8 +3,9 @@
 # case for memory), a label on every 10th. Measures
 #   1. `tollgate check` on it: wall time and peak RSS (the load and validation alone);
 #   2. the gateway started with it: RSS once serving, and its peak;
-#   3. a SIGHUP reload of the keys file: the time the gateway logs for it, and the RSS
-#      peak during it (old and new set both live);
+#   3. a SIGHUP reload of the keys file: the time the gateway logs for it, the RSS right
+#      after it, its peak during it (old and new set both live), and the RSS 2 s later
+#      while serving requests (what stays once the old set is gone);
 #   4. that a key from the file is served.
 # Usage: cargo build --release && bash benches/keys_1m.sh   (TOLLGATE_BIN, N to override)
 set -euo pipefail
@@ -47,6 +48,7 @@ EOF
 echo "keys file: $N lines, $(du -m "$dir/keys.jsonl" | cut -f1) MB"
 /usr/bin/time -f "check: %e s wall, %M KB peak RSS" "$BIN" check --config "$dir/tollgate.toml"
 
+echo ok > "$dir/ok"
 python3 -m http.server "$up" --bind 127.0.0.1 --directory "$dir" >/dev/null 2>&1 &
 http=$!
 start=$(date +%s.%N)
@@ -57,10 +59,21 @@ ready=$(date +%s.%N)
 echo "gateway: serving $(python3 -c "print(round($ready-$start,2))") s after start"
 grep -E "VmRSS|VmHWM" /proc/$pid/status | tr -s ' ' | sed 's/^/gateway after start: /'
 key=key-12340
-code=$(curl -s -o /dev/null -w '%{http_code} %header{x-ratelimit-limit}' -H "Authorization: Bearer $key" "http://127.0.0.1:$port/keys.jsonl" || true)
+code=$(curl -s -o /dev/null -w '%{http_code} %header{x-ratelimit-limit}' -H "Authorization: Bearer $key" "http://127.0.0.1:$port/ok" || true)
 echo "request with a key from the file: $code (status, X-RateLimit-Limit)"
 kill -HUP $pid
 until grep -q "keys file reloaded" "$dir/log"; do sleep 0.05; done
 grep "keys file reloaded" "$dir/log" | sed 's/^.*keys file reloaded/reload (SIGHUP):/;s/\x1b\[[0-9;]*m//g'
-grep -E "VmRSS|VmHWM" /proc/$pid/status | tr -s ' ' | sed 's/^/gateway after the reload: /'
+grep -E "VmRSS|VmHWM" /proc/$pid/status | tr -s ' ' | sed 's/^/gateway right after the reload: /'
+# Two seconds of light traffic (20 requests a second), then the RSS again.
+for _ in $(seq 40); do
+  curl -s -o /dev/null -H "Authorization: Bearer $key" "http://127.0.0.1:$port/ok" || true
+  sleep 0.05
+done
+grep -E "VmRSS" /proc/$pid/status | tr -s ' ' | sed 's/^/gateway 2 s after the reload, serving: /'
+kill -HUP $pid
+until [ "$(grep -c "keys file reloaded" "$dir/log")" -ge 2 ]; do sleep 0.05; done
+sleep 2
+curl -s -o /dev/null -H "Authorization: Bearer $key" "http://127.0.0.1:$port/ok" || true
+grep -E "VmRSS|VmHWM" /proc/$pid/status | tr -s ' ' | sed 's/^/gateway 2 s after a second reload: /'
 kill $pid $http

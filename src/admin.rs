@@ -133,27 +133,40 @@ fn top_n(query: Option<&str>) -> usize {
 }
 
 /// `GET /top`: per limit (in config order), the `n` callers with the most refusals and
-/// the most units admitted in the current and the previous minute (since `since`, epoch
-/// seconds), from the gateway's bounded heavy-hitters sketch:
+/// the `n` callers with the most units used in their current window:
 /// `{"since": S, "limits": [{"name": "core", "refused": [{"caller": "acme", "tier":
-/// "gold", "count": 1234, "error": 0, "quota": 5000, "remaining": 0}], "used":
-/// [...]}]}`. `error` bounds how much of `count` may belong to callers the sketch forgot.
-/// `quota` and `remaining` are the caller's window in the store now (one read per shard
-/// for the whole answer, at `now_ms`, epoch milliseconds), `null` when the store did
-/// not answer or the caller's window cannot be told from the sketch (a limit by header,
-/// or by IP for an identified caller). Anonymous callers appear as the access log shows
-/// them (`log.client_ip`: the keyed hash, or the IP).
+/// "gold", "count": 1234, "error": 0, "quota": 5000, "used": 5000, "remaining": 0,
+/// "reset": R}], "used": [...]}]}`.
+///
+/// - `count` and `error` come from this gateway's bounded heavy-hitters sketch and cover
+///   the current and the previous minute (since `since`, epoch seconds): in `refused`,
+///   the caller's refusals by the limit; in `used`, the units it was admitted. `error`
+///   bounds how much of `count` may belong to callers the sketch forgot.
+/// - `quota`, `used`, `remaining` and `reset` are the caller's current window of the
+///   limit in the store at `now_ms` (epoch milliseconds), as its `X-RateLimit-*`
+///   headers would show them (`reset`: epoch seconds; with Redis, the whole fleet's
+///   numbers): one read per shard for the whole answer. They are `null` when the store
+///   did not answer or the caller's window cannot be told from the sketch (a limit by
+///   header, or by IP for an identified caller).
+///
+/// The candidates of the `used` list are the sketch's heaviest callers of the last
+/// minutes (up to `4n`), ranked by `used` in their current window (callers whose window
+/// is unknown after the others, by `count`). Anonymous callers appear as the access
+/// log shows them (`log.client_ip`: the keyed hash, or the IP).
 pub async fn top_view(snap: &Snapshot, n: usize, now_ms: u64) -> Value {
     use crate::limiter::top::{Hitter, Who};
+    use crate::limiter::Usage;
     let now_s = now_ms / 1000;
-    let mut top = snap.limiter.top().top(n, now_s);
+    let candidates = n.saturating_mul(4).min(400);
+    let mut top = snap.limiter.top().top(candidates, now_s);
     let gate = snap.gate();
     // Each limit's two lists, and the window of each caller in them, read at once.
     let lists: Vec<(&std::sync::Arc<crate::limiter::Limit>, [Vec<Hitter>; 2])> = snap
         .limits
         .iter()
         .map(|l| {
-            let t = top.remove(&l.name).unwrap_or_default();
+            let mut t = top.remove(&l.name).unwrap_or_default();
+            t.refused.truncate(n);
             (l, [t.refused, t.used])
         })
         .collect();
@@ -169,37 +182,52 @@ pub async fn top_view(snap: &Snapshot, n: usize, now_ms: u64) -> Value {
         .collect();
     let usages = snap.limiter.peek(&applied, now_ms).await;
     let mut windows = windows.into_iter();
-    let mut render = |list: &[Hitter]| -> Vec<Value> {
-        list.iter()
+    let mut with_usage = |list: Vec<Hitter>| -> Vec<(Hitter, Option<Usage>)> {
+        list.into_iter()
             .map(|h| {
+                let usage = windows
+                    .next()
+                    .flatten()
+                    .and_then(|i| usages.get(i).cloned().flatten());
+                (h, usage)
+            })
+            .collect()
+    };
+    let render = |list: &[(Hitter, Option<Usage>)]| -> Vec<Value> {
+        list.iter()
+            .map(|(h, usage)| {
                 let caller = match &h.who {
                     Who::Client(c) => c.id.to_string(),
                     Who::Ip(ip) => gate
                         .log_client(*ip)
                         .unwrap_or_else(|| snap.limiter.ip_hash(*ip)),
                 };
-                let usage = windows
-                    .next()
-                    .flatten()
-                    .and_then(|i| usages.get(i).cloned().flatten());
                 json!({
                     "caller": caller,
                     "tier": &*h.tier,
                     "count": h.count,
                     "error": h.error,
                     "quota": usage.as_ref().map(|u| u.quota),
+                    "used": usage.as_ref().map(|u| u.used),
                     "remaining": usage.as_ref().map(|u| u.remaining()),
+                    "reset": usage.as_ref().map(|u| u.reset_epoch_s()),
                 })
             })
             .collect()
     };
-    let limits: Vec<Value> = lists
-        .iter()
-        .map(|(l, [refused, used])| {
-            let refused = render(refused);
-            json!({ "name": &*l.name, "refused": refused, "used": render(used) })
-        })
-        .collect();
+    let mut limits = Vec::with_capacity(lists.len());
+    for (l, [refused, used]) in lists {
+        let refused = with_usage(refused);
+        let mut used = with_usage(used);
+        // By units used in the current window; unknown windows last, by recent count.
+        used.sort_by_key(|(h, u)| std::cmp::Reverse((u.as_ref().map(|u| u.used), h.count)));
+        used.truncate(n);
+        limits.push(json!({
+            "name": &*l.name,
+            "refused": render(&refused),
+            "used": render(&used),
+        }));
+    }
     json!({ "since": (now_s / 60).saturating_sub(1) * 60, "limits": limits })
 }
 

@@ -308,8 +308,8 @@ async fn wait_for_shutdown_signal() {
 }
 
 /// `tollgate top`: GET /top every second, as a table: per limit and caller, refusals a
-/// second (since the previous poll), refusals and units admitted in the current and the
-/// previous minute, and the units left in the caller's window now (`-`: unknown).
+/// second (since the previous poll), refusals in the current and the previous minute,
+/// and the units used and left in the caller's current window (`-`: unknown).
 async fn top(path: &Path, admin: Option<String>, n: usize, once: bool) -> ExitCode {
     let admin = match admin {
         Some(a) => a,
@@ -364,19 +364,19 @@ async fn top(path: &Path, admin: Option<String>, n: usize, once: bool) -> ExitCo
         ));
         for limit in v["limits"].as_array().into_iter().flatten() {
             let name = limit["name"].as_str().unwrap_or("");
-            let mut rows: std::collections::BTreeMap<String, (String, u64, u64, Option<u64>)> =
+            // Per caller: tier, refusals, units used and left in its current window.
+            type Row = (String, u64, Option<u64>, Option<u64>);
+            let mut rows: std::collections::BTreeMap<String, Row> =
                 std::collections::BTreeMap::new();
             for (list, refused) in [("refused", true), ("used", false)] {
                 for h in limit[list].as_array().into_iter().flatten() {
                     let caller = h["caller"].as_str().unwrap_or("").to_string();
                     let row = rows.entry(caller).or_default();
                     row.0 = h["tier"].as_str().unwrap_or("").to_string();
-                    let count = h["count"].as_u64().unwrap_or(0);
+                    row.2 = row.2.or(h["used"].as_u64());
                     row.3 = row.3.or(h["remaining"].as_u64());
                     if refused {
-                        row.1 = count;
-                    } else {
-                        row.2 = count;
+                        row.1 = h["count"].as_u64().unwrap_or(0);
                     }
                 }
             }
@@ -390,6 +390,7 @@ async fn top(path: &Path, admin: Option<String>, n: usize, once: bool) -> ExitCo
                     }
                     _ => 0.0,
                 };
+                let used = used.map_or("-".to_string(), |u| u.to_string());
                 let remaining = remaining.map_or("-".to_string(), |r| r.to_string());
                 out.push_str(&format!(
                     "{name:<16} {caller:<32} {tier:<12} {rate:>10.1} {refused:>10} {used:>12} {remaining:>10}\n"

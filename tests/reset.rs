@@ -188,6 +188,147 @@ async fn reset_unblocks_a_caller_on_redis() {
     unblocks_a_caller(&store).await;
 }
 
+/// Anonymous callers: `core` by caller (2), `perip` by IP (3), `everyone` global; the
+/// access log (and `GET /top`) shows clients as `log.client_ip` says.
+fn anonymous_config(store: &str, up: &Upstream, client_ip: &str) -> String {
+    format!(
+        r#"
+[server]
+listen = "127.0.0.1:0"
+admin_listen = "127.0.0.1:0"
+admin_token_sha256 = "{token}"
+{store}
+
+[log]
+client_ip = "{client_ip}"
+
+[[upstreams]]
+name = "api"
+targets = ["{up}"]
+
+[[limits]]
+name = "core"
+window = "1h"
+quota = {{ anonymous = 2 }}
+
+[[limits]]
+name = "perip"
+by = "ip"
+window = "1h"
+quota = {{ anonymous = 3 }}
+
+[[limits]]
+name = "everyone"
+by = "global"
+window = "1h"
+quota = {{ anonymous = 1000 }}
+
+[[routes]]
+path_prefix = "/"
+upstream = "api"
+limits = ["core", "perip", "everyone"]
+"#,
+        token = sha256_hex(TOKEN),
+        up = up.url(),
+    )
+}
+
+/// An anonymous caller at its limit is unblocked by the id `GET /top` shows for it:
+/// its address's keyed hash (`log.client_ip = "hash"`) or its address (`"ip"`).
+async fn unblocks_an_anonymous_caller(store: &str, client_ip: &str) {
+    let up = Upstream::start().await;
+    let gw = TestGateway::start(&anonymous_config(store, &up, client_ip)).await;
+    let (url, admin) = (gw.url("/x"), admin_of(&gw));
+    for _ in 0..2 {
+        assert_eq!(get(&url).await.status, 200);
+    }
+    let refused = get(&url).await;
+    assert_eq!(refused.status, 429);
+    assert_eq!(refused.header("x-ratelimit-resource"), "core");
+
+    let top = get(&format!("http://{admin}/top")).await.json();
+    let id = top["limits"][0]["refused"][0]["caller"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    match client_ip {
+        "ip" => assert_eq!(id, "127.0.0.1"),
+        _ => assert_eq!(
+            id,
+            KeyScheme::new("tollgate:", None)
+                .digest(b"ip:127.0.0.1")
+                .hex()
+        ),
+    }
+
+    let r = reset(&admin, &format!("/callers/{id}/reset"), Some(TOKEN)).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    assert_eq!(v["caller"], id.as_str());
+    assert_eq!(v["anonymous"], true);
+    assert_eq!(v["cleared"], serde_json::json!(["core", "perip"]));
+    assert_eq!(v["skipped"][0]["limit"], "everyone");
+    // `core` and `perip` were live; the global window stays.
+    assert_eq!(v["windows_deleted"], 2);
+
+    let served = get(&url).await;
+    assert_eq!(served.status, 200);
+    assert_eq!(served.header("x-ratelimit-resource"), "core");
+    assert_eq!(served.num("x-ratelimit-used"), 1);
+    assert_eq!(served.num("x-ratelimit-remaining"), 1);
+    let top = get(&format!("http://{admin}/top")).await.json();
+    let perip = top["limits"][1]["used"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|h| h["caller"] == id.as_str())
+        .unwrap()
+        .clone();
+    assert_eq!(perip["remaining"], 2, "{top}");
+    let everyone = &top["limits"][2]["used"][0];
+    assert_eq!(everyone["remaining"], 997, "{top}");
+
+    // A client id is still a client id: an id that is neither an address nor a hash
+    // names no anonymous caller.
+    let r = reset(&admin, "/callers/acme/reset", Some(TOKEN)).await;
+    assert_eq!(r.json()["anonymous"], false);
+    // `?limit=` may name a by-IP limit for an anonymous caller, not a global one.
+    let r = reset(
+        &admin,
+        &format!("/callers/{id}/reset?limit=perip"),
+        Some(TOKEN),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["windows_deleted"], 1);
+    let r = reset(
+        &admin,
+        &format!("/callers/{id}/reset?limit=everyone"),
+        Some(TOKEN),
+    )
+    .await;
+    assert_eq!(r.status, 400, "{}", r.text());
+}
+
+#[tokio::test]
+async fn reset_unblocks_an_anonymous_caller_by_its_hash_on_the_memory_store() {
+    unblocks_an_anonymous_caller("[store]\nbackend = \"memory\"", "hash").await;
+}
+
+#[tokio::test]
+async fn reset_unblocks_an_anonymous_caller_by_its_hash_on_redis() {
+    let redis = RedisServer::start();
+    let store = store_toml(Backend::Redis, &[&redis], "deny", "500ms");
+    unblocks_an_anonymous_caller(&store, "hash").await;
+}
+
+#[tokio::test]
+async fn reset_unblocks_an_anonymous_caller_by_its_address_on_redis() {
+    let redis = RedisServer::start();
+    let store = store_toml(Backend::Redis, &[&redis], "deny", "500ms");
+    unblocks_an_anonymous_caller(&store, "ip").await;
+}
+
 /// The storage key of `limit` (its key name) for the client `id`, as the gateway
 /// derives it.
 fn client_key(key_name: &str, id: &str) -> String {

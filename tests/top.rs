@@ -149,3 +149,74 @@ async fn top_shows_what_remains_of_each_callers_window() {
     let acme = text.lines().find(|l| l.contains("acme")).unwrap();
     assert!(acme.trim_end().ends_with(" 1"), "{text}");
 }
+
+/// `used`, `remaining` and `reset` are the caller's current window in the store (with
+/// Redis, every gateway's requests), and rank the `used` list; `count` is this
+/// gateway's own admitted units of the last minutes.
+#[tokio::test]
+async fn used_is_each_callers_current_window_across_the_fleet() {
+    let redis = RedisServer::start();
+    let store = store_toml(Backend::Redis, &[&redis], "deny", "500ms");
+    let up = Upstream::start().await;
+    let toml = config(&up).replace("gold = 3", "gold = 10").replacen(
+        "[[identity.clients]]",
+        &format!("{store}\n\n[[identity.clients]]"),
+        1,
+    );
+    let (a, b) = (
+        TestGateway::start(&toml).await,
+        TestGateway::start(&toml).await,
+    );
+    let auth = |k: &str| [("authorization", format!("Bearer {k}"))];
+    let call = |gw: &TestGateway, key: &str| {
+        let url = gw.url("/x");
+        let headers = auth(key);
+        async move {
+            let headers: Vec<(&str, &str)> =
+                headers.iter().map(|(n, v)| (*n, v.as_str())).collect();
+            get_with(&url, &headers).await
+        }
+    };
+    // acme: 3 requests (6 units) through A, 1 (2 units) through B; bob: 2 (4 units)
+    // through B. B saw more of bob than of acme, but acme's window holds more.
+    for _ in 0..3 {
+        assert_eq!(call(&a, "acme-key").await.status, 200);
+    }
+    let last = call(&b, "acme-key").await;
+    assert_eq!(last.status, 200);
+    for _ in 0..2 {
+        assert_eq!(call(&b, "bob-key").await.status, 200);
+    }
+
+    let admin = b.gateway.admin_addr().unwrap();
+    let v = get(&format!("http://{admin}/top")).await.json();
+    let used = v["limits"][0]["used"].as_array().unwrap();
+    let row = |h: &serde_json::Value| {
+        (
+            h["caller"].as_str().unwrap().to_string(),
+            h["count"].as_u64().unwrap(),
+            h["used"].as_u64(),
+            h["remaining"].as_u64(),
+        )
+    };
+    let rows: Vec<_> = used.iter().map(row).collect();
+    assert_eq!(
+        rows,
+        [
+            ("acme".to_string(), 2, Some(8), Some(2)),
+            ("bob".to_string(), 4, Some(4), Some(6)),
+        ],
+        "{v}"
+    );
+    assert_eq!(
+        used[0]["reset"].as_u64(),
+        Some(last.num("x-ratelimit-reset")),
+        "{v}"
+    );
+
+    // The terminal view's USED is the window's.
+    let text = top_once(admin).await;
+    let acme = text.lines().find(|l| l.contains("acme")).unwrap();
+    let cols: Vec<&str> = acme.split_whitespace().collect();
+    assert_eq!(cols[cols.len() - 2..], ["8", "2"], "{text}");
+}

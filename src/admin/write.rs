@@ -5,7 +5,9 @@
 //! are off (403, with a JSON body saying how to turn them on); a missing or wrong token
 //! gets 401 (`WWW-Authenticate: Bearer`). Every reset is logged at info with who asked
 //! (the token's fingerprint: the first 8 hex digits of its SHA-256; the peer address),
-//! the caller and the limits cleared.
+//! the caller and the limits cleared. The id is a client's, or an anonymous caller's as
+//! `GET /top` shows it (its address's keyed hash, or the address): see
+//! [`crate::limiter::reset`].
 
 use crate::limiter::reset::ResetError;
 use crate::response::{json_response, Body};
@@ -76,7 +78,9 @@ pub(super) async fn handle(
     };
     match snap
         .limiter
-        .reset_client(&snap.limits, &id, only.as_deref())
+        .reset_caller(&snap.limits, &id, only.as_deref(), |ip| {
+            snap.identities.ip_key(ip)
+        })
         .await
     {
         Ok(report) => {
@@ -85,6 +89,7 @@ pub(super) async fn handle(
                 token = %token,
                 peer = %peer,
                 caller = %id,
+                anonymous = report.anonymous,
                 limits = ?cleared,
                 windows = report.deleted,
                 "caller reset"
@@ -98,6 +103,7 @@ pub(super) async fn handle(
                 StatusCode::OK,
                 &json!({
                     "caller": id,
+                    "anonymous": report.anonymous,
                     "cleared": cleared,
                     "skipped": skipped,
                     "windows_deleted": report.deleted,

@@ -18,8 +18,12 @@
 //! Lookups are one probe sequence in an open-addressing table of `u32` slots indexed by
 //! the digest's first 8 bytes (SHA-256 output is uniform, and callers choose keys, not
 //! digests), then a constant-time comparison of the 32 bytes. 1,000,000 keys take about
-//! 8 MB of slots plus 56 bytes an entry plus the clients (BENCHMARKS.md).
+//! 8 MB of slots plus 44 bytes an entry plus the clients (BENCHMARKS.md). The slots,
+//! the entries and the builder's own tables live in anonymous memory maps
+//! ([`records`](super::records)), given back to the system as soon as a reload has
+//! replaced them.
 
+use super::records::Records;
 use super::Client;
 use crate::config::{ClientConfig, Config, IdentityConfig, MAX_REPORTED};
 use serde::Deserialize;
@@ -33,24 +37,34 @@ use subtle::ConstantTimeEq;
 /// A client's own quotas: (limit name, cost units per window).
 pub(super) type Quotas = Box<[(Arc<str>, u64)]>;
 
-/// An empty slot of the table.
-const EMPTY: u32 = u32::MAX;
-
 /// Where a key or a client attribute was given: a line of the keys file (1-based), or
 /// `CONFIG + i` for `identity.clients[i]`.
 type Origin = u32;
 const CONFIG: Origin = 1 << 31;
 
-/// One key.
-#[derive(Debug)]
-struct Entry {
-    digest: [u8; 32],
-    /// Index into [`KeySet::clients`].
-    client: u32,
-    /// Epoch seconds after which the key is refused; 0: never.
-    expires_at: u32,
-    /// Shown in logs and `/top` instead of the key.
-    label: Option<Arc<str>>,
+/// Bytes of one key's record: its SHA-256 (32 bytes), then three `u32`: the index of
+/// its client in [`KeySet::clients`], its `expires_at` (epoch seconds after which it is
+/// refused; 0: never) and 1 + the index of its label in [`KeySet::labels`] (0: none).
+const ENTRY: usize = 44;
+
+/// The `u32` at byte `at` of `r`.
+fn word<const W: usize>(r: &[u8; W], at: usize) -> u32 {
+    u32::from_ne_bytes([r[at], r[at + 1], r[at + 2], r[at + 3]])
+}
+
+/// Set the `u32` at byte `at` of `r`.
+fn set_word<const W: usize>(r: &mut [u8; W], at: usize, v: u32) {
+    r[at..at + 4].copy_from_slice(&v.to_ne_bytes());
+}
+
+/// The record of a key.
+fn entry(digest: &[u8; 32], client: u32, expires_at: u32, label: u32) -> [u8; ENTRY] {
+    let mut r = [0u8; ENTRY];
+    r[..32].copy_from_slice(digest);
+    set_word(&mut r, 32, client);
+    set_word(&mut r, 36, expires_at);
+    set_word(&mut r, 40, label);
+    r
 }
 
 /// A key that matched, and whether it may be used now.
@@ -68,9 +82,12 @@ pub struct Found<'a> {
 /// Every known key, by SHA-256; immutable once built (a reload builds a new one).
 #[derive(Debug, Default)]
 pub struct KeySet {
-    /// Power-of-two table of indices into `entries`; [`EMPTY`] ends a probe.
-    slots: Box<[u32]>,
-    entries: Vec<Entry>,
+    /// Power-of-two table of 1 + indices into `entries`; 0 (empty) ends a probe.
+    slots: Records<4>,
+    /// One record of [`ENTRY`] bytes a key.
+    entries: Records<ENTRY>,
+    /// The keys' labels.
+    labels: Vec<Arc<str>>,
     clients: Vec<Arc<Client>>,
     /// Clients by id (only with `identity.client_cert_subject_as_caller`).
     by_id: HashMap<Arc<str>, u32>,
@@ -84,23 +101,28 @@ impl KeySet {
     /// The entry whose digest is `digest`, checked for use at `now_s()` (epoch seconds;
     /// called only for keys with an `expires_at`).
     pub fn find(&self, digest: &[u8; 32], now_s: impl FnOnce() -> u64) -> Option<Found<'_>> {
-        if self.slots.is_empty() {
+        if self.slots.len() == 0 {
             return None;
         }
         let mask = self.slots.len() - 1;
         let mut i = slot_of(digest) & mask;
         loop {
-            let at = self.slots[i];
-            if at == EMPTY {
+            let at = self.slots.u32(i);
+            if at == 0 {
                 return None;
             }
-            let e = &self.entries[at as usize];
-            if bool::from(e.digest.ct_eq(digest)) {
-                let client = &self.clients[e.client as usize];
-                let expired = e.expires_at != 0 && now_s() >= u64::from(e.expires_at);
+            let e = self.entries.get(at as usize - 1);
+            if bool::from(e[..32].ct_eq(&digest[..])) {
+                let client = &self.clients[word(e, 32) as usize];
+                let expires_at = word(e, 36);
+                let expired = expires_at != 0 && now_s() >= u64::from(expires_at);
+                let label = match word(e, 40) {
+                    0 => None,
+                    l => self.labels.get(l as usize - 1),
+                };
                 return Some(Found {
                     client,
-                    label: e.label.as_ref(),
+                    label,
                     active: !client.disabled && !expired,
                 });
             }
@@ -224,12 +246,19 @@ impl KeySource {
         }
         if let Some(path) = &self.file {
             b.set.fingerprint = fingerprint(path);
-            // A line is at least 84 bytes: reserve for the most lines the file can
+            // A line is at least 84 bytes: make room for the most lines the file can
             // have, so that the vectors never grow by copying. Pages never written are
             // not resident.
-            let most = b.set.fingerprint.map_or(0, |(len, _)| len / 84) as usize;
-            b.set.entries.reserve(most);
-            b.origins.reserve(most);
+            let most =
+                b.set.fingerprint.map_or(0, |(len, _)| len / 84) as usize + b.set.entries.len();
+            let mut entries = Records::with_capacity(most);
+            let mut origins = Records::with_capacity(most);
+            for i in 0..b.set.entries.len() {
+                entries.push(*b.set.entries.get(i));
+                origins.push(*b.origins.get(i));
+            }
+            (b.set.entries, b.origins) = (entries, origins);
+            b.set.clients.reserve(most);
             match std::fs::File::open(path) {
                 Ok(f) => b.read(std::io::BufReader::with_capacity(1 << 20, f)),
                 Err(e) => b.errors.file(0, format!("cannot read the keys file: {e}")),
@@ -344,18 +373,20 @@ impl KeyErrors {
     }
 }
 
-/// Where a client's tier, quotas and disabled flag were given (0: not given).
-type Given = [Origin; 3];
+/// Where a client's tier, quotas and disabled flag were given, as three `u32` at bytes
+/// 0, 4 and 8 (0: not given).
+const GIVEN: usize = 12;
 
 struct Builder<'s> {
     source: &'s KeySource,
     set: KeySet,
-    /// Where each entry was given.
-    origins: Vec<Origin>,
+    /// Where each entry was given (an [`Origin`] each).
+    origins: Records<4>,
     /// Per client (as `set.clients`), where its attributes were given.
-    given: Vec<Given>,
-    /// Clients by id: an open-addressing table of indices into `set.clients`.
-    ids: Vec<u32>,
+    given: Records<GIVEN>,
+    /// Clients by id: an open-addressing table of 1 + indices into `set.clients` (0:
+    /// empty).
+    ids: Records<4>,
     /// The set this one replaces: clients whose keys and attributes stay are shared
     /// with it, not allocated again.
     previous: Option<&'s KeySet>,
@@ -379,9 +410,9 @@ impl<'s> Builder<'s> {
         Self {
             source,
             set: KeySet::default(),
-            origins: Vec::new(),
-            given: Vec::new(),
-            ids: vec![EMPTY; 1024],
+            origins: Records::default(),
+            given: Records::default(),
+            ids: Records::zeroed(1024),
             previous: None,
             names: BTreeSet::from([Arc::from("default")]),
             default_tier: Arc::from("default"),
@@ -567,8 +598,8 @@ impl<'s> Builder<'s> {
         let mask = self.ids.len() - 1;
         let mut i = foldhash::fast::FixedState::default().hash_one(id) as usize & mask;
         loop {
-            let at = self.ids[i];
-            if at == EMPTY || &*self.set.clients[at as usize].id == id {
+            let at = self.ids.u32(i);
+            if at == 0 || &*self.set.clients[at as usize - 1].id == id {
                 return i;
             }
             i = (i + 1) & mask;
@@ -577,11 +608,15 @@ impl<'s> Builder<'s> {
 
     /// Double the id table (kept at most half full).
     fn grow_ids(&mut self) {
-        let old = std::mem::replace(&mut self.ids, vec![EMPTY; 0]);
-        self.ids = vec![EMPTY; old.len() * 2];
-        for at in old.into_iter().filter(|at| *at != EMPTY) {
-            let slot = self.id_slot(&self.set.clients[at as usize].id.clone());
-            self.ids[slot] = at;
+        let old = std::mem::replace(&mut self.ids, Records::zeroed(0));
+        self.ids = Records::zeroed(old.len() * 2);
+        for j in 0..old.len() {
+            let at = old.u32(j);
+            if at != 0 {
+                let id = self.set.clients[at as usize - 1].id.clone();
+                let slot = self.id_slot(&id);
+                self.ids.set_u32(slot, at);
+            }
         }
     }
 
@@ -598,8 +633,8 @@ impl<'s> Builder<'s> {
         disabled: Option<bool>,
     ) -> Option<u32> {
         let slot = self.id_slot(id);
-        let index = match self.ids[slot] {
-            EMPTY => {
+        let index = match self.ids.u32(slot) {
+            0 => {
                 let index = self.set.clients.len() as u32;
                 let kept = self
                     .previous
@@ -609,58 +644,58 @@ impl<'s> Builder<'s> {
                 let client = kept
                     .unwrap_or_else(|| Arc::new(Client::new(id.into(), self.default_tier.clone())));
                 self.set.clients.push(client);
-                self.given.push([0; 3]);
-                self.ids[slot] = index;
+                self.given.push([0; GIVEN]);
+                self.ids.set_u32(slot, index + 1);
                 if self.set.clients.len() * 2 > self.ids.len() {
                     self.grow_ids();
                 }
                 index
             }
-            index => index,
+            at => at - 1,
         };
         let (given, client) = (
-            &mut self.given[index as usize],
+            self.given.get_mut(index as usize),
             &mut self.set.clients[index as usize],
         );
         let mut conflict = None;
         if let Some(t) = tier {
-            match given[0] {
+            match word(given, 0) {
                 0 => {
                     if client.tier != t {
                         Arc::make_mut(client).tier = t;
                     }
-                    given[0] = o;
+                    set_word(given, 0, o);
                 }
-                _ if client.tier != t => {
-                    conflict = Some(("tier", format!("tier {t:?} differs from {:?} given at {} for client {id:?} (a client has one tier: give it on one line, or the same on each)", client.tier, at(given[0]))));
+                g if client.tier != t => {
+                    conflict = Some(("tier", format!("tier {t:?} differs from {:?} given at {} for client {id:?} (a client has one tier: give it on one line, or the same on each)", client.tier, at(g))));
                 }
                 _ => {}
             }
         }
         if let Some(q) = quotas {
-            match given[1] {
+            match word(given, 4) {
                 0 => {
                     if client.quotas.as_deref() != Some(&q) {
                         Arc::make_mut(client).quotas = Some(Box::new(q));
                     }
-                    given[1] = o;
+                    set_word(given, 4, o);
                 }
-                _ if client.quotas.as_deref() != Some(&q) => {
-                    conflict = Some(("quotas", format!("quotas differ from those given at {} for client {id:?} (give them on one line, or the same on each)", at(given[1]))));
+                g if client.quotas.as_deref() != Some(&q) => {
+                    conflict = Some(("quotas", format!("quotas differ from those given at {} for client {id:?} (give them on one line, or the same on each)", at(g))));
                 }
                 _ => {}
             }
         }
         if let Some(x) = disabled {
-            match given[2] {
+            match word(given, 8) {
                 0 => {
                     if client.disabled != x {
                         Arc::make_mut(client).disabled = x;
                     }
-                    given[2] = o;
+                    set_word(given, 8, o);
                 }
-                _ if client.disabled != x => {
-                    conflict = Some(("disabled", format!("disabled {x} differs from {} given at {} for client {id:?} (disabling a client disables all its keys; to retire one key, remove it or give it an expires_at)", client.disabled, at(given[2]))));
+                g if client.disabled != x => {
+                    conflict = Some(("disabled", format!("disabled {x} differs from {} given at {} for client {id:?} (disabling a client disables all its keys; to retire one key, remove it or give it an expires_at)", client.disabled, at(g))));
                 }
                 _ => {}
             }
@@ -683,31 +718,66 @@ impl<'s> Builder<'s> {
         expires_at: u32,
         label: Option<Arc<str>>,
     ) {
-        self.set.entries.push(Entry {
-            digest,
-            client,
-            expires_at,
-            label,
-        });
-        self.origins.push(o);
+        let label = match label {
+            None => 0,
+            Some(l) => {
+                self.set.labels.push(l);
+                self.set.labels.len() as u32
+            }
+        };
+        self.set
+            .entries
+            .push(entry(&digest, client, expires_at, label));
+        self.origins.push(o.to_ne_bytes());
     }
 
     fn finish(mut self) -> Result<KeySet, KeyErrors> {
+        // The builder's per-client tables go first, so that the slot table is made
+        // without them (the peak of a reload is the running set plus this one's).
+        // What no line gave takes its default (a client shared with the previous set
+        // may have had it).
+        let given = std::mem::take(&mut self.given);
+        for (c, client) in self.set.clients.iter_mut().enumerate() {
+            let given = given.get(c);
+            if word(given, 0) == 0 && client.tier != self.default_tier {
+                Arc::make_mut(client).tier = self.default_tier.clone();
+            }
+            if word(given, 4) == 0 && client.quotas.is_some() {
+                Arc::make_mut(client).quotas = None;
+            }
+            if word(given, 8) == 0 && client.disabled {
+                Arc::make_mut(client).disabled = false;
+            }
+            self.set.tiers.insert(client.tier.clone());
+        }
+        drop(given);
+        let ids = std::mem::take(&mut self.ids);
+        if self.source.by_id {
+            self.set.by_id = (0..ids.len())
+                .map(|j| ids.u32(j))
+                .filter(|at| *at != 0)
+                .map(|at| (self.set.clients[at as usize - 1].id.clone(), at - 1))
+                .collect();
+        }
+        drop(ids);
         // The table: at most half full, so a miss probes about two slots.
         let n = self.set.entries.len();
         let size = (n * 2).max(8).next_power_of_two();
-        let mut slots = vec![EMPTY; size].into_boxed_slice();
+        let mut slots = Records::<4>::zeroed(size);
         let mask = size - 1;
-        for (k, e) in self.set.entries.iter().enumerate() {
-            let mut i = slot_of(&e.digest) & mask;
+        for k in 0..n {
+            let mut digest = [0u8; 32];
+            digest.copy_from_slice(&self.set.entries.get(k)[..32]);
+            let mut i = slot_of(&digest) & mask;
             loop {
-                let at_slot = slots[i];
-                if at_slot == EMPTY {
-                    slots[i] = k as u32;
+                let at_slot = slots.u32(i);
+                if at_slot == 0 {
+                    slots.set_u32(i, k as u32 + 1);
                     break;
                 }
-                if self.set.entries[at_slot as usize].digest == e.digest {
-                    let (o, first) = (self.origins[k], self.origins[at_slot as usize]);
+                let other = at_slot as usize - 1;
+                if self.set.entries.get(other)[..32] == digest[..] {
+                    let (o, first) = (self.origins.u32(k), self.origins.u32(other));
                     let message = format!(
                         "the same key is already given at {} (a key hash must be unique across identity.clients and identity.clients_file)",
                         at(first)
@@ -729,29 +799,6 @@ impl<'s> Builder<'s> {
             return Err(self.errors);
         }
         drop(std::mem::take(&mut self.origins));
-        // What no line gave takes its default (a client shared with the previous set
-        // may have had it).
-        let given = std::mem::take(&mut self.given);
-        for (client, given) in self.set.clients.iter_mut().zip(given) {
-            if given[0] == 0 && client.tier != self.default_tier {
-                Arc::make_mut(client).tier = self.default_tier.clone();
-            }
-            if given[1] == 0 && client.quotas.is_some() {
-                Arc::make_mut(client).quotas = None;
-            }
-            if given[2] == 0 && client.disabled {
-                Arc::make_mut(client).disabled = false;
-            }
-            self.set.tiers.insert(client.tier.clone());
-        }
-        let ids = std::mem::take(&mut self.ids);
-        if self.source.by_id {
-            self.set.by_id = ids
-                .into_iter()
-                .filter(|at| *at != EMPTY)
-                .map(|at| (self.set.clients[at as usize].id.clone(), at))
-                .collect();
-        }
         self.set.slots = slots;
         Ok(self.set)
     }

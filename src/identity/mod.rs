@@ -15,6 +15,7 @@ pub mod auth_request;
 mod client_ip;
 pub mod jwt;
 pub mod keys;
+mod records;
 
 pub use client_ip::{client_ip, network};
 pub use jwt::{JwtCaller, JwtVerifier};

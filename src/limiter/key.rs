@@ -144,6 +144,23 @@ impl SubjectDigest {
     pub fn hex(&self) -> &str {
         std::str::from_utf8(&self.hex).unwrap_or_default()
     }
+
+    /// The digest whose [`hex`](Self::hex) is `hex` (32 hex digits, either case), as
+    /// `GET /top` and the access log show an anonymous caller; `None` for anything
+    /// else.
+    pub fn from_hex(hex: &str) -> Option<Self> {
+        let mut bytes = [0u8; 16];
+        hex::decode_to_slice(hex, &mut bytes).ok()?;
+        let mut out = [0u8; 32];
+        // 16 bytes always fit 32 hex digits.
+        let _ = hex::encode_to_slice(bytes, &mut out);
+        let mut head = [0u8; 8];
+        head.copy_from_slice(&bytes[..8]);
+        Some(SubjectDigest {
+            hex: out,
+            shard_hash: u64::from_be_bytes(head),
+        })
+    }
 }
 
 /// Jump consistent hash: the bucket in `0..buckets` for `key`.
@@ -208,6 +225,19 @@ mod tests {
         assert_eq!(k, s.key("core", "ip:192.168.1.20"));
         let other = KeyScheme::new("tollgate:", Some("fleet-secret"));
         assert_ne!(other.key("core", "ip:192.168.1.20").key, k.key);
+    }
+
+    #[test]
+    fn a_digest_comes_back_from_its_hex() {
+        let s = KeyScheme::new("tollgate:", None);
+        let d = s.digest(b"ip:192.168.1.20");
+        assert_eq!(SubjectDigest::from_hex(d.hex()), Some(d));
+        assert_eq!(
+            SubjectDigest::from_hex(&d.hex().to_ascii_uppercase()),
+            Some(d)
+        );
+        assert_eq!(SubjectDigest::from_hex(&d.hex()[1..]), None);
+        assert_eq!(SubjectDigest::from_hex("acme"), None);
     }
 
     #[test]

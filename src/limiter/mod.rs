@@ -157,8 +157,8 @@ impl Limiter {
     /// Count `units` admitted for `caller` in each limit of `applied`, at `now_ms`
     /// (epoch milliseconds), for `GET /top`.
     pub fn count_used(&self, applied: &[Applied], caller: &Caller, units: u64, now_ms: u64) {
+        let who = top::WhoRef::of(caller);
         for a in applied {
-            let who = top::Who::of(caller);
             self.top
                 .used(&a.limit().name, who, &caller.tier, units, now_ms / 1000);
         }
@@ -168,7 +168,7 @@ impl Limiter {
     /// milliseconds), for `GET /top`.
     pub fn count_refused(&self, limit: &Arc<str>, caller: &Caller, now_ms: u64) {
         self.top
-            .refused(limit, top::Who::of(caller), &caller.tier, now_ms / 1000);
+            .refused(limit, top::WhoRef::of(caller), &caller.tier, now_ms / 1000);
     }
 
     /// `store.check_from_charge`: answer CHECKs of limits charged after the response from

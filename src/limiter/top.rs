@@ -9,6 +9,14 @@
 //! meet; memory is bounded by `SHARDS × 2 × 2 × CAPACITY` entries whatever the number of
 //! callers. Counts are kept per minute: the current minute's and the previous one's.
 //! Anonymous callers are kept by IP address, and shown as the access log shows them.
+//!
+//! Per request and limit, the cost is one hash of (limit, caller), one uncontended
+//! mutex, and a probe of a 128-slot table; a caller not in a full sketch also searches
+//! the sketch's 64 counts (a flat array of `u64`) for a smallest one, from a cursor,
+//! stopping at the first count at the known floor (in a flood of new callers, usually
+//! the next entry). Nothing is allocated once a sketch is full, and reference counts
+//! change only when a caller enters the sketch in place of one of another limit or
+//! tier, or is a client (`cargo bench --bench callers`).
 
 use crate::identity::Client;
 use std::collections::HashMap;
@@ -62,10 +70,65 @@ impl Hash for Who {
 impl Who {
     /// `caller`'s client, else its address as per-IP limits count it.
     pub fn of(caller: &crate::identity::Caller) -> Who {
+        WhoRef::of(caller).to_owned()
+    }
+}
+
+/// A caller as counted, borrowed from the request ([`Who`] is what the sketch keeps).
+#[derive(Debug, Clone, Copy)]
+pub enum WhoRef<'a> {
+    /// An identified caller (by its id).
+    Client(&'a Arc<Client>),
+    /// An anonymous caller's address (`Caller::ip_key`).
+    Ip(IpAddr),
+}
+
+impl<'a> WhoRef<'a> {
+    /// `caller`'s client, else its address as per-IP limits count it.
+    pub fn of(caller: &'a crate::identity::Caller) -> Self {
         match &caller.client {
-            Some(c) => Who::Client(c.clone()),
-            None => Who::Ip(caller.ip_key),
+            Some(c) => WhoRef::Client(c),
+            None => WhoRef::Ip(caller.ip_key),
         }
+    }
+
+    /// The caller to keep.
+    pub fn to_owned(self) -> Who {
+        match self {
+            WhoRef::Client(c) => Who::Client(c.clone()),
+            WhoRef::Ip(ip) => Who::Ip(ip),
+        }
+    }
+
+    fn is(self, who: &Who) -> bool {
+        match (self, who) {
+            (WhoRef::Client(a), Who::Client(b)) => Arc::ptr_eq(a, b) || a.id == b.id,
+            (WhoRef::Ip(a), Who::Ip(b)) => a == *b,
+            _ => false,
+        }
+    }
+
+    /// The hash of (`limit`, this caller): one per request and limit, which picks the
+    /// shard and the slot.
+    fn hash(self, limit: &str) -> u64 {
+        use std::hash::Hasher;
+        let mut h = foldhash::fast::FixedState::default().build_hasher();
+        h.write(limit.as_bytes());
+        match self {
+            WhoRef::Client(c) => {
+                h.write_u8(0);
+                h.write(c.id.as_bytes());
+            }
+            WhoRef::Ip(IpAddr::V4(ip)) => {
+                h.write_u8(1);
+                h.write_u32(ip.to_bits());
+            }
+            WhoRef::Ip(IpAddr::V6(ip)) => {
+                h.write_u8(2);
+                h.write_u128(ip.to_bits());
+            }
+        }
+        h.finish()
     }
 }
 
@@ -79,53 +142,169 @@ struct Key {
 struct Counted {
     key: Key,
     tier: Arc<str>,
-    count: u64,
     /// What the entry inherited when it replaced another (the over-estimate bound).
     error: u64,
 }
 
-#[derive(Debug, Default)]
+/// Slots of a sketch's table: twice its entries, so that a probe is short.
+const SLOTS: usize = 2 * CAPACITY;
+
+/// One space-saving sketch: [`CAPACITY`] entries, found through an open-addressing
+/// table of [`SLOTS`] one-byte slots (linear probing, backward-shift deletion) by the
+/// hash each entry keeps; the counts are a flat array, scanned for the smallest.
+#[derive(Debug)]
 struct Sketch {
+    /// 1 + the index of an entry; 0: empty.
+    slots: [u8; SLOTS],
+    /// Per entry: its hash (`WhoRef::hash`).
+    hashes: [u64; CAPACITY],
+    /// Per entry: its count.
+    counts: [u64; CAPACITY],
     entries: Vec<Counted>,
-    index: HashMap<Key, u32, foldhash::fast::FixedState>,
+    /// At most the smallest count once full (counts only grow, and a replaced entry
+    /// gets more than the smallest): an entry at `floor` is a smallest one.
+    floor: u64,
+    /// Where the next search for the smallest count starts (after the last replaced).
+    cursor: usize,
+}
+
+impl Default for Sketch {
+    fn default() -> Self {
+        Self {
+            slots: [0; SLOTS],
+            hashes: [0; CAPACITY],
+            counts: [0; CAPACITY],
+            entries: Vec::new(),
+            floor: 0,
+            cursor: 0,
+        }
+    }
 }
 
 impl Sketch {
-    fn add(&mut self, key: Key, tier: &Arc<str>, n: u64) {
-        if let Some(i) = self.index.get(&key) {
-            self.entries[*i as usize].count += n;
-            return;
+    /// The slot holding the entry of `limit` and `who` (hash `hash`), or the empty slot
+    /// that ends its probe.
+    fn probe(&self, hash: u64, limit: &str, who: WhoRef<'_>) -> Result<usize, usize> {
+        let mut i = hash as usize % SLOTS;
+        loop {
+            match self.slots[i] {
+                0 => return Err(i),
+                s => {
+                    let e = usize::from(s - 1);
+                    if self.hashes[e] == hash && {
+                        let k = &self.entries[e].key;
+                        *k.limit == *limit && who.is(&k.who)
+                    } {
+                        return Ok(i);
+                    }
+                }
+            }
+            i = (i + 1) % SLOTS;
         }
-        if self.entries.len() < CAPACITY {
-            self.index.insert(key.clone(), self.entries.len() as u32);
+    }
+
+    /// Empty slot `i`, moving later entries of its probe run back (so that no probe
+    /// stops early).
+    fn vacate(&mut self, mut i: usize) {
+        let mut j = i;
+        loop {
+            self.slots[i] = 0;
+            loop {
+                j = (j + 1) % SLOTS;
+                let s = self.slots[j];
+                if s == 0 {
+                    return;
+                }
+                let home = self.hashes[usize::from(s - 1)] as usize % SLOTS;
+                // Entry at j may move to i unless its home lies cyclically in (i, j].
+                let stays = if i <= j {
+                    i < home && home <= j
+                } else {
+                    i < home || home <= j
+                };
+                if !stays {
+                    self.slots[i] = s;
+                    i = j;
+                    break;
+                }
+            }
+        }
+    }
+
+    fn add(&mut self, limit: &Arc<str>, who: WhoRef<'_>, hash: u64, tier: &Arc<str>, n: u64) {
+        let empty = match self.probe(hash, limit, who) {
+            Ok(i) => {
+                let e = usize::from(self.slots[i] - 1);
+                self.counts[e] += n;
+                return;
+            }
+            Err(empty) => empty,
+        };
+        let e = self.entries.len();
+        if e < CAPACITY {
             self.entries.push(Counted {
-                key,
+                key: Key {
+                    limit: limit.clone(),
+                    who: who.to_owned(),
+                },
                 tier: tier.clone(),
-                count: n,
                 error: 0,
             });
+            self.hashes[e] = hash;
+            self.counts[e] = n;
+            self.slots[empty] = e as u8 + 1;
             return;
         }
-        let Some((i, min)) = self
-            .entries
-            .iter()
-            .enumerate()
-            .min_by_key(|(_, e)| e.count)
-            .map(|(i, e)| (i, e.count))
-        else {
-            return;
-        };
-        let old = std::mem::replace(
-            &mut self.entries[i],
-            Counted {
-                key: key.clone(),
-                tier: tier.clone(),
-                count: min + n,
-                error: min,
-            },
-        );
-        self.index.remove(&old.key);
-        self.index.insert(key, i as u32);
+        // Full: the new caller takes the place of a smallest count, and inherits it.
+        // From the cursor on, the first entry at the floor is one (in a flood of new
+        // callers, usually the next entry); else the smallest found, the new floor.
+        let (mut e, mut min) = (self.cursor, self.counts[self.cursor]);
+        if min != self.floor {
+            for k in 1..CAPACITY {
+                let i = (self.cursor + k) % CAPACITY;
+                let c = self.counts[i];
+                if c < min {
+                    (e, min) = (i, c);
+                    if c == self.floor {
+                        break;
+                    }
+                }
+            }
+            self.floor = min;
+        }
+        self.cursor = (e + 1) % CAPACITY;
+        let old = self.hashes[e];
+        let mut i = old as usize % SLOTS;
+        while usize::from(self.slots[i]) != e + 1 {
+            i = (i + 1) % SLOTS;
+        }
+        self.vacate(i);
+        // The vacated slot may have moved the end of the new caller's probe.
+        let mut i = hash as usize % SLOTS;
+        while self.slots[i] != 0 {
+            i = (i + 1) % SLOTS;
+        }
+        self.slots[i] = e as u8 + 1;
+        self.hashes[e] = hash;
+        self.counts[e] = min + n;
+        // Reuse what the entry shares with the new caller (usually its limit and tier):
+        // no reference count changes.
+        let entry = &mut self.entries[e];
+        if !Arc::ptr_eq(&entry.key.limit, limit) {
+            entry.key.limit = limit.clone();
+        }
+        if !Arc::ptr_eq(&entry.tier, tier) {
+            entry.tier = tier.clone();
+        }
+        if !who.is(&entry.key.who) {
+            entry.key.who = who.to_owned();
+        }
+        entry.error = min;
+    }
+
+    /// Each entry with its count.
+    fn iter(&self) -> impl Iterator<Item = (&Counted, u64)> {
+        self.entries.iter().zip(self.counts.iter().copied())
     }
 }
 
@@ -193,9 +372,9 @@ pub struct LimitTop {
 }
 
 impl Top {
-    fn shard(&self, who: &Who, now_s: u64) -> std::sync::MutexGuard<'_, Shard> {
-        let h = foldhash::fast::FixedState::default().hash_one(who) as usize;
-        let mut shard = self.shards[h % SHARDS]
+    fn shard(&self, hash: u64, now_s: u64) -> std::sync::MutexGuard<'_, Shard> {
+        // The slot takes the hash's low bits; the shard, high ones.
+        let mut shard = self.shards[(hash >> 32) as usize % SHARDS]
             .lock()
             .unwrap_or_else(|e| e.into_inner());
         shard.at(now_s / 60);
@@ -204,23 +383,15 @@ impl Top {
 
     /// Count `units` admitted for `who` (tier `tier`) in `limit`, at `now_s` (epoch
     /// seconds).
-    pub fn used(&self, limit: &Arc<str>, who: Who, tier: &Arc<str>, units: u64, now_s: u64) {
-        let mut shard = self.shard(&who, now_s);
-        let key = Key {
-            limit: limit.clone(),
-            who,
-        };
-        shard.used[0].add(key, tier, units);
+    pub fn used(&self, limit: &Arc<str>, who: WhoRef<'_>, tier: &Arc<str>, units: u64, now_s: u64) {
+        let hash = who.hash(limit);
+        self.shard(hash, now_s).used[0].add(limit, who, hash, tier, units);
     }
 
     /// Count one refusal of `who` by `limit`, at `now_s` (epoch seconds).
-    pub fn refused(&self, limit: &Arc<str>, who: Who, tier: &Arc<str>, now_s: u64) {
-        let mut shard = self.shard(&who, now_s);
-        let key = Key {
-            limit: limit.clone(),
-            who,
-        };
-        shard.refused[0].add(key, tier, 1);
+    pub fn refused(&self, limit: &Arc<str>, who: WhoRef<'_>, tier: &Arc<str>, now_s: u64) {
+        let hash = who.hash(limit);
+        self.shard(hash, now_s).refused[0].add(limit, who, hash, tier, 1);
     }
 
     /// Per limit name, the `n` callers with the most refusals and the most units, in
@@ -232,14 +403,14 @@ impl Top {
             let mut shard = shard.lock().unwrap_or_else(|e| e.into_inner());
             shard.at(now_s / 60);
             for (sketches, out) in [(&shard.refused, &mut refused), (&shard.used, &mut used)] {
-                for e in sketches.iter().flat_map(|s| &s.entries) {
+                for (e, count) in sketches.iter().flat_map(Sketch::iter) {
                     let h = out.entry(e.key.clone()).or_insert_with(|| Hitter {
                         who: e.key.who.clone(),
                         tier: e.tier.clone(),
                         count: 0,
                         error: 0,
                     });
-                    h.count += e.count;
+                    h.count += count;
                     h.error += e.error;
                 }
             }
@@ -269,6 +440,13 @@ mod tests {
         Who::Client(Arc::new(Client::new(id.into(), "gold".into())))
     }
 
+    fn who(w: &Who) -> WhoRef<'_> {
+        match w {
+            Who::Client(c) => WhoRef::Client(c),
+            Who::Ip(ip) => WhoRef::Ip(*ip),
+        }
+    }
+
     #[test]
     fn heavy_hitters_are_found_among_many_callers_and_memory_stays_bounded() {
         let top = Top::default();
@@ -276,10 +454,10 @@ mod tests {
         // 100,000 callers once each, and three heavy callers often.
         for i in 0..100_000u32 {
             let ip = IpAddr::from(i.to_be_bytes());
-            top.used(&core, Who::Ip(ip), &tier, 1, 600);
+            top.used(&core, WhoRef::Ip(ip), &tier, 1, 600);
             if i % 100 == 0 {
-                for (who, n) in [("a", 30), ("b", 20), ("c", 10)] {
-                    top.used(&core, client(who), &tier, n, 600);
+                for (name, n) in [("a", 30), ("b", 20), ("c", 10)] {
+                    top.used(&core, who(&client(name)), &tier, n, 600);
                 }
             }
         }
@@ -295,5 +473,35 @@ mod tests {
         assert!(entries <= SHARDS * CAPACITY);
         // Two minutes later, forgotten.
         assert!(top.top(3, 740).is_empty());
+    }
+
+    #[test]
+    fn every_entry_stays_reachable_through_evictions() {
+        let mut sketch = Sketch::default();
+        let (core, tier): (Arc<str>, Arc<str>) = ("core".into(), "gold".into());
+        let mut x = 1u32;
+        for round in 0..20_000u32 {
+            // A few callers often, many once: entries are replaced all the time.
+            x = x.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            let ip = IpAddr::from((if round % 3 == 0 { x % 8 } else { x }).to_be_bytes());
+            let who = WhoRef::Ip(ip);
+            sketch.add(&core, who, who.hash(&core), &tier, 1);
+            let filled = sketch.slots.iter().filter(|s| **s != 0).count();
+            assert_eq!(filled, sketch.entries.len());
+        }
+        for (e, counted) in sketch.entries.iter().enumerate() {
+            let who = who(&counted.key.who);
+            let i = sketch.probe(who.hash(&core), &core, who).unwrap();
+            assert_eq!(usize::from(sketch.slots[i]), e + 1);
+        }
+        // The frequent callers are there, with at least their true counts.
+        let total: u64 = sketch.counts.iter().sum();
+        assert_eq!(total, 20_000);
+        let frequent = sketch
+            .entries
+            .iter()
+            .filter(|c| matches!(c.key.who, Who::Ip(IpAddr::V4(ip)) if ip.to_bits() < 8))
+            .count();
+        assert_eq!(frequent, 8);
     }
 }

@@ -60,6 +60,9 @@
 #        nginx_limit_req_429  wrk -> nginx proxy /lr-reject (~all 429)
 #        hyper_floor          wrk -> hyper floor -> upstream: what hyper itself costs per proxied
 #                             request; every tollgate case is reported as a ratio to it
+#        hyper_floor_429      wrk -> hyper floor answering every request itself with a fixed 429
+#                             (`tollgate-floor LISTEN -`): what hyper alone costs per refusal, the
+#                             floor of the 429 target
 #        tg_memory            memory store, one caller (wrk's IP), quota 1e12
 #        tg_memory_w1         like tg_memory with `[server] workers = 1`: one runtime thread, as nginx
 #                             here runs one worker process
@@ -141,7 +144,7 @@ KEEP_WORK=${KEEP_WORK:-0}
 CONNS=64
 WARMUP=2s
 
-ALL_CASES=(direct nginx_proxy nginx_lua_redis nginx_limit_req_429 hyper_floor
+ALL_CASES=(direct nginx_proxy nginx_lua_redis nginx_limit_req_429 hyper_floor hyper_floor_429
     tg_memory tg_memory_w1 tg_memory_per_core tg_memory_many tg_redis tg_redis_per_core tg_redis_many tg_redis3_replicas
     tg_memory_429 tg_redis_429 tg_redis_lease tg_redis_recent)
 
@@ -290,7 +293,7 @@ cp "$BIN" "$TG"
 FLOOR_DIR="$ROOT/benches/floor"
 FLOOR_BUILT="$FLOOR_DIR/target/release/tollgate-floor"
 FLOOR="$WORK/tollgate-floor"
-if selected hyper_floor; then
+if selected hyper_floor || selected hyper_floor_429; then
     if [[ "$SKIP_BUILD" == 1 ]]; then
         log "not building the floor (SKIP_BUILD=1): using $FLOOR_BUILT as it is"
         [[ -x "$FLOOR_BUILT" ]] || die "$FLOOR_BUILT does not exist (build it, or leave hyper_floor out of CASES)"
@@ -522,6 +525,12 @@ PROXY_PIDS="$NGINX_PROXY_MASTER $(pgrep -P "$NGINX_PROXY_MASTER" | tr '\n' ' ')"
 
 # ---- the hyper floor: one runtime (thread) per core, like tollgate's default
 FLOOR_PID=""
+if selected hyper_floor_429; then
+    free_port FLOOR429_PORT
+    start_bg "$LOGS/floor429.log" env WORKERS="$NCPU" "$FLOOR" "127.0.0.1:$FLOOR429_PORT" -
+    FLOOR429_PID=$LAST_PID
+    wait_port "$FLOOR429_PID" "$FLOOR429_PORT" "hyper floor (429)" "$LOGS/floor429.log"
+fi
 if selected hyper_floor; then
     free_port FLOOR_PORT
     start_bg "$LOGS/floor.log" env WORKERS="$NCPU" "$FLOOR" "127.0.0.1:$FLOOR_PORT" "127.0.0.1:$UP_PORT"
@@ -676,6 +685,7 @@ def_case nginx_lua_redis "http://127.0.0.1:$PROXY_PORT/redis-fw" one "$PROXY_PID
     "${RPID[r0]}" "$R0_NODE" 200
 def_case nginx_limit_req_429 "http://127.0.0.1:$PROXY_PORT/lr-reject" one "$PROXY_PIDS" "$UP_PIDS" "" "" 429
 selected hyper_floor && def_case hyper_floor "http://127.0.0.1:$FLOOR_PORT/" one "$FLOOR_PID" "$UP_PIDS" "" "" 200
+selected hyper_floor_429 && def_case hyper_floor_429 "http://127.0.0.1:$FLOOR429_PORT/" one "$FLOOR429_PID" "" "" "" 429
 for c in tg_memory tg_memory_w1 tg_memory_per_core tg_memory_many tg_redis tg_redis_per_core tg_redis_many tg_redis3_replicas tg_memory_429 tg_redis_429 tg_redis_lease tg_redis_recent; do
     selected "$c" || continue
     script=one
@@ -1087,7 +1097,8 @@ targets() {
     x="a 429 (memory store, over-limit cache): tg_memory_429 and tg_redis_429 req/s each ≥ 0.95× direct's"
     if [[ -n "$m429" && -n "$r429" && -n "$d" ]]; then
         ok=FAIL; ge "$m429" "$(times 0.95 "$d")" && ge "$r429" "$(times 0.95 "$d")" && ok=PASS
-        row "$ok" "$x" "tg_memory_429 $(ratio "$m429" "$d")×, tg_redis_429 $(ratio "$r429" "$d")× direct"
+        f429=$(val hyper_floor_429 rps)
+        row "$ok" "$x" "tg_memory_429 $(ratio "$m429" "$d")×, tg_redis_429 $(ratio "$r429" "$d")× direct${f429:+; the floor, hyper alone answering a fixed 429 (hyper_floor_429): $(ratio "$f429" "$d")× direct, tg_memory_429 = $(ratio "$m429" "$f429")× it}"
     else row "n/a" "$x" "needs tg_memory_429, tg_redis_429 and direct"; fi
 
     a=$(half tg_memory p99); b=$(half tg_redis p99)

@@ -86,20 +86,22 @@ impl InFlightUnits {
         (n, held)
     }
 
-    /// Like [`InFlightUnits::enter`] for a limit the recent-charge view may answer:
-    /// `view(n)` gets the units in flight for `key` before this request; when it admits
-    /// (returns the usage without them), `cost` units are counted in flight and the usage
-    /// is returned with them counted as used.
+    /// Like [`InFlightUnits::enter`] for a limit the recent-charge view may answer: when
+    /// no request of `key` is in flight on this gateway and `view()` admits, `cost` units
+    /// are counted in flight and the view's usage is returned. With requests in flight,
+    /// `None`: the request is held by a reservation as usual (a burst gains nothing from
+    /// the view, whose answers would only move the store call after the response).
     pub(super) fn enter_viewed(
         &self,
         key: &LimitKey,
         cost: u64,
-        view: impl FnOnce(u64) -> Option<super::Usage>,
+        view: impl FnOnce() -> Option<super::Usage>,
     ) -> Option<super::Usage> {
         let mut shard = self.counts.shard(key);
-        let n = shard.get(&key.key).copied().unwrap_or(0);
-        let mut u = view(n)?;
-        u.used = u.used.saturating_add(n);
+        if shard.get(&key.key).is_some_and(|&n| n > 0) {
+            return None;
+        }
+        let u = view()?;
         *shard.entry(key.key.clone()).or_insert(0) += cost;
         Some(u)
     }
@@ -265,9 +267,8 @@ impl Limiter {
             if let Some(slot) = viewed.get_mut(i) {
                 let fixed = a.policy.algorithm == Algorithm::FixedWindow;
                 let quota = a.policy.limit();
-                *slot = self.in_flight.enter_viewed(&a.key, cost, |n| {
-                    self.recent
-                        .admits(&a.key, quota, cost.saturating_add(n), fixed, now_ms)
+                *slot = self.in_flight.enter_viewed(&a.key, cost, || {
+                    self.recent.admits(&a.key, quota, cost, fixed, now_ms)
                 });
                 if slot.is_some() {
                     counted.push(a.key.clone());

@@ -12,9 +12,10 @@
 //! What the view counts: the store's `used` from the last reply, plus the units of this
 //! gateway's charges handed to the store since and not answered yet (`pending`; a shard's
 //! replies come back in the order its calls went out, so a reply includes every charge
-//! sent before it). The request's own units in flight are counted by the in-flight
-//! counts as for a store read ([`super::check`]). So this gateway's own requests are
-//! counted exactly.
+//! sent before it). The view answers only a request that finds no other of its caller
+//! and limit in flight on this gateway (one that does is held by a reservation in the
+//! store as usual, see [`super::check`]), and counts it in flight like a store read does.
+//! So this gateway's own requests are counted exactly.
 //!
 //! Staleness: charges by *other* gateways during the last `check_from_charge` are not
 //! seen. A fleet of N gateways may overshoot a quota by at most what the other N − 1

@@ -1,4 +1,7 @@
 //! `tollgate-floor LISTEN UPSTREAM`: the least a hyper 1.x reverse proxy does per request.
+//! `tollgate-floor LISTEN -`: the least a hyper 1.x server does to answer a request itself,
+//! with a fixed 429 and a short JSON body, as a gateway's refusal is answered (the floor of
+//! the 429 cases: benches/load.sh's `hyper_floor_429`).
 //!
 //! benches/load.sh runs it as the `hyper_floor` case and reports every tollgate case as a
 //! ratio to it: what tollgate costs beyond hyper itself. It is HTTP/1.1 only, plain TCP,
@@ -12,7 +15,7 @@
 //! it runs as a task on the same thread. A failed upstream exchange answers 502.
 #![forbid(unsafe_code)]
 
-use http_body_util::{Either, Empty};
+use http_body_util::{Either, Empty, Full};
 use hyper::body::{Bytes, Incoming};
 use hyper::client::conn::http1::SendRequest;
 use hyper::{Request, Response, StatusCode};
@@ -30,8 +33,9 @@ type Reply = Response<Either<Incoming, Empty<Bytes>>>;
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let (listen, upstream) = match (args.get(1), args.get(2)) {
-        (Some(l), Some(u)) => (parse_addr(l), parse_addr(u)),
-        _ => fail("usage: tollgate-floor LISTEN UPSTREAM (e.g. 127.0.0.1:8080 127.0.0.1:9000)"),
+        (Some(l), Some(u)) if u == "-" => (parse_addr(l), None),
+        (Some(l), Some(u)) => (parse_addr(l), Some(parse_addr(u))),
+        _ => fail("usage: tollgate-floor LISTEN UPSTREAM|- (e.g. 127.0.0.1:8080 127.0.0.1:9000)"),
     };
     let workers = match std::env::var("WORKERS") {
         Ok(v) => v
@@ -87,7 +91,7 @@ fn bind(addr: SocketAddr) -> std::net::TcpListener {
 }
 
 /// One thread: a current_thread runtime serving the connections of its own listener.
-fn worker(listener: std::net::TcpListener, upstream: SocketAddr) {
+fn worker(listener: std::net::TcpListener, upstream: Option<SocketAddr>) {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_io()
         .build()
@@ -98,9 +102,14 @@ fn worker(listener: std::net::TcpListener, upstream: SocketAddr) {
             .unwrap_or_else(|e| fail(&format!("cannot register the listener: {e}")));
         loop {
             match listener.accept().await {
-                Ok((stream, _)) => {
-                    tokio::task::spawn_local(connection(stream, upstream));
-                }
+                Ok((stream, _)) => match upstream {
+                    Some(upstream) => {
+                        tokio::task::spawn_local(connection(stream, upstream));
+                    }
+                    None => {
+                        tokio::task::spawn_local(refusing(stream));
+                    }
+                },
                 // Out of descriptors and the like: the connection is lost, the proxy is not.
                 Err(e) => eprintln!("tollgate-floor: accept: {e}"),
             }
@@ -115,6 +124,31 @@ async fn connection(stream: TcpStream, upstream: SocketAddr) {
     let service = hyper::service::service_fn(move |req: Request<Incoming>| {
         let up = up.clone();
         async move { Ok::<_, std::convert::Infallible>(exchange(&up, upstream, req).await) }
+    });
+    let _ = hyper::server::conn::http1::Builder::new()
+        .serve_connection(TokioIo::new(stream), service)
+        .await;
+}
+
+/// Serve one downstream connection by answering every request with a fixed 429.
+async fn refusing(stream: TcpStream) {
+    let _ = stream.set_nodelay(true);
+    let service = hyper::service::service_fn(|_req: Request<Incoming>| async {
+        let body = Full::new(Bytes::from_static(
+            b"{\"message\":\"rate limit exceeded\",\"limit\":1,\"remaining\":0}",
+        ));
+        let mut response = Response::new(body);
+        *response.status_mut() = StatusCode::TOO_MANY_REQUESTS;
+        let h = response.headers_mut();
+        h.insert(
+            hyper::header::CONTENT_TYPE,
+            hyper::header::HeaderValue::from_static("application/json"),
+        );
+        h.insert(
+            hyper::header::RETRY_AFTER,
+            hyper::header::HeaderValue::from_static("3600"),
+        );
+        Ok::<_, std::convert::Infallible>(response)
     });
     let _ = hyper::server::conn::http1::Builder::new()
         .serve_connection(TokioIo::new(stream), service)

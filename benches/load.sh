@@ -76,7 +76,11 @@
 #        tg_redis3_replicas   3 shards, each primary + 1 replica, read_from = "replica", random callers
 #        tg_memory_429        memory store, quota 1, spent by one request before the run
 #        tg_redis_429         Redis R0, quota 1, spent before the run (default over-limit cache)
-#        tg_redis_recent      like tg_redis with `store.check_from_charge = "100ms"`
+#        tg_redis_64          Redis R0, 64 callers (a random one of 64 IPs per request): most
+#                             requests find no other of their caller in flight
+#        tg_redis_64_recent   like tg_redis_64 with `store.check_from_charge = "100ms"`: a CHECK is
+#                             answered from the gateway's last CHARGE answer (one script call per
+#                             request instead of two)
 #        tg_redis_lease       like tg_redis with `lease = 100` on the limit; only when `tollgate check`
 #                             accepts that key, else "skipped: lease not supported by this build"
 #   4. Per run: req/s; p50/p90/p99/p99.9 (exact, from a wrk Lua done() that prints
@@ -146,7 +150,7 @@ WARMUP=2s
 
 ALL_CASES=(direct nginx_proxy nginx_lua_redis nginx_limit_req_429 hyper_floor hyper_floor_429
     tg_memory tg_memory_w1 tg_memory_per_core tg_memory_many tg_redis tg_redis_per_core tg_redis_many tg_redis3_replicas
-    tg_memory_429 tg_redis_429 tg_redis_lease tg_redis_recent)
+    tg_memory_429 tg_redis_429 tg_redis_lease tg_redis_64 tg_redis_64_recent)
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -634,7 +638,8 @@ selected tg_redis3_replicas && start_tg tg_redis3_replicas redis "$Q" 1 r3
 selected tg_memory_429 && start_tg tg_memory_429 memory 1 0 -
 selected tg_redis_429 && start_tg tg_redis_429 redis 1 0 r0
 selected tg_redis_lease && start_tg tg_redis_lease redis "$Q" 0 r0 "lease = 100"
-selected tg_redis_recent && start_tg tg_redis_recent redis "$Q" 0 r0 "" "" 'check_from_charge = "100ms"'
+selected tg_redis_64 && start_tg tg_redis_64 redis "$Q" 1 r0
+selected tg_redis_64_recent && start_tg tg_redis_64_recent redis "$Q" 1 r0 "" "" 'check_from_charge = "100ms"'
 
 # ---------------------------------------------------------------------------- wrk scripts
 
@@ -659,6 +664,17 @@ end
 EOF
     cat "$WORK/done.lua"
 } >"$WORK/many.lua"
+# A random one of 64 callers per request.
+{
+    cat <<'EOF'
+math.randomseed(os.time())
+local rnd, fmt = math.random, string.format
+request = function()
+  return wrk.format(nil, nil, { ["X-Forwarded-For"] = fmt("10.0.0.%d", rnd(1, 64)) })
+end
+EOF
+    cat "$WORK/done.lua"
+} >"$WORK/few.lua"
 # Callers 1..1,000,000 in turn (from the one after `-- OFFSET`), then the last one for ever.
 {
     cat <<'EOF'
@@ -686,10 +702,11 @@ def_case nginx_lua_redis "http://127.0.0.1:$PROXY_PORT/redis-fw" one "$PROXY_PID
 def_case nginx_limit_req_429 "http://127.0.0.1:$PROXY_PORT/lr-reject" one "$PROXY_PIDS" "$UP_PIDS" "" "" 429
 selected hyper_floor && def_case hyper_floor "http://127.0.0.1:$FLOOR_PORT/" one "$FLOOR_PID" "$UP_PIDS" "" "" 200
 selected hyper_floor_429 && def_case hyper_floor_429 "http://127.0.0.1:$FLOOR429_PORT/" one "$FLOOR429_PID" "" "" "" 429
-for c in tg_memory tg_memory_w1 tg_memory_per_core tg_memory_many tg_redis tg_redis_per_core tg_redis_many tg_redis3_replicas tg_memory_429 tg_redis_429 tg_redis_lease tg_redis_recent; do
+for c in tg_memory tg_memory_w1 tg_memory_per_core tg_memory_many tg_redis tg_redis_per_core tg_redis_many tg_redis3_replicas tg_memory_429 tg_redis_429 tg_redis_lease tg_redis_64 tg_redis_64_recent; do
     selected "$c" || continue
     script=one
     [[ "$c" == *_many || "$c" == tg_redis3_replicas ]] && script=many
+    [[ "$c" == tg_redis_64* ]] && script=few
     rp="" rn="" expect=200
     case "$c" in
         tg_redis3_replicas)
@@ -1086,11 +1103,11 @@ targets() {
         ok=FAIL; ge "$r" "$(times 0.8 "$np")" && ge "$r" "$(times 1.5 "$nl")" && ok=PASS
         row "$ok" "$x" "$r req/s = $(ratio "$r" "$np")× nginx_proxy, $(ratio "$r" "$nl")× nginx_lua_redis"
     else row "n/a" "$x" "needs tg_redis, nginx_proxy and nginx_lua_redis"; fi
-    rr=$(val tg_redis_recent rps)
-    x="Redis, 1 shard, store.check_from_charge = 100ms (opt-in): tg_redis_recent req/s ≥ 0.8× nginx_proxy's and ≥ 1.5× nginx_lua_redis's"
+    rr=$(val tg_redis_64_recent rps); r64=$(val tg_redis_64 rps)
+    x="Redis, 1 shard, 64 callers, store.check_from_charge = 100ms (opt-in): tg_redis_64_recent req/s ≥ 0.8× nginx_proxy's and ≥ 1.5× nginx_lua_redis's"
     if [[ -n "$rr" && -n "$np" && -n "$nl" ]]; then
         ok=FAIL; ge "$rr" "$(times 0.8 "$np")" && ge "$rr" "$(times 1.5 "$nl")" && ok=PASS
-        row "$ok" "$x" "$rr req/s = $(ratio "$rr" "$np")× nginx_proxy, $(ratio "$rr" "$nl")× nginx_lua_redis"
+        row "$ok" "$x" "$rr req/s = $(ratio "$rr" "$np")× nginx_proxy, $(ratio "$rr" "$nl")× nginx_lua_redis${r64:+; without the option (tg_redis_64): $r64 req/s}"
     fi
 
     m429=$(val tg_memory_429 rps); r429=$(val tg_redis_429 rps)

@@ -233,6 +233,7 @@ pub async fn serve(
         }
     };
     log.caller = caller.client.as_ref().map(|c| c.id.clone());
+    log.set_tier(&caller.tier);
     log.key_label = caller.key_label.clone();
 
     // The caller's own limits (rate_limit_endpoint.path): answered here, never charged.
@@ -401,6 +402,7 @@ pub async fn serve(
     // client going away from here on does not count it twice.
     pending.settle(&mut admission);
     let usages = if route.charges(response.status()) && cost > 0 {
+        log.cost = cost;
         snap.limiter
             .charge(&applied, cost, clock.now_ms(), admission)
             .await

@@ -20,6 +20,9 @@ use std::sync::Arc;
 
 type Fast = foldhash::fast::FixedState;
 
+/// The most units one logged request is charged (a line's `cost` is not trusted further).
+const MAX_COST: u64 = 100_000_000;
+
 /// What happened to a request under one config.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {
@@ -308,7 +311,9 @@ impl Model {
         // 2. Charge every limit (a concurrency limit: take the slot).
         let charged = self.charges(&route, req);
         let units = match req.logged_cost {
-            Some(c) if c > 0 && route.upstream.cost_header.is_some() => c,
+            // At most 10^8 units: the model's arithmetic stays within u64 for any
+            // window, whatever a line says.
+            Some(c) if c > 0 && route.upstream.cost_header.is_some() => c.min(MAX_COST),
             _ => route.cost,
         };
         for i in 0..self.peeks.len() {

@@ -225,9 +225,9 @@ fn quoted(s: &str) -> Option<(Cow<'_, str>, &str)> {
                     // \u{XXXX}
                     let rest = &s[i + 2..];
                     let end = rest.find('}')?;
-                    let code = u32::from_str_radix(rest.get(2..end)?, 16).ok()?;
+                    let code = u32::from_str_radix(rest.get(1..end)?, 16).ok()?;
                     out.push(char::from_u32(code)?);
-                    for _ in 0..end {
+                    for _ in 0..=end {
                         chars.next();
                     }
                 }
@@ -497,6 +497,15 @@ mod tests {
         assert_eq!(l.caller.as_deref(), Some("acme"));
         assert_eq!(l.duration_ms, Some(250));
         assert_eq!(l.start_ms, 1_795_518_464_750);
+    }
+
+    #[test]
+    fn escaped_values_are_unescaped() {
+        let (v, rest) = quoted(r#"a\"b\\c\u{7f}d\te" next"#).unwrap();
+        assert_eq!(v, "a\"b\\c\u{7f}d\te");
+        assert_eq!(rest, " next");
+        assert_eq!(quoted(r#"\u{zz}""#), None);
+        assert_eq!(quoted(r#"open"#), None);
     }
 
     #[test]

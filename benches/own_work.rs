@@ -170,6 +170,7 @@ impl Gateway {
             log.client = gate.log_client(caller.ip);
         }
         log.caller = caller.client.as_ref().map(|c| c.id.clone());
+        log.set_tier(&caller.tier);
         assert!(
             !(req.method() == Method::GET && gate.rate_limit_path == Some(req.uri().path())),
             "not the rate-limit endpoint"
@@ -262,6 +263,7 @@ impl Gateway {
             .unwrap_or(route.cost);
         pending.settle(&mut admission);
         let usages = if route.charges(response.status()) && cost > 0 {
+            log.cost = cost;
             drive(
                 &self.rt,
                 gate.limiter

@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 BIN=${TOLLGATE_BIN:-target/release/tollgate}
 N=${N:-10000000}
 dir=$(mktemp -d)
-trap 'rm -rf "$dir"' EXIT
+[ -n "${KEEP:-}" ] || trap 'rm -rf "$dir"' EXIT; echo "dir: $dir"
 python3 - "$dir" "$N" <<'EOF'
 import hashlib, sys
 d, n = sys.argv[1], int(sys.argv[2])
@@ -87,7 +87,7 @@ echo "log: $(wc -l < "$dir/access.log") lines, $(du -h "$dir/access.log" | cut -
 # Read once so that the timed run reads from the page cache, as a second replay would.
 cat "$dir/access.log" > /dev/null
 start=$(date +%s.%N)
-/usr/bin/time -f "peak RSS %M KB" "$BIN" replay --config "$dir/tollgate.toml" "$dir/access.log" > "$dir/report.txt"
+/usr/bin/time -f "peak RSS %M KB, user %U s, sys %S s" "$BIN" replay --config "$dir/tollgate.toml" "$dir/access.log" > "$dir/report.txt"
 end=$(date +%s.%N)
-head -20 "$dir/report.txt"
+head -60 "$dir/report.txt"
 echo "replay of $N lines: $(echo "$end - $start" | bc) s"

@@ -28,9 +28,9 @@ use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-/// How far the log may run ahead of a request's start before it is decided, in ms: a
-/// request that took longer than this is decided late (with the clock it is decided
-/// at, never earlier than a decided request).
+/// How far the log may run ahead of a request's start before it is decided, at most,
+/// in ms: the longest duration seen so far, up to this. A request that took longer is
+/// decided late (with the clock it is decided at, never earlier than a decided request).
 pub const REORDER_MS: u64 = 10_000;
 
 /// Unparsed lines shown (all are counted).
@@ -172,6 +172,8 @@ struct Pass {
     reading: Reading,
     pending: BinaryHeap<Reverse<Pending>>,
     latest_ms: u64,
+    /// The longest duration seen, ms (how far lines can be out of start order).
+    longest_ms: u64,
     seq: u64,
     /// Per caller whose verdict differs between the configs: (refused only by the
     /// replayed config, refused only by the compared one).
@@ -268,6 +270,7 @@ fn replay(models: Vec<Model>, opts: &Options, names: Option<Interner>) -> Result
         reading: Reading::default(),
         pending: BinaryHeap::new(),
         latest_ms: 0,
+        longest_ms: 0,
         seq: 0,
         changed: HashMap::default(),
     };
@@ -321,7 +324,7 @@ fn replay(models: Vec<Model>, opts: &Options, names: Option<Interner>) -> Result
             pass.line(&name, n, &buf);
         }
     }
-    pass.drain(0);
+    pass.drain(true);
     if let Some(bar) = bar {
         bar.finish_and_clear();
     }
@@ -397,16 +400,18 @@ impl Pass {
             per_config,
         };
         self.seq += 1;
-        let end = line.start_ms + line.duration_ms.unwrap_or(0);
-        self.latest_ms = self.latest_ms.max(end);
+        let duration = line.duration_ms.unwrap_or(0);
+        self.longest_ms = self.longest_ms.max(duration.min(REORDER_MS));
+        self.latest_ms = self.latest_ms.max(line.start_ms + duration);
         self.pending.push(Reverse(Pending(req)));
-        self.drain(REORDER_MS);
+        self.drain(false);
     }
 
-    /// Decide the requests that began at least `lag` ms before the latest time seen.
-    fn drain(&mut self, lag: u64) {
+    /// Decide the requests that no line still to come can precede (they began at least
+    /// the longest duration seen before the latest time seen), or `all`.
+    fn drain(&mut self, all: bool) {
         while let Some(Reverse(Pending(top))) = self.pending.peek() {
-            if lag > 0 && top.start_ms + lag > self.latest_ms {
+            if !all && top.start_ms + self.longest_ms > self.latest_ms {
                 break;
             }
             let Some(Reverse(Pending(req))) = self.pending.pop() else {

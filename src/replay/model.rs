@@ -102,8 +102,11 @@ enum Known {
 #[derive(Debug)]
 pub struct Model {
     snap: Snapshot,
-    /// Routes by the index a [`Req`] carries.
-    routes: Vec<Arc<Route>>,
+    /// Routes by the index a [`Req`] carries, with their limits' indices.
+    routes: Vec<(Arc<Route>, Vec<(u16, Arc<Limit>)>)>,
+    /// Per (tier id × limit): the tier's quota, [`NONE`] without one, [`UNKNOWN`] not
+    /// looked up yet.
+    quotas: Vec<u64>,
     /// Clients by id.
     clients: HashMap<Arc<str>, Arc<Client>, Fast>,
     /// Per interned caller: its client in this config (resolved on first use).
@@ -112,8 +115,8 @@ pub struct Model {
     anonymous_tier: Arc<str>,
     /// Limit states by [`subject_key`].
     states: HashMap<u64, State, Fast>,
-    /// Per (limit index, tier id).
-    pub stats: HashMap<(u16, u32), LimitStats, Fast>,
+    /// Per (tier id × limit index); `None` where no request was seen.
+    stats: Vec<Option<LimitStats>>,
     /// Over every request.
     pub totals: Totals,
     /// For the plot: per (limit index, caller) selected, per minute since the epoch.
@@ -144,11 +147,12 @@ impl Model {
         Self {
             snap,
             routes: Vec::new(),
+            quotas: Vec::new(),
             clients,
             known: Vec::new(),
             anonymous_tier,
             states: HashMap::default(),
-            stats: HashMap::default(),
+            stats: Vec::new(),
             totals: Totals::default(),
             series: None,
             last_now: 0,
@@ -161,6 +165,16 @@ impl Model {
         &self.snap
     }
 
+    /// The numbers of each limit (by its index in the snapshot's limits) and tier id
+    /// that saw a request.
+    pub fn stats(&self) -> impl Iterator<Item = ((u16, u32), &LimitStats)> {
+        let n = self.snap.limits.len().max(1);
+        self.stats
+            .iter()
+            .enumerate()
+            .filter_map(move |(i, s)| s.as_ref().map(|s| (((i % n) as u16, (i / n) as u32), s)))
+    }
+
     /// The route index of a `method` request to `path` (no host is logged: routes for
     /// a `host` never match), or [`NO_ROUTE`].
     pub fn route(&mut self, method: &str, path: &str) -> u32 {
@@ -171,10 +185,18 @@ impl Model {
         let Some(route) = self.snap.router.find(None, &path, &method) else {
             return NO_ROUTE;
         };
-        match self.routes.iter().position(|r| Arc::ptr_eq(r, route)) {
+        match self.routes.iter().position(|r| Arc::ptr_eq(&r.0, route)) {
             Some(i) => i as u32,
             None => {
-                self.routes.push(route.clone());
+                let limits = route
+                    .limits
+                    .iter()
+                    .filter_map(|l| {
+                        let i = self.snap.limits.iter().position(|s| Arc::ptr_eq(s, l))?;
+                        Some((i as u16, l.clone()))
+                    })
+                    .collect();
+                self.routes.push((route.clone(), limits));
                 (self.routes.len() - 1) as u32
             }
         }
@@ -221,7 +243,7 @@ impl Model {
         self.totals.requests += 1;
         let now = req.start_ms.max(self.last_now);
         self.last_now = now;
-        let Some(route) = self.routes.get(route as usize).cloned() else {
+        let Some((route, limits)) = self.routes.get(route as usize).cloned() else {
             self.totals.unrouted += 1;
             return Outcome::Unrouted;
         };
@@ -229,21 +251,32 @@ impl Model {
             Some(Known::Client(c)) => Some(c.clone()),
             _ => None,
         };
+        let nl = self.snap.limits.len();
         // 1. Peek every limit that applies with the route's cost.
         self.peeks.clear();
         let mut refusal: Option<(u16, u64)> = None;
         let mut shadowed = false;
-        for limit in &route.limits {
-            let Some(li) = self.snap.limits.iter().position(|l| Arc::ptr_eq(l, limit)) else {
-                continue;
-            };
-            let li = li as u16;
+        for (li, limit) in &limits {
+            let li = *li;
             let own = client.as_ref().and_then(|c| c.quota_for(&limit.name));
-            let Some(quota) = own.or_else(|| limit.quota.get(tier_name).copied()) else {
-                continue;
+            let quota = match own {
+                Some(q) => q,
+                None => {
+                    let at = tier as usize * nl + li as usize;
+                    if self.quotas.len() <= at {
+                        self.quotas.resize(at + 1, UNKNOWN);
+                    }
+                    if self.quotas[at] == UNKNOWN {
+                        self.quotas[at] = limit.quota.get(tier_name).copied().unwrap_or(NONE);
+                    }
+                    match self.quotas[at] {
+                        NONE => continue,
+                        q => q,
+                    }
+                }
             };
             let mut policy = limit.policy(quota);
-            let stats = self.stats.entry((li, tier)).or_default();
+            let stats = slot(&mut self.stats, nl, li, tier);
             if limit.algorithm == Algorithm::Concurrency {
                 match req.duration_ms {
                     // The slot is held while the request was: it "expires" at its end.
@@ -294,7 +327,7 @@ impl Model {
         self.totals.limited += 1;
         if let Some((li, _)) = refusal {
             self.totals.refused += 1;
-            let stats = self.stats.entry((li, tier)).or_default();
+            let stats = slot(&mut self.stats, nl, li, tier);
             stats.refused += 1;
             let c = stats.callers.entry(req.caller).or_insert((0, now));
             c.0 += 1;
@@ -333,7 +366,7 @@ impl Model {
             };
             let state = self.states.entry(step.key).or_insert(State::Empty);
             let v = algorithm::apply(&step.policy, state, op, now);
-            let stats = self.stats.entry((step.limit, tier)).or_default();
+            let stats = slot(&mut self.stats, nl, step.limit, tier);
             if v.used > stats.peak_used {
                 stats.peak_used = v.used;
                 stats.peak_quota = step.policy.limit();
@@ -359,6 +392,20 @@ impl Model {
             !req.refused_in_log && req.logged_cost == Some(0) && (502..=504).contains(&req.status);
         (req.refused_in_log || route.charges(status)) && !upstream_failed
     }
+}
+
+/// Not looked up yet (in `Model::quotas`).
+const UNKNOWN: u64 = u64::MAX;
+/// No quota for the tier (quotas are at least 1).
+const NONE: u64 = 0;
+
+/// The numbers of limit `li` (of `nl`) for tier `tier`, made on first use.
+fn slot(stats: &mut Vec<Option<LimitStats>>, nl: usize, li: u16, tier: u32) -> &mut LimitStats {
+    let at = tier as usize * nl + li as usize;
+    if stats.len() <= at {
+        stats.resize_with(at + 1, || None);
+    }
+    stats[at].get_or_insert_with(LimitStats::default)
 }
 
 /// The key of a limit's state for the request's subject: the limit's index, the kind of

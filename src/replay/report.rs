@@ -134,8 +134,8 @@ pub fn rfc3339(ms: u64) -> String {
 fn limits_of(model: &Model, names: &Interner, tiers: &Interner, top: usize) -> Vec<LimitReport> {
     let snap = model.snapshot();
     let mut by_key: BTreeMap<(u16, String), &LimitStats> = BTreeMap::new();
-    for ((li, tier), stats) in &model.stats {
-        by_key.insert((*li, tiers.name(*tier).to_string()), stats);
+    for ((li, tier), stats) in model.stats() {
+        by_key.insert((li, tiers.name(tier).to_string()), stats);
     }
     by_key
         .into_iter()

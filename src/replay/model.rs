@@ -20,6 +20,12 @@ use std::sync::Arc;
 
 type Fast = foldhash::fast::FixedState;
 
+/// A route's limits, each with its index in the snapshot's limits.
+type RouteLimits = Vec<(u16, Arc<Limit>)>;
+
+/// For the plot: per (limit index, caller id), per minute since the epoch.
+pub type Series = HashMap<(u16, u32), BTreeMap<u64, Minute>, Fast>;
+
 /// The most units one logged request is charged (a line's `cost` is not trusted further).
 const MAX_COST: u64 = 100_000_000;
 
@@ -103,7 +109,7 @@ enum Known {
 pub struct Model {
     snap: Snapshot,
     /// Routes by the index a [`Req`] carries, with their limits' indices.
-    routes: Vec<(Arc<Route>, Vec<(u16, Arc<Limit>)>)>,
+    routes: Vec<(Arc<Route>, RouteLimits)>,
     /// Per (tier id × limit): the tier's quota, [`NONE`] without one, [`UNKNOWN`] not
     /// looked up yet.
     quotas: Vec<u64>,
@@ -120,7 +126,7 @@ pub struct Model {
     /// Over every request.
     pub totals: Totals,
     /// For the plot: per (limit index, caller) selected, per minute since the epoch.
-    pub series: Option<HashMap<(u16, u32), BTreeMap<u64, Minute>, Fast>>,
+    pub series: Option<Series>,
     last_now: u64,
     peeks: Vec<Step>,
 }

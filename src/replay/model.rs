@@ -249,7 +249,7 @@ impl Model {
         self.totals.requests += 1;
         let now = req.start_ms.max(self.last_now);
         self.last_now = now;
-        let Some((route, limits)) = self.routes.get(route as usize).cloned() else {
+        let Some((route, limits)) = self.routes.get(route as usize) else {
             self.totals.unrouted += 1;
             return Outcome::Unrouted;
         };
@@ -262,7 +262,7 @@ impl Model {
         self.peeks.clear();
         let mut refusal: Option<(u16, u64)> = None;
         let mut shadowed = false;
-        for (li, limit) in &limits {
+        for (li, limit) in limits {
             let li = *li;
             let own = client.as_ref().and_then(|c| c.quota_for(&limit.name));
             let quota = match own {
@@ -348,7 +348,7 @@ impl Model {
             self.totals.shadow_refused += 1;
         }
         // 2. Charge every limit (a concurrency limit: take the slot).
-        let charged = self.charges(&route, req);
+        let charged = Self::charges(route, req);
         let units = match req.logged_cost {
             // At most 10^8 units: the model's arithmetic stays within u64 for any
             // window, whatever a line says.
@@ -392,7 +392,7 @@ impl Model {
     /// one of the route's `uncharged_statuses`, and (tollgate logs) the gateway did not
     /// find its upstream failing (admitted, nothing charged, 502-504). A request the log
     /// shows refused is assumed to have been served.
-    fn charges(&self, route: &Route, req: &Req) -> bool {
+    fn charges(route: &Route, req: &Req) -> bool {
         let status = http::StatusCode::from_u16(req.status).unwrap_or(http::StatusCode::OK);
         let upstream_failed =
             !req.refused_in_log && req.logged_cost == Some(0) && (502..=504).contains(&req.status);

@@ -4,7 +4,8 @@
 # from 1,000 clients (keys file) and 100,000 anonymous addresses over two routes and
 # three limits (fixed window, sliding log, GCRA), then times one replay of it and
 # reports its peak RSS.
-# Usage: cargo build --release && bash benches/replay.sh   (TOLLGATE_BIN, N to override)
+# Usage: cargo build --release && bash benches/replay.sh   (TOLLGATE_BIN, N to override;
+# KEEP=1 keeps the generated directory)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${TOLLGATE_BIN:-target/release/tollgate}

@@ -79,8 +79,8 @@ enum Command {
         /// Draw the callers refused most, minute by minute, to this SVG file.
         #[arg(long, value_name = "FILE.svg")]
         plot: Option<PathBuf>,
-        /// Access logs, oldest first: tollgate's (text or JSON) or nginx `combined`;
-        /// gzip-compressed files are read as such.
+        /// Access logs: tollgate's (text or JSON) or nginx `combined`; gzip-compressed
+        /// files are read as such. Read in the order of their first request.
         #[arg(required = true, value_name = "ACCESS_LOG")]
         logs: Vec<PathBuf>,
     },

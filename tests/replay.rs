@@ -223,32 +223,44 @@ fn concurrency_is_replayed_from_the_logged_durations() {
 }
 
 /// gzip-compressed logs read like plain ones (detected by content), and several files
-/// are one timeline.
+/// are one timeline, read in the order of their first request whatever the order
+/// given (a rotated `access.log.1.gz` after `access.log`, as a shell glob lists them).
 #[test]
-fn gzip_logs_are_read() {
+fn gzip_logs_are_read_and_files_are_put_in_time_order() {
     let dir = tempfile::tempdir().unwrap();
-    let lines: Vec<String> = (0..100)
-        .map(|i| text_line(T0 + i * 10, 1, "/v1/x", 200, "acme"))
+    // 15 requests in each of two minutes against 10 a minute: 5 refused in each. Read
+    // in the wrong order, the second minute's window would refuse all of the first's.
+    let lines: Vec<String> = (0..30)
+        .map(|i| {
+            text_line(
+                T0 + (i / 15) * 60_000 + (i % 15) * 10,
+                1,
+                "/v1/x",
+                200,
+                "acme",
+            )
+        })
         .collect();
     let gz = dir.path().join("access.log.1.gz");
     let mut enc = flate2::write::GzEncoder::new(
         std::fs::File::create(&gz).unwrap(),
         flate2::Compression::default(),
     );
-    enc.write_all((lines[..50].join("\n") + "\n").as_bytes())
+    enc.write_all((lines[..15].join("\n") + "\n").as_bytes())
         .unwrap();
     enc.finish().unwrap();
-    let plain = write_lines(dir.path(), "access.log", &lines[50..]);
+    let plain = write_lines(dir.path(), "access.log", &lines[15..]);
     let cfg = config(
         dir.path(),
         "f.toml",
         &limit("core", "fixed_window", "1m", 10),
         "\"core\"",
     );
-    let doc = replay_json(&cfg, &[], &[&gz, &plain]);
-    assert_eq!(doc["requests"], 100);
-    assert_eq!(entry(&doc, "core", "default")["refused"], 90);
+    let doc = replay_json(&cfg, &[], &[&plain, &gz]);
+    assert_eq!(doc["requests"], 30);
+    assert_eq!(entry(&doc, "core", "default")["refused"], 10, "{doc:#}");
     assert_eq!(doc["unparsed_lines"], 0);
+    assert_eq!(doc["logs"][0], gz.to_str().unwrap());
 }
 
 /// nginx `combined`: callers by client address; with a custom log_format's extra

@@ -46,7 +46,8 @@ pub struct Options {
     pub config: PathBuf,
     /// The config to compare with (`--compare`).
     pub compare: Option<PathBuf>,
-    /// The access logs, oldest first; `.gz` (by content) are decompressed.
+    /// The access logs, in any order (they are read in the order of their first
+    /// request, see [`in_time_order`]); gzip files (by content) are decompressed.
     pub logs: Vec<PathBuf>,
     /// Top callers listed per limit and tier.
     pub top: usize,
@@ -292,7 +293,7 @@ fn replay(models: Vec<Model>, opts: &Options, names: Option<Interner>) -> Result
     } else {
         None
     };
-    for path in &opts.logs {
+    for path in &in_time_order(&opts.logs) {
         let file = std::fs::File::open(path).map_err(|error| Error::Open {
             path: path.clone(),
             error,
@@ -432,6 +433,40 @@ impl Pass {
             }
         }
     }
+}
+
+/// How many lines of a file [`in_time_order`] reads at most to find its first request.
+const FIRST_REQUEST_LINES: usize = 1_000;
+
+/// `logs` in the order of the start of their first request (rotated logs given as
+/// `access.log*` come newest first), files without one (in their first
+/// [`FIRST_REQUEST_LINES`] lines, or unreadable) last, in the order given.
+pub fn in_time_order(logs: &[PathBuf]) -> Vec<PathBuf> {
+    let first = |path: &Path| -> Option<u64> {
+        let file = std::fs::File::open(path).ok()?;
+        let reader = open(Counted {
+            inner: file,
+            bar: None,
+        })
+        .ok()?;
+        reader
+            .split(b'\n')
+            .take(FIRST_REQUEST_LINES)
+            .map_while(Result::ok)
+            .find_map(
+                |line| match parse::parse_line(std::str::from_utf8(&line).ok()?) {
+                    Ok(Parsed::Request(l)) => Some(l.start_ms),
+                    _ => None,
+                },
+            )
+    };
+    let mut keyed: Vec<(u64, usize, &PathBuf)> = logs
+        .iter()
+        .enumerate()
+        .map(|(i, p)| (first(p).unwrap_or(u64::MAX), i, p))
+        .collect();
+    keyed.sort();
+    keyed.into_iter().map(|(_, _, p)| p.clone()).collect()
 }
 
 /// A reader that advances the progress bar by the bytes read from the file.

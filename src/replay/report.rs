@@ -14,7 +14,7 @@ use std::fmt::Write;
 pub struct Report {
     /// The config replayed (`--config`).
     pub config: String,
-    /// The log files, in the order read.
+    /// The log files, in the order read (of their first request).
     pub logs: Vec<String>,
     /// Lines read.
     pub lines: u64,
@@ -234,7 +234,10 @@ impl Report {
         });
         Report {
             config: opts.config.display().to_string(),
-            logs: opts.logs.iter().map(|p| p.display().to_string()).collect(),
+            logs: super::in_time_order(&opts.logs)
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect(),
             lines: reading.lines,
             requests: reading.requests,
             from: reading.span_ms.map(|s| rfc3339(s.0)),

@@ -354,6 +354,40 @@ fn unparsed_lines_are_counted_and_shown_with_their_line_numbers() {
     assert!(text.contains(&format!("{}:4: ", log.display())), "{text}");
 }
 
+/// Requests the gateway answered before its limits (an unknown key's 401, a refusal of
+/// `identity.failed_auth_limit`) are skipped: no config's limits would see them.
+#[test]
+fn requests_answered_before_the_limits_are_skipped() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut lines: Vec<String> = (0..12)
+        .map(|i| text_line(T0 + i * 10, 1, "/v1/x", 200, "anonymous"))
+        .collect();
+    for i in 0..5 {
+        lines.push(
+            text_line(T0 + 200 + i * 10, 1, "/v1/x", 401, "-")
+                .replace("decision=\"allowed\"", "decision=\"unauthenticated\""),
+        );
+    }
+    lines.push(
+        text_line(T0 + 300, 1, "/v1/x", 429, "anonymous")
+            .replace("decision=\"allowed\"", "decision=\"rejected\"")
+            .replace("limit=\"-\"", "limit=\"failed_auth\""),
+    );
+    let log = write_lines(dir.path(), "access.log", &lines);
+    let cfg = config(
+        dir.path(),
+        "f.toml",
+        &limit("core", "fixed_window", "1m", 10),
+        "\"core\"",
+    );
+    let doc = replay_json(&cfg, &[], &[&log]);
+    assert_eq!(doc["requests"], 18);
+    assert_eq!(doc["skipped"], 6);
+    let core = entry(&doc, "core", "anonymous");
+    assert_eq!(core["requests"], 12, "{doc:#}");
+    assert_eq!(core["refused"], 2);
+}
+
 /// `--compare OLD.toml`: both configs side by side and the callers whose verdicts
 /// change.
 #[test]

@@ -159,6 +159,10 @@ pub struct Reading {
     pub unparsed: Vec<Unparsed>,
     /// Files that failed part-way (e.g. a truncated gzip file): what was read counts.
     pub read_errors: Vec<String>,
+    /// Requests the gateway answered before its limits (401, 400, 421, the rate-limit
+    /// endpoint, `Max-Forwards: 0`, refusals of `identity.failed_auth_limit`): not
+    /// replayed, a new config would answer them the same.
+    pub skipped: u64,
     /// Requests whose duration is logged.
     pub with_duration: u64,
     /// The first and last request start, ms since the epoch.
@@ -360,6 +364,20 @@ impl Pass {
 
     fn request(&mut self, line: &Line<'_>) {
         self.reading.requests += 1;
+        let before_limits = matches!(
+            line.decision.as_deref(),
+            Some(
+                "unauthenticated"
+                    | "rate_limit_status"
+                    | "bad_request"
+                    | "misdirected"
+                    | "last_hop"
+            )
+        ) || line.limit.as_deref() == Some(crate::limiter::FAILED_AUTH);
+        if before_limits {
+            self.reading.skipped += 1;
+            return;
+        }
         if line.duration_ms.is_some() {
             self.reading.with_duration += 1;
         }

@@ -40,6 +40,9 @@ pub struct Line<'a> {
     pub decision: Option<Cow<'a, str>>,
     /// Units the gateway charged (tollgate lines with a `cost` field).
     pub cost: Option<u64>,
+    /// The limit the gateway reported (tollgate lines), e.g. `failed_auth` for a
+    /// refusal of repeated unknown keys.
+    pub limit: Option<Cow<'a, str>>,
 }
 
 /// What a log line holds.
@@ -263,6 +266,7 @@ struct Fields<'a> {
     tier: Option<Cow<'a, str>>,
     decision: Option<Cow<'a, str>>,
     cost: Option<u64>,
+    limit: Option<Cow<'a, str>>,
     total_ms: Option<f64>,
     bad: bool,
 }
@@ -281,6 +285,7 @@ impl<'a> Fields<'a> {
             "tier" => self.tier = Some(value),
             "decision" => self.decision = Some(value),
             "cost" => self.cost = value.parse().ok(),
+            "limit" => self.limit = Some(value),
             "total_ms" => self.total_ms = value.parse().ok(),
             _ => {}
         }
@@ -302,6 +307,7 @@ impl<'a> Fields<'a> {
             tier: self.tier.and_then(none_if_dash),
             decision: self.decision,
             cost: self.cost,
+            limit: self.limit.and_then(none_if_dash),
         }))
     }
 }
@@ -328,6 +334,8 @@ struct JsonLine<'a> {
     #[serde(borrow)]
     decision: Option<Cow<'a, str>>,
     cost: Option<u64>,
+    #[serde(borrow)]
+    limit: Option<Cow<'a, str>>,
     total_ms: Option<f64>,
     held_back: Option<u64>,
 }
@@ -354,6 +362,7 @@ fn parse_json(line: &str) -> Result<Parsed<'_>, ParseError> {
         tier: j.tier,
         decision: j.decision,
         cost: j.cost,
+        limit: j.limit,
         total_ms: j.total_ms,
         bad: false,
     }
@@ -438,6 +447,7 @@ fn parse_nginx(line: &str) -> Result<Parsed<'_>, ParseError> {
         tier: None,
         decision: None,
         cost: None,
+        limit: None,
     }))
 }
 

@@ -26,6 +26,9 @@ pub struct Report {
     pub to: Option<String>,
     /// tollgate log lines that are not access lines.
     pub other_lines: u64,
+    /// Requests the gateway answered before its limits (401, 400, 421, the rate-limit
+    /// endpoint, refusals of `identity.failed_auth_limit`): not replayed.
+    pub skipped: u64,
     /// Lines that could not be read.
     pub unparsed_lines: u64,
     /// The first of them, with file and line number.
@@ -243,6 +246,7 @@ impl Report {
             from: reading.span_ms.map(|s| rfc3339(s.0)),
             to: reading.span_ms.map(|s| rfc3339(s.1)),
             other_lines: reading.other_lines,
+            skipped: reading.skipped,
             unparsed_lines: reading.unparsed_lines,
             unparsed: reading.unparsed.clone(),
             read_errors: reading.read_errors.clone(),
@@ -299,6 +303,13 @@ impl Report {
             t.shadow_refused,
             t.unrouted
         );
+        if self.skipped > 0 {
+            let _ = writeln!(
+                o,
+                "skipped {} requests answered before the limits (401, 400, 421, the rate-limit endpoint, failed_auth)",
+                self.skipped
+            );
+        }
         let _ = writeln!(o, "unparsed lines: {}", self.unparsed_lines);
         for u in &self.unparsed {
             let _ = writeln!(o, "  {}:{}: {}: {}", u.file, u.line, u.reason, u.text);

@@ -171,6 +171,7 @@ impl Gateway {
             log.client = gate.log_client(caller.ip);
         }
         log.caller = caller.client.as_ref().map(|c| c.id.clone());
+        log.set_tier(&caller.tier);
         assert!(
             !(req.method() == Method::GET && gate.rate_limit_path == Some(req.uri().path())),
             "not the rate-limit endpoint"
@@ -273,6 +274,7 @@ impl Gateway {
         pending.settle(&mut admission);
         let now_ms = clock.now_ms();
         let usages = if route.charges(response.status()) && cost > 0 {
+            log.cost = cost;
             drive(
                 &self.rt,
                 gate.limiter.charge(&applied, cost, now_ms, admission),

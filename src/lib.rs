@@ -19,6 +19,7 @@ pub mod logging;
 pub mod metrics;
 pub mod proxy;
 pub mod reload;
+pub mod replay;
 pub mod response;
 pub mod server;
 pub mod snapshot;

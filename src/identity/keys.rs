@@ -158,6 +158,12 @@ impl KeySet {
         self.entries.len()
     }
 
+    /// Every client (one per distinct id), in no particular order: `tollgate replay`
+    /// finds a logged caller id's tier and own quotas here.
+    pub fn all_clients(&self) -> &[Arc<Client>] {
+        &self.clients
+    }
+
     /// How many clients (distinct ids).
     pub fn clients(&self) -> usize {
         self.clients.len()

@@ -546,7 +546,7 @@ pub fn next_month_ms(now_ms: u64) -> u64 {
 
 /// Days since 1970-01-01 → (year, month 1..=12, day 1..=31), proleptic Gregorian.
 /// Howard Hinnant, "chrono-Compatible Low-Level Date Algorithms".
-fn civil_from_days(z: i64) -> (i64, i64, i64) {
+pub(crate) fn civil_from_days(z: i64) -> (i64, i64, i64) {
     let z = z + 719_468;
     let era = z.div_euclid(146_097);
     let doe = z - era * 146_097;
@@ -560,7 +560,7 @@ fn civil_from_days(z: i64) -> (i64, i64, i64) {
 }
 
 /// (year, month, day) → days since 1970-01-01 (inverse of [`civil_from_days`]).
-fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
+pub(crate) fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
     let y = if m <= 2 { y - 1 } else { y };
     let era = y.div_euclid(400);
     let yoe = y - era * 400;

@@ -2,8 +2,10 @@
 //!
 //! One line per request on the `tollgate::access` target: method, path, route, status,
 //! client (the IP, its keyed hash, or nothing: `log.client_ip`), caller id (`anonymous`
-//! without a key, `-` for a key that matched no client; never a raw key), decision, limit,
-//! remaining, upstream ms, total ms and request id.
+//! without a key, `-` for a key that matched no client; never a raw key), tier, decision,
+//! limit, remaining, cost (units charged), upstream ms, total ms and request id. The
+//! subscriber's timestamp is when the line is written (the response's end), so the
+//! request began `total_ms` before it: `tollgate replay` reads these lines.
 
 use super::Body;
 use crate::limiter::Usage;
@@ -83,6 +85,14 @@ pub struct AccessLog {
     pub route: Option<Arc<str>>,
     /// The client id; `None` for anonymous callers.
     pub caller: Option<Arc<str>>,
+    /// The caller's tier, when known and lines are written ([`AccessLog::set_tier`]).
+    tier: Option<Arc<str>>,
+    /// Whether access lines were on when the request started (so what only they
+    /// need is not kept otherwise).
+    lines: bool,
+    /// Units charged to the request's limits (the route's `cost` or the upstream's cost
+    /// header); 0 when nothing was charged.
+    pub cost: u64,
     /// The label of the API key presented (keys file `"label"`), never the key.
     pub key_label: Option<Arc<str>>,
     /// The decision.
@@ -133,7 +143,8 @@ impl AccessLog {
             .insert(REQUEST_ID.clone(), request_id.clone());
         // The path only (a query string may carry secrets), and only when the line is
         // written at all.
-        let path = if enabled() {
+        let lines = enabled();
+        let path = if lines {
             req.uri().path().to_string()
         } else {
             String::new()
@@ -146,12 +157,23 @@ impl AccessLog {
             client: None,
             route: None,
             caller: None,
+            tier: None,
+            cost: 0,
+            lines,
             key_label: None,
             decision: Decision::Allowed,
             usage: None,
             upstream_ms: None,
             requests: metrics.requests.clone(),
             done: false,
+        }
+    }
+
+    /// Log the caller's `tier` (kept only when lines are written: no shared reference
+    /// count touched per request otherwise).
+    pub fn set_tier(&mut self, tier: &Arc<str>) {
+        if self.lines {
+            self.tier = Some(tier.clone());
         }
     }
 
@@ -280,10 +302,12 @@ fn write_line(this: &AccessLog, route: &str, status: u16) {
             (_, Some(id)) => id,
             (_, None) => "anonymous",
         },
+        tier = this.tier.as_deref().unwrap_or("-"),
         key = this.key_label.as_deref().unwrap_or("-"),
         decision = this.decision.as_str(),
         limit = this.usage.as_ref().map(|u| &*u.resource).unwrap_or("-"),
         remaining = this.usage.as_ref().map(|u| u.remaining() as i64).unwrap_or(-1),
+        cost = this.cost,
         upstream_ms = this.upstream_ms.map(|m| (m * 1000.0).round() / 1000.0).unwrap_or(-1.0),
         total_ms = (total_ms * 1000.0).round() / 1000.0,
         request_id = this.request_id.to_str().unwrap_or("-"),

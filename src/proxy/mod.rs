@@ -234,6 +234,7 @@ pub async fn serve(
         }
     };
     log.caller = caller.client.as_ref().map(|c| c.id.clone());
+    log.set_tier(&caller.tier);
     log.key_label = caller.key_label.clone();
 
     // The caller's own limits (rate_limit_endpoint.path): answered here, never charged.
@@ -408,6 +409,7 @@ pub async fn serve(
     // One reading of the clock for the charge and the headers.
     let now_ms = clock.now_ms();
     let usages = if route.charges(response.status()) && cost > 0 {
+        log.cost = cost;
         snap.limiter.charge(&applied, cost, now_ms, admission).await
     } else {
         snap.limiter

@@ -20,7 +20,7 @@ use super::body::{BodyError, RequestBody};
 use super::interim::Informational;
 use super::pool::PoolError;
 use bytes::Bytes;
-use http::header::{self, HeaderMap, HeaderName};
+use http::header::{self, HeaderMap};
 use http::{Method, Request, Response};
 use http_body::{Body as HttpBody, Frame, SizeHint};
 use std::future::Future;
@@ -50,15 +50,6 @@ pub struct Connection {
     /// Set when the connection's task has ended.
     closed: Arc<AtomicBool>,
 }
-
-/// Connection-specific fields, never sent in HTTP/2 (RFC 9113 §8.2.2).
-static CONNECTION_HEADERS: [HeaderName; 5] = [
-    header::CONNECTION,
-    HeaderName::from_static("keep-alive"),
-    HeaderName::from_static("proxy-connection"),
-    header::TRANSFER_ENCODING,
-    header::UPGRADE,
-];
 
 impl Connection {
     /// An HTTP/2 connection on `io` (TCP or TLS, already connected) that accepts response
@@ -193,24 +184,14 @@ fn has_payload_semantics(method: &Method) -> bool {
     )
 }
 
-/// Remove what HTTP/2 forbids in a request head: connection-specific fields, the
-/// fields `Connection` names, and `TE` other than `trailers`.
+/// Remove what HTTP/2 forbids in a request head (RFC 9113 §8.2.2): the hop-by-hop
+/// fields ([`crate::http::strip_hop_by_hop`]: the fixed list, `Proxy-*`, and what
+/// `Connection` names), keeping only `TE: trailers`.
 fn strip_connection_headers(headers: &mut HeaderMap) {
-    if let Some(connection) = headers.remove(header::CONNECTION) {
-        if let Ok(names) = connection.to_str() {
-            for name in names.split(',') {
-                headers.remove(name.trim());
-            }
-        }
-    }
-    for name in &CONNECTION_HEADERS[1..] {
-        headers.remove(name);
-    }
-    if headers
-        .get(header::TE)
-        .is_some_and(|te| !te.as_bytes().eq_ignore_ascii_case(b"trailers"))
-    {
-        headers.remove(header::TE);
+    let trailers = crate::http::hop::accepts_trailers(headers);
+    crate::http::strip_hop_by_hop(headers);
+    if trailers {
+        headers.insert(header::TE, http::HeaderValue::from_static("trailers"));
     }
 }
 

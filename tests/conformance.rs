@@ -1307,3 +1307,103 @@ async fn a_shared_ticket_key_file_lets_sessions_resume_on_another_gateway() {
         "{err}"
     );
 }
+
+/// An HTTP/2 upstream (h2c) that records each request's method, path and header fields,
+/// one `name: value` line each, and answers 200 `ok`.
+async fn start_recording_h2_upstream() -> (
+    SocketAddr,
+    Arc<std::sync::Mutex<Vec<String>>>,
+    tokio::task::JoinHandle<()>,
+) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let seen: Arc<std::sync::Mutex<Vec<String>>> = Arc::default();
+    let log = seen.clone();
+    let task = tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                continue;
+            };
+            let log = log.clone();
+            tokio::spawn(async move {
+                let Ok(mut conn) = h2::server::handshake(stream).await else {
+                    return;
+                };
+                while let Some(Ok((req, mut respond))) = conn.accept().await {
+                    let mut text = format!("{} {}\n", req.method(), req.uri().path());
+                    for (name, value) in req.headers() {
+                        text.push_str(&format!("{name}: {}\n", value.to_str().unwrap_or("?")));
+                    }
+                    log.lock().unwrap().push(text);
+                    let ok = Response::builder()
+                        .status(200)
+                        .header("content-length", "2")
+                        .body(())
+                        .unwrap();
+                    if let Ok(mut body) = respond.send_response(ok, false) {
+                        let _ = body.send_data(Bytes::from_static(b"ok"), true);
+                    }
+                }
+            });
+        }
+    });
+    (addr, seen, task)
+}
+
+/// What crosses to an HTTP/2 upstream (the h2-crate client): hop-by-hop fields in any
+/// spelling, the fields `Connection` names, an `h2c` upgrade and its settings, `TE` other
+/// than `trailers`, and spoofed identity headers never do; `TE: trailers` does; each
+/// request reaches the upstream once and is charged once.
+#[tokio::test]
+async fn nothing_unchecked_crosses_to_an_http2_upstream() {
+    let (addr, seen, task) = start_recording_h2_upstream().await;
+    let toml = config(&format!("http://{addr}"), "", "protocol = \"http2\"", 1000)
+        + "\n[identity]\nforward_caller_header = \"x-consumer-id\"\n";
+    let gw = TestGateway::start(&toml).await;
+    let mut tcp = TcpStream::connect(gw.addr).await.unwrap();
+    let hostile =
+        "GET /edge HTTP/1.1\r\nHost: localhost\r\nConnection: X-Hop, keep-alive, Upgrade\r\n\
+        X-Hop: 1\r\nKeep-Alive: timeout=5\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAAP__\r\n\
+        TE: gzip\r\nProxy-Authorization: Basic eDp4\r\nProxy-Connection: keep-alive\r\n\
+        X_Consumer_Id: alice\r\nx-consumer-id: mallory\r\nX-Ratelimit-Remaining: 999\r\n\r\n";
+    tcp.write_all(hostile.as_bytes()).await.unwrap();
+    let first = String::from_utf8_lossy(&read_until(&mut tcp, b"\r\n\r\nok").await).to_lowercase();
+    assert!(first.starts_with("http/1.1 200"), "{first}");
+    assert!(first.contains("\r\nx-ratelimit-used: 1\r\n"), "{first}");
+    tcp.write_all(b"GET /edge HTTP/1.1\r\nHost: localhost\r\nTE: trailers\r\n\r\n")
+        .await
+        .unwrap();
+    let second = String::from_utf8_lossy(&read_until(&mut tcp, b"\r\n\r\nok").await).to_lowercase();
+    assert!(second.contains("\r\nx-ratelimit-used: 2\r\n"), "{second}");
+
+    let seen = seen.lock().unwrap().clone();
+    assert_eq!(
+        seen.len(),
+        2,
+        "each request reaches the upstream once: {seen:?}"
+    );
+    let hostile_seen = seen[0].to_lowercase();
+    for never in [
+        "x-hop",
+        "keep-alive",
+        "upgrade",
+        "http2-settings",
+        "connection",
+        "\nte:",
+        "proxy-",
+        "alice",
+        "mallory",
+        "999",
+    ] {
+        assert!(
+            !hostile_seen.contains(never),
+            "{never} crossed:\n{hostile_seen}"
+        );
+    }
+    assert!(
+        seen[1].to_lowercase().contains("\nte: trailers\n"),
+        "{}",
+        seen[1]
+    );
+    task.abort();
+}

@@ -95,14 +95,98 @@ pub struct TlsCertLabels {
     pub sni: String,
 }
 
+/// `tollgate_requests_total`, counted through a per-thread memo of its rows
+/// ([`RequestCounts::inc`]). Cloning it is cloning a reference to the same rows.
+#[derive(Debug, Clone)]
+pub struct RequestCounts {
+    /// Which [`Metrics`] these rows belong to (unique in the process), for the memo.
+    id: u64,
+    family: Family<RequestLabels, Counter>,
+}
+
+/// How many rows of each memoised family a thread keeps handles to.
+const MEMO_ROWS: usize = 32;
+
+impl RequestCounts {
+    /// Count one request of `route` answered with `status` after `decision`.
+    ///
+    /// A thread keeps handles to the last [`MEMO_ROWS`] rows it counted, found by
+    /// comparing the labels (no hashing, no lock); a row it does not hold is looked up in
+    /// the family (SipHash of the labels under the family's read lock) and kept.
+    pub fn inc(&self, route: &Arc<str>, status: u16, decision: &'static str) {
+        thread_local! {
+            static ROWS: std::cell::RefCell<Vec<(u64, RequestLabels, Counter)>> =
+                const { std::cell::RefCell::new(Vec::new()) };
+        }
+        ROWS.with(|rows| {
+            let mut rows = rows.borrow_mut();
+            let held = rows.iter().find(|(id, l, _)| {
+                *id == self.id && l.status == status && l.decision == decision && l.route == *route
+            });
+            if let Some((_, _, counter)) = held {
+                counter.inc();
+                return;
+            }
+            let labels = RequestLabels {
+                route: route.clone(),
+                status,
+                decision,
+            };
+            let counter = self.family.get_or_create_owned(&labels);
+            counter.inc();
+            if rows.len() == MEMO_ROWS {
+                rows.remove(0);
+            }
+            rows.push((self.id, labels, counter));
+        })
+    }
+}
+
+/// `tollgate_upstream_latency_seconds`, observed through a per-thread memo of its rows
+/// (as [`RequestCounts`]).
+#[derive(Debug, Clone)]
+pub struct UpstreamLatency {
+    /// Which [`Metrics`] these rows belong to (unique in the process), for the memo.
+    id: u64,
+    family: Family<UpstreamLabels, Histogram, fn() -> Histogram>,
+}
+
+impl UpstreamLatency {
+    /// Record that `upstream` took `seconds` to answer with its response head.
+    pub fn observe(&self, upstream: &Arc<str>, seconds: f64) {
+        thread_local! {
+            static ROWS: std::cell::RefCell<Vec<(u64, Arc<str>, Histogram)>> =
+                const { std::cell::RefCell::new(Vec::new()) };
+        }
+        ROWS.with(|rows| {
+            let mut rows = rows.borrow_mut();
+            if let Some((_, _, h)) = rows
+                .iter()
+                .find(|(id, name, _)| *id == self.id && name == upstream)
+            {
+                h.observe(seconds);
+                return;
+            }
+            let h = self.family.get_or_create_owned(&UpstreamLabels {
+                upstream: upstream.clone(),
+            });
+            h.observe(seconds);
+            if rows.len() == MEMO_ROWS {
+                rows.remove(0);
+            }
+            rows.push((self.id, upstream.clone(), h));
+        })
+    }
+}
+
 /// Every metric of one gateway.
 #[derive(Debug)]
 pub struct Metrics {
     registry: Registry,
     /// Requests by route, status and decision.
-    pub requests: Family<RequestLabels, Counter>,
+    pub requests: RequestCounts,
     /// Time from forwarding a request until the upstream's response headers, seconds.
-    pub upstream_latency: Family<UpstreamLabels, Histogram, fn() -> Histogram>,
+    pub upstream_latency: UpstreamLatency,
     /// Config reloads by result.
     pub reloads: Family<ReloadLabels, Counter>,
     /// `tollgate_auth_requests_total{result}`: callouts to `[identity.auth_request]`.
@@ -266,10 +350,20 @@ impl Metrics {
             tls_cert_not_after.clone(),
         );
         registry.register_collector(Box::new(StoreCollector { store }));
+        // Unique per `Metrics` in the process (a test runs several gateways), so that
+        // the per-thread memos never hand one gateway's rows to another.
+        static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Arc::new(Self {
             registry,
-            requests,
-            upstream_latency,
+            requests: RequestCounts {
+                id,
+                family: requests,
+            },
+            upstream_latency: UpstreamLatency {
+                id,
+                family: upstream_latency,
+            },
             reloads,
             auth_requests,
             auth_latency,
@@ -500,5 +594,58 @@ impl prometheus_client::collector::Collector for StoreCollector {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn count_of(m: &Metrics, route: &str, status: u16) -> Option<String> {
+        let line = format!("tollgate_requests_total{{route=\"{route}\",status=\"{status}\",decision=\"allowed\"}} ");
+        m.render()
+            .lines()
+            .find_map(|l| l.strip_prefix(&line).map(str::to_string))
+    }
+
+    #[test]
+    fn memoised_rows_count_into_their_own_gateway() {
+        let (a, b) = (
+            Metrics::new(Box::new(|| None)),
+            Metrics::new(Box::new(|| None)),
+        );
+        let routes: Vec<Arc<str>> = (0..MEMO_ROWS + 8)
+            .map(|i| format!("/r{i}").into())
+            .collect();
+        // More rows than the memo holds, each counted twice on `a`, once on `b`, and
+        // interleaved so that rows leave the memo and come back.
+        for _ in 0..2 {
+            for r in &routes {
+                a.requests.inc(r, 200, "allowed");
+            }
+        }
+        for r in &routes {
+            b.requests.inc(r, 200, "allowed");
+        }
+        a.requests.inc(&routes[0], 404, "allowed");
+        for (i, r) in routes.iter().enumerate() {
+            assert_eq!(count_of(&a, r, 200).as_deref(), Some("2"), "route {i} on a");
+            assert_eq!(count_of(&b, r, 200).as_deref(), Some("1"), "route {i} on b");
+        }
+        assert_eq!(count_of(&a, "/r0", 404).as_deref(), Some("1"));
+        assert_eq!(count_of(&b, "/r0", 404), None);
+
+        let up: Arc<str> = "api".into();
+        a.upstream_latency.observe(&up, 0.002);
+        a.upstream_latency.observe(&up, 0.004);
+        b.upstream_latency.observe(&up, 0.002);
+        let count = |m: &Metrics| {
+            m.render().lines().find_map(|l| {
+                l.strip_prefix("tollgate_upstream_latency_seconds_count{upstream=\"api\"} ")
+                    .map(str::to_string)
+            })
+        };
+        assert_eq!(count(&a).as_deref(), Some("2"));
+        assert_eq!(count(&b).as_deref(), Some("1"));
     }
 }

@@ -7,24 +7,17 @@ use http::header::{self, HeaderMap, HeaderName};
 /// one connection only. tollgate never forwards an `h2c` upgrade, so never this either.
 pub static HTTP2_SETTINGS: HeaderName = HeaderName::from_static("http2-settings");
 
-/// Headers that are hop-by-hop whatever `Connection` says. (`Trailer` is not: it
-/// declares the trailer fields of the message, which cross with it; hyper's HTTP/1.1
-/// encoder sends only the trailer fields it declares.)
-static HOP_BY_HOP: [HeaderName; 8] = [
-    header::CONNECTION,
-    HeaderName::from_static("keep-alive"),
-    header::PROXY_AUTHENTICATE,
-    header::PROXY_AUTHORIZATION,
-    header::TE,
-    header::TRANSFER_ENCODING,
-    header::UPGRADE,
-    HeaderName::from_static("http2-settings"),
-];
-
-/// Whether `name` is hop-by-hop whatever `Connection` says: the fixed list above and
-/// every `Proxy-*` header.
+/// Whether `name` is hop-by-hop whatever `Connection` says: `Connection`, `Keep-Alive`,
+/// `TE`, `Transfer-Encoding`, `Upgrade`, `HTTP2-Settings` and every `Proxy-*` header
+/// (`Proxy-Authenticate`, `Proxy-Authorization`, `Proxy-Connection`...). (`Trailer` is
+/// not: it declares the trailer fields of the message, which cross with it; hyper's
+/// HTTP/1.1 encoder sends only the trailer fields it declares.)
 pub fn always_hop_by_hop(name: &HeaderName) -> bool {
-    HOP_BY_HOP.contains(name) || name.as_str().starts_with("proxy-")
+    // Matched on the lower-case text: one length switch per header of every message.
+    matches!(
+        name.as_str(),
+        "connection" | "keep-alive" | "te" | "transfer-encoding" | "upgrade" | "http2-settings"
+    ) || name.as_str().starts_with("proxy-")
 }
 
 /// Whether the request's `TE` accepts trailer fields (`TE: trailers`, RFC 9110
@@ -46,6 +39,39 @@ pub fn accepts_trailers(headers: &HeaderMap) -> bool {
 /// named in `Connection`. One pass over the names finds what to remove; most messages
 /// have nothing to remove or only `Connection` itself.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    // The common cases without a list: nothing to remove, or only a `Connection` that
+    // names no header (`keep-alive`, `close`), as upstream responses have.
+    let mut connection = false;
+    for name in headers.keys() {
+        if *name == header::CONNECTION {
+            connection = true;
+        } else if always_hop_by_hop(name) {
+            return strip_listed(headers);
+        }
+    }
+    if !connection {
+        return;
+    }
+    if headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .all(|v| v.to_str().is_ok_and(|v| v.split(',').all(names_no_header)))
+    {
+        headers.remove(header::CONNECTION);
+        return;
+    }
+    strip_listed(headers)
+}
+
+/// Whether a `Connection` token names no header: `keep-alive` (on the list already),
+/// `close`, or nothing.
+fn names_no_header(token: &str) -> bool {
+    let t = token.trim();
+    t.is_empty() || t.eq_ignore_ascii_case("keep-alive") || t.eq_ignore_ascii_case("close")
+}
+
+/// `strip_hop_by_hop`'s general case: collect what to remove, then remove it.
+fn strip_listed(headers: &mut HeaderMap) {
     let mut doomed: Vec<HeaderName> = headers
         .keys()
         .filter(|name| always_hop_by_hop(name))
@@ -60,11 +86,9 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
             .iter()
             .filter_map(|v| v.to_str().ok())
             .flat_map(|v| v.split(','))
-            .map(str::trim)
-            // The usual tokens: `keep-alive` is on the list already, `close` names no
-            // header. (from_bytes folds case itself.)
-            .filter(|t| !t.eq_ignore_ascii_case("keep-alive") && !t.eq_ignore_ascii_case("close"))
-            .filter_map(|name| HeaderName::from_bytes(name.as_bytes()).ok()),
+            .filter(|t| !names_no_header(t))
+            // (from_bytes folds case itself.)
+            .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok()),
     );
     for name in doomed {
         headers.remove(name);
@@ -108,5 +132,27 @@ mod tests {
         );
         h.insert(header::TE, HeaderValue::from_static("gzip"));
         assert!(!accepts_trailers(&h));
+    }
+
+    #[test]
+    fn a_connection_naming_no_header_goes_alone_and_one_naming_headers_takes_them() {
+        let build = |connection: &'static str| {
+            let mut h = HeaderMap::new();
+            h.insert(header::CONNECTION, HeaderValue::from_static(connection));
+            h.insert(header::SERVER, HeaderValue::from_static("nginx"));
+            h.insert(
+                HeaderName::from_static("x-private"),
+                HeaderValue::from_static("1"),
+            );
+            strip_hop_by_hop(&mut h);
+            let mut left: Vec<_> = h.keys().map(|k| k.as_str().to_string()).collect();
+            left.sort();
+            left
+        };
+        assert_eq!(build("keep-alive"), ["server", "x-private"]);
+        assert_eq!(build("Close"), ["server", "x-private"]);
+        assert_eq!(build(" keep-alive , , close"), ["server", "x-private"]);
+        assert_eq!(build("keep-alive, X-Private"), ["server"]);
+        assert_eq!(build("close,x-private,server"), Vec::<String>::new());
     }
 }

@@ -93,10 +93,18 @@ pub enum Override {
 
 /// Read the override headers of a request (every value of each).
 pub fn requested(headers: &HeaderMap) -> Override {
-    let present = METHOD_OVERRIDES
-        .iter()
-        .chain(&URL_OVERRIDES)
-        .any(|n| headers.contains_key(n));
+    // One pass over the names (a length switch each) rather than five lookups, each
+    // hashing a long custom name: nearly every request has none of them.
+    let present = headers.keys().any(|n| {
+        matches!(
+            n.as_str(),
+            "x-http-method-override"
+                | "x-method-override"
+                | "x-http-method"
+                | "x-original-url"
+                | "x-rewrite-url"
+        )
+    });
     if !present {
         return Override::None;
     }
@@ -194,5 +202,15 @@ mod tests {
         let mut h = headers(&[("x-rewrite-url", "/a"), ("x-http-method", "GET")]);
         strip_overrides(&mut h);
         assert!(h.is_empty());
+    }
+
+    #[test]
+    fn every_override_name_is_noticed() {
+        for name in METHOD_OVERRIDES.iter().chain(&URL_OVERRIDES) {
+            let mut h = HeaderMap::new();
+            h.insert(http::header::ACCEPT, http::HeaderValue::from_static("*/*"));
+            h.insert(name.clone(), http::HeaderValue::from_static("/x"));
+            assert_ne!(requested(&h), Override::None, "{name}");
+        }
     }
 }

@@ -9,7 +9,7 @@
 
 use super::Body;
 use crate::limiter::Usage;
-use crate::metrics::{Metrics, RequestLabels, UpstreamLabels};
+use crate::metrics::{Metrics, RequestCounts};
 use http::{HeaderName, HeaderValue, Method, Request, Response};
 use prometheus_client::metrics::gauge::Gauge;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -101,10 +101,7 @@ pub struct AccessLog {
     pub usage: Option<Usage>,
     upstream_ms: Option<f64>,
     /// `tollgate_requests_total`, where the request is counted when it ends.
-    requests: prometheus_client::metrics::family::Family<
-        RequestLabels,
-        prometheus_client::metrics::counter::Counter,
-    >,
+    requests: RequestCounts,
     /// Finished ([`AccessLog::finish`]): counted, and its line written or not wanted.
     done: bool,
 }
@@ -189,10 +186,7 @@ impl AccessLog {
         let elapsed = started.elapsed();
         metrics
             .upstream_latency
-            .get_or_create(&UpstreamLabels {
-                upstream: upstream.clone(),
-            })
-            .observe(elapsed.as_secs_f64());
+            .observe(upstream, elapsed.as_secs_f64());
         self.upstream_ms = Some(elapsed.as_secs_f64() * 1000.0);
     }
 
@@ -220,13 +214,7 @@ impl AccessLog {
             .route
             .clone()
             .unwrap_or_else(|| NO_ROUTE.with(Arc::clone));
-        self.requests
-            .get_or_create(&RequestLabels {
-                route: route.clone(),
-                status,
-                decision: self.decision.as_str(),
-            })
-            .inc();
+        self.requests.inc(&route, status, self.decision.as_str());
         route
     }
 }

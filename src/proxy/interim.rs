@@ -75,10 +75,23 @@ pub struct Interim<T> {
     shared: Arc<Shared>,
 }
 
-/// The handle a request's forwarder uses to send 1xx responses to its HTTP/1.1 client
-/// (in the request's extensions).
+/// The handle a request's forwarder uses to send 1xx responses to its client (in the
+/// request's extensions): through the HTTP/1.1 connection's [`Interim`] socket, or as
+/// HEADERS on the request's HTTP/2 stream.
 #[derive(Debug, Clone)]
-pub struct Informational(Arc<Shared>);
+pub struct Informational(Sink);
+
+#[derive(Debug, Clone)]
+enum Sink {
+    Http1(Arc<Shared>),
+    /// The stream's response handle, until the server takes it to send the final
+    /// response (after the handler returned: no 1xx can follow it).
+    Http2(H2Respond),
+}
+
+/// An HTTP/2 stream's response handle, shared by its server task and its request's
+/// [`Informational`] until the final response.
+pub type H2Respond = Arc<Mutex<Option<h2::server::SendResponse<bytes::Bytes>>>>;
 
 impl<T> Interim<T> {
     /// Wrap a client connection's socket.
@@ -91,15 +104,21 @@ impl<T> Interim<T> {
 
     /// The handle for the requests of this connection.
     pub fn handle(&self) -> Informational {
-        Informational(self.shared.clone())
+        Informational(Sink::Http1(self.shared.clone()))
     }
 }
 
 impl Informational {
+    /// The handle of an HTTP/2 stream (see `server::h2`).
+    pub fn http2(respond: H2Respond) -> Self {
+        Informational(Sink::Http2(respond))
+    }
+
     /// Send a 1xx response (`status`, `headers` without hop-by-hop ones) to the client
     /// before the final response. `false` when it was dropped: `status` is not 1xx (or
-    /// is 100 or 101, which the gateway answers itself), or hyper still has bytes of an
-    /// earlier response to write.
+    /// is 100 or 101, which the gateway answers itself), hyper still has bytes of an
+    /// earlier response to write (HTTP/1.1), or the stream is reset or answered
+    /// (HTTP/2).
     pub fn send(&self, status: StatusCode, headers: &HeaderMap) -> bool {
         if !status.is_informational()
             || status == StatusCode::CONTINUE
@@ -109,6 +128,19 @@ impl Informational {
         }
         let mut headers = headers.clone();
         crate::http::strip_hop_by_hop(&mut headers);
+        let shared = match &self.0 {
+            Sink::Http1(shared) => shared,
+            Sink::Http2(respond) => {
+                let mut respond = respond.lock().unwrap_or_else(|e| e.into_inner());
+                let Some(respond) = respond.as_mut() else {
+                    return false;
+                };
+                let mut head = http::Response::new(());
+                *head.status_mut() = status;
+                *head.headers_mut() = headers;
+                return respond.send_informational(head).is_ok();
+            }
+        };
         let mut bytes = format!(
             "HTTP/1.1 {} {}\r\n",
             status.as_u16(),
@@ -122,21 +154,21 @@ impl Informational {
             bytes.extend_from_slice(b"\r\n");
         }
         bytes.extend_from_slice(b"\r\n");
-        let mut state = self.0.state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut state = shared.state.lock().unwrap_or_else(|e| e.into_inner());
         let before = state.queue.len();
         state.queue.extend_from_slice(&bytes);
         // Queued, then checked (both SeqCst, against a write's `clean = false` then
         // `pending` check): either the writer sees it pending and writes it before its
         // own bytes, or this sees the writer has written since its last flush and takes
         // it back. Never after the start of a message of hyper's.
-        self.0.pending.store(true, Ordering::SeqCst);
-        if !self.0.clean.load(Ordering::SeqCst) {
+        shared.pending.store(true, Ordering::SeqCst);
+        if !shared.clean.load(Ordering::SeqCst) {
             // Taken back (no drain can have written it: drains hold the lock too).
             state.queue.truncate(before);
             if state.queue.len() == state.written {
                 state.queue.clear();
                 state.written = 0;
-                self.0.pending.store(false, Ordering::SeqCst);
+                shared.pending.store(false, Ordering::SeqCst);
             }
             return false;
         }

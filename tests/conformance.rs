@@ -1,7 +1,8 @@
 //! HTTP conformance of the proxy path (issue 23), each against real processes: trailers
 //! and gRPC end to end (a tonic client and a tonic server, over h2c and TLS), large
 //! response heads from HTTP/2 and HTTP/1.1 upstreams, `Via` and `Max-Forwards`, ALPN
-//! deciding the protocol on TLS, TLS session tickets and OCSP stapling.
+//! deciding the protocol on TLS, TLS session tickets and OCSP stapling, 1xx (`103 Early
+//! Hints`, `102`) to HTTP/1.1 and HTTP/2 clients.
 
 mod support;
 
@@ -1132,8 +1133,68 @@ where
     }
 }
 
+/// On one HTTP/2 connection (`io`, cleartext with prior knowledge or TLS `h2`; two
+/// requests, each on its own stream): `102`, then `103` with its `Link` (and nothing
+/// else: the upstream's hop-by-hop `x-hop` is dropped) arrive as HEADERS before the
+/// upstream has sent its final response, then the `200` with body `ok`.
+async fn early_hints_over_h2<S>(io: S, scheme: &str)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let (client, conn) = h2::client::handshake(io).await.expect("HTTP/2 handshake");
+    let conn = tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    let mut client = client;
+    for _ in 0..2 {
+        client = client.ready().await.unwrap();
+        let started = tokio::time::Instant::now();
+        let req = Request::get(format!("{scheme}://localhost/hints"))
+            .body(())
+            .unwrap();
+        let (mut response, _) = client.send_request(req, true).unwrap();
+        let mut interim = Vec::new();
+        let last = std::future::poll_fn(|cx| {
+            while let std::task::Poll::Ready(Some(got)) = response.poll_informational(cx) {
+                interim.push((got.expect("a 1xx"), started.elapsed()));
+            }
+            std::future::Future::poll(std::pin::Pin::new(&mut response), cx)
+        })
+        .await
+        .expect("the final response");
+        let statuses: Vec<u16> = interim.iter().map(|(r, _)| r.status().as_u16()).collect();
+        assert_eq!(statuses, [102, 103], "{interim:?}");
+        for (r, at) in &interim {
+            assert!(
+                *at < std::time::Duration::from_millis(350),
+                "the {} waited for the final response ({at:?})",
+                r.status()
+            );
+        }
+        let hints = interim[1].0.headers();
+        assert_eq!(hints.get("link").unwrap(), "</style.css>; rel=preload");
+        assert_eq!(
+            hints.len(),
+            1,
+            "hop-by-hop headers of a 1xx are dropped: {hints:?}"
+        );
+        assert!(interim[0].0.headers().is_empty(), "{interim:?}");
+        assert_eq!(last.status(), StatusCode::OK);
+        let mut body = last.into_body();
+        let mut got = Vec::new();
+        while let Some(chunk) = body.data().await {
+            let chunk = chunk.unwrap();
+            let _ = body.flow_control().release_capacity(chunk.len());
+            got.extend_from_slice(&chunk);
+        }
+        assert_eq!(&got[..], b"ok");
+    }
+    drop(client);
+    conn.abort();
+}
+
 #[tokio::test]
-async fn early_hints_and_other_1xx_reach_http1_clients_before_the_final_response() {
+async fn early_hints_and_other_1xx_reach_http1_and_http2_clients_before_the_final_response() {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let (addr, task) = start_early_hints_upstream().await;
     let pki = Pki::new();
@@ -1155,18 +1216,22 @@ async fn early_hints_and_other_1xx_reach_http1_clients_before_the_final_response
     let text = String::from_utf8_lossy(&all);
     assert!(text.starts_with("HTTP/1.0 200 OK\r\n"), "{text:?}");
 
-    // HTTP/2 clients get the final response intact (hyper's HTTP/2 server cannot send a
-    // 1xx, so none is forwarded there).
+    // HTTP/2 with prior knowledge: the 1xx on each stream, before its 200.
+    early_hints_over_h2(TcpStream::connect(gw.addr).await.unwrap(), "http").await;
+    // A client that does not read 1xx (hyper's) gets the final response intact.
     let req = Request::get(gw.url("/hints")).body(Empty::new()).unwrap();
     let (parts, body, _) = send(&support::h2_client(), req).await;
     assert_eq!(parts.status, StatusCode::OK);
     assert_eq!(&body[..], b"ok");
     drop(gw);
 
-    // HTTP/1.1 over TLS.
+    // HTTP/1.1 and HTTP/2 over TLS.
     let gw = TestGateway::start(&tls_config(&target, &pki, "", "", 1000)).await;
     let mut tls = tls_connect(gw.addr, pki.client_config(&["http/1.1"])).await;
     early_hints_over(&mut tls).await;
+    let tls = tls_connect(gw.addr, pki.client_config(&["h2"])).await;
+    assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
+    early_hints_over_h2(tls, "https").await;
     task.abort();
 }
 
@@ -1214,7 +1279,9 @@ async fn start_early_hints_h2_upstream() -> (SocketAddr, tokio::task::JoinHandle
 }
 
 #[tokio::test]
-async fn early_hints_from_an_http2_upstream_reach_http1_clients_before_the_final_response() {
+async fn early_hints_from_an_http2_upstream_reach_http1_and_http2_clients_before_the_final_response(
+) {
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let (addr, task) = start_early_hints_h2_upstream().await;
     let target = format!("http://{addr}");
     let gw = TestGateway::start(&config(&target, "", "protocol = \"http2\"", 1000)).await;
@@ -1237,12 +1304,14 @@ async fn early_hints_from_an_http2_upstream_reach_http1_clients_before_the_final
     let text = String::from_utf8_lossy(&all);
     assert!(text.starts_with("HTTP/1.0 200 OK\r\n"), "{text:?}");
 
-    // HTTP/2 clients get the final response intact (no 1xx to them: see
-    // `proxy::interim`).
-    let req = Request::get(gw.url("/hints")).body(Empty::new()).unwrap();
-    let (parts, body, _) = send(&support::h2_client(), req).await;
-    assert_eq!(parts.status, StatusCode::OK);
-    assert_eq!(&body[..], b"ok");
+    // HTTP/2 clients get them on the request's stream, before its 200: with prior
+    // knowledge, and over TLS.
+    early_hints_over_h2(TcpStream::connect(gw.addr).await.unwrap(), "http").await;
+    drop(gw);
+    let pki = Pki::new();
+    let gw = TestGateway::start(&tls_config(&target, &pki, "", "protocol = \"http2\"", 1000)).await;
+    let tls = tls_connect(gw.addr, pki.client_config(&["h2"])).await;
+    early_hints_over_h2(tls, "https").await;
     task.abort();
 }
 

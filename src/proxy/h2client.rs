@@ -1,5 +1,5 @@
 //! HTTP/2 to upstreams (`protocol = "http2"`) on the h2 crate directly, so that the
-//! 1xx responses of an HTTP/2 upstream (`103 Early Hints`, ...) reach HTTP/1.1 clients:
+//! 1xx responses of an HTTP/2 upstream (`103 Early Hints`, ...) reach clients:
 //! hyper's HTTP/2 client skips them (its `on_informational` is HTTP/1.1 only).
 //!
 //! What hyper's client did is done here the same way: its connection settings (2 MiB

@@ -1,44 +1,26 @@
-//! Forwarding 1xx (informational) responses to HTTP/1.1 clients (RFC 9110 §15.2: a
-//! proxy MUST forward them): `103 Early Hints`, `102 Processing` and the like.
+//! Forwarding 1xx (informational) responses to clients (RFC 9110 §15.2: a proxy MUST
+//! forward them): `103 Early Hints`, `102 Processing` and the like.
 //!
-//! hyper's client reports the 1xx responses of an HTTP/1.1 upstream through
-//! `hyper::ext::on_informational`, but hyper's server has no way to send one before the
-//! final response (`Service` returns one response). So the client connection's socket is
+//! To HTTP/1.1 clients: hyper's server has no way to send one before the final
+//! response (`Service` returns one response). So the client connection's socket is
 //! wrapped ([`Interim`]): a 1xx is written there, ahead of anything hyper writes next,
 //! while hyper's write buffer is empty, which it is from the moment a request's handler
 //! starts until its final response head is encoded (the handler is waiting for the
 //! upstream). A 1xx that arrives while hyper still has bytes of an earlier response to
 //! write (pipelined requests on a full socket) is dropped rather than risk interleaving.
 //!
+//! To HTTP/2 clients: they are served with the h2 crate (`server::h2`, since hyper's
+//! HTTP/2 server cannot send a 1xx either), and a request's handle holds its stream's
+//! `SendResponse`: a 1xx goes out at once as interim HEADERS
+//! (`SendResponse::send_informational`). The server takes the `SendResponse` back once
+//! the handler has returned, before it sends the final response, so no 1xx can follow
+//! the final response: one that comes later finds the handle empty and is dropped.
+//!
 //! 1xx come from HTTP/1.1 upstreams through `hyper::ext::on_informational` (see
 //! `forward`), and from HTTP/2 upstreams through the h2 crate's
 //! `ResponseFuture::poll_informational` (see [`super::h2client`], which replaced hyper's
 //! HTTP/2 client because it skips them); both hand them to the same [`Informational`].
 //! HTTP/1.0 clients never get one (RFC 9110 §15.2).
-//!
-//! Not covered: 1xx to HTTP/2 clients. hyper 1.x's HTTP/2 server cannot send one (a
-//! `Service` returns one response; its `SendResponse` is private), and serving HTTP/2
-//! clients with the h2 crate instead (`SendResponse::send_informational`) was judged
-//! too large a change to make safely in one step, because:
-//! - the whole request path takes `Request<hyper::body::Incoming>` (`proxy::handle`,
-//!   identity, `auth_request`, [`super::body::RequestBody`], the admin listener), and
-//!   `Incoming` has no public constructor: an h2-crate server means a request body type
-//!   of our own through all of it, and a branch per body poll on the HTTP/1.1 path,
-//!   which is the one measured for CPU per request;
-//! - WebSockets over HTTP/2 (RFC 8441 extended CONNECT, `tests/websocket.rs`) use
-//!   hyper's `upgrade::on` on the HTTP/2 stream, which would become our own
-//!   stream-to-socket adapter with its own flow control;
-//! - on cleartext listeners, hyper-util's `auto` builder tells HTTP/1.1 from h2c by the
-//!   preface and serves both on one port (`tests/proxy.rs`); ALPN's one-protocol rule
-//!   (`server/alpn.rs`, h2spec's GOAWAY for a bad preface) would need the same;
-//! - what hyper's HTTP/2 server does for the tests of `tests/abuse.rs`, `tests/edge.rs`
-//!   and `tests/authority.rs` would be redone by hand: `:authority`/`Host` into the
-//!   request, `Content-Length` checks, the header-list limit's 431, the rapid-reset
-//!   limits, keep-alive PINGs with a timeout, the two-step GOAWAY of a graceful
-//!   shutdown, `Date`, `Content-Length` from a body's size, response backpressure and
-//!   trailers.
-//!
-//! The seam for it would be `server::alpn` (`Serving::Http2`), calling the same service.
 use http::{HeaderMap, StatusCode};
 use std::io::IoSlice;
 use std::pin::Pin;

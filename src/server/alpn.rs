@@ -3,6 +3,10 @@
 //! preface (GOAWAY, as RFC 9113 §3.4 asks, h2spec http2/3.5/2), and an HTTP/2 preface on
 //! an `http/1.1` connection a bad HTTP/1.1 request. Without ALPN (and on cleartext)
 //! the first bytes decide, as before: HTTP/1.1, or HTTP/2 with prior knowledge.
+//!
+//! HTTP/1.1 is served by hyper (with upgrades), HTTP/2 by the h2 crate ([`super::h2`],
+//! which can send 1xx responses); both call the same [`Handler`], with the request's
+//! body as [`Incoming`].
 
 use super::h2;
 use crate::http::incoming::Incoming;

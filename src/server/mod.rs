@@ -1,6 +1,6 @@
-//! The listener: accept loop, HTTP/1.1 and cleartext HTTP/2 on one port (or, with
-//! `[server.tls]`, TLS with ALPN `h2` / `http/1.1`, the handshake inside each
-//! connection's task), graceful shutdown, and the running [`Gateway`] that tests and
+//! The listener: accept loop, HTTP/1.1 (hyper) and cleartext HTTP/2 (the h2 crate,
+//! `h2`) on one port (or, with `[server.tls]`, TLS with ALPN `h2` / `http/1.1`, the
+//! handshake inside each connection's task), graceful shutdown, and the running [`Gateway`] that tests and
 //! `main` drive.
 
 mod alpn;
@@ -368,7 +368,8 @@ impl Connection {
             _ => limits::Reads::new(io, activity.clone()),
         };
         // 1xx responses reach HTTP/1.1 clients through the socket itself (hyper's server
-        // cannot send them): see `proxy::interim`.
+        // cannot send them; HTTP/2 ones get theirs on their stream): see
+        // `proxy::interim`.
         let io = proxy::interim::Interim::new(io);
         let informational = io.handle();
         let Connection {

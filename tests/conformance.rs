@@ -30,6 +30,7 @@ type BoxBody = http_body_util::combinators::BoxBody<Bytes, Infallible>;
 /// A hyper upstream (HTTP/1.1 and h2c on one port):
 /// - `/big/N`: a response header `x-big` of N bytes;
 /// - `/trailers`: body `hello`, declared trailer `x-checksum: abc`;
+/// - `/echo`: the request's body; `/slow`: `slow ok` after 600 ms;
 /// - anything else: 200, echoing the request's `Via`, `Max-Forwards` and `TE` as
 ///   `x-seen-via` (values joined by `|`), `x-seen-max-forwards`, `x-seen-te`.
 struct Origin {
@@ -46,6 +47,14 @@ impl Drop for Origin {
 
 async fn origin_answer(req: Request<Incoming>) -> Response<BoxBody> {
     let path = req.uri().path().to_string();
+    if path == "/echo" {
+        let body = req.into_body().collect().await.unwrap().to_bytes();
+        return Response::new(Full::new(body).boxed());
+    }
+    if path == "/slow" {
+        tokio::time::sleep(std::time::Duration::from_millis(600)).await;
+        return Response::new(Full::new(Bytes::from_static(b"slow ok")).boxed());
+    }
     if let Some(n) = path.strip_prefix("/big/") {
         let n: usize = n.parse().unwrap();
         return Response::builder()
@@ -1475,4 +1484,100 @@ async fn nothing_unchecked_crosses_to_an_http2_upstream() {
         seen[1]
     );
     task.abort();
+}
+
+// ---- HTTP/2 clients, served by the h2 crate ----
+
+/// Send `data` on `send` within the peer's flow-control window, then end the stream.
+async fn send_all(send: &mut h2::SendStream<Bytes>, mut data: Bytes) {
+    while !data.is_empty() {
+        send.reserve_capacity(data.len());
+        let n = std::future::poll_fn(|cx| send.poll_capacity(cx))
+            .await
+            .expect("capacity")
+            .expect("capacity");
+        let n = n.min(data.len());
+        if n > 0 {
+            send.send_data(data.split_to(n), false).unwrap();
+        }
+    }
+    send.send_data(Bytes::new(), true).unwrap();
+}
+
+/// Read a response body, giving the window back as it is read.
+async fn read_all(mut body: h2::RecvStream) -> Vec<u8> {
+    let mut got = Vec::new();
+    while let Some(chunk) = body.data().await {
+        let chunk = chunk.expect("body");
+        let _ = body.flow_control().release_capacity(chunk.len());
+        got.extend_from_slice(&chunk);
+    }
+    got
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http2_clients_get_bodies_past_the_windows_both_ways_a_date_and_a_graceful_close() {
+    let origin = start_origin().await;
+    let gw = TestGateway::start(&config(&format!("http://{}", origin.addr), "", "", 1000)).await;
+    let tcp = TcpStream::connect(gw.addr).await.unwrap();
+    let (client, conn) = h2::client::handshake(tcp).await.unwrap();
+    let conn = tokio::spawn(conn);
+
+    // 3 MiB up and back: three times the gateway's stream and connection windows.
+    let data: Bytes = (0..3 * 1024 * 1024u32).map(|i| (i % 251) as u8).collect();
+    let mut client = client.ready().await.unwrap();
+    let req = Request::post("http://localhost/echo")
+        .header("content-length", data.len())
+        .body(())
+        .unwrap();
+    let (response, mut send) = client.send_request(req, false).unwrap();
+    let upload = data.clone();
+    let sending = tokio::spawn(async move { send_all(&mut send, upload).await });
+    let response = response.await.expect("the echo's response");
+    sending.await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    assert!(response.headers().contains_key("date"), "{response:?}");
+    assert_eq!(
+        response.headers()["content-length"],
+        data.len().to_string().as_str()
+    );
+    assert!(!response.headers().contains_key("connection"));
+    let got = read_all(response.into_body()).await;
+    assert!(
+        got == data,
+        "the body came back changed ({} bytes)",
+        got.len()
+    );
+
+    // A graceful shutdown lets the stream under way finish, then closes the
+    // connection (GOAWAY): a later request on it is refused, and the gateway stops.
+    let mut client = client.ready().await.unwrap();
+    let req = Request::get("http://localhost/slow").body(()).unwrap();
+    let (slow, _) = client.send_request(req, true).unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    gw.gateway.shutdown();
+    let slow = slow.await.expect("the in-flight request's response");
+    assert_eq!(slow.status(), StatusCode::OK);
+    assert_eq!(read_all(slow.into_body()).await, b"slow ok");
+    let refused = async {
+        let mut client = client.ready().await?;
+        let req = Request::get("http://localhost/echo").body(()).unwrap();
+        let (r, _) = client.send_request(req, true)?;
+        r.await
+    };
+    assert!(
+        tokio::time::timeout(std::time::Duration::from_secs(3), refused)
+            .await
+            .expect("an answer")
+            .is_err(),
+        "a request after the GOAWAY was served"
+    );
+    tokio::time::timeout(std::time::Duration::from_secs(3), conn)
+        .await
+        .expect("the connection closed")
+        .unwrap()
+        .expect("closed cleanly");
+    tokio::time::timeout(std::time::Duration::from_secs(3), gw.gateway.wait())
+        .await
+        .expect("gateway stopped after draining");
 }

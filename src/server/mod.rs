@@ -1,7 +1,7 @@
 //! The listener: accept loop, HTTP/1.1 (hyper) and cleartext HTTP/2 (the h2 crate,
 //! `h2`) on one port (or, with `[server.tls]`, TLS with ALPN `h2` / `http/1.1`, the
-//! handshake inside each connection's task), graceful shutdown, and the running [`Gateway`] that tests and
-//! `main` drive.
+//! handshake inside each connection's task), graceful shutdown, and the running
+//! [`Gateway`] that tests and `main` drive.
 
 mod alpn;
 mod h2;

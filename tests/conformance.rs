@@ -1,7 +1,8 @@
 //! HTTP conformance of the proxy path (issue 23), each against real processes: trailers
 //! and gRPC end to end (a tonic client and a tonic server, over h2c and TLS), large
 //! response heads from HTTP/2 and HTTP/1.1 upstreams, `Via` and `Max-Forwards`, ALPN
-//! deciding the protocol on TLS, TLS session tickets and OCSP stapling.
+//! deciding the protocol on TLS, TLS session tickets and OCSP stapling, 1xx (`103 Early
+//! Hints`, `102`) to HTTP/1.1 and HTTP/2 clients.
 
 mod support;
 
@@ -29,6 +30,7 @@ type BoxBody = http_body_util::combinators::BoxBody<Bytes, Infallible>;
 /// A hyper upstream (HTTP/1.1 and h2c on one port):
 /// - `/big/N`: a response header `x-big` of N bytes;
 /// - `/trailers`: body `hello`, declared trailer `x-checksum: abc`;
+/// - `/echo`: the request's body; `/slow`: `slow ok` after 600 ms;
 /// - anything else: 200, echoing the request's `Via`, `Max-Forwards` and `TE` as
 ///   `x-seen-via` (values joined by `|`), `x-seen-max-forwards`, `x-seen-te`.
 struct Origin {
@@ -45,6 +47,14 @@ impl Drop for Origin {
 
 async fn origin_answer(req: Request<Incoming>) -> Response<BoxBody> {
     let path = req.uri().path().to_string();
+    if path == "/echo" {
+        let body = req.into_body().collect().await.unwrap().to_bytes();
+        return Response::new(Full::new(body).boxed());
+    }
+    if path == "/slow" {
+        tokio::time::sleep(std::time::Duration::from_millis(600)).await;
+        return Response::new(Full::new(Bytes::from_static(b"slow ok")).boxed());
+    }
     if let Some(n) = path.strip_prefix("/big/") {
         let n: usize = n.parse().unwrap();
         return Response::builder()
@@ -1132,8 +1142,68 @@ where
     }
 }
 
+/// On one HTTP/2 connection (`io`, cleartext with prior knowledge or TLS `h2`; two
+/// requests, each on its own stream): `102`, then `103` with its `Link` (and nothing
+/// else: the upstream's hop-by-hop `x-hop` is dropped) arrive as HEADERS before the
+/// upstream has sent its final response, then the `200` with body `ok`.
+async fn early_hints_over_h2<S>(io: S, scheme: &str)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let (client, conn) = h2::client::handshake(io).await.expect("HTTP/2 handshake");
+    let conn = tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    let mut client = client;
+    for _ in 0..2 {
+        client = client.ready().await.unwrap();
+        let started = tokio::time::Instant::now();
+        let req = Request::get(format!("{scheme}://localhost/hints"))
+            .body(())
+            .unwrap();
+        let (mut response, _) = client.send_request(req, true).unwrap();
+        let mut interim = Vec::new();
+        let last = std::future::poll_fn(|cx| {
+            while let std::task::Poll::Ready(Some(got)) = response.poll_informational(cx) {
+                interim.push((got.expect("a 1xx"), started.elapsed()));
+            }
+            std::future::Future::poll(std::pin::Pin::new(&mut response), cx)
+        })
+        .await
+        .expect("the final response");
+        let statuses: Vec<u16> = interim.iter().map(|(r, _)| r.status().as_u16()).collect();
+        assert_eq!(statuses, [102, 103], "{interim:?}");
+        for (r, at) in &interim {
+            assert!(
+                *at < std::time::Duration::from_millis(350),
+                "the {} waited for the final response ({at:?})",
+                r.status()
+            );
+        }
+        let hints = interim[1].0.headers();
+        assert_eq!(hints.get("link").unwrap(), "</style.css>; rel=preload");
+        assert_eq!(
+            hints.len(),
+            1,
+            "hop-by-hop headers of a 1xx are dropped: {hints:?}"
+        );
+        assert!(interim[0].0.headers().is_empty(), "{interim:?}");
+        assert_eq!(last.status(), StatusCode::OK);
+        let mut body = last.into_body();
+        let mut got = Vec::new();
+        while let Some(chunk) = body.data().await {
+            let chunk = chunk.unwrap();
+            let _ = body.flow_control().release_capacity(chunk.len());
+            got.extend_from_slice(&chunk);
+        }
+        assert_eq!(&got[..], b"ok");
+    }
+    drop(client);
+    conn.abort();
+}
+
 #[tokio::test]
-async fn early_hints_and_other_1xx_reach_http1_clients_before_the_final_response() {
+async fn early_hints_and_other_1xx_reach_http1_and_http2_clients_before_the_final_response() {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let (addr, task) = start_early_hints_upstream().await;
     let pki = Pki::new();
@@ -1155,18 +1225,22 @@ async fn early_hints_and_other_1xx_reach_http1_clients_before_the_final_response
     let text = String::from_utf8_lossy(&all);
     assert!(text.starts_with("HTTP/1.0 200 OK\r\n"), "{text:?}");
 
-    // HTTP/2 clients get the final response intact (hyper's HTTP/2 server cannot send a
-    // 1xx, so none is forwarded there).
+    // HTTP/2 with prior knowledge: the 1xx on each stream, before its 200.
+    early_hints_over_h2(TcpStream::connect(gw.addr).await.unwrap(), "http").await;
+    // A client that does not read 1xx (hyper's) gets the final response intact.
     let req = Request::get(gw.url("/hints")).body(Empty::new()).unwrap();
     let (parts, body, _) = send(&support::h2_client(), req).await;
     assert_eq!(parts.status, StatusCode::OK);
     assert_eq!(&body[..], b"ok");
     drop(gw);
 
-    // HTTP/1.1 over TLS.
+    // HTTP/1.1 and HTTP/2 over TLS.
     let gw = TestGateway::start(&tls_config(&target, &pki, "", "", 1000)).await;
     let mut tls = tls_connect(gw.addr, pki.client_config(&["http/1.1"])).await;
     early_hints_over(&mut tls).await;
+    let tls = tls_connect(gw.addr, pki.client_config(&["h2"])).await;
+    assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
+    early_hints_over_h2(tls, "https").await;
     task.abort();
 }
 
@@ -1214,7 +1288,9 @@ async fn start_early_hints_h2_upstream() -> (SocketAddr, tokio::task::JoinHandle
 }
 
 #[tokio::test]
-async fn early_hints_from_an_http2_upstream_reach_http1_clients_before_the_final_response() {
+async fn early_hints_from_an_http2_upstream_reach_http1_and_http2_clients_before_the_final_response(
+) {
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let (addr, task) = start_early_hints_h2_upstream().await;
     let target = format!("http://{addr}");
     let gw = TestGateway::start(&config(&target, "", "protocol = \"http2\"", 1000)).await;
@@ -1237,12 +1313,14 @@ async fn early_hints_from_an_http2_upstream_reach_http1_clients_before_the_final
     let text = String::from_utf8_lossy(&all);
     assert!(text.starts_with("HTTP/1.0 200 OK\r\n"), "{text:?}");
 
-    // HTTP/2 clients get the final response intact (no 1xx to them: see
-    // `proxy::interim`).
-    let req = Request::get(gw.url("/hints")).body(Empty::new()).unwrap();
-    let (parts, body, _) = send(&support::h2_client(), req).await;
-    assert_eq!(parts.status, StatusCode::OK);
-    assert_eq!(&body[..], b"ok");
+    // HTTP/2 clients get them on the request's stream, before its 200: with prior
+    // knowledge, and over TLS.
+    early_hints_over_h2(TcpStream::connect(gw.addr).await.unwrap(), "http").await;
+    drop(gw);
+    let pki = Pki::new();
+    let gw = TestGateway::start(&tls_config(&target, &pki, "", "protocol = \"http2\"", 1000)).await;
+    let tls = tls_connect(gw.addr, pki.client_config(&["h2"])).await;
+    early_hints_over_h2(tls, "https").await;
     task.abort();
 }
 
@@ -1406,4 +1484,100 @@ async fn nothing_unchecked_crosses_to_an_http2_upstream() {
         seen[1]
     );
     task.abort();
+}
+
+// ---- HTTP/2 clients, served by the h2 crate ----
+
+/// Send `data` on `send` within the peer's flow-control window, then end the stream.
+async fn send_all(send: &mut h2::SendStream<Bytes>, mut data: Bytes) {
+    while !data.is_empty() {
+        send.reserve_capacity(data.len());
+        let n = std::future::poll_fn(|cx| send.poll_capacity(cx))
+            .await
+            .expect("capacity")
+            .expect("capacity");
+        let n = n.min(data.len());
+        if n > 0 {
+            send.send_data(data.split_to(n), false).unwrap();
+        }
+    }
+    send.send_data(Bytes::new(), true).unwrap();
+}
+
+/// Read a response body, giving the window back as it is read.
+async fn read_all(mut body: h2::RecvStream) -> Vec<u8> {
+    let mut got = Vec::new();
+    while let Some(chunk) = body.data().await {
+        let chunk = chunk.expect("body");
+        let _ = body.flow_control().release_capacity(chunk.len());
+        got.extend_from_slice(&chunk);
+    }
+    got
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http2_clients_get_bodies_past_the_windows_both_ways_a_date_and_a_graceful_close() {
+    let origin = start_origin().await;
+    let gw = TestGateway::start(&config(&format!("http://{}", origin.addr), "", "", 1000)).await;
+    let tcp = TcpStream::connect(gw.addr).await.unwrap();
+    let (client, conn) = h2::client::handshake(tcp).await.unwrap();
+    let conn = tokio::spawn(conn);
+
+    // 3 MiB up and back: three times the gateway's stream and connection windows.
+    let data: Bytes = (0..3 * 1024 * 1024u32).map(|i| (i % 251) as u8).collect();
+    let mut client = client.ready().await.unwrap();
+    let req = Request::post("http://localhost/echo")
+        .header("content-length", data.len())
+        .body(())
+        .unwrap();
+    let (response, mut send) = client.send_request(req, false).unwrap();
+    let upload = data.clone();
+    let sending = tokio::spawn(async move { send_all(&mut send, upload).await });
+    let response = response.await.expect("the echo's response");
+    sending.await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    assert!(response.headers().contains_key("date"), "{response:?}");
+    assert_eq!(
+        response.headers()["content-length"],
+        data.len().to_string().as_str()
+    );
+    assert!(!response.headers().contains_key("connection"));
+    let got = read_all(response.into_body()).await;
+    assert!(
+        got == data,
+        "the body came back changed ({} bytes)",
+        got.len()
+    );
+
+    // A graceful shutdown lets the stream under way finish, then closes the
+    // connection (GOAWAY): a later request on it is refused, and the gateway stops.
+    let mut client = client.ready().await.unwrap();
+    let req = Request::get("http://localhost/slow").body(()).unwrap();
+    let (slow, _) = client.send_request(req, true).unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    gw.gateway.shutdown();
+    let slow = slow.await.expect("the in-flight request's response");
+    assert_eq!(slow.status(), StatusCode::OK);
+    assert_eq!(read_all(slow.into_body()).await, b"slow ok");
+    let refused = async {
+        let mut client = client.ready().await?;
+        let req = Request::get("http://localhost/echo").body(()).unwrap();
+        let (r, _) = client.send_request(req, true)?;
+        r.await
+    };
+    assert!(
+        tokio::time::timeout(std::time::Duration::from_secs(3), refused)
+            .await
+            .expect("an answer")
+            .is_err(),
+        "a request after the GOAWAY was served"
+    );
+    tokio::time::timeout(std::time::Duration::from_secs(3), conn)
+        .await
+        .expect("the connection closed")
+        .unwrap()
+        .expect("closed cleanly");
+    tokio::time::timeout(std::time::Duration::from_secs(3), gw.gateway.wait())
+        .await
+        .expect("gateway stopped after draining");
 }

@@ -3,10 +3,10 @@
 //! and telling the upstream connection's pool whether it was sent to its end.
 
 use super::error::causes;
+use crate::http::incoming::Incoming;
 use bytes::Bytes;
 use futures_util::task::AtomicWaker;
 use http_body::{Body as HttpBody, Frame, SizeHint};
-use hyper::body::Incoming;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -117,7 +117,7 @@ pub struct CutOff;
 /// body, a reset): the client's fault, answered 400, never blamed on the upstream.
 #[derive(Debug, thiserror::Error)]
 #[error("the request body could not be read: {0}")]
-pub struct ClientBody(#[source] hyper::Error);
+pub struct ClientBody(#[source] crate::http::incoming::BodyError);
 
 /// The error of a [`RequestBody`]: [`ClientBody`], [`TooLarge`], [`BodyTimedOut`] or
 /// [`CutOff`].

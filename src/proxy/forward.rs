@@ -5,6 +5,7 @@ use super::error::{causes, ProxyError};
 use super::pool::{Connector, Pool, PoolError, PooledBody, SendError};
 use super::Body;
 use crate::config::{Problems, UpstreamConfig, UpstreamProtocol};
+use crate::http::incoming::Incoming;
 use crate::http::upgrade::Upgrade;
 use crate::http::{always_hop_by_hop, strip_hop_by_hop};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
@@ -12,7 +13,6 @@ use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{Method, Request, Response, StatusCode, Uri, Version};
 use http_body::Body as _;
 use http_body_util::BodyExt;
-use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use std::net::IpAddr;
 use std::path::Path;
@@ -424,7 +424,7 @@ pub async fn forward(
                 .budget
                 .tunnel()
                 .ok_or(ProxyError::Overloaded("too many open tunnels"))?;
-            Some((hyper::upgrade::on(&mut req), slot))
+            Some((crate::http::incoming::client_upgrade(&mut req), slot))
         }
         None => None,
     };
@@ -760,19 +760,20 @@ fn websocket_key() -> HeaderValue {
 /// `idle_timeout`. `slot` (its place among `server.max_tunnels`) is held until then;
 /// both sockets stay counted in the descriptor budget until they are dropped.
 async fn tunnel(
-    client: hyper::upgrade::OnUpgrade,
+    client: crate::http::incoming::ClientSide,
     upstream: hyper::upgrade::OnUpgrade,
     mut slot: crate::budget::TunnelSlot,
     idle_timeout: Duration,
     request_id: HeaderValue,
 ) {
     let id = request_id.to_str().unwrap_or("-").to_string();
+    let upstream = async { upstream.await.map_err(Into::into) };
     match futures_util::future::try_join(client, upstream).await {
         Ok((client, upstream)) => {
             slot.open();
             let opened = tokio::time::Instant::now();
             let last = Arc::new(AtomicU64::new(0));
-            let mut client = Touch::new(TokioIo::new(client), opened, last.clone());
+            let mut client = Touch::new(client, opened, last.clone());
             let mut upstream = Touch::new(TokioIo::new(upstream), opened, last.clone());
             let copy = tokio::io::copy_bidirectional(&mut client, &mut upstream);
             tokio::pin!(copy);

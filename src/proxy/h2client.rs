@@ -1,5 +1,5 @@
 //! HTTP/2 to upstreams (`protocol = "http2"`) on the h2 crate directly, so that the
-//! 1xx responses of an HTTP/2 upstream (`103 Early Hints`, ...) reach HTTP/1.1 clients:
+//! 1xx responses of an HTTP/2 upstream (`103 Early Hints`, ...) reach clients:
 //! hyper's HTTP/2 client skips them (its `on_informational` is HTTP/1.1 only).
 //!
 //! What hyper's client did is done here the same way: its connection settings (2 MiB
@@ -335,14 +335,13 @@ impl HttpBody for ResponseBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, h2::Error>>> {
         if !self.data_done {
-            match ready!(self.recv.poll_data(cx)) {
-                Some(Ok(data)) => {
-                    let _ = self.recv.flow_control().release_capacity(data.len());
-                    if let Some(left) = &mut self.left {
-                        *left = left.saturating_sub(data.len() as u64);
-                    }
-                    return Poll::Ready(Some(Ok(Frame::data(data))));
-                }
+            let this = &mut *self;
+            match ready!(crate::http::incoming::poll_data(
+                &mut this.recv,
+                &mut this.left,
+                cx
+            )) {
+                Some(Ok(data)) => return Poll::Ready(Some(Ok(Frame::data(data)))),
                 // An early response (RFC 9113 §8.1): the body ends here.
                 Some(Err(e)) if e.reason() == Some(h2::Reason::NO_ERROR) => {
                     return Poll::Ready(None)

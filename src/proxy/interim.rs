@@ -1,44 +1,26 @@
-//! Forwarding 1xx (informational) responses to HTTP/1.1 clients (RFC 9110 §15.2: a
-//! proxy MUST forward them): `103 Early Hints`, `102 Processing` and the like.
+//! Forwarding 1xx (informational) responses to clients (RFC 9110 §15.2: a proxy MUST
+//! forward them): `103 Early Hints`, `102 Processing` and the like.
 //!
-//! hyper's client reports the 1xx responses of an HTTP/1.1 upstream through
-//! `hyper::ext::on_informational`, but hyper's server has no way to send one before the
-//! final response (`Service` returns one response). So the client connection's socket is
+//! To HTTP/1.1 clients: hyper's server has no way to send one before the final
+//! response (`Service` returns one response). So the client connection's socket is
 //! wrapped ([`Interim`]): a 1xx is written there, ahead of anything hyper writes next,
 //! while hyper's write buffer is empty, which it is from the moment a request's handler
 //! starts until its final response head is encoded (the handler is waiting for the
 //! upstream). A 1xx that arrives while hyper still has bytes of an earlier response to
 //! write (pipelined requests on a full socket) is dropped rather than risk interleaving.
 //!
+//! To HTTP/2 clients: they are served with the h2 crate (`server::h2`, since hyper's
+//! HTTP/2 server cannot send a 1xx either), and a request's handle holds its stream's
+//! `SendResponse`: a 1xx goes out at once as interim HEADERS
+//! (`SendResponse::send_informational`). The server takes the `SendResponse` back once
+//! the handler has returned, before it sends the final response, so no 1xx can follow
+//! the final response: one that comes later finds the handle empty and is dropped.
+//!
 //! 1xx come from HTTP/1.1 upstreams through `hyper::ext::on_informational` (see
 //! `forward`), and from HTTP/2 upstreams through the h2 crate's
 //! `ResponseFuture::poll_informational` (see [`super::h2client`], which replaced hyper's
 //! HTTP/2 client because it skips them); both hand them to the same [`Informational`].
 //! HTTP/1.0 clients never get one (RFC 9110 §15.2).
-//!
-//! Not covered: 1xx to HTTP/2 clients. hyper 1.x's HTTP/2 server cannot send one (a
-//! `Service` returns one response; its `SendResponse` is private), and serving HTTP/2
-//! clients with the h2 crate instead (`SendResponse::send_informational`) was judged
-//! too large a change to make safely in one step, because:
-//! - the whole request path takes `Request<hyper::body::Incoming>` (`proxy::handle`,
-//!   identity, `auth_request`, [`super::body::RequestBody`], the admin listener), and
-//!   `Incoming` has no public constructor: an h2-crate server means a request body type
-//!   of our own through all of it, and a branch per body poll on the HTTP/1.1 path,
-//!   which is the one measured for CPU per request;
-//! - WebSockets over HTTP/2 (RFC 8441 extended CONNECT, `tests/websocket.rs`) use
-//!   hyper's `upgrade::on` on the HTTP/2 stream, which would become our own
-//!   stream-to-socket adapter with its own flow control;
-//! - on cleartext listeners, hyper-util's `auto` builder tells HTTP/1.1 from h2c by the
-//!   preface and serves both on one port (`tests/proxy.rs`); ALPN's one-protocol rule
-//!   (`server/alpn.rs`, h2spec's GOAWAY for a bad preface) would need the same;
-//! - what hyper's HTTP/2 server does for the tests of `tests/abuse.rs`, `tests/edge.rs`
-//!   and `tests/authority.rs` would be redone by hand: `:authority`/`Host` into the
-//!   request, `Content-Length` checks, the header-list limit's 431, the rapid-reset
-//!   limits, keep-alive PINGs with a timeout, the two-step GOAWAY of a graceful
-//!   shutdown, `Date`, `Content-Length` from a body's size, response backpressure and
-//!   trailers.
-//!
-//! The seam for it would be `server::alpn` (`Serving::Http2`), calling the same service.
 use http::{HeaderMap, StatusCode};
 use std::io::IoSlice;
 use std::pin::Pin;
@@ -75,10 +57,23 @@ pub struct Interim<T> {
     shared: Arc<Shared>,
 }
 
-/// The handle a request's forwarder uses to send 1xx responses to its HTTP/1.1 client
-/// (in the request's extensions).
+/// The handle a request's forwarder uses to send 1xx responses to its client (in the
+/// request's extensions): through the HTTP/1.1 connection's [`Interim`] socket, or as
+/// HEADERS on the request's HTTP/2 stream.
 #[derive(Debug, Clone)]
-pub struct Informational(Arc<Shared>);
+pub struct Informational(Sink);
+
+#[derive(Debug, Clone)]
+enum Sink {
+    Http1(Arc<Shared>),
+    /// The stream's response handle, until the server takes it to send the final
+    /// response (after the handler returned: no 1xx can follow it).
+    Http2(H2Respond),
+}
+
+/// An HTTP/2 stream's response handle, shared by its server task and its request's
+/// [`Informational`] until the final response.
+pub type H2Respond = Arc<Mutex<Option<h2::server::SendResponse<bytes::Bytes>>>>;
 
 impl<T> Interim<T> {
     /// Wrap a client connection's socket.
@@ -91,15 +86,21 @@ impl<T> Interim<T> {
 
     /// The handle for the requests of this connection.
     pub fn handle(&self) -> Informational {
-        Informational(self.shared.clone())
+        Informational(Sink::Http1(self.shared.clone()))
     }
 }
 
 impl Informational {
+    /// The handle of an HTTP/2 stream (see `server::h2`).
+    pub fn http2(respond: H2Respond) -> Self {
+        Informational(Sink::Http2(respond))
+    }
+
     /// Send a 1xx response (`status`, `headers` without hop-by-hop ones) to the client
     /// before the final response. `false` when it was dropped: `status` is not 1xx (or
-    /// is 100 or 101, which the gateway answers itself), or hyper still has bytes of an
-    /// earlier response to write.
+    /// is 100 or 101, which the gateway answers itself), hyper still has bytes of an
+    /// earlier response to write (HTTP/1.1), or the stream is reset or answered
+    /// (HTTP/2).
     pub fn send(&self, status: StatusCode, headers: &HeaderMap) -> bool {
         if !status.is_informational()
             || status == StatusCode::CONTINUE
@@ -109,6 +110,19 @@ impl Informational {
         }
         let mut headers = headers.clone();
         crate::http::strip_hop_by_hop(&mut headers);
+        let shared = match &self.0 {
+            Sink::Http1(shared) => shared,
+            Sink::Http2(respond) => {
+                let mut respond = respond.lock().unwrap_or_else(|e| e.into_inner());
+                let Some(respond) = respond.as_mut() else {
+                    return false;
+                };
+                let mut head = http::Response::new(());
+                *head.status_mut() = status;
+                *head.headers_mut() = headers;
+                return respond.send_informational(head).is_ok();
+            }
+        };
         let mut bytes = format!(
             "HTTP/1.1 {} {}\r\n",
             status.as_u16(),
@@ -122,21 +136,21 @@ impl Informational {
             bytes.extend_from_slice(b"\r\n");
         }
         bytes.extend_from_slice(b"\r\n");
-        let mut state = self.0.state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut state = shared.state.lock().unwrap_or_else(|e| e.into_inner());
         let before = state.queue.len();
         state.queue.extend_from_slice(&bytes);
         // Queued, then checked (both SeqCst, against a write's `clean = false` then
         // `pending` check): either the writer sees it pending and writes it before its
         // own bytes, or this sees the writer has written since its last flush and takes
         // it back. Never after the start of a message of hyper's.
-        self.0.pending.store(true, Ordering::SeqCst);
-        if !self.0.clean.load(Ordering::SeqCst) {
+        shared.pending.store(true, Ordering::SeqCst);
+        if !shared.clean.load(Ordering::SeqCst) {
             // Taken back (no drain can have written it: drains hold the lock too).
             state.queue.truncate(before);
             if state.queue.len() == state.written {
                 state.queue.clear();
                 state.written = 0;
-                self.0.pending.store(false, Ordering::SeqCst);
+                shared.pending.store(false, Ordering::SeqCst);
             }
             return false;
         }

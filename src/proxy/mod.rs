@@ -30,6 +30,7 @@ mod tls;
 
 use crate::clock::Clock;
 use crate::config::LogClientIp;
+use crate::http::incoming::Incoming;
 use crate::http::target::{self, Override};
 use crate::identity::{Identities, IdentityError};
 use crate::limiter::{most_constrained, Applied, Limiter, Refusal, Usage};
@@ -39,7 +40,6 @@ use error::ProxyError;
 use forward::{Downstream, Peer};
 use headers::{Policy, Styles};
 use http::{header, Request, Response};
-use hyper::body::Incoming;
 use route::Router;
 
 pub use crate::response::Body;

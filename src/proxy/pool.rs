@@ -264,7 +264,7 @@ impl Pool {
         mut req: Request<RequestBody>,
         budget: &Budget,
     ) -> Result<Response<PooledBody>, SendError> {
-        // 1xx go to the HTTP/1.1 client when the request path left a handle for them.
+        // 1xx go to the client when the request path left a handle for them.
         let informational = req
             .extensions_mut()
             .remove::<super::interim::Informational>();

@@ -3,113 +3,207 @@
 //! preface (GOAWAY, as RFC 9113 §3.4 asks, h2spec http2/3.5/2), and an HTTP/2 preface on
 //! an `http/1.1` connection a bad HTTP/1.1 request. Without ALPN (and on cleartext)
 //! the first bytes decide, as before: HTTP/1.1, or HTTP/2 with prior knowledge.
+//!
+//! HTTP/1.1 is served by hyper (with upgrades), HTTP/2 by the h2 crate ([`super::h2`],
+//! which can send 1xx responses); both call the same [`Handler`], with the request's
+//! body as [`Incoming`].
 
-use hyper::body::{Body, Incoming};
-use hyper::rt::{Read, Write};
+use super::h2;
+use crate::http::incoming::Incoming;
 use hyper::server::conn::http1;
-use hyper::service::Service;
-use hyper_util::rt::TokioExecutor;
-use hyper_util::server::conn::auto;
+use hyper_util::rt::TokioIo;
+use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
-use std::task::{Context, Poll};
+use std::task::{ready, Context, Poll};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-/// The connection builders of a listener: the sniffing one, and one per protocol ALPN
-/// can settle on.
-#[derive(Debug)]
-pub(super) struct Builders {
-    sniffing: auto::Builder<TokioExecutor>,
-    /// HTTP/2 only (served without the HTTP/1.1 upgrade path, which hyper-util's
-    /// `http2_only` needs; HTTP/2's own extended CONNECT still works).
-    http2: auto::Builder<TokioExecutor>,
-    /// HTTP/1.1 only, with upgrades (WebSocket).
-    http1: http1::Builder,
+/// What answers a connection's requests, whichever server read them (hyper's for
+/// HTTP/1.1, the h2 crate's for HTTP/2).
+pub(super) trait Handler: Clone + Send + Sync + Unpin + 'static {
+    /// The response's body.
+    type Body: http_body::Body<Data = bytes::Bytes, Error = BoxError> + Send + 'static;
+    /// The answer being made.
+    type Future: Future<Output = Result<http::Response<Self::Body>, Infallible>> + Send + 'static;
+    /// Answer `req`.
+    fn call(&self, req: http::Request<Incoming>) -> Self::Future;
 }
 
+impl<F, Fut, B> Handler for F
+where
+    F: Fn(http::Request<Incoming>) -> Fut + Clone + Send + Sync + Unpin + 'static,
+    Fut: Future<Output = Result<http::Response<B>, Infallible>> + Send + 'static,
+    B: http_body::Body<Data = bytes::Bytes, Error = BoxError> + Send + 'static,
+{
+    type Body = B;
+    type Future = Fut;
+
+    fn call(&self, req: http::Request<Incoming>) -> Fut {
+        self(req)
+    }
+}
+
+/// A [`Handler`] as hyper's HTTP/1.1 server calls it.
+#[derive(Clone)]
+pub(super) struct Http1Service<H>(H);
+
+impl<H: Handler> hyper::service::Service<http::Request<hyper::body::Incoming>> for Http1Service<H> {
+    type Response = http::Response<H::Body>;
+    type Error = Infallible;
+    type Future = H::Future;
+
+    fn call(&self, req: http::Request<hyper::body::Incoming>) -> H::Future {
+        self.0.call(req.map(Incoming::Http1))
+    }
+}
+
+/// The connection settings of a listener: HTTP/1.1's (hyper) and HTTP/2's (h2).
+#[derive(Debug)]
+pub(super) struct Builders {
+    /// HTTP/1.1, with upgrades (WebSocket).
+    http1: http1::Builder,
+    http2: h2::Settings,
+}
+
+type Http1Conn<T, H> = http1::UpgradeableConnection<TokioIo<Prefixed<T>>, Http1Service<H>>;
+
 impl Builders {
-    /// `sniffing` for connections without ALPN, and its HTTP/2 settings for `h2` ones;
-    /// `http1` (the same HTTP/1.1 settings as `sniffing`'s) for `http/1.1` ones.
-    pub(super) fn new(sniffing: auto::Builder<TokioExecutor>, http1: http1::Builder) -> Self {
-        Self {
-            http2: sniffing.clone().http2_only(),
-            sniffing,
-            http1,
-        }
+    pub(super) fn new(http1: http1::Builder, http2: h2::Settings) -> Self {
+        Self { http1, http2 }
     }
 
-    /// Serve `io` with `service` in the protocol `alpn` names (see the module
-    /// documentation), or the one its first bytes show when `alpn` is `None`.
-    pub(super) fn serve<I, S, B>(&self, alpn: Option<&[u8]>, io: I, service: S) -> Serving<'_, I, S>
+    fn http1<T, H>(&self, io: Prefixed<T>, handler: H) -> Serving<'_, T, H>
     where
-        S: Service<hyper::Request<Incoming>, Response = hyper::Response<B>> + 'static,
-        S::Future: Send + 'static,
-        S::Error: Into<BoxError>,
-        B: Body + Send + 'static,
-        B::Data: Send,
-        B::Error: Into<BoxError>,
-        I: Read + Write + Unpin + Send + 'static,
+        T: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+        H: Handler,
+    {
+        let conn = self
+            .http1
+            .serve_connection(TokioIo::new(io), Http1Service(handler))
+            .with_upgrades();
+        Serving::Http1(Box::pin(conn))
+    }
+
+    fn http2<T, H>(&self, io: Prefixed<T>, handler: H) -> Serving<'_, T, H>
+    where
+        T: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+        H: Handler,
+    {
+        Serving::Http2(Box::pin(h2::Serve::new(io, &self.http2, handler)))
+    }
+
+    /// Serve `io` with `handler` in the protocol `alpn` names (see the module
+    /// documentation), or the one its first bytes show when `alpn` is `None`.
+    pub(super) fn serve<T, H>(&self, alpn: Option<&[u8]>, io: T, handler: H) -> Serving<'_, T, H>
+    where
+        T: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+        H: Handler,
     {
         match alpn {
-            Some(b"h2") => Serving::Http2(Box::pin(self.http2.serve_connection(io, service))),
-            Some(b"http/1.1") => Serving::Http1(Box::pin(
-                self.http1.serve_connection(io, service).with_upgrades(),
-            )),
-            _ => Serving::Sniffing(Box::pin(
-                self.sniffing.serve_connection_with_upgrades(io, service),
-            )),
+            Some(b"h2") => self.http2(Prefixed::none(io), handler),
+            Some(b"http/1.1") => self.http1(Prefixed::none(io), handler),
+            _ => Serving::Sniffing(Sniff {
+                builders: self,
+                io: Some((io, handler)),
+                got: [0; 24],
+                n: 0,
+            }),
         }
     }
+}
+
+/// A cleartext connection (or one without ALPN) whose first bytes are being read:
+/// the HTTP/2 preface, or HTTP/1.1.
+pub(super) struct Sniff<'a, T, H> {
+    builders: &'a Builders,
+    io: Option<(T, H)>,
+    got: [u8; 24],
+    n: usize,
 }
 
 /// A connection being served, in whichever protocol [`Builders::serve`] chose.
-pub(super) enum Serving<'a, I, S>
-where
-    S: hyper::service::HttpService<Incoming>,
-{
-    Sniffing(Pin<Box<auto::UpgradeableConnection<'a, I, S, TokioExecutor>>>),
-    Http2(Pin<Box<auto::Connection<'a, I, S, TokioExecutor>>>),
-    Http1(Pin<Box<http1::UpgradeableConnection<I, S>>>),
+pub(super) enum Serving<'a, T, H: Handler> {
+    Sniffing(Sniff<'a, T, H>),
+    Http1(Pin<Box<Http1Conn<T, H>>>),
+    Http2(Pin<Box<h2::Serve<Prefixed<T>, H>>>),
+    /// Closed before a protocol was known.
+    Closed,
 }
 
-impl<I, S, B> Serving<'_, I, S>
+impl<T, H> Serving<'_, T, H>
 where
-    S: Service<hyper::Request<Incoming>, Response = hyper::Response<B>> + 'static,
-    S::Future: Send + 'static,
-    S::Error: Into<BoxError>,
-    B: Body + Send + 'static,
-    B::Data: Send,
-    B::Error: Into<BoxError>,
-    I: Read + Write + Unpin + Send + 'static,
+    T: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    H: Handler,
 {
     /// Start closing gracefully: requests under way finish, no new ones are taken.
     pub(super) fn graceful_shutdown(&mut self) {
         match self {
-            Serving::Sniffing(c) => c.as_mut().graceful_shutdown(),
-            Serving::Http2(c) => c.as_mut().graceful_shutdown(),
+            Serving::Sniffing(_) => *self = Serving::Closed,
             Serving::Http1(c) => c.as_mut().graceful_shutdown(),
+            Serving::Http2(c) => c.as_mut().graceful_shutdown(),
+            Serving::Closed => {}
         }
     }
 }
 
-impl<I, S, B> Future for Serving<'_, I, S>
+impl<T, H> Future for Serving<'_, T, H>
 where
-    S: Service<hyper::Request<Incoming>, Response = hyper::Response<B>> + 'static,
-    S::Future: Send + 'static,
-    S::Error: Into<BoxError>,
-    B: Body + Send + 'static,
-    B::Data: Send,
-    B::Error: Into<BoxError>,
-    I: Read + Write + Unpin + Send + 'static,
+    T: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    H: Handler,
 {
     type Output = Result<(), BoxError>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        match self.get_mut() {
-            Serving::Sniffing(c) => c.as_mut().poll(cx),
-            Serving::Http2(c) => c.as_mut().poll(cx),
-            Serving::Http1(c) => c.as_mut().poll(cx).map_err(Into::into),
+        let this = self.get_mut();
+        loop {
+            match this {
+                Serving::Sniffing(sniff) => {
+                    let Some((io, _)) = &mut sniff.io else {
+                        return Poll::Ready(Ok(()));
+                    };
+                    // Read until the bytes differ from the preface, end, or are all of it.
+                    let mut h2 = false;
+                    while sniff.n < PREFACE.len() {
+                        let mut buf = ReadBuf::new(&mut sniff.got[sniff.n..]);
+                        ready!(Pin::new(&mut *io).poll_read(cx, &mut buf))?;
+                        let k = buf.filled().len();
+                        if k == 0 {
+                            break;
+                        }
+                        let matched =
+                            sniff.got[sniff.n..sniff.n + k] == PREFACE[sniff.n..sniff.n + k];
+                        sniff.n += k;
+                        if !matched {
+                            break;
+                        }
+                        h2 = sniff.n == PREFACE.len();
+                    }
+                    let (builders, n, got) = (sniff.builders, sniff.n, sniff.got);
+                    let Some((io, handler)) = sniff.io.take() else {
+                        return Poll::Ready(Ok(()));
+                    };
+                    if n == 0 {
+                        // Closed before a byte.
+                        return Poll::Ready(Ok(()));
+                    }
+                    let io = Prefixed {
+                        prefix: got,
+                        len: n,
+                        at: 0,
+                        inner: io,
+                    };
+                    *this = if h2 {
+                        builders.http2(io, handler)
+                    } else {
+                        builders.http1(io, handler)
+                    };
+                }
+                Serving::Http1(c) => return c.as_mut().poll(cx).map_err(Into::into),
+                Serving::Http2(c) => return c.as_mut().poll(cx),
+                Serving::Closed => return Poll::Ready(Ok(())),
+            }
         }
     }
 }
@@ -154,6 +248,7 @@ where
     match tokio::time::timeout(timeout, read).await {
         Ok(true) => Some(Prefixed {
             prefix: got,
+            len: got.len(),
             at: 0,
             inner: io,
         }),
@@ -173,9 +268,23 @@ where
 /// copy before the rest comes from the connection itself.
 pub(super) struct Prefixed<T> {
     prefix: [u8; 24],
+    /// How many bytes of `prefix` were read (and are read again).
+    len: usize,
     /// How much of `prefix` has been read again.
     at: usize,
     inner: T,
+}
+
+impl<T> Prefixed<T> {
+    /// `inner`, none of whose bytes were read ahead.
+    fn none(inner: T) -> Self {
+        Self {
+            prefix: [0; 24],
+            len: 0,
+            at: 0,
+            inner,
+        }
+    }
 }
 
 impl<T: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Prefixed<T> {
@@ -185,8 +294,8 @@ impl<T: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Prefixed<T> {
         buf: &mut tokio::io::ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
         let this = self.get_mut();
-        if this.at < this.prefix.len() {
-            let rest = &this.prefix[this.at..];
+        if this.at < this.len {
+            let rest = &this.prefix[this.at..this.len];
             let k = rest.len().min(buf.remaining());
             buf.put_slice(&rest[..k]);
             this.at += k;

@@ -1,9 +1,10 @@
-//! The listener: accept loop, HTTP/1.1 and cleartext HTTP/2 on one port (or, with
-//! `[server.tls]`, TLS with ALPN `h2` / `http/1.1`, the handshake inside each
-//! connection's task), graceful shutdown, and the running [`Gateway`] that tests and
-//! `main` drive.
+//! The listener: accept loop, HTTP/1.1 (hyper) and cleartext HTTP/2 (the h2 crate,
+//! `h2`) on one port (or, with `[server.tls]`, TLS with ALPN `h2` / `http/1.1`, the
+//! handshake inside each connection's task), graceful shutdown, and the running
+//! [`Gateway`] that tests and `main` drive.
 
 mod alpn;
+mod h2;
 mod limits;
 pub mod runtime;
 
@@ -17,9 +18,6 @@ use crate::proxy;
 pub use crate::reload::{ReloadOutcome, Reloader};
 use crate::snapshot::Snapshot;
 use arc_swap::ArcSwap;
-use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use hyper_util::server::conn::auto;
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -370,10 +368,10 @@ impl Connection {
             _ => limits::Reads::new(io, activity.clone()),
         };
         // 1xx responses reach HTTP/1.1 clients through the socket itself (hyper's server
-        // cannot send them): see `proxy::interim`.
+        // cannot send them; HTTP/2 ones get theirs on their stream): see
+        // `proxy::interim`.
         let io = proxy::interim::Interim::new(io);
         let informational = io.handle();
-        let io = TokioIo::new(io);
         let Connection {
             builders,
             mut shutdown,
@@ -386,12 +384,13 @@ impl Connection {
         } = self;
         let conn_peer = Arc::new(proxy::forward::Peer::new(peer));
         let conn_activity = activity.clone();
-        let service = service_fn(move |mut req: http::Request<hyper::body::Incoming>| {
+        let handler = move |mut req: http::Request<crate::http::incoming::Incoming>| {
             let shared = shared.clone();
             let peer = conn_peer.clone();
             if let Some(info) = &tls {
                 req.extensions_mut().insert(info.clone());
             }
+            // (HTTP/2 streams come with their own, see `h2`.)
             if req.version() == http::Version::HTTP_11 {
                 req.extensions_mut().insert(informational.clone());
             }
@@ -410,8 +409,8 @@ impl Connection {
                 // Watch the response body's progress for `server.send_timeout`.
                 Ok::<_, Infallible>(response.map(|body| limits::SendWatch::new(body, busy)))
             }
-        });
-        let conn = builders.serve(alpn.as_deref(), io, service);
+        };
+        let conn = builders.serve(alpn.as_deref(), io, handler);
         tokio::pin!(conn);
         // Close gracefully (a response under way finishes first) at shutdown, or once
         // no request has been handled for `idle_timeout`; drop it when an HTTP/1 request
@@ -527,33 +526,19 @@ async fn accept_loop(
     grace: Duration,
     tls_listener: bool,
 ) {
-    let mut builder = auto::Builder::new(TokioExecutor::new());
     // A head past max_header_bytes gets 431 (hyper's buffer holds at least 8 KiB).
     let max_buf = limits.max_header_bytes.max(8192);
-    builder
-        .http1()
-        // `server.header_read_timeout` is the connection's own deadline (see
-        // `Connection::serve`), not a hyper timer re-armed for every request.
-        .header_read_timeout(None)
-        .max_buf_size(max_buf);
-    // The same settings, for TLS connections that negotiated http/1.1 (see `alpn`).
     let mut http1 = hyper::server::conn::http1::Builder::new();
+    // `server.header_read_timeout` is the connection's own deadline (see
+    // `Connection::serve`), not a hyper timer re-armed for every request.
     http1.header_read_timeout(None).max_buf_size(max_buf);
-    builder
-        .http2()
-        .timer(TokioTimer::new())
-        .max_header_list_size(limits.max_header_bytes.min(u32::MAX as usize) as u32)
-        .max_concurrent_streams(limits.http2_max_streams)
-        // WebSockets over HTTP/2 (RFC 8441 extended CONNECT).
-        .enable_connect_protocol()
-        // Rapid reset (CVE-2023-44487): a client that resets streams faster than they
-        // are accepted, or makes the server reset many, gets GOAWAY.
-        .max_pending_accept_reset_streams(20)
-        .max_local_error_reset_streams(256)
+    let http2 = h2::Settings {
+        max_streams: limits.http2_max_streams,
+        max_header_list: limits.max_header_bytes.min(u32::MAX as usize) as u32,
         // A peer that stops answering PINGs is dropped.
-        .keep_alive_interval(Duration::from_secs(20))
-        .keep_alive_timeout(Duration::from_secs(20));
-    let builders = Arc::new(alpn::Builders::new(builder, http1));
+        keep_alive: Duration::from_secs(20),
+    };
+    let builders = Arc::new(alpn::Builders::new(http1, http2));
     // Every connection holds a sender: when all are dropped, every connection ended.
     let (drained_tx, mut drained) = mpsc::channel::<()>(1);
     let refused_log = crate::logging::Throttle::new();

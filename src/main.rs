@@ -9,7 +9,7 @@ use std::time::Duration;
 use tollgate::clock::SystemClock;
 use tollgate::config;
 use tollgate::config::RuntimeShape;
-use tollgate::reload::{notify_systemd, reload_on_sighup, watch_file, watch_keys};
+use tollgate::reload::{notify_systemd, reload_on_sighup, take_sighup, watch_file, watch_keys};
 use tollgate::snapshot::{reshard_warning, Snapshot};
 use tollgate::Gateway;
 
@@ -307,6 +307,8 @@ async fn run(path: &Path) -> ExitCode {
         }
     };
     tollgate::logging::init(&file.config.log);
+    // Before the listeners are bound: a SIGHUP from then on reloads.
+    let hup = take_sighup();
     let gateway = match Gateway::start(&file, std::sync::Arc::new(SystemClock)).await {
         Ok(g) => g,
         Err(e) => {
@@ -314,8 +316,9 @@ async fn run(path: &Path) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    if let Err(e) = reload_on_sighup(gateway.reloader(), path.to_path_buf()) {
-        tracing::error!(error = %e, "cannot handle SIGHUP; reload by file change only");
+    match hup {
+        Ok(hup) => reload_on_sighup(gateway.reloader(), path.to_path_buf(), hup),
+        Err(e) => tracing::error!(error = %e, "cannot handle SIGHUP; reload by file change only"),
     }
     let _watcher = if file.config.server.watch_config {
         match watch_file(gateway.reloader(), path.to_path_buf()) {

@@ -43,10 +43,15 @@ pub fn notify_systemd_reloading() {
     }
 }
 
-/// Reload on every SIGHUP until the process ends.
-pub fn reload_on_sighup(reloader: Reloader, path: PathBuf) -> std::io::Result<()> {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut hup = signal(SignalKind::hangup())?;
+/// Take over SIGHUP (from now on it no longer ends the process: it is held until
+/// [`reload_on_sighup`] acts on it). Called before the listeners are bound, so that a
+/// SIGHUP sent as soon as the port answers reloads instead of killing the gateway.
+pub fn take_sighup() -> std::io::Result<tokio::signal::unix::Signal> {
+    tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+}
+
+/// Reload on every SIGHUP (`hup`, from [`take_sighup`]) until the process ends.
+pub fn reload_on_sighup(reloader: Reloader, path: PathBuf, mut hup: tokio::signal::unix::Signal) {
     tokio::spawn(async move {
         while hup.recv().await.is_some() {
             tracing::info!(config = %path.display(), "SIGHUP: reloading");
@@ -71,7 +76,6 @@ pub fn reload_on_sighup(reloader: Reloader, path: PathBuf) -> std::io::Result<()
             .await;
         }
     });
-    Ok(())
 }
 
 /// Watch the directory of `path` (and those of the TLS certificate files the running

@@ -271,23 +271,16 @@ impl KeySource {
     /// of the file (see [`KeyErrors`]).
     pub fn build(&self, previous: Option<&KeySet>) -> Result<KeySet, KeyErrors> {
         match self.build_once(previous, false) {
-            Some(built) => built,
             // Lines disagree, or a key is given twice: the error names the earlier
             // line, which only a tracking build keeps.
-            None => match self.build_once(previous, true) {
-                Some(built) => built,
-                None => unreachable!("a tracking build keeps every place"),
-            },
+            Err(e) if e.untracked => self.build_once(previous, true),
+            built => built,
         }
     }
 
-    /// One build; `None` when an error needs the places of keys and attributes and
-    /// `track` did not keep them.
-    fn build_once(
-        &self,
-        previous: Option<&KeySet>,
-        track: bool,
-    ) -> Option<Result<KeySet, KeyErrors>> {
+    /// One build; with `track`, it keeps where each key and attribute was given, which
+    /// some errors name (without, such an error is one marked `untracked`).
+    fn build_once(&self, previous: Option<&KeySet>, track: bool) -> Result<KeySet, KeyErrors> {
         let mut b = Builder::new(self, track);
         b.previous = previous;
         for (i, c) in self.inline.iter().enumerate() {
@@ -375,6 +368,9 @@ pub struct KeyErrors {
     file_problems: usize,
     /// Problems of the keys file found past [`MAX_REPORTED`].
     pub more: usize,
+    /// A problem must name where something was given earlier, and this build did not
+    /// keep it: the set is built again keeping it (the problems are not reported).
+    untracked: bool,
 }
 
 impl KeyErrors {
@@ -490,8 +486,6 @@ struct Builder<'s> {
     /// Whether this build keeps where each key and attribute was given (for errors that
     /// name an earlier line).
     track: bool,
-    /// An error needs a place this build did not keep: build again with `track`.
-    untracked: bool,
     /// Where each entry was given (an [`Origin`] each), when tracking.
     origins: Records<4>,
     /// Per client (as `set.clients`), which attributes were given (and where, when
@@ -524,7 +518,6 @@ impl<'s> Builder<'s> {
             source,
             set: KeySet::default(),
             track,
-            untracked: false,
             origins: Records::default(),
             given: Given::new(track),
             ids: Records::zeroed(1024),
@@ -598,7 +591,7 @@ impl<'s> Builder<'s> {
     fn read(&mut self, mut r: impl BufRead) {
         let mut buf = Vec::with_capacity(256);
         let mut n = 0u32;
-        while !self.untracked {
+        while !self.errors.untracked {
             buf.clear();
             match r.read_until(b'\n', &mut buf) {
                 Ok(0) => return,
@@ -826,8 +819,8 @@ impl<'s> Builder<'s> {
             }
         }
         match conflict {
-            Some((_, SOMEWHERE, _)) => {
-                self.untracked = true;
+            Some((_, SOMEWHERE, _)) if !self.track => {
+                self.errors.untracked = true;
                 None
             }
             Some((key, _, message)) => {
@@ -871,11 +864,11 @@ impl<'s> Builder<'s> {
         }
     }
 
-    /// The set, or every problem found; `None` when an error must name a place this
-    /// build did not keep (build again with `track`).
-    fn finish(mut self) -> Option<Result<KeySet, KeyErrors>> {
-        if self.untracked {
-            return None;
+    /// The set, or every problem found (marked `untracked` when one must name a place
+    /// this build did not keep).
+    fn finish(mut self) -> Result<KeySet, KeyErrors> {
+        if self.errors.untracked {
+            return Err(self.errors);
         }
         // The builder's per-client tables go first, so that the slot table is made
         // without them (the peak of a reload is the running set plus this one's).
@@ -922,7 +915,8 @@ impl<'s> Builder<'s> {
                 let other = at_slot as usize - 1;
                 if self.set.entries.get(other)[..32] == digest[..] {
                     if !self.track {
-                        return None;
+                        self.errors.untracked = true;
+                        return Err(self.errors);
                     }
                     let (o, first) = (self.origins.u32(k), self.origins.u32(other));
                     let message = format!(
@@ -943,11 +937,11 @@ impl<'s> Builder<'s> {
             }
         }
         if !self.errors.is_empty() {
-            return Some(Err(self.errors));
+            return Err(self.errors);
         }
         drop(std::mem::take(&mut self.origins));
         self.set.slots = slots;
-        Some(Ok(self.set))
+        Ok(self.set)
     }
 }
 
@@ -1036,7 +1030,7 @@ mod tests {
     }
 
     /// A source of the keys file `text` (in `dir`) and the inline `clients`.
-    fn source(dir: &tempfile::TempDir, text: &str, inline: Vec<ClientConfig>) -> KeySource {
+    fn source_of(dir: &tempfile::TempDir, text: &str, inline: Vec<ClientConfig>) -> KeySource {
         let path = dir.path().join("keys.jsonl");
         std::fs::write(&path, text).unwrap();
         KeySource {
@@ -1062,7 +1056,7 @@ mod tests {
             }
             text.push_str(&format!("{line}\n"));
         }
-        let source = source(&dir, &text, Vec::new());
+        let source = source_of(&dir, &text, Vec::new());
         let set = source.build(None).unwrap();
         assert_eq!((set.keys(), set.clients()), (3000, 1000));
         for i in 0..3000usize {
@@ -1109,7 +1103,7 @@ mod tests {
             tier: "gold".into(),
             key_sha256: crate::config::KeyHashes::One(hex::encode(digest(6))),
         }];
-        let source = source(&dir, &text, inline);
+        let source = source_of(&dir, &text, inline);
         let p = source.file.as_deref().unwrap().display().to_string();
         let lines = source.build(None).unwrap_err().lines();
         assert_eq!(
@@ -1120,6 +1114,23 @@ mod tests {
                 format!("{p}:6: tier \"silver\" differs from \"gold\" given at identity.clients[0] for client \"bob\" (a client has one tier: give it on one line, or the same on each)"),
                 format!("{p}:5: the same key is already given at line 1 (a key hash must be unique across identity.clients and identity.clients_file)"),
             ]
+        );
+
+        // A repeated key alone (found when the table is made, after the whole file).
+        let text = [
+            line("acme", 1, ""),
+            line("bob", 2, ""),
+            line("carol", 1, ""),
+        ]
+        .concat();
+        let lines = source_of(&dir, &text, Vec::new())
+            .build(None)
+            .unwrap_err()
+            .lines();
+        assert_eq!(lines.len(), 1, "{lines:?}");
+        assert!(
+            lines[0].ends_with(":3: the same key is already given at line 1 (a key hash must be unique across identity.clients and identity.clients_file)"),
+            "{lines:?}"
         );
     }
 

@@ -18,10 +18,17 @@
 //! Lookups are one probe sequence in an open-addressing table of `u32` slots indexed by
 //! the digest's first 8 bytes (SHA-256 output is uniform, and callers choose keys, not
 //! digests), then a constant-time comparison of the 32 bytes. 1,000,000 keys take about
-//! 8 MB of slots plus 44 bytes an entry plus the clients (BENCHMARKS.md). The slots,
-//! the entries and the builder's own tables live in anonymous memory maps
-//! ([`records`](super::records)), given back to the system as soon as a reload has
-//! replaced them.
+//! 8 MB of slots plus 36 bytes an entry (12 more for a key with an `expires_at` or a
+//! label) plus the clients (BENCHMARKS.md). The slots, the entries and the builder's own
+//! tables live in anonymous memory maps ([`records`](super::records)), given back to the
+//! system as soon as a reload has replaced them.
+//!
+//! A reload builds the new set while the running one serves, so its peak memory is the
+//! two together. The builder keeps little beside the new set: a byte a client for which
+//! attributes were given and a table of ids (8 bytes a client). Where each key and
+//! attribute was given (line numbers) is kept only by a second build, made when a file
+//! has an error that names an earlier line (a client's lines disagree, a key is given
+//! twice); labels and clients that did not change are shared with the running set.
 
 use super::records::Records;
 use super::Client;
@@ -42,10 +49,20 @@ pub(super) type Quotas = Box<[(Arc<str>, u64)]>;
 type Origin = u32;
 const CONFIG: Origin = 1 << 31;
 
-/// Bytes of one key's record: its SHA-256 (32 bytes), then three `u32`: the index of
-/// its client in [`KeySet::clients`], its `expires_at` (epoch seconds after which it is
-/// refused; 0: never) and 1 + the index of its label in [`KeySet::labels`] (0: none).
-const ENTRY: usize = 44;
+/// Bytes of one key's record: its SHA-256 (32 bytes), then a `u32`: the index of its
+/// client in [`KeySet::clients`] or, with [`EXTRA`] set, the index of the key's record
+/// in [`KeySet::extras`] (a key with an `expires_at` or a label).
+const ENTRY: usize = 36;
+
+/// The bit of an entry's last word saying it points into [`KeySet::extras`]. Client and
+/// extra indices stay below it: there are fewer of them than lines, which stay below
+/// [`CONFIG`].
+const EXTRA: u32 = 1 << 31;
+
+/// Bytes of the record of a key with an `expires_at` or a label: three `u32`, the index
+/// of its client, its `expires_at` (epoch seconds after which it is refused; 0: never)
+/// and 1 + the index of its label in [`KeySet::labels`] (0: none).
+const EXTRAS: usize = 12;
 
 /// The `u32` at byte `at` of `r`.
 fn word<const W: usize>(r: &[u8; W], at: usize) -> u32 {
@@ -57,13 +74,12 @@ fn set_word<const W: usize>(r: &mut [u8; W], at: usize, v: u32) {
     r[at..at + 4].copy_from_slice(&v.to_ne_bytes());
 }
 
-/// The record of a key.
-fn entry(digest: &[u8; 32], client: u32, expires_at: u32, label: u32) -> [u8; ENTRY] {
+/// The record of a key: its digest and `to` (a client index, or `EXTRA` | an index into
+/// the extras).
+fn entry(digest: &[u8; 32], to: u32) -> [u8; ENTRY] {
     let mut r = [0u8; ENTRY];
     r[..32].copy_from_slice(digest);
-    set_word(&mut r, 32, client);
-    set_word(&mut r, 36, expires_at);
-    set_word(&mut r, 40, label);
+    set_word(&mut r, 32, to);
     r
 }
 
@@ -86,6 +102,8 @@ pub struct KeySet {
     slots: Records<4>,
     /// One record of [`ENTRY`] bytes a key.
     entries: Records<ENTRY>,
+    /// One record of [`EXTRAS`] bytes for each key with an `expires_at` or a label.
+    extras: Records<EXTRAS>,
     /// The keys' labels.
     labels: Vec<Arc<str>>,
     clients: Vec<Arc<Client>>,
@@ -113,10 +131,17 @@ impl KeySet {
             }
             let e = self.entries.get(at as usize - 1);
             if bool::from(e[..32].ct_eq(&digest[..])) {
-                let client = &self.clients[word(e, 32) as usize];
-                let expires_at = word(e, 36);
+                let to = word(e, 32);
+                let (client, expires_at, label) = match to & EXTRA {
+                    0 => (to, 0, 0),
+                    _ => {
+                        let x = self.extras.get((to & !EXTRA) as usize);
+                        (word(x, 0), word(x, 4), word(x, 8))
+                    }
+                };
+                let client = &self.clients[client as usize];
                 let expired = expires_at != 0 && now_s() >= u64::from(expires_at);
-                let label = match word(e, 40) {
+                let label = match label {
                     0 => None,
                     l => self.labels.get(l as usize - 1),
                 };
@@ -245,7 +270,18 @@ impl KeySource {
     /// Errors: every problem found, each tied to an inline entry's key path or to a line
     /// of the file (see [`KeyErrors`]).
     pub fn build(&self, previous: Option<&KeySet>) -> Result<KeySet, KeyErrors> {
-        let mut b = Builder::new(self);
+        match self.build_once(previous, false) {
+            // Lines disagree, or a key is given twice: the error names the earlier
+            // line, which only a tracking build keeps.
+            Err(e) if e.untracked => self.build_once(previous, true),
+            built => built,
+        }
+    }
+
+    /// One build; with `track`, it keeps where each key and attribute was given, which
+    /// some errors name (without, such an error is one marked `untracked`).
+    fn build_once(&self, previous: Option<&KeySet>, track: bool) -> Result<KeySet, KeyErrors> {
+        let mut b = Builder::new(self, track);
         b.previous = previous;
         for (i, c) in self.inline.iter().enumerate() {
             b.inline(i, c);
@@ -258,12 +294,18 @@ impl KeySource {
             let most =
                 b.set.fingerprint.map_or(0, |(len, _)| len / 84) as usize + b.set.entries.len();
             let mut entries = Records::with_capacity(most);
-            let mut origins = Records::with_capacity(most);
+            let mut origins = Records::with_capacity(if track { most } else { 0 });
             for i in 0..b.set.entries.len() {
                 entries.push(*b.set.entries.get(i));
+            }
+            for i in 0..b.origins.len() {
                 origins.push(*b.origins.get(i));
             }
-            (b.set.entries, b.origins) = (entries, origins);
+            let mut extras = Records::with_capacity(most + b.set.extras.len());
+            for i in 0..b.set.extras.len() {
+                extras.push(*b.set.extras.get(i));
+            }
+            (b.set.entries, b.origins, b.set.extras) = (entries, origins, extras);
             b.set.clients.reserve(most);
             match std::fs::File::open(path) {
                 Ok(f) => b.read(std::io::BufReader::with_capacity(1 << 20, f)),
@@ -326,6 +368,9 @@ pub struct KeyErrors {
     file_problems: usize,
     /// Problems of the keys file found past [`MAX_REPORTED`].
     pub more: usize,
+    /// A problem must name where something was given earlier, and this build did not
+    /// keep it: the set is built again keeping it (the problems are not reported).
+    untracked: bool,
 }
 
 impl KeyErrors {
@@ -379,17 +424,73 @@ impl KeyErrors {
     }
 }
 
-/// Where a client's tier, quotas and disabled flag were given, as three `u32` at bytes
-/// 0, 4 and 8 (0: not given).
-const GIVEN: usize = 12;
+/// A client's attributes, as [`Given`] numbers them.
+const TIER: usize = 0;
+const QUOTAS: usize = 1;
+const DISABLED: usize = 2;
+
+/// Given, at a place not kept (a build that does not track origins).
+const SOMEWHERE: Origin = u32::MAX;
+
+/// Which of each client's attributes (tier, quotas, disabled) were given, and where.
+///
+/// A first build keeps one byte a client (a bit for each attribute); the places, three
+/// `u32` a client, are kept only by a second build made when an error must name them
+/// (a client's lines disagree), so that a good file of a million clients does not pay
+/// 12 MB for error messages it never prints.
+enum Given {
+    /// Bit `a` of a client's byte: attribute `a` was given.
+    Flags(Records<1>),
+    /// The [`Origin`] of each attribute at bytes `4 * a` of a client's record (0: not
+    /// given).
+    Origins(Records<12>),
+}
+
+impl Given {
+    fn new(track: bool) -> Self {
+        match track {
+            false => Given::Flags(Records::default()),
+            true => Given::Origins(Records::default()),
+        }
+    }
+
+    /// Make room for one more client (nothing given yet).
+    fn push(&mut self) {
+        match self {
+            Given::Flags(r) => r.push([0]),
+            Given::Origins(r) => r.push([0; 12]),
+        }
+    }
+
+    /// Where attribute `a` of client `c` was given ([`SOMEWHERE`] when that is not
+    /// kept); `None`: not given.
+    fn get(&self, c: usize, a: usize) -> Option<Origin> {
+        match self {
+            Given::Flags(r) => (r.get(c)[0] & 1 << a != 0).then_some(SOMEWHERE),
+            Given::Origins(r) => Some(word(r.get(c), 4 * a)).filter(|o| *o != 0),
+        }
+    }
+
+    /// Attribute `a` of client `c` was given at `o`.
+    fn set(&mut self, c: usize, a: usize, o: Origin) {
+        match self {
+            Given::Flags(r) => r.get_mut(c)[0] |= 1 << a,
+            Given::Origins(r) => set_word(r.get_mut(c), 4 * a, o),
+        }
+    }
+}
 
 struct Builder<'s> {
     source: &'s KeySource,
     set: KeySet,
-    /// Where each entry was given (an [`Origin`] each).
+    /// Whether this build keeps where each key and attribute was given (for errors that
+    /// name an earlier line).
+    track: bool,
+    /// Where each entry was given (an [`Origin`] each), when tracking.
     origins: Records<4>,
-    /// Per client (as `set.clients`), where its attributes were given.
-    given: Records<GIVEN>,
+    /// Per client (as `set.clients`), which attributes were given (and where, when
+    /// tracking).
+    given: Given,
     /// Clients by id: an open-addressing table of 1 + indices into `set.clients` (0:
     /// empty).
     ids: Records<4>,
@@ -412,12 +513,13 @@ fn at(o: Origin) -> String {
 }
 
 impl<'s> Builder<'s> {
-    fn new(source: &'s KeySource) -> Self {
+    fn new(source: &'s KeySource, track: bool) -> Self {
         Self {
             source,
             set: KeySet::default(),
+            track,
             origins: Records::default(),
-            given: Records::default(),
+            given: Given::new(track),
             ids: Records::zeroed(1024),
             previous: None,
             names: BTreeSet::from([Arc::from("default")]),
@@ -489,7 +591,7 @@ impl<'s> Builder<'s> {
     fn read(&mut self, mut r: impl BufRead) {
         let mut buf = Vec::with_capacity(256);
         let mut n = 0u32;
-        loop {
+        while !self.errors.untracked {
             buf.clear();
             match r.read_until(b'\n', &mut buf) {
                 Ok(0) => return,
@@ -591,11 +693,20 @@ impl<'s> Builder<'s> {
                 }
             },
         };
-        let label = line.label.as_deref().map(Arc::from);
+        let label = line.label.as_deref().map(|l| self.label(&digest, l));
         let Some(client) = self.client(n, &line.id, &digest, tier, quotas, line.disabled) else {
             return;
         };
         self.key(n, digest, client, expires_at, label);
+    }
+
+    /// The label `text` of the key `digest`: the previous set's when that key had the
+    /// same label there (a reload allocates only the labels that changed).
+    fn label(&self, digest: &[u8; 32], text: &str) -> Arc<str> {
+        match self.previous.and_then(|p| p.find(digest, || 0)?.label) {
+            Some(l) if **l == *text => l.clone(),
+            _ => Arc::from(text),
+        }
     }
 
     /// The slot of `id` in the id table: where it is, or the empty slot where it goes.
@@ -650,7 +761,7 @@ impl<'s> Builder<'s> {
                 let client = kept
                     .unwrap_or_else(|| Arc::new(Client::new(id.into(), self.default_tier.clone())));
                 self.set.clients.push(client);
-                self.given.push([0; GIVEN]);
+                self.given.push();
                 self.ids.set_u32(slot, index + 1);
                 if self.set.clients.len() * 2 > self.ids.len() {
                     self.grow_ids();
@@ -659,55 +770,60 @@ impl<'s> Builder<'s> {
             }
             at => at - 1,
         };
-        let (given, client) = (
-            self.given.get_mut(index as usize),
+        let (c, given, client) = (
+            index as usize,
+            &mut self.given,
             &mut self.set.clients[index as usize],
         );
         let mut conflict = None;
         if let Some(t) = tier {
-            match word(given, 0) {
-                0 => {
+            match given.get(c, TIER) {
+                None => {
                     if client.tier != t {
                         Arc::make_mut(client).tier = t;
                     }
-                    set_word(given, 0, o);
+                    given.set(c, TIER, o);
                 }
-                g if client.tier != t => {
-                    conflict = Some(("tier", format!("tier {t:?} differs from {:?} given at {} for client {id:?} (a client has one tier: give it on one line, or the same on each)", client.tier, at(g))));
+                Some(g) if client.tier != t => {
+                    conflict = Some(("tier", g, format!("tier {t:?} differs from {:?} given at {} for client {id:?} (a client has one tier: give it on one line, or the same on each)", client.tier, at(g))));
                 }
                 _ => {}
             }
         }
         if let Some(q) = quotas {
-            match word(given, 4) {
-                0 => {
+            match given.get(c, QUOTAS) {
+                None => {
                     if client.quotas.as_deref() != Some(&q) {
                         Arc::make_mut(client).quotas = Some(Box::new(q));
                     }
-                    set_word(given, 4, o);
+                    given.set(c, QUOTAS, o);
                 }
-                g if client.quotas.as_deref() != Some(&q) => {
-                    conflict = Some(("quotas", format!("quotas differ from those given at {} for client {id:?} (give them on one line, or the same on each)", at(g))));
+                Some(g) if client.quotas.as_deref() != Some(&q) => {
+                    conflict = Some(("quotas", g, format!("quotas differ from those given at {} for client {id:?} (give them on one line, or the same on each)", at(g))));
                 }
                 _ => {}
             }
         }
         if let Some(x) = disabled {
-            match word(given, 8) {
-                0 => {
+            match given.get(c, DISABLED) {
+                None => {
                     if client.disabled != x {
                         Arc::make_mut(client).disabled = x;
                     }
-                    set_word(given, 8, o);
+                    given.set(c, DISABLED, o);
                 }
-                g if client.disabled != x => {
-                    conflict = Some(("disabled", format!("disabled {x} differs from {} given at {} for client {id:?} (disabling a client disables all its keys; to retire one key, remove it or give it an expires_at)", client.disabled, at(g))));
+                Some(g) if client.disabled != x => {
+                    conflict = Some(("disabled", g, format!("disabled {x} differs from {} given at {} for client {id:?} (disabling a client disables all its keys; to retire one key, remove it or give it an expires_at)", client.disabled, at(g))));
                 }
                 _ => {}
             }
         }
         match conflict {
-            Some((key, message)) => {
+            Some((_, SOMEWHERE, _)) if !self.track => {
+                self.errors.untracked = true;
+                None
+            }
+            Some((key, _, message)) => {
                 self.problem(o, key, message);
                 None
             }
@@ -731,27 +847,42 @@ impl<'s> Builder<'s> {
                 self.set.labels.len() as u32
             }
         };
-        self.set
-            .entries
-            .push(entry(&digest, client, expires_at, label));
-        self.origins.push(o.to_ne_bytes());
+        let to = match (expires_at, label) {
+            (0, 0) => client,
+            _ => {
+                let mut x = [0u8; EXTRAS];
+                set_word(&mut x, 0, client);
+                set_word(&mut x, 4, expires_at);
+                set_word(&mut x, 8, label);
+                self.set.extras.push(x);
+                EXTRA | (self.set.extras.len() as u32 - 1)
+            }
+        };
+        self.set.entries.push(entry(&digest, to));
+        if self.track {
+            self.origins.push(o.to_ne_bytes());
+        }
     }
 
+    /// The set, or every problem found (marked `untracked` when one must name a place
+    /// this build did not keep).
     fn finish(mut self) -> Result<KeySet, KeyErrors> {
+        if self.errors.untracked {
+            return Err(self.errors);
+        }
         // The builder's per-client tables go first, so that the slot table is made
         // without them (the peak of a reload is the running set plus this one's).
         // What no line gave takes its default (a client shared with the previous set
         // may have had it).
-        let given = std::mem::take(&mut self.given);
+        let given = std::mem::replace(&mut self.given, Given::new(false));
         for (c, client) in self.set.clients.iter_mut().enumerate() {
-            let given = given.get(c);
-            if word(given, 0) == 0 && client.tier != self.default_tier {
+            if given.get(c, TIER).is_none() && client.tier != self.default_tier {
                 Arc::make_mut(client).tier = self.default_tier.clone();
             }
-            if word(given, 4) == 0 && client.quotas.is_some() {
+            if given.get(c, QUOTAS).is_none() && client.quotas.is_some() {
                 Arc::make_mut(client).quotas = None;
             }
-            if word(given, 8) == 0 && client.disabled {
+            if given.get(c, DISABLED).is_none() && client.disabled {
                 Arc::make_mut(client).disabled = false;
             }
             self.set.tiers.insert(client.tier.clone());
@@ -783,6 +914,10 @@ impl<'s> Builder<'s> {
                 }
                 let other = at_slot as usize - 1;
                 if self.set.entries.get(other)[..32] == digest[..] {
+                    if !self.track {
+                        self.errors.untracked = true;
+                        return Err(self.errors);
+                    }
                     let (o, first) = (self.origins.u32(k), self.origins.u32(other));
                     let message = format!(
                         "the same key is already given at {} (a key hash must be unique across identity.clients and identity.clients_file)",
@@ -892,6 +1027,111 @@ mod tests {
 
     fn digest(i: usize) -> [u8; 32] {
         Sha256::digest(format!("key-{i}").as_bytes()).into()
+    }
+
+    /// A source of the keys file `text` (in `dir`) and the inline `clients`.
+    fn source_of(dir: &tempfile::TempDir, text: &str, inline: Vec<ClientConfig>) -> KeySource {
+        let path = dir.path().join("keys.jsonl");
+        std::fs::write(&path, text).unwrap();
+        KeySource {
+            inline,
+            file: Some(path),
+            limits: None,
+            tiers: None,
+            by_id: false,
+        }
+    }
+
+    #[test]
+    fn labels_and_expiry_belong_to_their_key_and_a_reload_shares_the_labels() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut text = String::new();
+        for i in 0..3000usize {
+            let mut line = serde_json::json!({"id": format!("c{}", i / 3), "key_sha256": hex::encode(digest(i))});
+            if i % 3 == 0 {
+                line["label"] = format!("key {i}").into();
+            }
+            if i % 5 == 0 {
+                line["expires_at"] = (1_000_000 + i).into();
+            }
+            text.push_str(&format!("{line}\n"));
+        }
+        let source = source_of(&dir, &text, Vec::new());
+        let set = source.build(None).unwrap();
+        assert_eq!((set.keys(), set.clients()), (3000, 1000));
+        for i in 0..3000usize {
+            let expires = 1_000_000 + i as u64;
+            let found = set.find(&digest(i), || expires - 1).unwrap();
+            assert_eq!(&*found.client.id, format!("c{}", i / 3));
+            assert!(found.active);
+            assert_eq!(
+                found.label.map(|l| &**l),
+                (i % 3 == 0).then(|| format!("key {i}")).as_deref()
+            );
+            let later = set.find(&digest(i), || expires).unwrap();
+            assert_eq!(later.active, i % 5 != 0, "key {i}");
+        }
+        let again = source.build(Some(&set)).unwrap();
+        assert_eq!(again.labels.len(), 1000);
+        assert!(set
+            .labels
+            .iter()
+            .zip(&again.labels)
+            .all(|(a, b)| Arc::ptr_eq(a, b)));
+    }
+
+    #[test]
+    fn errors_that_name_an_earlier_line_name_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let line = |id: &str, k: usize, extra: &str| {
+            format!(
+                "{{\"id\": \"{id}\", \"key_sha256\": \"{}\"{extra}}}\n",
+                hex::encode(digest(k))
+            )
+        };
+        let text = [
+            line("acme", 1, r#", "tier": "gold", "quotas": {"core": 5}"#),
+            line("acme", 2, r#", "quotas": {"core": 6}"#),
+            line("acme", 3, r#", "disabled": true"#),
+            line("acme", 4, r#", "disabled": false"#),
+            line("bob", 1, ""),
+            line("bob", 5, r#", "tier": "silver""#),
+        ]
+        .concat();
+        let inline = vec![ClientConfig {
+            id: "bob".into(),
+            tier: "gold".into(),
+            key_sha256: crate::config::KeyHashes::One(hex::encode(digest(6))),
+        }];
+        let source = source_of(&dir, &text, inline);
+        let p = source.file.as_deref().unwrap().display().to_string();
+        let lines = source.build(None).unwrap_err().lines();
+        assert_eq!(
+            lines,
+            [
+                format!("{p}:2: quotas differ from those given at line 1 for client \"acme\" (give them on one line, or the same on each)"),
+                format!("{p}:4: disabled false differs from true given at line 3 for client \"acme\" (disabling a client disables all its keys; to retire one key, remove it or give it an expires_at)"),
+                format!("{p}:6: tier \"silver\" differs from \"gold\" given at identity.clients[0] for client \"bob\" (a client has one tier: give it on one line, or the same on each)"),
+                format!("{p}:5: the same key is already given at line 1 (a key hash must be unique across identity.clients and identity.clients_file)"),
+            ]
+        );
+
+        // A repeated key alone (found when the table is made, after the whole file).
+        let text = [
+            line("acme", 1, ""),
+            line("bob", 2, ""),
+            line("carol", 1, ""),
+        ]
+        .concat();
+        let lines = source_of(&dir, &text, Vec::new())
+            .build(None)
+            .unwrap_err()
+            .lines();
+        assert_eq!(lines.len(), 1, "{lines:?}");
+        assert!(
+            lines[0].ends_with(":3: the same key is already given at line 1 (a key hash must be unique across identity.clients and identity.clients_file)"),
+            "{lines:?}"
+        );
     }
 
     #[test]

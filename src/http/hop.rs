@@ -52,11 +52,13 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     if !connection {
         return;
     }
-    if headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .all(|v| v.to_str().is_ok_and(|v| v.split(',').all(names_no_header)))
-    {
+    if headers.get_all(header::CONNECTION).iter().all(|v| {
+        // Most often the whole value is one token: no split.
+        let b = v.as_bytes();
+        b.eq_ignore_ascii_case(b"keep-alive")
+            || b.eq_ignore_ascii_case(b"close")
+            || v.to_str().is_ok_and(|v| v.split(',').all(names_no_header))
+    }) {
         headers.remove(header::CONNECTION);
         return;
     }

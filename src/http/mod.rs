@@ -176,7 +176,7 @@ impl Edge {
         let mut doomed: Vec<HeaderName> = Vec::new();
         for name in headers.keys() {
             let n = name.as_str();
-            let drop = if n.contains('_') {
+            let drop = if n.as_bytes().contains(&b'_') {
                 !self.underscores || self.reserved(&dash_form(n))
             } else {
                 n.starts_with("x-ratelimit-")

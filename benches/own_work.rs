@@ -299,8 +299,8 @@ impl Gateway {
         tollgate::http::strip_hop_by_hop(&mut parts.headers);
         let h = &mut parts.headers;
         assert!(upgrade.is_none());
-        if !h.contains_key(&X_FORWARDED_FOR) {
-            h.insert(X_FORWARDED_FOR.clone(), self.peer_header.clone());
+        if let http::header::Entry::Vacant(v) = h.entry(&X_FORWARDED_FOR) {
+            v.insert(self.peer_header.clone());
         }
         if !peer_trusted || !h.contains_key(&X_FORWARDED_PROTO) {
             h.insert(X_FORWARDED_PROTO.clone(), HeaderValue::from_static("http"));

@@ -13,11 +13,18 @@ pub static HTTP2_SETTINGS: HeaderName = HeaderName::from_static("http2-settings"
 /// not: it declares the trailer fields of the message, which cross with it; hyper's
 /// HTTP/1.1 encoder sends only the trailer fields it declares.)
 pub fn always_hop_by_hop(name: &HeaderName) -> bool {
-    // Matched on the lower-case text: one length switch per header of every message.
-    matches!(
-        name.as_str(),
-        "connection" | "keep-alive" | "te" | "transfer-encoding" | "upgrade" | "http2-settings"
-    ) || name.as_str().starts_with("proxy-")
+    // The standard names compare as enum values; the text is read only for the rest.
+    if name == header::CONNECTION
+        || name == header::TE
+        || name == header::TRANSFER_ENCODING
+        || name == header::UPGRADE
+        || name == header::PROXY_AUTHENTICATE
+        || name == header::PROXY_AUTHORIZATION
+    {
+        return true;
+    }
+    let s = name.as_str();
+    s.starts_with("proxy-") || s == "keep-alive" || s == "http2-settings"
 }
 
 /// Whether the request's `TE` accepts trailer fields (`TE: trailers`, RFC 9110
@@ -156,5 +163,36 @@ mod tests {
         assert_eq!(build(" keep-alive , , close"), ["server", "x-private"]);
         assert_eq!(build("keep-alive, X-Private"), ["server"]);
         assert_eq!(build("close,x-private,server"), Vec::<String>::new());
+    }
+
+    #[test]
+    fn the_hop_by_hop_names_in_every_spelling_and_only_them() {
+        for name in [
+            "connection",
+            "Keep-Alive",
+            "TE",
+            "transfer-encoding",
+            "Upgrade",
+            "proxy-authenticate",
+            "Proxy-Authorization",
+            "proxy-connection",
+            "proxy-x",
+            "HTTP2-Settings",
+        ] {
+            let n = HeaderName::from_bytes(name.as_bytes()).unwrap();
+            assert!(always_hop_by_hop(&n), "{name}");
+        }
+        for name in [
+            "trailer",
+            "host",
+            "content-length",
+            "x-upgrade",
+            "tee",
+            "keep-alive2",
+            "proxy",
+        ] {
+            let n = HeaderName::from_bytes(name.as_bytes()).unwrap();
+            assert!(!always_hop_by_hop(&n), "{name}");
+        }
     }
 }

@@ -128,16 +128,20 @@ impl AccessLog {
     /// Start timing `req`; give it a request id (kept from the client when it sent a
     /// sane one, else a new UUID) that is forwarded upstream.
     pub fn start<B>(req: &mut Request<B>, metrics: &Metrics) -> Self {
-        let request_id = req
-            .headers()
-            .get(&REQUEST_ID)
-            .filter(|v| {
-                !v.is_empty() && v.len() <= 200 && v.as_bytes().iter().all(|b| b.is_ascii_graphic())
-            })
-            .cloned()
-            .unwrap_or_else(new_request_id);
-        req.headers_mut()
-            .insert(REQUEST_ID.clone(), request_id.clone());
+        let sane = |v: &HeaderValue| {
+            !v.is_empty() && v.len() <= 200 && v.as_bytes().iter().all(|b| b.is_ascii_graphic())
+        };
+        // One lookup for both the client's id and ours; the request keeps one value.
+        let request_id = match req.headers_mut().entry(&REQUEST_ID) {
+            http::header::Entry::Occupied(mut o) => {
+                let id = Some(o.get().clone())
+                    .filter(sane)
+                    .unwrap_or_else(new_request_id);
+                o.insert(id.clone());
+                id
+            }
+            http::header::Entry::Vacant(v) => v.insert(new_request_id()).clone(),
+        };
         // The path only (a query string may carry secrets), and only when the line is
         // written at all.
         let lines = enabled();

@@ -928,34 +928,37 @@ static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-prot
 static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 
 /// Append the peer to `X-Forwarded-For` (joining several received headers into one).
+/// One lookup of the name: most requests have none, and get the peer's address.
 fn append_forwarded_for(h: &mut HeaderMap, peer: &Peer) {
-    let mut prior = h.get_all(&X_FORWARDED_FOR).iter();
-    let value = match (prior.next(), prior.next()) {
-        (None, _) => peer.ip_header.clone(),
-        (Some(one), None) => {
-            let mut v = Vec::with_capacity(one.len() + 2 + peer.ip_header.len());
-            v.extend_from_slice(one.as_bytes());
-            v.extend_from_slice(b", ");
-            v.extend_from_slice(peer.ip_header.as_bytes());
-            match HeaderValue::from_bytes(&v) {
-                Ok(v) => v,
-                Err(_) => return,
-            }
+    let mut prior = match h.entry(&X_FORWARDED_FOR) {
+        http::header::Entry::Vacant(v) => {
+            v.insert(peer.ip_header.clone());
+            return;
         }
-        (Some(_), Some(_)) => {
-            let all: Vec<&[u8]> = h
-                .get_all(&X_FORWARDED_FOR)
+        http::header::Entry::Occupied(o) => o,
+    };
+    let joined: Vec<u8> = {
+        let mut values = prior.iter();
+        match (values.next(), values.next()) {
+            (Some(one), None) => {
+                let mut v = Vec::with_capacity(one.len() + 2 + peer.ip_header.len());
+                v.extend_from_slice(one.as_bytes());
+                v.extend_from_slice(b", ");
+                v.extend_from_slice(peer.ip_header.as_bytes());
+                v
+            }
+            _ => prior
                 .iter()
                 .map(HeaderValue::as_bytes)
                 .chain([peer.ip_header.as_bytes()])
-                .collect();
-            match HeaderValue::from_bytes(&all.join(&b", "[..])) {
-                Ok(v) => v,
-                Err(_) => return,
-            }
+                .collect::<Vec<&[u8]>>()
+                .join(&b", "[..]),
         }
     };
-    h.insert(X_FORWARDED_FOR.clone(), value);
+    // A value that cannot be one (it was one before) leaves the header as received.
+    if let Ok(v) = HeaderValue::from_bytes(&joined) {
+        prior.insert(v);
+    }
 }
 
 fn is_timeout(e: &(dyn std::error::Error + 'static)) -> bool {
@@ -981,6 +984,27 @@ fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_peer_is_appended_to_every_forwarded_for_received() {
+        let peer = Peer::new("192.0.2.7:4000".parse().unwrap());
+        let forwarded = |received: &[&'static str]| {
+            let mut h = HeaderMap::new();
+            for v in received {
+                h.append(&X_FORWARDED_FOR, HeaderValue::from_static(v));
+            }
+            append_forwarded_for(&mut h, &peer);
+            let all: Vec<_> = h.get_all(&X_FORWARDED_FOR).iter().cloned().collect();
+            assert_eq!(all.len(), 1, "{all:?}");
+            all[0].to_str().unwrap().to_string()
+        };
+        assert_eq!(forwarded(&[]), "192.0.2.7");
+        assert_eq!(forwarded(&["203.0.113.5"]), "203.0.113.5, 192.0.2.7");
+        assert_eq!(
+            forwarded(&["203.0.113.5", "10.0.0.1, 10.0.0.2"]),
+            "203.0.113.5, 10.0.0.1, 10.0.0.2, 192.0.2.7"
+        );
+    }
 
     #[test]
     fn cost_values_parse() {

@@ -119,25 +119,21 @@ impl RequestCounts {
                 const { std::cell::RefCell::new(Vec::new()) };
         }
         ROWS.with(|rows| {
-            let mut rows = rows.borrow_mut();
-            let held = rows.iter().find(|(id, l, _)| {
-                *id == self.id && l.status == status && l.decision == decision && l.route == *route
-            });
-            if let Some((_, _, counter)) = held {
-                counter.inc();
-                return;
-            }
-            let labels = RequestLabels {
-                route: route.clone(),
-                status,
-                decision,
-            };
-            let counter = self.family.get_or_create_owned(&labels);
-            counter.inc();
-            if rows.len() == MEMO_ROWS {
-                rows.remove(0);
-            }
-            rows.push((self.id, labels, counter));
+            held(
+                &mut rows.borrow_mut(),
+                self.id,
+                |l| l.status == status && l.decision == decision && l.route == *route,
+                || {
+                    let labels = RequestLabels {
+                        route: route.clone(),
+                        status,
+                        decision,
+                    };
+                    let counter = self.family.get_or_create_owned(&labels);
+                    (labels, counter)
+                },
+            )
+            .inc();
         })
     }
 }
@@ -159,24 +155,40 @@ impl UpstreamLatency {
                 const { std::cell::RefCell::new(Vec::new()) };
         }
         ROWS.with(|rows| {
-            let mut rows = rows.borrow_mut();
-            if let Some((_, _, h)) = rows
-                .iter()
-                .find(|(id, name, _)| *id == self.id && name == upstream)
-            {
-                h.observe(seconds);
-                return;
-            }
-            let h = self.family.get_or_create_owned(&UpstreamLabels {
-                upstream: upstream.clone(),
-            });
-            h.observe(seconds);
-            if rows.len() == MEMO_ROWS {
-                rows.remove(0);
-            }
-            rows.push((self.id, upstream.clone(), h));
+            held(
+                &mut rows.borrow_mut(),
+                self.id,
+                |name| name == upstream,
+                || {
+                    let labels = UpstreamLabels {
+                        upstream: upstream.clone(),
+                    };
+                    (upstream.clone(), self.family.get_or_create_owned(&labels))
+                },
+            )
+            .observe(seconds);
         })
     }
+}
+
+/// The handle to the row of gateway `id` whose labels `matches` in a thread's memo
+/// `rows`, or a new one from `make` (looked up in the family), kept in place of the
+/// oldest when the memo holds [`MEMO_ROWS`].
+fn held<L, M>(
+    rows: &mut Vec<(u64, L, M)>,
+    id: u64,
+    matches: impl Fn(&L) -> bool,
+    make: impl FnOnce() -> (L, M),
+) -> &M {
+    if let Some(i) = rows.iter().position(|(i, l, _)| *i == id && matches(l)) {
+        return &rows[i].2;
+    }
+    let (labels, m) = make();
+    if rows.len() == MEMO_ROWS {
+        rows.remove(0);
+    }
+    rows.push((id, labels, m));
+    &rows[rows.len() - 1].2
 }
 
 /// Every metric of one gateway.

@@ -171,6 +171,41 @@ impl UpstreamLatency {
     }
 }
 
+/// `tollgate_rejections_total`, counted through a per-thread memo of its rows (as
+/// [`RequestCounts`]): a 429 costs no hashing and no lock.
+#[derive(Debug, Clone)]
+pub struct RejectionCounts {
+    /// Which [`Metrics`] these rows belong to (unique in the process), for the memo.
+    id: u64,
+    family: Family<RejectionLabels, Counter>,
+}
+
+impl RejectionCounts {
+    /// Count one request refused with 429 by `limit` for a caller of `tier`.
+    pub fn inc(&self, limit: &Arc<str>, tier: &Arc<str>) {
+        thread_local! {
+            static ROWS: std::cell::RefCell<Vec<(u64, RejectionLabels, Counter)>> =
+                const { std::cell::RefCell::new(Vec::new()) };
+        }
+        ROWS.with(|rows| {
+            held(
+                &mut rows.borrow_mut(),
+                self.id,
+                |l| l.limit == *limit && l.tier == *tier,
+                || {
+                    let labels = RejectionLabels {
+                        limit: limit.clone(),
+                        tier: tier.clone(),
+                    };
+                    let counter = self.family.get_or_create_owned(&labels);
+                    (labels, counter)
+                },
+            )
+            .inc();
+        })
+    }
+}
+
 /// The handle to the row of gateway `id` whose labels `matches` in a thread's memo
 /// `rows`, or a new one from `make` (looked up in the family), kept in place of the
 /// oldest when the memo holds [`MEMO_ROWS`].
@@ -207,7 +242,7 @@ pub struct Metrics {
     /// that made one waited), seconds.
     pub auth_latency: Histogram,
     /// 429s by limit and tier.
-    pub rejections: Family<RejectionLabels, Counter>,
+    pub rejections: RejectionCounts,
     /// `tollgate_shadow_rejections_total{limit, tier}`: requests a limit in shadow mode
     /// (or outside its `enforce_percent`) would have refused, and let through.
     pub shadow_rejections: Family<RejectionLabels, Counter>,
@@ -379,7 +414,10 @@ impl Metrics {
             reloads,
             auth_requests,
             auth_latency,
-            rejections,
+            rejections: RejectionCounts {
+                id,
+                family: rejections,
+            },
             shadow_rejections,
             config_generation,
             in_flight,

@@ -26,6 +26,9 @@ pub fn bytes_body(bytes: Vec<u8>) -> Body {
 pub fn json_bytes_response(status: StatusCode, bytes: Vec<u8>) -> Response<Body> {
     let mut r = Response::new(bytes_body(bytes));
     *r.status_mut() = status;
+    // Room for the rate-limit headers, Retry-After and the request id a 429 carries:
+    // one allocation, no growth.
+    *r.headers_mut() = http::HeaderMap::with_capacity(12);
     r.headers_mut().insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/json"),

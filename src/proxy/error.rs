@@ -88,8 +88,11 @@ impl ProxyError {
     /// rate-limit headers are the request path's to add ([`super::headers::put`]), in the
     /// styles `headers.style` selects.
     pub fn into_response(self) -> Response<Body> {
+        use std::fmt::Write;
         let status = self.status();
-        let message = self.to_string();
+        // Sized for the usual message and body: no growth while they are written.
+        let mut message = String::with_capacity(96);
+        let _ = write!(message, "{self}");
         let mut body = ErrorBody {
             message: &message,
             limit: None,
@@ -111,7 +114,10 @@ impl ProxyError {
             body.retry_after = Some(*retry_after_s);
         }
         // Serializing a struct of plain fields cannot fail.
-        let bytes = serde_json::to_vec(&body).unwrap_or_default();
+        let mut bytes = Vec::with_capacity(message.len() + 128);
+        if serde_json::to_writer(&mut bytes, &body).is_err() {
+            bytes.clear();
+        }
         let mut response = json_bytes_response(status, bytes);
         match &self {
             ProxyError::OverLimit { retry_after_s, .. } => {

@@ -388,6 +388,9 @@ pub struct Downstream<'a> {
     pub budget: &'a crate::budget::Budget,
     /// `server.via`: the `Via` entries added both ways; `None` adds none.
     pub via: Option<&'a crate::http::via::Via>,
+    /// Where an HTTP/1.1 client's 1xx responses go (see `proxy::interim`); an HTTP/2
+    /// stream's handle is in the request's extensions instead.
+    pub informational: Option<&'a super::interim::Informational>,
     /// When the request was handed to the upstream: `upstreams.response_timeout` counts
     /// from here, over every attempt.
     pub started: std::time::Instant,
@@ -516,14 +519,20 @@ pub async fn forward(
     // body that would have to be sent twice.
     let retriable = upstream.targets.len() > 1 && idempotent(&parts.method) && body.is_end_stream();
 
-    // Only HTTP/1.1 requests carry the handle (see `proxy::interim`).
+    // Where 1xx go (see `proxy::interim`): an HTTP/1.1 client's handle comes with
+    // `down`, an HTTP/2 stream's in the extensions.
     let informational = match upstream.protocol {
-        UpstreamProtocol::Http1 => parts
-            .extensions
-            .get::<super::interim::Informational>()
+        UpstreamProtocol::Http1 => down
+            .informational
+            .or_else(|| parts.extensions.get::<super::interim::Informational>())
             .cloned(),
-        // The HTTP/2 client finds it in the extensions itself.
-        UpstreamProtocol::Http2 => None,
+        // The HTTP/2 client takes it from the extensions itself.
+        UpstreamProtocol::Http2 => {
+            if let Some(client) = down.informational {
+                parts.extensions.insert(client.clone());
+            }
+            None
+        }
     };
     let mut request = Request::from_parts(
         parts,
@@ -885,12 +894,19 @@ fn respond(
 ) -> Response<Body> {
     let (mut parts, body) = response.into_parts();
     strip_hop_by_hop(&mut parts.headers);
+    // Room for what the gateway adds (Via, the rate-limit headers, the request id) in
+    // one growth of the map, instead of one or two as they are inserted.
+    parts.headers.reserve(GATEWAY_RESPONSE_HEADERS);
     if let Some(via) = via {
         via.append(&mut parts.headers, parts.version);
     }
     parts.version = downstream_version;
     Response::from_parts(parts, body.boxed())
 }
+
+/// How many headers the gateway adds to a response at most in the usual case: `Via`,
+/// five `X-RateLimit-*` (or the IETF pair), `X-Request-Id`.
+pub const GATEWAY_RESPONSE_HEADERS: usize = 8;
 
 /// The client end of a downstream connection, with what the forwarder adds for it
 /// rendered once per connection rather than once per request.
@@ -906,6 +922,11 @@ pub struct Peer {
 }
 
 impl Peer {
+    /// The IP as text, rendered once per connection (what `IpAddr`'s `Display` writes).
+    pub fn ip_text(&self) -> &str {
+        self.ip_header.to_str().unwrap_or_default()
+    }
+
     /// Describe the peer at `addr`.
     pub fn new(addr: std::net::SocketAddr) -> Self {
         let ip_header = HeaderValue::from_str(&addr.ip().to_string())

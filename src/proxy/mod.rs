@@ -95,6 +95,9 @@ pub struct Context<'a> {
     pub budget: &'a crate::budget::Budget,
     /// `server.body_timeout`: how long a request body may stop arriving.
     pub body_timeout: std::time::Duration,
+    /// Where an HTTP/1.1 request's 1xx responses go (its connection's socket); `None`
+    /// for HTTP/2 streams, whose handle is in the request's extensions, and HTTP/1.0.
+    pub informational: Option<&'a interim::Informational>,
 }
 
 /// Serve one request on the snapshot it started with (its [`Gate`]): set its request id, run
@@ -315,18 +318,16 @@ pub async fn serve(
             // A delayed refusal came later than `now_ms`: read the clock again.
             let now_ms = clock.now_ms();
             snap.limiter.count_refused(&usage.resource, &caller, now_ms);
-            ctx.metrics
-                .rejections
-                .get_or_create(&crate::metrics::RejectionLabels {
-                    limit: usage.resource.clone(),
-                    tier: caller.tier.clone(),
-                })
-                .inc();
+            ctx.metrics.rejections.inc(&usage.resource, &caller.tier);
             log.usage = Some(usage.clone());
             let mut response = ProxyError::OverLimit {
                 usage: usage.clone(),
                 retry_after_s: usage.retry_after_s(now_ms),
-                caller: caller.label(),
+                caller: match &caller.client {
+                    // The peer's address, rendered once per connection.
+                    None if caller.ip == peer.ip() => peer.ip_text().to_owned(),
+                    _ => caller.label(),
+                },
             }
             .into_response();
             put_headers(snap, &mut response, &usage, &applied, now_ms);
@@ -370,6 +371,7 @@ pub async fn serve(
         body_timeout: ctx.body_timeout,
         budget: ctx.budget,
         via: snap.edge.via(),
+        informational: ctx.informational,
         started: std::time::Instant::now(),
     };
     let upstream_started = down.started;

@@ -390,10 +390,12 @@ impl Connection {
             if let Some(info) = &tls {
                 req.extensions_mut().insert(info.clone());
             }
-            // (HTTP/2 streams come with their own, see `h2`.)
-            if req.version() == http::Version::HTTP_11 {
-                req.extensions_mut().insert(informational.clone());
-            }
+            // Where 1xx responses go: an HTTP/1.1 request's, through this connection's
+            // socket (passed along, not in the request's extensions: a first extension
+            // allocates a map per request); HTTP/2 streams come with their own in the
+            // extensions (see `h2`).
+            let informational =
+                (req.version() == http::Version::HTTP_11).then(|| informational.clone());
             // Busy until the response body ends (the guard travels with it).
             let busy = conn_activity.request();
             async move {
@@ -404,6 +406,7 @@ impl Connection {
                     delayed: &shared.delayed,
                     budget: &shared.budget,
                     body_timeout: shared.body_timeout,
+                    informational: informational.as_ref(),
                 };
                 let response = proxy::handle(&snap.gate(), &ctx, req, &peer).await;
                 // Watch the response body's progress for `server.send_timeout`.

@@ -96,7 +96,8 @@
 #      gives EVAL/EVALSHA/FCALL(_RO) alone, i.e. round trips for a script-based store.
 #      Reported per admitted (2xx) request and per request.
 #   5. Latency at half load: h2load --h1 -t1 -c32 --rps=R/32 -D HALF_SECS against tg_memory and
-#      tg_redis, R = half of that case's own mean req/s, and against direct at each of those R;
+#      tg_redis, R = half of that case's own mean req/s, and against direct at each of those R
+#      (and hyper_floor at the R of tg_memory: what hyper alone adds there);
 #      p50/p90/p99/p99.9 from h2load's --log-file (3rd column: µs to end of response); repeated
 #      like the wrk runs when other% is too high.
 #   6. 1,000,000 distinct callers: a fresh memory-store tollgate, wrk with X-Forwarded-For
@@ -957,7 +958,11 @@ else
         selected "$g" || continue
         HALF_R=$(awk -v r="$(val "$g" rps)" 'BEGIN { printf "%.0f", r / 2 }')
         log "half load for $g: h2load --h1 -t1 -c32 at $HALF_R req/s in all, -D $HALF_SECS"
-        for c in direct "$g"; do
+        # The hyper floor at tg_memory's rate too: what hyper alone adds over direct there,
+        # the least any hyper-based proxy could add (row "hyper_floor@tg_memory").
+        floor_too=""
+        [[ "$g" == tg_memory ]] && floor_too=hyper_floor
+        for c in direct "$g" $floor_too; do
             selected "$c" || continue
         for try in $(seq "$RETRIES"); do
             half_once "$c" "$try"
@@ -965,7 +970,7 @@ else
             (( other <= OTHER_MAX )) && break
             (( try < RETRIES )) && log "half load $c: ${other}% of the machine went to other processes; repeating"
         done
-        [[ "$c" == direct ]] && sed -i "s/^direct\t/direct@$g\t/" "$WORK/hline.tsv"
+        [[ "$c" == direct || "$c" == hyper_floor ]] && sed -i "s/^$c\t/$c@$g\t/" "$WORK/hline.tsv"
         cat "$WORK/hline.tsv" >>"$HALF_TSV"
         log "$(awk -F'\t' '{ printf "half load %-10s %6s req/s  p50 %s  p99 %s  p99.9 %s ms  failed %s  non-2xx %s  busy %.0f%%  other %.0f%%%s", $1, $2, $6, $8, $9, $4, $5, $10, $11, ($12 == "*" ? "  (contaminated)" : "") }' "$WORK/hline.tsv")"
         done
@@ -1128,7 +1133,10 @@ targets() {
         am=$(awk -v x="$a" -v y="$da" 'BEGIN { printf "%.3f", x - y }')
         bm=$(awk -v x="$b" -v y="$db" 'BEGIN { printf "%.3f", x - y }')
         ok=FAIL; le "$am" 1 && le "$bm" 1 && ok=PASS
-        row "$ok" "$x" "tg_memory +$am ms (at $ra req/s), tg_redis +$bm ms (at $rb req/s)"
+        local fl fm=""
+        fl=$(half hyper_floor@tg_memory p99)
+        [[ -n "$fl" && "$fl" != - ]] && fm=$(awk -v x="$fl" -v y="$da" 'BEGIN { printf "%.3f", x - y }')
+        row "$ok" "$x" "tg_memory +$am ms (at $ra req/s), tg_redis +$bm ms (at $rb req/s)${fm:+; the hyper floor at the rate of tg_memory: +$fm ms}"
     else row "n/a" "$x" "needs the half-load runs of direct, tg_memory and tg_redis"; fi
 
     x="tollgate's own work for one proxied request, no I/O (criterion, \`benches/own_work.rs\`) ≤ 2 µs"
@@ -1230,13 +1238,14 @@ render() {
     echo "### Latency at half load"
     echo
     if [[ -s "$HALF_TSV" ]]; then
-        echo "\`h2load --h1 -t1 -c32 --rps=R/32 -D $HALF_SECS\`, R = half of the case's own mean peak req/s; \`direct@CASE\` is the upstream alone at that same R. Percentiles from h2load's per-request log (3rd column, µs to the end of the response); busy/other % as above, with h2load's rusage in place of wrk's. * = other % > $OTHER_MAX after $RETRIES tries."
+        echo "\`h2load --h1 -t1 -c32 --rps=R/32 -D $HALF_SECS\`, R = half of the case's own mean peak req/s; \`direct@CASE\` is the upstream alone at that same R, \`hyper_floor@tg_memory\` the hyper floor at the R of tg_memory. Percentiles from h2load's per-request log (3rd column, µs to the end of the response); busy/other % as above, with h2load's rusage in place of wrk's. * = other % > $OTHER_MAX after $RETRIES tries."
         echo
         echo "| case | req/s | requests | failed | non-2xx | p50 ms | p90 ms | p99 ms | p99.9 ms | p99 added over direct | busy % | other % |"
         echo "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"
         awk -F'\t' 'NR > 1 {
             if ($1 ~ /^direct@/) { d[substr($1, 8)] = $8 }
-            add = ($1 ~ /^direct/ || !($1 in d) || $8 == "-") ? "-" : sprintf("%+.3f ms", $8 - d[$1])
+            base = $1; sub(/^[^@]*@/, "", base)   # hyper_floor@tg_memory: at the rate of tg_memory
+            add = ($1 ~ /^direct/ || !(base in d) || $8 == "-") ? "-" : sprintf("%+.3f ms", $8 - d[base])
             printf "| %s%s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %.0f | %.0f |\n", $1, $12, $2, $3, $4, $5, $6, $7, $8, $9, add, $10, $11 }' "$HALF_TSV"
     else
         echo "Not measured in this run."

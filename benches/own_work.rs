@@ -54,7 +54,7 @@ use tollgate::snapshot::Snapshot;
 /// The gateway's allocator (`src/main.rs`): the bench times the allocations the binary
 /// makes, not glibc's.
 #[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static GLOBAL: tollgate::alloc::Mimalloc = tollgate::alloc::Mimalloc;
 
 /// A quota no benchmark run can use up, so every request is admitted.
 const HUGE_QUOTA: u64 = 1_000_000_000_000_000;

@@ -6,9 +6,10 @@
 //! [`snapshot::Snapshot::build`] from a [`config::ConfigFile`]; the listener and its
 //! lifecycle are in [`server::Gateway`].
 
-#![forbid(unsafe_code)]
+#![deny(unsafe_code)]
 
 pub mod admin;
+pub mod alloc;
 pub mod budget;
 pub mod clock;
 pub mod config;

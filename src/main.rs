@@ -185,9 +185,9 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
 }
 
 /// mimalloc: fewer instructions per allocation than glibc's malloc on the request path
-/// (measured with callgrind; see BENCHMARKS.md).
+/// (measured with callgrind; see BENCHMARKS.md and [`tollgate::alloc`]).
 #[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static GLOBAL: tollgate::alloc::Mimalloc = tollgate::alloc::Mimalloc;
 
 fn main() -> ExitCode {
     tollgate::install_crypto_provider();

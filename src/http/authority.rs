@@ -119,8 +119,10 @@ fn cut(raw: &str) -> (&str, &str) {
         let end = raw.find(']').map_or(raw.len(), |i| i + 1);
         raw.split_at(end)
     } else {
-        match raw.rsplit_once(':') {
-            Some((name, _)) => raw.split_at(name.len()),
+        // A byte scan from the end: `:` is ASCII, so its index is a char boundary (and
+        // this is several times cheaper than `rsplit_once`'s char searcher).
+        match raw.bytes().rposition(|b| b == b':') {
+            Some(i) => raw.split_at(i),
             None => (raw, ""),
         }
     }

@@ -88,36 +88,36 @@ impl ProxyError {
     /// rate-limit headers are the request path's to add ([`super::headers::put`]), in the
     /// styles `headers.style` selects.
     pub fn into_response(self) -> Response<Body> {
-        use std::fmt::Write;
         let status = self.status();
-        // Sized for the usual message and body: no growth while they are written.
-        let mut message = String::with_capacity(96);
-        let _ = write!(message, "{self}");
-        let mut body = ErrorBody {
-            message: &message,
-            limit: None,
-            remaining: None,
-            reset: None,
-            resource: None,
-            retry_after: None,
+        let bytes = match &self {
+            // The hot refusal (a caller over its limit, often in a tight loop): written
+            // straight into one buffer, as serde_json would write `ErrorBody`.
+            ProxyError::OverLimit {
+                usage,
+                retry_after_s,
+                caller,
+            } => over_limit_body(usage, *retry_after_s, caller),
+            _ => {
+                use std::fmt::Write;
+                // Sized for the usual message and body: no growth while they are written.
+                let mut message = String::with_capacity(96);
+                let _ = write!(message, "{self}");
+                let body = ErrorBody {
+                    message: &message,
+                    limit: None,
+                    remaining: None,
+                    reset: None,
+                    resource: None,
+                    retry_after: None,
+                };
+                // Serializing a struct of plain fields cannot fail.
+                let mut bytes = Vec::with_capacity(message.len() + 32);
+                if serde_json::to_writer(&mut bytes, &body).is_err() {
+                    bytes.clear();
+                }
+                bytes
+            }
         };
-        if let ProxyError::OverLimit {
-            usage,
-            retry_after_s,
-            ..
-        } = &self
-        {
-            body.limit = Some(usage.quota);
-            body.remaining = Some(0);
-            body.reset = Some(usage.reset_epoch_s());
-            body.resource = Some(&usage.resource);
-            body.retry_after = Some(*retry_after_s);
-        }
-        // Serializing a struct of plain fields cannot fail.
-        let mut bytes = Vec::with_capacity(message.len() + 128);
-        if serde_json::to_writer(&mut bytes, &body).is_err() {
-            bytes.clear();
-        }
         let mut response = json_bytes_response(status, bytes);
         match &self {
             ProxyError::OverLimit { retry_after_s, .. } => {
@@ -136,8 +136,50 @@ impl ProxyError {
     }
 }
 
-/// The JSON body of the gateway's own answers (a struct, not a `serde_json::Value`: the
-/// 429 path is hot under abuse).
+/// The 429 body, byte for byte what serde_json writes for [`ErrorBody`] with every field:
+/// `{"message":"API rate limit exceeded for CALLER.","limit":QUOTA,"remaining":0,
+/// "reset":EPOCH_S,"resource":"NAME","retry_after":SECONDS}`. Written by hand because
+/// a refused caller may send thousands of requests a second: about a third of the
+/// instructions of the serializer, whose per-byte escaping dominated a 429's own work
+/// (callgrind, BENCHMARKS.md).
+fn over_limit_body(usage: &Usage, retry_after_s: u64, caller: &str) -> Vec<u8> {
+    let mut out = Vec::with_capacity(128 + caller.len() + usage.resource.len());
+    let mut n = itoa::Buffer::new();
+    out.extend_from_slice(b"{\"message\":\"API rate limit exceeded for ");
+    push_json_text(&mut out, caller);
+    out.extend_from_slice(b".\",\"limit\":");
+    out.extend_from_slice(n.format(usage.quota).as_bytes());
+    out.extend_from_slice(b",\"remaining\":0,\"reset\":");
+    out.extend_from_slice(n.format(usage.reset_epoch_s()).as_bytes());
+    out.extend_from_slice(b",\"resource\":\"");
+    push_json_text(&mut out, &usage.resource);
+    out.extend_from_slice(b"\",\"retry_after\":");
+    out.extend_from_slice(n.format(retry_after_s).as_bytes());
+    out.push(b'}');
+    out
+}
+
+/// Append `s` to a JSON string being written (without the quotes), escaped as
+/// serde_json escapes it: text with nothing to escape (no `"`, `\\` or control
+/// character, the usual case) is copied as it is; any other goes through serde_json.
+fn push_json_text(out: &mut Vec<u8>, s: &str) {
+    if s.bytes().all(|b| b >= 0x20 && b != b'"' && b != b'\\') {
+        out.extend_from_slice(s.as_bytes());
+        return;
+    }
+    let start = out.len();
+    if serde_json::to_writer(&mut *out, s).is_ok() && out.len() >= start + 2 {
+        // Drop the quotes serde_json put around it.
+        out.remove(start);
+        out.pop();
+    } else {
+        out.truncate(start);
+    }
+}
+
+/// The JSON body of the gateway's own answers: `message` alone, or, for a 429, every
+/// field (written by [`over_limit_body`], which this type's serialization checks in the
+/// tests).
 #[derive(serde::Serialize)]
 struct ErrorBody<'a> {
     message: &'a str,
@@ -158,4 +200,80 @@ pub(crate) fn causes<'a>(
     error: &'a (dyn Error + 'static),
 ) -> impl Iterator<Item = &'a (dyn Error + 'static)> {
     std::iter::successors(Some(error), |&e| e.source())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    /// What serde_json writes for a 429's [`ErrorBody`].
+    fn serialized(usage: &Usage, retry_after_s: u64, caller: &str) -> Vec<u8> {
+        let message = format!("API rate limit exceeded for {caller}.");
+        serde_json::to_vec(&ErrorBody {
+            message: &message,
+            limit: Some(usage.quota),
+            remaining: Some(0),
+            reset: Some(usage.reset_epoch_s()),
+            resource: Some(&usage.resource),
+            retry_after: Some(retry_after_s),
+        })
+        .expect("serializes")
+    }
+
+    #[test]
+    fn the_429_body_is_what_serde_json_writes_for_any_caller_and_limit_name() {
+        for (caller, resource) in [
+            ("127.0.0.1", "core"),
+            ("2001:db8::1", "per-minute"),
+            ("client \"quoted\"", "back\\slash"),
+            ("tab\there\nnewline\u{1}", "ctl\u{1f}"),
+            ("caf\u{e9} \u{1F600}", "r\u{e9}sum\u{e9}"),
+            ("", ""),
+            ("del\u{7f}", "\"\""),
+        ] {
+            let usage = Usage {
+                resource: Arc::from(resource),
+                quota: 5000,
+                used: 5001,
+                reset_at_ms: 1_767_225_600_123,
+                retry_at_ms: 0,
+            };
+            for retry in [0, 1, 3600, u64::MAX] {
+                let ours = over_limit_body(&usage, retry, caller);
+                let theirs = serialized(&usage, retry, caller);
+                assert_eq!(
+                    String::from_utf8_lossy(&ours),
+                    String::from_utf8_lossy(&theirs),
+                    "caller {caller:?}, resource {resource:?}"
+                );
+                let v: serde_json::Value = serde_json::from_slice(&ours).expect("valid JSON");
+                assert_eq!(
+                    v["message"],
+                    format!("API rate limit exceeded for {caller}.")
+                );
+                assert_eq!(v["resource"], resource);
+            }
+        }
+    }
+
+    #[test]
+    fn a_429_response_carries_the_body_retry_after_and_json_type() {
+        let usage = Usage {
+            resource: Arc::from("core"),
+            quota: 10,
+            used: 10,
+            reset_at_ms: 2_000_000_000_500,
+            retry_at_ms: 0,
+        };
+        let r = ProxyError::OverLimit {
+            usage: usage.clone(),
+            retry_after_s: 42,
+            caller: "10.0.0.7".into(),
+        }
+        .into_response();
+        assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(r.headers()[header::RETRY_AFTER], "42");
+        assert_eq!(r.headers()[header::CONTENT_TYPE], "application/json");
+    }
 }

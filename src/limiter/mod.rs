@@ -59,7 +59,7 @@ pub mod top;
 mod usage;
 
 pub use check::{Admission, Refusal};
-pub use limit::{Applied, By, Limit};
+pub use limit::{Applied, By, Limit, TierQuotas};
 pub use settle::{PendingCharge, SlotGuard};
 pub use usage::{most_constrained, Usage};
 
@@ -207,7 +207,7 @@ impl Limiter {
                 name: FAILED_AUTH.into(),
                 window_ms,
                 // Every caller of a failed authentication is judged under this one tier.
-                quota: [(Arc::from(FAILED_AUTH), quota)].into(),
+                quota: [(Arc::from(FAILED_AUTH), quota)].into_iter().collect(),
                 by: By::Ip,
                 lease: 0,
                 lease_ttl_ms: 0,

@@ -123,7 +123,7 @@ impl ProxyError {
             ProxyError::OverLimit { retry_after_s, .. } => {
                 response
                     .headers_mut()
-                    .insert(header::RETRY_AFTER, HeaderValue::from(*retry_after_s));
+                    .insert(header::RETRY_AFTER, super::headers::number(*retry_after_s));
             }
             ProxyError::Overloaded(_) => {
                 response

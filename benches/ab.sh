@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# A/B of two tollgate binaries on this machine, side by side (issue 16): a change too small
+# for one run of benches/load.sh to resolve (identical cases there differ by up to 10%)
+# is measured here in interleaved rounds.
+#
+#   bash benches/ab.sh OLD_BINARY NEW_BINARY        (ROUNDS=4 by default)
+#
+# Each binary serves the memory store with one limit (default runtime, log level warn) in
+# front of one nginx worker, twice: a quota no run uses up (proxied) and a quota of 1,
+# spent before the run (every request a 429 from the over-limit cache). Each round runs
+# `wrk -t1 -c64 -d10s` against old and new in turn, proxied then 429; the gateway's CPU
+# comes from /proc/PID/stat (utime + stime of all its threads). Prints every round, then
+# the means. Needs nginx, wrk and curl.
+set -euo pipefail
+[[ $# == 2 && -x "$1" && -x "$2" ]] || { echo "usage: bash benches/ab.sh OLD_BINARY NEW_BINARY" >&2; exit 2; }
+OLD=$1 NEW=$2 ROUNDS=${ROUNDS:-4}
+for t in nginx wrk curl; do command -v $t >/dev/null || { echo "ab.sh: $t is missing" >&2; exit 2; }; done
+D=$(mktemp -d)
+HZ=$(getconf CLK_TCK)
+declare -A PORT PID
+cleanup() {
+    for k in "${!PID[@]}"; do kill "${PID[$k]}" 2>/dev/null || true; done
+    [[ -s $D/nginx.pid ]] && kill "$(cat "$D/nginx.pid")" 2>/dev/null || true
+    rm -rf "$D"
+}
+trap cleanup EXIT
+# A free loopback port (not listened on now, not handed out before).
+TAKEN=" "
+free_port() {
+    local p
+    while :; do
+        p=$(( 20000 + RANDOM % 12000 ))
+        [[ "$TAKEN" == *" $p "* ]] && continue
+        [[ -z "$(ss -tanH "sport = :$p")" ]] && { TAKEN+="$p "; echo "$p"; return; }
+    done
+}
+UP=$(free_port)
+cat >"$D/nginx.conf" <<NG
+worker_processes 1;
+daemon on;
+pid $D/nginx.pid;
+error_log $D/nginx-error.log;
+events { worker_connections 4096; }
+http { access_log off; keepalive_requests 1000000;
+  server { listen 127.0.0.1:$UP; location / { return 200 "hello from upstream\n"; } } }
+NG
+nginx -c "$D/nginx.conf"
+for bin in old new; do
+    for mode in proxied 429; do
+        q=1000000000000
+        [[ $mode == 429 ]] && q=1
+        p=$(free_port)
+        cat >"$D/$bin-$mode.toml" <<TG
+[server]
+listen = "127.0.0.1:$p"
+shutdown_grace = "1s"
+watch_config = false
+[log]
+level = "warn"
+[store]
+backend = "memory"
+[[upstreams]]
+name = "nginx"
+targets = ["http://127.0.0.1:$UP"]
+[[limits]]
+name = "core"
+window = "1h"
+quota = { anonymous = $q }
+[[routes]]
+path_prefix = "/"
+upstream = "nginx"
+limits = ["core"]
+TG
+        b=$OLD
+        [[ $bin == new ]] && b=$NEW
+        "$b" --config "$D/$bin-$mode.toml" >"$D/$bin-$mode.log" 2>&1 &
+        PID[$bin-$mode]=$!
+        PORT[$bin-$mode]=$p
+    done
+done
+for k in "${!PORT[@]}"; do
+    for _ in $(seq 50); do curl -s -o /dev/null "http://127.0.0.1:${PORT[$k]}/" && break; sleep 0.1; done
+    wrk -t1 -c64 -d2s "http://127.0.0.1:${PORT[$k]}/" >/dev/null   # warm-up (and the 429s' quota spent)
+done
+ticks() { awk '{ print $14 + $15 }' "/proc/$1/stat"; }
+printf 'round\tcase\treq/s\tgateway CPU us/req\n' | tee "$D/result.tsv"
+for r in $(seq "$ROUNDS"); do
+    for mode in proxied 429; do
+        for bin in old new; do
+            k=$bin-$mode
+            t0=$(ticks "${PID[$k]}")
+            n=$(wrk -t1 -c64 -d10s "http://127.0.0.1:${PORT[$k]}/" | awk '/requests in/ { print $1 }')
+            t1=$(ticks "${PID[$k]}")
+            printf '%s\t%s\t%s\t%s\n' "$r" "$k" "$(( n / 10 ))" \
+                "$(awk -v t=$(( t1 - t0 )) -v n="$n" -v hz="$HZ" 'BEGIN { printf "%.2f", t * 1e6 / hz / n }')"
+        done
+    done
+done | tee -a "$D/result.tsv"
+echo "means over $ROUNDS rounds:"
+awk -F'\t' 'NR > 1 { r[$2] += $3; c[$2] += $4; n[$2]++ }
+    END { for (k in r) printf "%-12s %8.0f req/s  %6.2f us/req\n", k, r[k] / n[k], c[k] / n[k] }' "$D/result.tsv" | sort

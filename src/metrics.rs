@@ -115,26 +115,19 @@ impl RequestCounts {
     /// the family (SipHash of the labels under the family's read lock) and kept.
     pub fn inc(&self, route: &Arc<str>, status: u16, decision: &'static str) {
         thread_local! {
-            static ROWS: std::cell::RefCell<Vec<(u64, RequestLabels, Counter)>> =
-                const { std::cell::RefCell::new(Vec::new()) };
+            static ROWS: MemoRows<RequestLabels, Counter> = const { std::cell::RefCell::new(Vec::new()) };
         }
-        ROWS.with(|rows| {
-            held(
-                &mut rows.borrow_mut(),
-                self.id,
-                |l| l.status == status && l.decision == decision && l.route == *route,
-                || {
-                    let labels = RequestLabels {
-                        route: route.clone(),
-                        status,
-                        decision,
-                    };
-                    let counter = self.family.get_or_create_owned(&labels);
-                    (labels, counter)
-                },
-            )
-            .inc();
-        })
+        count(
+            &ROWS,
+            self.id,
+            &self.family,
+            |l| l.status == status && l.decision == decision && l.route == *route,
+            || RequestLabels {
+                route: route.clone(),
+                status,
+                decision,
+            },
+        );
     }
 }
 
@@ -184,26 +177,44 @@ impl RejectionCounts {
     /// Count one request refused with 429 by `limit` for a caller of `tier`.
     pub fn inc(&self, limit: &Arc<str>, tier: &Arc<str>) {
         thread_local! {
-            static ROWS: std::cell::RefCell<Vec<(u64, RejectionLabels, Counter)>> =
-                const { std::cell::RefCell::new(Vec::new()) };
+            static ROWS: MemoRows<RejectionLabels, Counter> = const { std::cell::RefCell::new(Vec::new()) };
         }
-        ROWS.with(|rows| {
-            held(
-                &mut rows.borrow_mut(),
-                self.id,
-                |l| l.limit == *limit && l.tier == *tier,
-                || {
-                    let labels = RejectionLabels {
-                        limit: limit.clone(),
-                        tier: tier.clone(),
-                    };
-                    let counter = self.family.get_or_create_owned(&labels);
-                    (labels, counter)
-                },
-            )
-            .inc();
-        })
+        count(
+            &ROWS,
+            self.id,
+            &self.family,
+            |l| l.limit == *limit && l.tier == *tier,
+            || RejectionLabels {
+                limit: limit.clone(),
+                tier: tier.clone(),
+            },
+        );
     }
+}
+
+/// A thread's memo of one family's rows: per row, the gateway's id, the labels and the
+/// row's handle.
+type MemoRows<L, M> = std::cell::RefCell<Vec<(u64, L, M)>>;
+
+/// Count one in the row of `family` (of gateway `id`) whose labels `matches`, through
+/// the thread's memo `rows` ([`held`]); a row it does not hold is made from `labels`.
+fn count<L>(
+    rows: &'static std::thread::LocalKey<MemoRows<L, Counter>>,
+    id: u64,
+    family: &Family<L, Counter>,
+    matches: impl Fn(&L) -> bool,
+    labels: impl FnOnce() -> L,
+) where
+    L: Clone + std::hash::Hash + Eq,
+{
+    rows.with(|rows| {
+        held(&mut rows.borrow_mut(), id, matches, || {
+            let labels = labels();
+            let counter = family.get_or_create_owned(&labels);
+            (labels, counter)
+        })
+        .inc();
+    })
 }
 
 /// The handle to the row of gateway `id` whose labels `matches` in a thread's memo

@@ -102,14 +102,7 @@ impl ProxyError {
                 // Sized for the usual message and body: no growth while they are written.
                 let mut message = String::with_capacity(96);
                 let _ = write!(message, "{self}");
-                let body = ErrorBody {
-                    message: &message,
-                    limit: None,
-                    remaining: None,
-                    reset: None,
-                    resource: None,
-                    retry_after: None,
-                };
+                let body = ErrorBody { message: &message };
                 // Serializing a struct of plain fields cannot fail.
                 let mut bytes = Vec::with_capacity(message.len() + 32);
                 if serde_json::to_writer(&mut bytes, &body).is_err() {
@@ -136,7 +129,7 @@ impl ProxyError {
     }
 }
 
-/// The 429 body, byte for byte what serde_json writes for [`ErrorBody`] with every field:
+/// The 429 body, byte for byte what serde_json writes for a struct of these fields:
 /// `{"message":"API rate limit exceeded for CALLER.","limit":QUOTA,"remaining":0,
 /// "reset":EPOCH_S,"resource":"NAME","retry_after":SECONDS}`. Written by hand because
 /// a refused caller may send thousands of requests a second: about a third of the
@@ -177,22 +170,11 @@ fn push_json_text(out: &mut Vec<u8>, s: &str) {
     }
 }
 
-/// The JSON body of the gateway's own answers: `message` alone, or, for a 429, every
-/// field (written by [`over_limit_body`], which this type's serialization checks in the
-/// tests).
+/// The JSON body of the gateway's own answers but the 429 (which [`over_limit_body`]
+/// writes): `{"message": ...}`.
 #[derive(serde::Serialize)]
 struct ErrorBody<'a> {
     message: &'a str,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    limit: Option<u64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    remaining: Option<u64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    reset: Option<u64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    resource: Option<&'a str>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    retry_after: Option<u64>,
 }
 
 /// `error` and its sources, outermost first (following [`Error::source`]).
@@ -207,16 +189,27 @@ mod tests {
     use super::*;
     use std::sync::Arc;
 
-    /// What serde_json writes for a 429's [`ErrorBody`].
+    /// The 429 body's fields, in order, as serde_json would serialize them.
+    #[derive(serde::Serialize)]
+    struct OverLimitBody<'a> {
+        message: &'a str,
+        limit: u64,
+        remaining: u64,
+        reset: u64,
+        resource: &'a str,
+        retry_after: u64,
+    }
+
+    /// What serde_json writes for a 429's body.
     fn serialized(usage: &Usage, retry_after_s: u64, caller: &str) -> Vec<u8> {
         let message = format!("API rate limit exceeded for {caller}.");
-        serde_json::to_vec(&ErrorBody {
+        serde_json::to_vec(&OverLimitBody {
             message: &message,
-            limit: Some(usage.quota),
-            remaining: Some(0),
-            reset: Some(usage.reset_epoch_s()),
-            resource: Some(&usage.resource),
-            retry_after: Some(retry_after_s),
+            limit: usage.quota,
+            remaining: 0,
+            reset: usage.reset_epoch_s(),
+            resource: &usage.resource,
+            retry_after: retry_after_s,
         })
         .expect("serializes")
     }

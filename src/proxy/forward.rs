@@ -906,7 +906,7 @@ fn respond(
 
 /// How many headers the gateway adds to a response at most in the usual case: `Via`,
 /// five `X-RateLimit-*` (or the IETF pair), `X-Request-Id`.
-pub const GATEWAY_RESPONSE_HEADERS: usize = 8;
+const GATEWAY_RESPONSE_HEADERS: usize = 8;
 
 /// The client end of a downstream connection, with what the forwarder adds for it
 /// rendered once per connection rather than once per request.

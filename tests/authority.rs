@@ -63,8 +63,17 @@ async fn two_host_fields_are_refused_and_nothing_is_forwarded() {
     // An HTTP/1.1 request without any Host is no better (RFC 9112 §3.2).
     let a = ask(&gw, b"GET / HTTP/1.1\r\n\r\n").await;
     assert_eq!(a.status, 400, "{}", a.head);
-    // A Host that is not an authority (userinfo, a path) is refused too.
-    for host in ["open.example.com@api.example.com", "api.example.com/x"] {
+    // A Host that is not an authority (userinfo, a path, a space, more than one `:`, a
+    // port that is not a number of at most 5 digits, no name) is refused too.
+    for host in [
+        "open.example.com@api.example.com",
+        "api.example.com/x",
+        "api example.com",
+        "a:b:c",
+        "api.example.com:x",
+        "api.example.com:123456",
+        ":80",
+    ] {
         let a = ask(
             &gw,
             format!("GET / HTTP/1.1\r\nhost: {host}\r\n\r\n").as_bytes(),

@@ -1,6 +1,8 @@
 //! A map from storage key to a value, split over 64 mutex-guarded hash maps so that
 //! concurrent requests for different callers rarely contend. Shared by the memory store
-//! and the over-limit cache.
+//! (keyed by the compact [`StateKey`](super::key::StateKey)) and the gateway's own
+//! bounded maps (keyed by the full key: the over-limit cache, in-flight units, leases,
+//! the recent-charge view, delayed requests).
 
 use super::key::LimitKey;
 use foldhash::fast::RandomState;
@@ -10,13 +12,13 @@ use std::sync::{Mutex, MutexGuard};
 /// Number of independent maps.
 pub const SHARDS: usize = 64;
 
-/// See the module documentation.
+/// See the module documentation. `K` is the key type: the full storage key by default.
 #[derive(Debug)]
-pub struct ShardedMap<V> {
-    shards: Box<[Mutex<HashMap<String, V, RandomState>>]>,
+pub struct ShardedMap<V, K = String> {
+    shards: Box<[Mutex<HashMap<K, V, RandomState>>]>,
 }
 
-impl<V> Default for ShardedMap<V> {
+impl<V, K> Default for ShardedMap<V, K> {
     fn default() -> Self {
         Self {
             shards: (0..SHARDS)
@@ -26,15 +28,13 @@ impl<V> Default for ShardedMap<V> {
     }
 }
 
-fn lock<V>(
-    m: &Mutex<HashMap<String, V, RandomState>>,
-) -> MutexGuard<'_, HashMap<String, V, RandomState>> {
+fn lock<V, K>(m: &Mutex<HashMap<K, V, RandomState>>) -> MutexGuard<'_, HashMap<K, V, RandomState>> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-impl<V> ShardedMap<V> {
+impl<V, K> ShardedMap<V, K> {
     /// The (locked) map that holds `key`.
-    pub fn shard(&self, key: &LimitKey) -> MutexGuard<'_, HashMap<String, V, RandomState>> {
+    pub fn shard(&self, key: &LimitKey) -> MutexGuard<'_, HashMap<K, V, RandomState>> {
         // shard_hash is already a uniform hash of the subject.
         lock(&self.shards[(key.shard_hash.rotate_right(17) as usize) % SHARDS])
     }

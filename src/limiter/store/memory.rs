@@ -12,7 +12,7 @@
 use super::{Grant, Item, Store, StoreError, WindowState};
 use crate::clock::SharedClock;
 use crate::limiter::algorithm::{self, State, Verdict};
-use crate::limiter::key::LimitKey;
+use crate::limiter::key::{LimitKey, StateKey};
 use crate::limiter::sharded::{ShardedMap, SHARDS};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -50,8 +50,9 @@ impl Held {
 /// Limit state held in process memory.
 #[derive(Debug)]
 pub struct MemoryStore {
-    /// Shared with the sweeper task, which holds it weakly.
-    windows: Arc<ShardedMap<Held>>,
+    /// Shared with the sweeper task, which holds it weakly. Keyed by the compact form of
+    /// each storage key (24 bytes, no allocation per caller).
+    windows: Arc<ShardedMap<Held, StateKey>>,
     sweeper_started: AtomicBool,
     /// `store.max_callers`: the most states held.
     max_callers: usize,
@@ -110,12 +111,12 @@ impl MemoryStore {
     /// check).
     pub fn apply_now(&self, item: &Item<'_>, now_ms: u64) -> Result<Verdict, StoreError> {
         let mut map = self.windows.shard(item.key);
-        match map.get_mut(&item.key.key) {
+        match map.get_mut(&item.key.state) {
             Some(held) => {
                 // In place: a peek never changes the state.
                 let verdict = algorithm::apply(item.policy, &mut held.state, item.op, now_ms);
                 if held.state == State::Empty {
-                    map.remove(&item.key.key);
+                    map.remove(&item.key.state);
                 } else if item.op.kind != algorithm::OpKind::Peek {
                     held.expires_at = held.state.expires_at(item.policy.window_ms);
                 }
@@ -129,7 +130,7 @@ impl MemoryStore {
                 let verdict = algorithm::apply(item.policy, &mut state, item.op, now_ms);
                 if state != State::Empty {
                     let expires_at = state.expires_at(item.policy.window_ms);
-                    map.insert(item.key.key.clone(), Held { state, expires_at });
+                    map.insert(item.key.state, Held { state, expires_at });
                 }
                 Ok(verdict)
             }
@@ -148,10 +149,10 @@ impl MemoryStore {
         now_ms: u64,
     ) -> Result<Grant, StoreError> {
         let mut map = self.windows.shard(key);
-        if map.len() >= self.max_per_shard && !map.contains_key(&key.key) {
+        if map.len() >= self.max_per_shard && !map.contains_key(&key.state) {
             return Err(StoreError::Full(self.max_callers));
         }
-        let live = map.get(&key.key).and_then(|h| h.window(now_ms));
+        let live = map.get(&key.state).and_then(|h| h.window(now_ms));
         let w = live.unwrap_or(WindowState {
             used: 0,
             reset_at_ms: now_ms + window_ms,
@@ -164,7 +165,7 @@ impl MemoryStore {
             used: w.used + granted,
             ..w
         };
-        map.insert(key.key.clone(), Held::fixed(window));
+        map.insert(key.state, Held::fixed(window));
         Ok(Grant { granted, window })
     }
 
@@ -172,7 +173,7 @@ impl MemoryStore {
     /// `lua/refund.lua`).
     pub fn refund_now(&self, key: &LimitKey, units: u64, reset_at_ms: u64) -> WindowState {
         let mut map = self.windows.shard(key);
-        match map.get_mut(&key.key) {
+        match map.get_mut(&key.state) {
             Some(held) => match held.state {
                 State::Fixed {
                     ref mut used,
@@ -194,7 +195,7 @@ impl MemoryStore {
     /// were held.
     pub fn reset_now(&self, keys: &[LimitKey]) -> u64 {
         keys.iter()
-            .filter(|k| self.windows.shard(k).remove(&k.key).is_some())
+            .filter(|k| self.windows.shard(k).remove(&k.state).is_some())
             .count() as u64
     }
 
@@ -215,7 +216,7 @@ impl MemoryStore {
 }
 
 /// Drop the states of `windows` that stop counting at or before `now_ms`; how many.
-fn drop_expired(windows: &ShardedMap<Held>, now_ms: u64) -> usize {
+fn drop_expired(windows: &ShardedMap<Held, StateKey>, now_ms: u64) -> usize {
     windows.retain(|h| h.expires_at > now_ms)
 }
 
@@ -290,6 +291,31 @@ mod tests {
         // At reset_at the old window is over: the next charge starts anew.
         let v = charge(&s, &k, 1, 60_000, 61_000);
         assert_eq!((v.used, v.reset_at_ms), (1, 121_000));
+    }
+
+    #[test]
+    fn callers_limits_and_prefixes_keep_their_own_windows() {
+        let s = MemoryStore::new();
+        let t = KeyScheme::new("t:", None);
+        let a = t.key("core", "ip:1.2.3.4");
+        let b = t.key("core", "ip:1.2.3.5");
+        let other_limit = t.key("search", "ip:1.2.3.4");
+        let other_prefix = KeyScheme::new("u:", None).key("core", "ip:1.2.3.4");
+        for (i, k) in [&a, &b, &other_limit, &other_prefix]
+            .into_iter()
+            .enumerate()
+        {
+            let cost = i as u64 + 1;
+            assert_eq!(charge(&s, k, cost, 60_000, 0).used, cost, "{}", k.key);
+        }
+        assert_eq!(s.len(), 4);
+        // A reload's new scheme with the same prefix finds the same windows.
+        let reloaded = KeyScheme::new("t:", None).key("core", "ip:1.2.3.4");
+        assert_eq!(charge(&s, &reloaded, 10, 60_000, 1).used, 11);
+        assert_eq!(charge(&s, &b, 1, 60_000, 1).used, 3);
+        assert_eq!(s.reset_now(std::slice::from_ref(&a)), 1);
+        assert_eq!(charge(&s, &reloaded, 1, 60_000, 2).used, 1);
+        assert_eq!(s.len(), 4);
     }
 
     #[test]

@@ -60,7 +60,7 @@ impl OverLimitCache {
             return None;
         }
         let entries = self.entries.shard(key);
-        let e = entries.get(&key.key)?;
+        let e = entries.get(&key.state)?;
         if e.live(now_ms) && cost >= e.min_cost && e.usage.used.saturating_add(cost) > quota {
             self.hits.fetch_add(1, Ordering::Relaxed);
             Some(Usage {
@@ -104,12 +104,7 @@ impl OverLimitCache {
                 return;
             }
         }
-        if self
-            .entries
-            .shard(key)
-            .insert(key.key.clone(), entry)
-            .is_none()
-        {
+        if self.entries.shard(key).insert(key.state, entry).is_none() {
             self.count.fetch_add(1, Ordering::Relaxed);
         }
     }
@@ -120,7 +115,7 @@ impl OverLimitCache {
         if self.count.load(Ordering::Relaxed) == 0 {
             return;
         }
-        if self.entries.shard(key).remove(&key.key).is_some() {
+        if self.entries.shard(key).remove(&key.state).is_some() {
             self.count.fetch_sub(1, Ordering::Relaxed);
         }
     }

@@ -4,7 +4,7 @@
 //! lock that orders them with the store's calls, and the refusal it answers with.
 
 use super::algorithm::{Algorithm, Op, OpKind, Policy};
-use super::key::LimitKey;
+use super::key::{LimitKey, StateKey};
 use super::lease::{self, Ask, Take};
 use super::store::{Item, Store, StoreError};
 use super::{next_id, sharded, Applied, Limiter, Usage, CACHE_TRUST_MS};
@@ -78,10 +78,10 @@ impl InFlightUnits {
         policy: &Policy,
     ) -> (u64, Option<Policy>) {
         let mut shard = self.counts.shard(key);
-        let n = shard.get(&key.key).copied().unwrap_or(0);
+        let n = shard.get(&key.state).copied().unwrap_or(0);
         let held = tightened(policy, n);
         if held.is_none() {
-            *shard.entry(key.key.clone()).or_insert(0) += cost;
+            *shard.entry(key.state).or_insert(0) += cost;
         }
         (n, held)
     }
@@ -98,11 +98,11 @@ impl InFlightUnits {
         view: impl FnOnce() -> Option<super::Usage>,
     ) -> Option<super::Usage> {
         let mut shard = self.counts.shard(key);
-        if shard.get(&key.key).is_some_and(|&n| n > 0) {
+        if shard.get(&key.state).is_some_and(|&n| n > 0) {
             return None;
         }
         let u = view()?;
-        *shard.entry(key.key.clone()).or_insert(0) += cost;
+        *shard.entry(key.state).or_insert(0) += cost;
         Some(u)
     }
 
@@ -115,7 +115,7 @@ impl InFlightUnits {
 
     /// A guard that takes `cost` units out of the counts of `keys` (those
     /// [`InFlightUnits::enter`] counted) when dropped; `None` for no key.
-    pub(super) fn guard(&self, keys: Vec<LimitKey>, cost: u64) -> Option<InFlightGuard> {
+    pub(super) fn guard(&self, keys: Vec<StateKey>, cost: u64) -> Option<InFlightGuard> {
         (!keys.is_empty()).then(|| InFlightGuard {
             units: self.clone(),
             keys,
@@ -128,18 +128,18 @@ impl InFlightUnits {
 #[derive(Debug)]
 pub(super) struct InFlightGuard {
     units: InFlightUnits,
-    keys: Vec<LimitKey>,
+    keys: Vec<StateKey>,
     cost: u64,
 }
 
 impl Drop for InFlightGuard {
     fn drop(&mut self) {
         for key in &self.keys {
-            let mut shard = self.units.counts.shard(key);
-            if let Some(n) = shard.get_mut(&key.key) {
+            let mut shard = self.units.counts.shard_of(key);
+            if let Some(n) = shard.get_mut(key) {
                 *n = n.saturating_sub(self.cost);
                 if *n == 0 {
-                    shard.remove(&key.key);
+                    shard.remove(key);
                 }
             }
         }
@@ -271,7 +271,7 @@ impl Limiter {
                     self.recent.admits(&a.key, quota, cost, fixed, now_ms)
                 });
                 if slot.is_some() {
-                    counted.push(a.key.clone());
+                    counted.push(a.key.state);
                     continue;
                 }
             }
@@ -279,7 +279,7 @@ impl Limiter {
             if in_flight[i].1.is_some() {
                 admission.holds[i].stage = Stage::Held;
             } else {
-                counted.push(a.key.clone());
+                counted.push(a.key.state);
             }
         }
         admission.in_flight = self.in_flight.guard(counted, cost);

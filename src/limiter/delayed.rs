@@ -195,7 +195,7 @@ impl<'a> Waiting<'a> {
     /// Count one more request waiting on `key`, unless `max` already are.
     fn enter(map: &'a sharded::ShardedMap<u32>, key: &'a LimitKey, max: u32) -> Option<Self> {
         let mut shard = map.shard(key);
-        let n = shard.entry(key.key.clone()).or_insert(0);
+        let n = shard.entry(key.state).or_insert(0);
         if *n >= max {
             return None;
         }
@@ -207,10 +207,10 @@ impl<'a> Waiting<'a> {
 impl Drop for Waiting<'_> {
     fn drop(&mut self) {
         let mut shard = self.map.shard(self.key);
-        if let Some(n) = shard.get_mut(&self.key.key) {
+        if let Some(n) = shard.get_mut(&self.key.state) {
             *n -= 1;
             if *n == 0 {
-                shard.remove(&self.key.key);
+                shard.remove(&self.key.state);
             }
         }
     }

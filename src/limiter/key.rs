@@ -24,10 +24,12 @@ pub struct LimitKey {
     pub state: StateKey,
 }
 
-/// A storage key in 24 bytes, with no allocation of its own: how the memory store keys
-/// its windows, so that a million callers do not each hold a copy of their full key
-/// (about 56 bytes on the heap apiece, a quarter of the store at 1M callers; see
-/// BENCHMARKS.md). It holds the subject's 128-bit keyed digest (the 32 hex digits of the
+/// A storage key in 24 bytes, with no allocation of its own: how the maps held in this
+/// process key their entries ([`ShardedMap`](super::sharded::ShardedMap): the memory
+/// store, the over-limit cache, in-flight units, ...), so that a million callers do not
+/// each hold a copy of their full key (about 56 bytes on the heap apiece, a quarter of
+/// the memory store at 1M callers; see BENCHMARKS.md) and a request copies 24 bytes
+/// where it cloned a string. It holds the subject's 128-bit keyed digest (the 32 hex digits of the
 /// full key) and a 64-bit hash of the text before them, the key prefix followed by the
 /// limit's name (foldhash with a fixed seed: the same in every snapshot, so a reload that
 /// keeps the memory store keeps its windows). A full key is that text, `:{`, the 32 hex
@@ -42,6 +44,13 @@ pub struct StateKey {
     tail: u64,
     /// Hash of the key prefix and the limit's name.
     scope: u64,
+}
+
+impl StateKey {
+    /// The subject's shard hash (as [`LimitKey::shard_hash`]).
+    pub fn shard_hash(&self) -> u64 {
+        self.head
+    }
 }
 
 /// The hash in [`StateKey::scope`] of a full key's text before its digest (the key

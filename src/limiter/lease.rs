@@ -161,7 +161,7 @@ impl LeaseTable {
     /// refusal of the shared window does not apply to it).
     pub fn holds(&self, key: &LimitKey, cost: u64, now_ms: u64) -> bool {
         let map = self.leases.shard(key);
-        map.get(&key.key)
+        map.get(&key.state)
             .is_some_and(|l| l.usable(now_ms) && l.remaining >= cost)
     }
 
@@ -169,7 +169,7 @@ impl LeaseTable {
     /// since the epoch; 0 when it holds none).
     fn kept(&self, key: &LimitKey, now_ms: u64) -> (u64, u64) {
         let map = self.leases.shard(key);
-        match map.get(&key.key) {
+        match map.get(&key.state) {
             Some(l) if l.reset_at_ms > now_ms && l.remaining > 0 => (l.remaining, l.reset_at_ms),
             _ => (0, 0),
         }
@@ -177,7 +177,7 @@ impl LeaseTable {
 
     fn take_local(&self, key: &LimitKey, cost: u64, now_ms: u64) -> Option<Take> {
         let mut map = self.leases.shard(key);
-        let l = map.get_mut(&key.key)?;
+        let l = map.get_mut(&key.state)?;
         if !l.usable(now_ms) || l.remaining < cost {
             return None;
         }
@@ -199,7 +199,7 @@ impl LeaseTable {
     ) -> Take {
         let w = grant.window;
         let mut map = self.leases.shard(key);
-        let l = map.entry(key.key.clone()).or_insert_with(|| Lease {
+        let l = map.entry(key.state).or_insert_with(|| Lease {
             key: key.clone(),
             reset_at_ms: w.reset_at_ms,
             remaining: 0,
@@ -234,7 +234,7 @@ impl LeaseTable {
     /// all: an uncharged status, an upstream failure, or another limit refused it).
     pub fn give_back(&self, key: &LimitKey, cost: u64, reset_at_ms: u64) {
         let mut map = self.leases.shard(key);
-        if let Some(l) = map.get_mut(&key.key) {
+        if let Some(l) = map.get_mut(&key.state) {
             if l.reset_at_ms == reset_at_ms {
                 l.remaining += cost;
             }
@@ -244,7 +244,7 @@ impl LeaseTable {
     /// Drop the local lease of `key` without giving its units back: its window was
     /// deleted in the store (`POST /callers/{id}/reset`), and the units with it.
     pub fn forget(&self, key: &LimitKey) {
-        self.leases.shard(key).remove(&key.key);
+        self.leases.shard(key).remove(&key.state);
     }
 
     /// Drop leases of past windows and give back the units of leases idle for

@@ -95,7 +95,7 @@ impl RecentCharges {
             return None;
         }
         let shard = self.entries.shard(key);
-        let e = shard.get(&key.key)?;
+        let e = shard.get(&key.state)?;
         let u = e.usage.as_ref()?;
         let fresh = now_ms < e.at_ms.saturating_add(self.max_age_ms);
         let in_window = !fixed || now_ms < u.reset_at_ms;
@@ -119,7 +119,7 @@ impl RecentCharges {
         if self.capacity == 0 {
             return 0;
         }
-        if let Some(e) = self.entries.shard(key).get_mut(&key.key) {
+        if let Some(e) = self.entries.shard(key).get_mut(&key.state) {
             e.pending = e.pending.saturating_add(cost);
             return e.ticket;
         }
@@ -135,7 +135,7 @@ impl RecentCharges {
         }
         let ticket = self.tickets.fetch_add(1, Ordering::Relaxed);
         let mut shard = self.entries.shard(key);
-        let e = shard.entry(key.key.clone()).or_insert_with(|| {
+        let e = shard.entry(key.state).or_insert_with(|| {
             self.count.fetch_add(1, Ordering::Relaxed);
             Entry {
                 usage: None,
@@ -163,7 +163,7 @@ impl RecentCharges {
             return;
         }
         let mut shard = self.entries.shard(key);
-        let Some(e) = shard.get_mut(&key.key).filter(|e| e.ticket == ticket) else {
+        let Some(e) = shard.get_mut(&key.state).filter(|e| e.ticket == ticket) else {
             return;
         };
         e.pending = e.pending.saturating_sub(cost);
@@ -178,7 +178,7 @@ impl RecentCharges {
         if self.count.load(Ordering::Relaxed) == 0 {
             return;
         }
-        if self.entries.shard(key).remove(&key.key).is_some() {
+        if self.entries.shard(key).remove(&key.state).is_some() {
             self.count.fetch_sub(1, Ordering::Relaxed);
         }
     }

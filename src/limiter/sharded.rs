@@ -1,10 +1,10 @@
 //! A map from storage key to a value, split over 64 mutex-guarded hash maps so that
-//! concurrent requests for different callers rarely contend. Shared by the memory store
-//! (keyed by the compact [`StateKey`](super::key::StateKey)) and the gateway's own
-//! bounded maps (keyed by the full key: the over-limit cache, in-flight units, leases,
-//! the recent-charge view, delayed requests).
+//! concurrent requests for different callers rarely contend. Keyed by the compact form
+//! of a storage key ([`StateKey`]: 24 bytes, copied, never allocated). Shared by the
+//! memory store and the gateway's own maps: the over-limit cache, in-flight units,
+//! leases, the recent-charge view and delayed requests.
 
-use super::key::LimitKey;
+use super::key::{LimitKey, StateKey};
 use foldhash::fast::RandomState;
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
@@ -12,13 +12,13 @@ use std::sync::{Mutex, MutexGuard};
 /// Number of independent maps.
 pub const SHARDS: usize = 64;
 
-/// See the module documentation. `K` is the key type: the full storage key by default.
+/// See the module documentation.
 #[derive(Debug)]
-pub struct ShardedMap<V, K = String> {
-    shards: Box<[Mutex<HashMap<K, V, RandomState>>]>,
+pub struct ShardedMap<V> {
+    shards: Box<[Mutex<HashMap<StateKey, V, RandomState>>]>,
 }
 
-impl<V, K> Default for ShardedMap<V, K> {
+impl<V> Default for ShardedMap<V> {
     fn default() -> Self {
         Self {
             shards: (0..SHARDS)
@@ -28,15 +28,23 @@ impl<V, K> Default for ShardedMap<V, K> {
     }
 }
 
-fn lock<V, K>(m: &Mutex<HashMap<K, V, RandomState>>) -> MutexGuard<'_, HashMap<K, V, RandomState>> {
+/// One locked shard.
+pub type Shard<'a, V> = MutexGuard<'a, HashMap<StateKey, V, RandomState>>;
+
+fn lock<V>(m: &Mutex<HashMap<StateKey, V, RandomState>>) -> Shard<'_, V> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-impl<V, K> ShardedMap<V, K> {
+impl<V> ShardedMap<V> {
+    /// The (locked) map that holds `key` (its [`LimitKey::state`]).
+    pub fn shard(&self, key: &LimitKey) -> Shard<'_, V> {
+        self.shard_of(&key.state)
+    }
+
     /// The (locked) map that holds `key`.
-    pub fn shard(&self, key: &LimitKey) -> MutexGuard<'_, HashMap<K, V, RandomState>> {
-        // shard_hash is already a uniform hash of the subject.
-        lock(&self.shards[(key.shard_hash.rotate_right(17) as usize) % SHARDS])
+    pub fn shard_of(&self, key: &StateKey) -> Shard<'_, V> {
+        // The shard hash is already a uniform hash of the subject.
+        lock(&self.shards[(key.shard_hash().rotate_right(17) as usize) % SHARDS])
     }
 
     /// Keep only the entries for which `keep` is true; returns how many were dropped.

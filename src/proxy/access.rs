@@ -75,7 +75,11 @@ impl Decision {
 /// What is known about a request as it passes; logged and counted at the end.
 #[derive(Debug)]
 pub struct AccessLog {
-    started: Instant,
+    /// When the request started, for the line's `total_ms`; `None` when access lines
+    /// were off as it started, so that what only they need is not kept (nor the clock
+    /// read: 25 to 35 ns on the VMs measured here, about 1% of the gateway's own work
+    /// per request).
+    started: Option<Instant>,
     method: Method,
     path: String,
     request_id: HeaderValue,
@@ -87,9 +91,6 @@ pub struct AccessLog {
     pub caller: Option<Arc<str>>,
     /// The caller's tier, when known and lines are written ([`AccessLog::set_tier`]).
     tier: Option<Arc<str>>,
-    /// Whether access lines were on when the request started (so what only they
-    /// need is not kept otherwise).
-    lines: bool,
     /// Units charged to the request's limits (the route's `cost` or the upstream's cost
     /// header); 0 when nothing was charged.
     pub cost: u64,
@@ -151,7 +152,7 @@ impl AccessLog {
             String::new()
         };
         Self {
-            started: Instant::now(),
+            started: lines.then(Instant::now),
             method: req.method().clone(),
             path,
             request_id,
@@ -160,7 +161,6 @@ impl AccessLog {
             caller: None,
             tier: None,
             cost: 0,
-            lines,
             key_label: None,
             decision: Decision::Allowed,
             usage: None,
@@ -173,7 +173,7 @@ impl AccessLog {
     /// Log the caller's `tier` (kept only when lines are written: no shared reference
     /// count touched per request otherwise).
     pub fn set_tier(&mut self, tier: &Arc<str>) {
-        if self.lines {
+        if self.started.is_some() {
             self.tier = Some(tier.clone());
         }
     }
@@ -196,7 +196,8 @@ impl AccessLog {
 
     /// Put the request id on the response and count the request; the log line is
     /// written when the returned [`AccessLine`] is dropped (with the response body, so
-    /// that `total_ms` covers the whole response). `None` when access lines are off.
+    /// that `total_ms` covers the whole response). `None` when access lines are off, or
+    /// were when the request started.
     pub fn finish(mut self, response: &mut Response<Body>) -> Option<AccessLine> {
         self.done = true;
         response
@@ -204,7 +205,7 @@ impl AccessLog {
             .insert(REQUEST_ID.clone(), self.request_id.clone());
         let status = response.status().as_u16();
         let route = self.count(status);
-        enabled().then(|| AccessLine {
+        (self.started.is_some() && enabled()).then(|| AccessLine {
             log: self,
             route,
             status,
@@ -281,7 +282,9 @@ fn write_line(this: &AccessLog, route: &str, status: u16) {
             ),
         }
     }
-    let total_ms = this.started.elapsed().as_secs_f64() * 1000.0;
+    let total_ms = this
+        .started
+        .map_or(0.0, |started| started.elapsed().as_secs_f64() * 1000.0);
     tracing::info!(
         target: "tollgate::access",
         method = %this.method,

@@ -12,7 +12,7 @@
 use super::{Grant, Item, Store, StoreError, WindowState};
 use crate::clock::SharedClock;
 use crate::limiter::algorithm::{self, State, Verdict};
-use crate::limiter::key::{LimitKey, StateKey};
+use crate::limiter::key::LimitKey;
 use crate::limiter::sharded::{ShardedMap, SHARDS};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -52,7 +52,7 @@ impl Held {
 pub struct MemoryStore {
     /// Shared with the sweeper task, which holds it weakly. Keyed by the compact form of
     /// each storage key (24 bytes, no allocation per caller).
-    windows: Arc<ShardedMap<Held, StateKey>>,
+    windows: Arc<ShardedMap<Held>>,
     sweeper_started: AtomicBool,
     /// `store.max_callers`: the most states held.
     max_callers: usize,
@@ -216,7 +216,7 @@ impl MemoryStore {
 }
 
 /// Drop the states of `windows` that stop counting at or before `now_ms`; how many.
-fn drop_expired(windows: &ShardedMap<Held, StateKey>, now_ms: u64) -> usize {
+fn drop_expired(windows: &ShardedMap<Held>, now_ms: u64) -> usize {
     windows.retain(|h| h.expires_at > now_ms)
 }
 

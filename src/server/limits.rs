@@ -88,11 +88,12 @@ impl Activity {
     }
 
     /// A request started; it counts as activity until the guard is dropped (when its
-    /// handler returned the response).
+    /// handler returned the response), which marks the time. (Not marked here: while a
+    /// request is handled the connection is not idle whatever the mark says, and the
+    /// guard marks it again at the end; a clock reading less per request.)
     pub(crate) fn request(self: &Arc<Self>) -> RequestActivity {
         self.active.fetch_add(1, Ordering::Relaxed);
         self.head_ms.store(0, Ordering::Relaxed);
-        self.touch();
         RequestActivity(self.clone())
     }
 

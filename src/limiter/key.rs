@@ -20,7 +20,7 @@ pub struct LimitKey {
     pub key: String,
     /// 64 bits of the subject's digest; selects the shard.
     pub shard_hash: u64,
-    /// The same key in 24 bytes, as the memory store holds it ([`StateKey`]).
+    /// The same key in 24 bytes, as the maps held in this process key it ([`StateKey`]).
     pub state: StateKey,
 }
 
@@ -29,10 +29,10 @@ pub struct LimitKey {
 /// store, the over-limit cache, in-flight units, ...), so that a million callers do not
 /// each hold a copy of their full key (about 56 bytes on the heap apiece, a quarter of
 /// the memory store at 1M callers; see BENCHMARKS.md) and a request copies 24 bytes
-/// where it cloned a string. It holds the subject's 128-bit keyed digest (the 32 hex digits of the
-/// full key) and a 64-bit hash of the text before them, the key prefix followed by the
-/// limit's name (foldhash with a fixed seed: the same in every snapshot, so a reload that
-/// keeps the memory store keeps its windows). A full key is that text, `:{`, the 32 hex
+/// where it cloned a string. It holds the subject's 128-bit keyed digest (the 32 hex
+/// digits of the full key) and a 64-bit hash of the text before them, the key prefix
+/// followed by the limit's name (foldhash with a fixed seed: the same in every
+/// snapshot, so a reload that keeps the memory store keeps its windows). A full key is that text, `:{`, the 32 hex
 /// digits and `}`, so two `StateKey`s are equal exactly when their full keys are, unless
 /// two such texts of this process's configs have the same 64-bit hash (they come from
 /// config files, never from the network).

@@ -161,20 +161,29 @@ fn split(raw: &str) -> Result<(&str, Option<&str>), AuthorityError> {
 }
 
 /// [`split`]'s answer for the usual `Host`, a name of letters, digits, `.` and `-`
-/// with a port of 1 to 5 digits or none, found in one pass; `None` for anything else
-/// (which [`split`] then checks in full).
+/// with a port of 1 to 5 digits or none, found in one pass over the bytes; `None` for
+/// anything else (which [`split`] then checks in full).
 fn simple(raw: &str) -> Option<(&str, Option<&str>)> {
-    let (name, port) = match raw.split_once(':') {
-        Some((name, port)) => (name, Some(port)),
+    let bytes = raw.as_bytes();
+    let end = bytes
+        .iter()
+        .position(|&b| !(b.is_ascii_alphanumeric() || b == b'.' || b == b'-'))
+        .unwrap_or(bytes.len());
+    // Everything before `end` is ASCII: slicing there is on a character boundary.
+    let (name, port) = match bytes.get(end) {
         None => (raw, None),
+        Some(b':') => {
+            let port = &raw[end + 1..];
+            let digits = port.bytes().all(|b| b.is_ascii_digit());
+            if port.is_empty() || port.len() > 5 || !digits {
+                return None;
+            }
+            (&raw[..end], Some(port))
+        }
+        Some(_) => return None,
     };
-    let name_ok = name
-        .bytes()
-        .all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'-');
-    let port_ok =
-        port.is_none_or(|p| !p.is_empty() && p.len() <= 5 && p.bytes().all(|b| b.is_ascii_digit()));
     let name = name.strip_suffix('.').unwrap_or(name);
-    (name_ok && port_ok && !name.is_empty()).then_some((name, port))
+    (!name.is_empty()).then_some((name, port))
 }
 
 /// At most 256 characters of `s`, for an error message.
@@ -280,7 +289,7 @@ mod tests {
             }
             Ok((name.to_string(), port))
         };
-        let alphabet = ['a', '9', '.', '-', ':', '0'];
+        let alphabet = ['a', '9', '.', '-', ':', '0', '_'];
         let mut all = vec![String::new()];
         let mut last = vec![String::new()];
         for _ in 0..6 {
@@ -296,6 +305,10 @@ mod tests {
                 "127.0.0.1:65535",
                 "h:123456",
                 "H.Example.COM.",
+                "\u{e9}.example:80",
+                "example:8\u{e9}",
+                "ex ample:80",
+                "[::1]:8080",
             ]
             .map(String::from),
         );

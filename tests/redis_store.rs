@@ -158,7 +158,7 @@ async fn callers_spread_over_two_shards_and_keys_hide_keys_and_ips() {
     let scheme = KeyScheme::new("tollgate:", None);
     for ip in &ips {
         let k = scheme.key("core", &format!("ip:{ip}"));
-        let shard = jump_consistent_hash(k.shard_hash, 2);
+        let shard = jump_consistent_hash(k.shard_hash(), 2);
         let holder = if shard == 0 { &ka } else { &kb };
         assert!(holder.contains(&k.key), "{ip} should be on shard {shard}");
     }

@@ -110,7 +110,7 @@ fn ips_on_shard(shard: u32, n: u32, count: usize) -> Vec<String> {
     (1..=250)
         .map(|i| format!("198.51.100.{i}"))
         .filter(|ip| {
-            jump_consistent_hash(scheme.key("core", &format!("ip:{ip}")).shard_hash, n) == shard
+            jump_consistent_hash(scheme.key("core", &format!("ip:{ip}")).shard_hash(), n) == shard
         })
         .take(count)
         .collect()

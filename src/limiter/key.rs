@@ -18,10 +18,15 @@ use std::hash::BuildHasher;
 pub struct LimitKey {
     /// The full storage key, e.g. `tollgate:core:{3f1c…}` (32 hex digits in a hash tag).
     pub key: String,
-    /// 64 bits of the subject's digest; selects the shard.
-    pub shard_hash: u64,
     /// The same key in 24 bytes, as the maps held in this process key it ([`StateKey`]).
     pub state: StateKey,
+}
+
+impl LimitKey {
+    /// 64 bits of the subject's digest; selects the shard.
+    pub fn shard_hash(&self) -> u64 {
+        self.state.shard_hash()
+    }
 }
 
 /// A storage key in 24 bytes, with no allocation of its own: how the maps held in this
@@ -47,7 +52,7 @@ pub struct StateKey {
 }
 
 impl StateKey {
-    /// The subject's shard hash (as [`LimitKey::shard_hash`]).
+    /// The subject's shard hash: the first 8 bytes of its digest.
     pub fn shard_hash(&self) -> u64 {
         self.head
     }
@@ -158,7 +163,6 @@ impl KeyScheme {
         key.push('}');
         LimitKey {
             key,
-            shard_hash: d.shard_hash,
             state: StateKey {
                 head: d.shard_hash,
                 tail: d.tail,
@@ -254,7 +258,7 @@ mod tests {
         (0..n)
             .map(|i| {
                 s.key("core", &format!("ip:10.0.{}.{}", i / 256, i % 256))
-                    .shard_hash
+                    .shard_hash()
             })
             .collect()
     }

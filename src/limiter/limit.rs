@@ -405,7 +405,7 @@ impl Applied {
         match self.limit.enforce_percent {
             100 => true,
             0 => false,
-            p => self.key.shard_hash.rotate_right(32) % 100 < u64::from(p),
+            p => self.key.shard_hash().rotate_right(32) % 100 < u64::from(p),
         }
     }
 }

@@ -523,7 +523,7 @@ impl RedisStore {
         match self.cfg.mode {
             StoreMode::Cluster => 0,
             StoreMode::Sharded => {
-                jump_consistent_hash(key.shard_hash, self.cfg.shards.len() as u32) as usize
+                jump_consistent_hash(key.shard_hash(), self.cfg.shards.len() as u32) as usize
             }
         }
     }
@@ -562,7 +562,7 @@ impl RedisStore {
                 Kind::Charge
             };
             let g = match live {
-                Topology::Cluster(_) => i.key.shard_hash,
+                Topology::Cluster(_) => i.key.shard_hash(),
                 Topology::Sharded(_) => self.shard_of(i.key) as u64,
             };
             (kind, g)
@@ -689,7 +689,7 @@ impl RedisStore {
         let mut groups: Vec<(u64, Vec<&str>)> = Vec::new();
         for k in keys {
             let g = match live {
-                Topology::Cluster(_) => k.shard_hash,
+                Topology::Cluster(_) => k.shard_hash(),
                 Topology::Sharded(_) => self.shard_of(k) as u64,
             };
             match groups.iter_mut().find(|(id, _)| *id == g) {

@@ -253,14 +253,19 @@ async fn per_core_reload_reaches_every_worker() {
     assert_eq!(get(&gw.url("/")).await.num("x-ratelimit-used"), 18);
 }
 
+/// A `[store]` on `redis`, one shard, failing closed.
+fn redis_store(redis: &RedisServer) -> String {
+    format!(
+        "[store]\nbackend = \"redis\"\ntimeout = \"2s\"\non_error = \"deny\"\n[[store.shards]]\nprimary = \"{}\"\n",
+        redis.url()
+    )
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn per_core_redis_store_counts_right_across_workers() {
     let redis = RedisServer::start();
     let upstream = Upstream::start().await;
-    let store = format!(
-        "[store]\nbackend = \"redis\"\ntimeout = \"2s\"\non_error = \"deny\"\n[[store.shards]]\nprimary = \"{}\"\n",
-        redis.url()
-    );
+    let store = redis_store(&redis);
     let gw = TestGateway::start(&config(&upstream, 2, 25, &store)).await;
     // 40 requests on their own connections, 20 at a time, over both workers' batchers:
     // exactly the quota is let through.
@@ -288,6 +293,57 @@ async fn per_core_redis_store_counts_right_across_workers() {
             "worker {w} served some: {text}"
         );
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn per_core_workers_send_their_redis_calls_over_their_own_connections() {
+    let redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    let store = redis_store(&redis);
+    let gw = TestGateway::start(&config(&upstream, 2, 1000, &store)).await;
+    // Connections of a worker named for it, from CLIENT LIST.
+    let named = |list: &str, want: &str| {
+        list.lines()
+            .filter(|l| l.split(' ').any(|f| f == format!("name={want}")))
+            .map(str::to_owned)
+            .collect::<Vec<_>>()
+    };
+    // Requests on new connections (so on both workers) until each worker's own
+    // connection to the primary has run a script call (EVALSHA) last.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut served = 0;
+    let list = loop {
+        assert_eq!(get(&gw.url("/")).await.status, 200);
+        served += 1;
+        let list: String = redis.cmd(&["CLIENT", "LIST"]);
+        let ready = (0..2).all(|w| {
+            named(&list, &format!("tollgate-worker-{w}"))
+                .iter()
+                .any(|l| l.contains(" cmd=evalsha "))
+        });
+        if ready || Instant::now() > deadline {
+            break list;
+        }
+    };
+    for w in 0..2 {
+        let own = named(&list, &format!("tollgate-worker-{w}"));
+        assert_eq!(own.len(), 1, "worker {w}'s own connection: {list}");
+        assert!(own[0].contains(" cmd=evalsha "), "{list}");
+    }
+    assert_eq!(
+        named(&list, "tollgate").len(),
+        1,
+        "the node's shared one: {list}"
+    );
+    // Every request counted once, whichever connection carried it.
+    let keys = redis.keys();
+    assert_eq!(keys.len(), 1, "{keys:?}");
+    let count: String = redis.cmd(&["HGET", &keys[0], "count"]);
+    assert_eq!(count, served.to_string());
+    assert_eq!(
+        get(&gw.url("/")).await.header("x-ratelimit-remaining"),
+        (1000 - served - 1).to_string()
+    );
 }
 
 /// Threads of a process named `name`.

@@ -5,7 +5,9 @@
 //! idle batcher sends its call itself, from its own task (no hop through another task);
 //! what is submitted while a call is in flight waits in a FIFO queue, and when the call
 //! is answered, everything queued goes out as the next call (at most [`MAX_KEYS`] keys
-//! a call), from a task on the runtime the batcher was made on. An idle shard adds no
+//! a call), from a task on the `per_core` worker whose call was answered, else on the
+//! runtime the batcher was made on. Since one call at a time is in flight, the calls
+//! keep their order whichever connection (a worker's own, or the node's) carries them. An idle shard adds no
 //! delay (a lone request is sent at once); a busy one sends fewer, larger calls, so
 //! Redis runs one script per batch instead of one per request. The scripts take any
 //! number of keys (`lua/apply.lua`); a request's own items always travel in one call.
@@ -147,7 +149,13 @@ impl Shared {
         }
         let queued = std::mem::take(&mut state.queue);
         drop(state);
-        self.runtime.spawn(drain(self.clone(), queued));
+        // On a `per_core` worker, the queue goes out from this worker (over its own
+        // connection, waking no other thread); elsewhere from the batcher's runtime.
+        let here = crate::server::runtime::worker()
+            .and_then(|_| tokio::runtime::Handle::try_current().ok());
+        here.as_ref()
+            .unwrap_or(&self.runtime)
+            .spawn(drain(self.clone(), queued));
     }
 }
 

@@ -5,6 +5,12 @@
 //! restarted or flushed Redis never sees a NOSCRIPT stampede — and publishes the
 //! connection. A call that finds the connection dropped wakes the task to reconnect.
 //! Sentinel may point the node at a new address ([`Node::retarget`]).
+//!
+//! On a `per_core` gateway each worker also opens a connection of its own to the node
+//! ([`WorkerConns`]), on its own runtime, so that the connection's I/O task runs on the
+//! worker's thread: a call a worker sends, and its reply, then wake no other thread.
+//! Those connections follow the node's: they are used only while the node's own
+//! connection is up, and are dropped whenever it is replaced (reconnect, failover).
 
 use super::breaker::{Breaker, BreakerState};
 use super::stats::{bump, NodeStats};
@@ -12,12 +18,20 @@ use super::Scripts;
 use crate::limiter::store::StoreError;
 use redis::aio::MultiplexedConnection;
 use redis::{AsyncConnectionConfig, Script};
-use std::sync::{Arc, Mutex, Weak};
-use std::time::Duration;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::{Duration, Instant};
 use tokio::sync::{watch, Notify};
 
 /// How often a connected node is probed with PING when nothing else talks to it.
 const PROBE_EVERY: Duration = Duration::from_secs(1);
+
+/// How long a worker waits after its own connection to a node failed to open before it
+/// tries again (meanwhile it uses the node's shared connection).
+const WORKER_RETRY_AFTER: Duration = Duration::from_secs(1);
+
+/// The `CLIENT SETNAME` of a node's shared connection (`CLIENT LIST` shows it).
+const SHARED_NAME: &str = "tollgate";
 
 /// Settings shared by every node of a store.
 #[derive(Debug, Clone)]
@@ -33,6 +47,8 @@ pub(crate) struct Node {
     pub(super) label: String,
     target: Mutex<Option<redis::Client>>,
     conn: watch::Sender<Option<MultiplexedConnection>>,
+    /// Each `per_core` worker's own connection (see the module documentation).
+    workers: Arc<WorkerConns>,
     wake: Arc<Notify>,
     breaker: Breaker,
     pub(super) stats: Arc<NodeStats>,
@@ -71,6 +87,7 @@ impl Node {
             label,
             target: Mutex::new(client),
             conn: watch::channel(None).0,
+            workers: Arc::default(),
             wake: Arc::new(Notify::new()),
             breaker,
             stats,
@@ -94,7 +111,7 @@ impl Node {
     /// Point the node at a new address (after a failover) and reconnect.
     pub(super) fn retarget(&self, client: redis::Client) {
         *self.target.lock().unwrap_or_else(|e| e.into_inner()) = Some(client);
-        self.conn.send_replace(None);
+        self.publish(None);
         self.wake.notify_one();
     }
 
@@ -136,16 +153,26 @@ impl Node {
         if let Err(StoreError::Redis(e)) = &result {
             if e.is_connection_dropped() || e.is_io_error() || e.is_unrecoverable_error() {
                 // Let the connection task reconnect (and reload the scripts).
-                self.conn.send_replace(None);
+                self.publish(None);
                 self.wake.notify_one();
             }
         }
         result
     }
 
+    /// Replace the node's shared connection (`None`: disconnected), which drops every
+    /// worker's own connection too.
+    fn publish(&self, conn: Option<MultiplexedConnection>) {
+        self.workers.generation.fetch_add(1, Ordering::AcqRel);
+        self.conn.send_replace(conn);
+    }
+
+    /// The connection a call uses: on a `per_core` worker its own once open, else the
+    /// node's shared one.
     async fn connection(&self, when: WhenDisconnected) -> Option<MultiplexedConnection> {
-        if let Some(c) = self.conn.borrow().as_ref() {
-            return Some(c.clone());
+        let shared = self.conn.borrow().clone();
+        if let Some(c) = shared {
+            return Some(self.worker_connection().unwrap_or(c));
         }
         if when == WhenDisconnected::FailFast {
             return None;
@@ -153,6 +180,104 @@ impl Node {
         let mut rx = self.conn.subscribe();
         let c = rx.wait_for(Option::is_some).await.ok()?;
         c.clone()
+    }
+}
+
+impl Node {
+    /// This `per_core` worker's own connection to the node, while the node's shared
+    /// connection (of the same generation) is up. When it is not open yet, a task on
+    /// the worker's runtime opens it (scripts loaded first) and `None` is returned: the
+    /// call goes over the shared connection meanwhile.
+    fn worker_connection(&self) -> Option<MultiplexedConnection> {
+        let (index, count) = crate::server::runtime::worker()?;
+        let runtime = tokio::runtime::Handle::try_current().ok()?;
+        let slots = self
+            .workers
+            .slots
+            .get_or_init(|| (0..count).map(|_| Mutex::default()).collect());
+        let generation = self.workers.generation.load(Ordering::Acquire);
+        let mut slot = slots.get(index)?.lock().unwrap_or_else(|e| e.into_inner());
+        if slot.generation != generation {
+            // Opened for a connection of the node that has since been replaced.
+            slot.conn = None;
+            slot.failed_at = None;
+            slot.generation = generation;
+        }
+        if let Some(c) = &slot.conn {
+            return Some(c.clone());
+        }
+        if slot.connecting
+            || slot
+                .failed_at
+                .is_some_and(|t| t.elapsed() < WORKER_RETRY_AFTER)
+        {
+            return None;
+        }
+        let client = self
+            .target
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()?;
+        slot.connecting = true;
+        drop(slot);
+        let workers = self.workers.clone();
+        let scripts = self.scripts.clone();
+        let label = self.label.clone();
+        let timeout = self.settings.timeout.max(Duration::from_millis(500));
+        runtime.spawn(async move {
+            let name = format!("{SHARED_NAME}-worker-{index}");
+            let opened = connect(&client, &scripts, timeout, &name).await;
+            let Some(slot) = workers.slots.get().and_then(|s| s.get(index)) else {
+                return;
+            };
+            let mut slot = slot.lock().unwrap_or_else(|e| e.into_inner());
+            slot.connecting = false;
+            let current = workers.generation.load(Ordering::Acquire);
+            match opened {
+                Ok(conn) if slot.generation == generation && current == generation => {
+                    tracing::debug!(node = %label, worker = index, "worker's own redis connection open");
+                    slot.conn = Some(conn);
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::debug!(node = %label, worker = index, error = %e, "worker's own redis connection failed to open; using the shared one");
+                    slot.failed_at = Some(Instant::now());
+                }
+            }
+        });
+        None
+    }
+}
+
+/// Each `per_core` worker's own connection to a node (see the module documentation).
+#[derive(Debug, Default)]
+struct WorkerConns {
+    /// One per worker, by its index; sized by the first worker to call.
+    slots: OnceLock<Box<[Mutex<WorkerSlot>]>>,
+    /// Bumped whenever the node's shared connection is replaced
+    /// ([`Node::publish`]): a worker's connection of an older generation is dropped.
+    generation: AtomicU64,
+}
+
+/// One worker's connection to a node.
+#[derive(Default)]
+struct WorkerSlot {
+    conn: Option<MultiplexedConnection>,
+    /// The generation of the node's shared connection `conn` was opened under.
+    generation: u64,
+    /// A task is opening `conn`.
+    connecting: bool,
+    /// When the last attempt to open it failed.
+    failed_at: Option<Instant>,
+}
+
+impl std::fmt::Debug for WorkerSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WorkerSlot")
+            .field("open", &self.conn.is_some())
+            .field("generation", &self.generation)
+            .field("connecting", &self.connecting)
+            .finish()
     }
 }
 
@@ -180,7 +305,7 @@ async fn maintain(node: Weak<Node>, wake: Arc<Notify>) {
         let label = n.label.clone();
         drop(n);
 
-        match connect(&client, &scripts, connect_timeout).await {
+        match connect(&client, &scripts, connect_timeout, SHARED_NAME).await {
             Ok(conn) => {
                 let Some(n) = node.upgrade() else { return };
                 // A retarget while connecting makes this connection stale: try again.
@@ -194,7 +319,7 @@ async fn maintain(node: Weak<Node>, wake: Arc<Notify>) {
                     continue;
                 }
                 bump(&n.stats.connects);
-                n.conn.send_replace(Some(conn.clone()));
+                n.publish(Some(conn.clone()));
                 tracing::info!(node = %label, "redis node connected, scripts loaded");
                 failing_since_logged = false;
                 backoff.reset();
@@ -215,7 +340,7 @@ async fn maintain(node: Weak<Node>, wake: Arc<Notify>) {
                     if !matches!(answered, Ok(Ok(_))) {
                         let Some(n) = node.upgrade() else { return };
                         tracing::warn!(node = %label, "redis node does not answer PING; reconnecting");
-                        n.conn.send_replace(None);
+                        n.publish(None);
                         break;
                     }
                 }
@@ -234,11 +359,13 @@ async fn maintain(node: Weak<Node>, wake: Arc<Notify>) {
     }
 }
 
-/// Open a multiplexed connection and load every script on it.
+/// Open a multiplexed connection named `name` (`CLIENT SETNAME`, where the server
+/// allows it) and load every script on it. Its I/O task runs on the current runtime.
 async fn connect(
     client: &redis::Client,
     scripts: &Scripts,
     timeout: Duration,
+    name: &str,
 ) -> redis::RedisResult<MultiplexedConnection> {
     let config = AsyncConnectionConfig::new()
         .set_connection_timeout(Some(timeout))
@@ -246,6 +373,12 @@ async fn connect(
     let mut conn = client
         .get_multiplexed_async_connection_with_config(&config)
         .await?;
+    // Best effort: a server that renames or forbids CLIENT still serves the scripts.
+    let _ = redis::cmd("CLIENT")
+        .arg("SETNAME")
+        .arg(name)
+        .query_async::<()>(&mut conn)
+        .await;
     for script in scripts.all() {
         script.prepare_invoke().load_async(&mut conn).await?;
     }

@@ -297,24 +297,50 @@ async fn per_core_redis_store_counts_right_across_workers() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn per_core_workers_send_their_redis_calls_over_their_own_connections() {
-    let redis = RedisServer::start();
+    let mut redis = RedisServer::start();
     let upstream = Upstream::start().await;
     let store = redis_store(&redis);
     let gw = TestGateway::start(&config(&upstream, 2, 1000, &store)).await;
-    // Connections of a worker named for it, from CLIENT LIST.
-    let named = |list: &str, want: &str| {
-        list.lines()
-            .filter(|l| l.split(' ').any(|f| f == format!("name={want}")))
-            .map(str::to_owned)
-            .collect::<Vec<_>>()
+    let served = until_workers_use_their_own_connections(&gw, &redis).await;
+    // Every request counted once, whichever connection carried it.
+    let count_in = |redis: &RedisServer| {
+        let keys = redis.keys();
+        assert_eq!(keys.len(), 1, "{keys:?}");
+        redis.cmd::<String>(&["HGET", &keys[0], "count"])
     };
-    // Requests on new connections (so on both workers) until each worker's own
-    // connection to the primary has run a script call (EVALSHA) last.
+    assert_eq!(count_in(&redis), served.to_string());
+    assert_eq!(
+        get(&gw.url("/")).await.header("x-ratelimit-remaining"),
+        (1000 - served - 1).to_string()
+    );
+
+    // Redis restarts (empty): the workers' connections are opened again, to it.
+    redis.restart();
+    let served = until_workers_use_their_own_connections(&gw, &redis).await;
+    assert_eq!(count_in(&redis), served.to_string());
+}
+
+/// The lines of `CLIENT LIST` text of connections named `name`.
+fn named(list: &str, name: &str) -> Vec<String> {
+    list.lines()
+        .filter(|l| l.split(' ').any(|f| f == format!("name={name}")))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Requests on new connections (so on both workers of `gw`) until each worker's own
+/// connection to `redis` has run a script call (EVALSHA) last, within 10 s; then checks
+/// that each worker has one such connection beside the node's shared one. Returns the
+/// requests answered 200 (a 503 while the gateway reconnects is not counted).
+async fn until_workers_use_their_own_connections(gw: &TestGateway, redis: &RedisServer) -> u64 {
     let deadline = Instant::now() + Duration::from_secs(10);
     let mut served = 0;
     let list = loop {
-        assert_eq!(get(&gw.url("/")).await.status, 200);
-        served += 1;
+        match get(&gw.url("/")).await.status.as_u16() {
+            200 => served += 1,
+            503 => tokio::time::sleep(Duration::from_millis(50)).await,
+            other => panic!("status {other}"),
+        }
         let list: String = redis.cmd(&["CLIENT", "LIST"]);
         let ready = (0..2).all(|w| {
             named(&list, &format!("tollgate-worker-{w}"))
@@ -335,15 +361,7 @@ async fn per_core_workers_send_their_redis_calls_over_their_own_connections() {
         1,
         "the node's shared one: {list}"
     );
-    // Every request counted once, whichever connection carried it.
-    let keys = redis.keys();
-    assert_eq!(keys.len(), 1, "{keys:?}");
-    let count: String = redis.cmd(&["HGET", &keys[0], "count"]);
-    assert_eq!(count, served.to_string());
-    assert_eq!(
-        get(&gw.url("/")).await.header("x-ratelimit-remaining"),
-        (1000 - served - 1).to_string()
-    );
+    served
 }
 
 /// Threads of a process named `name`.

@@ -20,7 +20,7 @@ use std::cell::Cell;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 
 /// The name of every `per_core` worker thread (as `ps -T` and `/proc/PID/task/*/comm`
 /// show it; at most 15 bytes).
@@ -106,6 +106,44 @@ fn bind_one(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
     Ok(socket.into())
 }
 
+/// One worker still serving, counted in a gateway's shared count from before its thread
+/// starts until it has served its last request (or its thread failed to start, or
+/// panicked: the count goes down when this is dropped).
+struct Serving {
+    count: Arc<watch::Sender<usize>>,
+    counted: bool,
+}
+
+impl Serving {
+    fn enter(count: &Arc<watch::Sender<usize>>) -> Serving {
+        count.send_modify(|n| *n += 1);
+        Serving {
+            count: count.clone(),
+            counted: true,
+        }
+    }
+
+    /// This worker has served its last request: leave the count, then wait until every
+    /// other worker has too.
+    async fn wait_for_all(mut self) {
+        self.leave();
+        let mut rx = self.count.subscribe();
+        let _ = rx.wait_for(|n| *n == 0).await;
+    }
+
+    fn leave(&mut self) {
+        if std::mem::take(&mut self.counted) {
+            self.count.send_modify(|n| *n = n.saturating_sub(1));
+        }
+    }
+}
+
+impl Drop for Serving {
+    fn drop(&mut self) {
+        self.leave();
+    }
+}
+
 /// The `per_core` worker threads of one gateway; see the module documentation.
 #[derive(Debug)]
 pub(crate) struct Workers {
@@ -116,8 +154,10 @@ pub(crate) struct Workers {
 impl Workers {
     /// Start one worker thread per listener in `listeners`: each builds a
     /// single-threaded runtime, takes its listener into it and runs `serve` with it
-    /// until `serve` returns (after a shutdown and the drain); the runtime, with any task
-    /// still on it, is dropped then.
+    /// until `serve` returns (after a shutdown and the drain); its runtime keeps running
+    /// its other tasks until every worker's `serve` has returned (they may carry other
+    /// workers' Redis calls), and is then dropped with any task still on it (after at
+    /// most 1 s).
     ///
     /// Errors: a runtime or a thread could not be created (the threads started before
     /// are told to stop by the caller's shutdown signal).
@@ -132,11 +172,13 @@ impl Workers {
         let serve = Arc::new(serve);
         let count = listeners.len();
         let (done, stopped) = mpsc::channel::<()>(1);
+        let serving = Arc::new(watch::Sender::new(0usize));
         for (index, listener) in listeners.into_iter().enumerate() {
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()?;
             let (serve, done) = (serve.clone(), done.clone());
+            let still = Serving::enter(&serving);
             std::thread::Builder::new()
                 .name(WORKER_THREAD.into())
                 .spawn(move || {
@@ -148,6 +190,11 @@ impl Workers {
                                 tracing::error!(worker = index, error = %e, "worker cannot use its listener")
                             }
                         }
+                        // This runtime's tasks may carry other workers' calls (a Redis
+                        // shard's queued calls go out from the worker whose call was
+                        // answered): keep them going until every worker has served its
+                        // last request.
+                        still.wait_for_all().await;
                     });
                     // Connections still open after the drain end here, with their tasks.
                     runtime.shutdown_timeout(std::time::Duration::from_secs(1));
@@ -160,5 +207,50 @@ impl Workers {
     /// Wait until every worker thread has stopped.
     pub(crate) async fn wait(mut self) {
         while self.stopped.recv().await.is_some() {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Duration;
+
+    /// A task on a worker that has finished serving still runs to its end while another
+    /// worker serves (a worker's tasks may carry other workers' Redis calls).
+    #[tokio::test]
+    async fn a_workers_tasks_run_until_every_worker_has_served() {
+        let listeners: Vec<_> = (0..2)
+            .map(|_| bind_one("127.0.0.1:0".parse().unwrap()).unwrap())
+            .collect();
+        let ran = Arc::new(AtomicBool::new(false));
+        let (index_of, seen) = (
+            Arc::new(std::sync::atomic::AtomicUsize::new(0)),
+            ran.clone(),
+        );
+        let workers = Workers::start(listeners, move |_listener| {
+            let (index_of, seen) = (index_of.clone(), seen.clone());
+            async move {
+                if index_of.fetch_add(1, Ordering::SeqCst) == 0 {
+                    // The first worker to serve returns at once, leaving a task behind
+                    // that needs 200 ms.
+                    tokio::spawn(async move {
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                        seen.store(true, Ordering::SeqCst);
+                    });
+                } else {
+                    // The other serves for 500 ms.
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+            }
+        })
+        .unwrap();
+        tokio::time::timeout(Duration::from_secs(5), workers.wait())
+            .await
+            .expect("both workers stopped");
+        assert!(
+            ran.load(Ordering::SeqCst),
+            "the first worker's task was dropped when it stopped serving"
+        );
     }
 }

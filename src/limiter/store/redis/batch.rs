@@ -7,10 +7,11 @@
 //! is answered, everything queued goes out as the next call (at most [`MAX_KEYS`] keys
 //! a call), from a task on the `per_core` worker whose call was answered, else on the
 //! runtime the batcher was made on. Since one call at a time is in flight, the calls
-//! keep their order whichever connection (a worker's own, or the node's) carries them. An idle shard adds no
-//! delay (a lone request is sent at once); a busy one sends fewer, larger calls, so
-//! Redis runs one script per batch instead of one per request. The scripts take any
-//! number of keys (`lua/apply.lua`); a request's own items always travel in one call.
+//! keep their order whichever connection (a worker's own, or the node's) carries them.
+//! An idle shard adds no delay (a lone request is sent at once); a busy one sends
+//! fewer, larger calls, so Redis runs one script per batch instead of one per request.
+//! The scripts take any number of keys (`lua/apply.lua`); a request's own items always
+//! travel in one call.
 //!
 //! Order: calls reach the node in the order they were submitted (one in flight, then
 //! the queue in order), whoever sends them. A submitter that goes away never loses its

@@ -181,16 +181,13 @@ impl Node {
         let c = rx.wait_for(Option::is_some).await.ok()?;
         c.clone()
     }
-}
 
-impl Node {
     /// This `per_core` worker's own connection to the node, while the node's shared
     /// connection (of the same generation) is up. When it is not open yet, a task on
     /// the worker's runtime opens it (scripts loaded first) and `None` is returned: the
     /// call goes over the shared connection meanwhile.
     fn worker_connection(&self) -> Option<MultiplexedConnection> {
         let (index, count) = crate::server::runtime::worker()?;
-        let runtime = tokio::runtime::Handle::try_current().ok()?;
         let slots = self
             .workers
             .slots
@@ -213,6 +210,7 @@ impl Node {
         {
             return None;
         }
+        let runtime = tokio::runtime::Handle::try_current().ok()?;
         let client = self
             .target
             .lock()

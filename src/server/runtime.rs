@@ -111,7 +111,6 @@ fn bind_one(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
 /// panicked: the count goes down when this is dropped).
 struct Serving {
     count: Arc<watch::Sender<usize>>,
-    counted: bool,
 }
 
 impl Serving {
@@ -119,28 +118,21 @@ impl Serving {
         count.send_modify(|n| *n += 1);
         Serving {
             count: count.clone(),
-            counted: true,
         }
     }
 
     /// This worker has served its last request: leave the count, then wait until every
     /// other worker has too.
-    async fn wait_for_all(mut self) {
-        self.leave();
+    async fn wait_for_all(self) {
         let mut rx = self.count.subscribe();
+        drop(self);
         let _ = rx.wait_for(|n| *n == 0).await;
-    }
-
-    fn leave(&mut self) {
-        if std::mem::take(&mut self.counted) {
-            self.count.send_modify(|n| *n = n.saturating_sub(1));
-        }
     }
 }
 
 impl Drop for Serving {
     fn drop(&mut self) {
-        self.leave();
+        self.count.send_modify(|n| *n = n.saturating_sub(1));
     }
 }
 

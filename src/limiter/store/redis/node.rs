@@ -170,9 +170,14 @@ impl Node {
     /// The connection a call uses: on a `per_core` worker its own once open, else the
     /// node's shared one.
     async fn connection(&self, when: WhenDisconnected) -> Option<MultiplexedConnection> {
-        let shared = self.conn.borrow().clone();
-        if let Some(c) = shared {
-            return Some(self.worker_connection().unwrap_or(c));
+        let connected = self.conn.borrow().is_some();
+        if connected {
+            if let Some(c) = self.worker_connection() {
+                return Some(c);
+            }
+            if let Some(c) = self.conn.borrow().clone() {
+                return Some(c);
+            }
         }
         if when == WhenDisconnected::FailFast {
             return None;

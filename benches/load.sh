@@ -60,6 +60,11 @@
 #        nginx_limit_req_429  wrk -> nginx proxy /lr-reject (~all 429)
 #        hyper_floor          wrk -> hyper floor -> upstream: what hyper itself costs per proxied
 #                             request; every tollgate case is reported as a ratio to it
+#        hyper_floor_headers  like hyper_floor with FLOOR_HEADERS=1: the forwarded request and the
+#                             response carry the header lines tollgate adds (X-Forwarded-*,
+#                             X-Real-IP, X-Request-Id, Via; the five X-RateLimit-*) with fixed
+#                             values: what carrying them costs hyper and the kernel, with none of
+#                             the work of computing them
 #        hyper_floor_429      wrk -> hyper floor answering every request itself with a fixed 429
 #                             (`tollgate-floor LISTEN -`): what hyper alone costs per refusal, the
 #                             floor of the 429 target
@@ -97,7 +102,8 @@
 #      Reported per admitted (2xx) request and per request.
 #   5. Latency at half load: h2load --h1 -t1 -c32 --rps=R/32 -D HALF_SECS against tg_memory and
 #      tg_redis, R = half of that case's own mean req/s, and against direct at each of those R
-#      (and hyper_floor at the R of tg_memory: what hyper alone adds there);
+#      (and hyper_floor at the R of tg_memory: what hyper alone adds there; nginx_lua_redis at
+#      the R of tg_redis: what a proxy making one Redis round trip per request adds there);
 #      p50/p90/p99/p99.9 from h2load's --log-file (3rd column: µs to end of response); repeated
 #      like the wrk runs when other% is too high.
 #   6. 1,000,000 distinct callers: a fresh memory-store tollgate, wrk with X-Forwarded-For
@@ -149,7 +155,7 @@ KEEP_WORK=${KEEP_WORK:-0}
 CONNS=64
 WARMUP=2s
 
-ALL_CASES=(direct nginx_proxy nginx_lua_redis nginx_limit_req_429 hyper_floor hyper_floor_429
+ALL_CASES=(direct nginx_proxy nginx_lua_redis nginx_limit_req_429 hyper_floor hyper_floor_headers hyper_floor_429
     tg_memory tg_memory_w1 tg_memory_per_core tg_memory_many tg_redis tg_redis_per_core tg_redis_many tg_redis3_replicas
     tg_memory_429 tg_redis_429 tg_redis_lease tg_redis_64 tg_redis_64_recent)
 
@@ -298,7 +304,7 @@ cp "$BIN" "$TG"
 FLOOR_DIR="$ROOT/benches/floor"
 FLOOR_BUILT="$FLOOR_DIR/target/release/tollgate-floor"
 FLOOR="$WORK/tollgate-floor"
-if selected hyper_floor || selected hyper_floor_429; then
+if selected hyper_floor || selected hyper_floor_headers || selected hyper_floor_429; then
     if [[ "$SKIP_BUILD" == 1 ]]; then
         log "not building the floor (SKIP_BUILD=1): using $FLOOR_BUILT as it is"
         [[ -x "$FLOOR_BUILT" ]] || die "$FLOOR_BUILT does not exist (build it, or leave hyper_floor out of CASES)"
@@ -542,6 +548,12 @@ if selected hyper_floor; then
     FLOOR_PID=$LAST_PID
     wait_port "$FLOOR_PID" "$FLOOR_PORT" "hyper floor" "$LOGS/floor.log"
 fi
+if selected hyper_floor_headers; then
+    free_port FLOORH_PORT
+    start_bg "$LOGS/floorh.log" env WORKERS="$NCPU" FLOOR_HEADERS=1 "$FLOOR" "127.0.0.1:$FLOORH_PORT" "127.0.0.1:$UP_PORT"
+    FLOORH_PID=$LAST_PID
+    wait_port "$FLOORH_PID" "$FLOORH_PORT" "hyper floor (headers)" "$LOGS/floorh.log"
+fi
 
 # ---- tollgate
 declare -A TG_PID=() TG_PORT=()
@@ -702,6 +714,7 @@ def_case nginx_lua_redis "http://127.0.0.1:$PROXY_PORT/redis-fw" one "$PROXY_PID
     "${RPID[r0]}" "$R0_NODE" 200
 def_case nginx_limit_req_429 "http://127.0.0.1:$PROXY_PORT/lr-reject" one "$PROXY_PIDS" "$UP_PIDS" "" "" 429
 selected hyper_floor && def_case hyper_floor "http://127.0.0.1:$FLOOR_PORT/" one "$FLOOR_PID" "$UP_PIDS" "" "" 200
+selected hyper_floor_headers && def_case hyper_floor_headers "http://127.0.0.1:$FLOORH_PORT/" one "$FLOORH_PID" "$UP_PIDS" "" "" 200
 selected hyper_floor_429 && def_case hyper_floor_429 "http://127.0.0.1:$FLOOR429_PORT/" one "$FLOOR429_PID" "" "" "" 429
 for c in tg_memory tg_memory_w1 tg_memory_per_core tg_memory_many tg_redis tg_redis_per_core tg_redis_many tg_redis3_replicas tg_memory_429 tg_redis_429 tg_redis_lease tg_redis_64 tg_redis_64_recent; do
     selected "$c" || continue
@@ -959,9 +972,12 @@ else
         HALF_R=$(awk -v r="$(val "$g" rps)" 'BEGIN { printf "%.0f", r / 2 }')
         log "half load for $g: h2load --h1 -t1 -c32 at $HALF_R req/s in all, -D $HALF_SECS"
         # The hyper floor at tg_memory's rate too: what hyper alone adds over direct there,
-        # the least any hyper-based proxy could add (row "hyper_floor@tg_memory").
+        # the least any hyper-based proxy could add (row "hyper_floor@tg_memory"); and at
+        # tg_redis's rate the nginx + Lua + Redis stack, one Redis round trip per request
+        # (row "nginx_lua_redis@tg_redis").
         floor_too=""
         [[ "$g" == tg_memory ]] && floor_too=hyper_floor
+        [[ "$g" == tg_redis ]] && floor_too=nginx_lua_redis
         for c in direct "$g" $floor_too; do
             selected "$c" || continue
         for try in $(seq "$RETRIES"); do
@@ -970,7 +986,7 @@ else
             (( other <= OTHER_MAX )) && break
             (( try < RETRIES )) && log "half load $c: ${other}% of the machine went to other processes; repeating"
         done
-        [[ "$c" == direct || "$c" == hyper_floor ]] && sed -i "s/^$c\t/$c@$g\t/" "$WORK/hline.tsv"
+        [[ "$c" == direct || "$c" == hyper_floor || "$c" == nginx_lua_redis ]] && sed -i "s/^$c\t/$c@$g\t/" "$WORK/hline.tsv"
         cat "$WORK/hline.tsv" >>"$HALF_TSV"
         log "$(awk -F'\t' '{ printf "half load %-10s %6s req/s  p50 %s  p99 %s  p99.9 %s ms  failed %s  non-2xx %s  busy %.0f%%  other %.0f%%%s", $1, $2, $6, $8, $9, $4, $5, $10, $11, ($12 == "*" ? "  (contaminated)" : "") }' "$WORK/hline.tsv")"
         done
@@ -1099,7 +1115,10 @@ targets() {
     x="CPU per proxied request (memory store, one limit) ≤ 1.2× the hyper floor's"
     if [[ -n "$m_gw" && -n "$fl_gw" && "$m_gw" != - && "$fl_gw" != - ]]; then
         ok=FAIL; le "$m_gw" "$(times 1.2 "$fl_gw")" && ok=PASS
-        row "$ok" "$x" "tg_memory $m_gw µs/req = $(ratio "$m_gw" "$fl_gw")× hyper_floor's $fl_gw"
+        local fh_gw
+        fh_gw=$(val hyper_floor_headers gw_us)
+        [[ "$fh_gw" == - ]] && fh_gw=""
+        row "$ok" "$x" "tg_memory $m_gw µs/req = $(ratio "$m_gw" "$fl_gw")× hyper_floor's $fl_gw${fh_gw:+; the floor carrying the header lines tollgate adds (hyper_floor_headers): $fh_gw µs/req, tg_memory = $(ratio "$m_gw" "$fh_gw")× it}"
     else row "n/a" "$x" "needs tg_memory and hyper_floor"; fi
 
     r=$(val tg_redis rps)
@@ -1133,10 +1152,12 @@ targets() {
         am=$(awk -v x="$a" -v y="$da" 'BEGIN { printf "%.3f", x - y }')
         bm=$(awk -v x="$b" -v y="$db" 'BEGIN { printf "%.3f", x - y }')
         ok=FAIL; le "$am" 1 && le "$bm" 1 && ok=PASS
-        local fl fm=""
+        local fl fm="" ll lm=""
         fl=$(half hyper_floor@tg_memory p99)
         [[ -n "$fl" && "$fl" != - ]] && fm=$(awk -v x="$fl" -v y="$da" 'BEGIN { printf "%.3f", x - y }')
-        row "$ok" "$x" "tg_memory +$am ms (at $ra req/s), tg_redis +$bm ms (at $rb req/s)${fm:+; the hyper floor at the rate of tg_memory: +$fm ms}"
+        ll=$(half nginx_lua_redis@tg_redis p99)
+        [[ -n "$ll" && "$ll" != - ]] && lm=$(awk -v x="$ll" -v y="$db" 'BEGIN { printf "%.3f", x - y }')
+        row "$ok" "$x" "tg_memory +$am ms (at $ra req/s), tg_redis +$bm ms (at $rb req/s)${fm:+; the hyper floor at the rate of tg_memory: +$fm ms}${lm:+; nginx + Lua + one Redis round trip per request at the rate of tg_redis: +$lm ms}"
     else row "n/a" "$x" "needs the half-load runs of direct, tg_memory and tg_redis"; fi
 
     x="tollgate's own work for one proxied request, no I/O (criterion, \`benches/own_work.rs\`) ≤ 2 µs"
@@ -1238,7 +1259,7 @@ render() {
     echo "### Latency at half load"
     echo
     if [[ -s "$HALF_TSV" ]]; then
-        echo "\`h2load --h1 -t1 -c32 --rps=R/32 -D $HALF_SECS\`, R = half of the case's own mean peak req/s; \`direct@CASE\` is the upstream alone at that same R, \`hyper_floor@tg_memory\` the hyper floor at the R of tg_memory. Percentiles from h2load's per-request log (3rd column, µs to the end of the response); busy/other % as above, with h2load's rusage in place of wrk's. * = other % > $OTHER_MAX after $RETRIES tries."
+        echo "\`h2load --h1 -t1 -c32 --rps=R/32 -D $HALF_SECS\`, R = half of the case's own mean peak req/s; \`direct@CASE\` is the upstream alone at that same R, \`hyper_floor@tg_memory\` the hyper floor at the R of tg_memory, \`nginx_lua_redis@tg_redis\` nginx + Lua with one Redis round trip per request at the R of tg_redis. Percentiles from h2load's per-request log (3rd column, µs to the end of the response); busy/other % as above, with h2load's rusage in place of wrk's. * = other % > $OTHER_MAX after $RETRIES tries."
         echo
         echo "| case | req/s | requests | failed | non-2xx | p50 ms | p90 ms | p99 ms | p99.9 ms | p99 added over direct | busy % | other % |"
         echo "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"

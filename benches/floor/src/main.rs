@@ -7,6 +7,16 @@
 //! ratio to it: what tollgate costs beyond hyper itself. It is HTTP/1.1 only, plain TCP,
 //! and does nothing to the messages (no header rewriting, no limits, no logs, no timers).
 //!
+//! Two switches, for measuring what tollgate's request path needs beyond it:
+//! - `FLOOR_HEADERS=1`: the request it forwards and the response it returns carry the header
+//!   lines tollgate adds in the load cases (six and seven), with fixed values of the same
+//!   lengths: what hyper and the kernel cost to carry them, with none of the work of
+//!   computing them (benches/load.sh's `hyper_floor_headers`).
+//! - `FLOOR_INLINE=1`: no task per upstream connection. hyper's client connection is polled
+//!   by the downstream connection's own task: while the response head is awaited, then by the
+//!   response body as it is read (see [`Driven`]). The issue that asked for the floor named
+//!   this as something a proxy need not do; BENCHMARKS.md has what it costs.
+//!
 //! Shape: `WORKERS` threads (default: one per core), each with its own `current_thread`
 //! tokio runtime and its own `SO_REUSEPORT` listener on LISTEN, so the kernel spreads
 //! connections over the threads and a request never leaves the thread that accepted its
@@ -18,11 +28,15 @@
 use http_body_util::{Either, Empty, Full};
 use hyper::body::{Bytes, Incoming};
 use hyper::client::conn::http1::SendRequest;
+use hyper::header::{HeaderName, HeaderValue, VIA};
 use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
 use std::cell::RefCell;
+use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::rc::Rc;
+use std::task::{Context, Poll};
 use tokio::net::{TcpListener, TcpStream};
 
 #[global_allocator]
@@ -120,6 +134,17 @@ fn worker(listener: std::net::TcpListener, upstream: Option<SocketAddr>) {
 /// Serve one downstream connection; its upstream connection lives in `up`.
 async fn connection(stream: TcpStream, upstream: SocketAddr) {
     let _ = stream.set_nodelay(true);
+    if inline() {
+        let up: Rc<RefCell<Option<Upstream>>> = Rc::default();
+        let service = hyper::service::service_fn(move |req: Request<Incoming>| {
+            let up = up.clone();
+            async move { Ok::<_, std::convert::Infallible>(exchange_inline(up, upstream, req).await) }
+        });
+        let _ = hyper::server::conn::http1::Builder::new()
+            .serve_connection(TokioIo::new(stream), service)
+            .await;
+        return;
+    }
     let up: Rc<RefCell<Option<SendRequest<Incoming>>>> = Rc::default();
     let service = hyper::service::service_fn(move |req: Request<Incoming>| {
         let up = up.clone();
@@ -128,6 +153,144 @@ async fn connection(stream: TcpStream, upstream: SocketAddr) {
     let _ = hyper::server::conn::http1::Builder::new()
         .serve_connection(TokioIo::new(stream), service)
         .await;
+}
+
+type UpConn = hyper::client::conn::http1::Connection<TokioIo<TcpStream>, Incoming>;
+
+/// `FLOOR_INLINE=1`: an upstream connection with no task of its own, polled by the
+/// downstream connection's task.
+struct Upstream {
+    tx: SendRequest<Incoming>,
+    conn: Pin<Box<UpConn>>,
+    done: bool,
+}
+
+impl Upstream {
+    fn drive(&mut self, cx: &mut Context<'_>) {
+        if !self.done {
+            self.done = self.conn.as_mut().poll(cx).is_ready();
+        }
+    }
+}
+
+/// `FLOOR_INLINE=1`: the upstream's response body, which polls its connection while it is
+/// read and puts the connection back in the downstream connection's cell at its end (one
+/// that ended, or a body dropped before its end, is not kept).
+struct Driven {
+    body: Incoming,
+    up: Option<Upstream>,
+    cell: Rc<RefCell<Option<Upstream>>>,
+}
+
+impl hyper::body::Body for Driven {
+    type Data = Bytes;
+    type Error = hyper::Error;
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<hyper::body::Frame<Bytes>, hyper::Error>>> {
+        let this = &mut *self;
+        if let Some(up) = &mut this.up {
+            up.drive(cx);
+        }
+        let r = Pin::new(&mut this.body).poll_frame(cx);
+        if matches!(r, Poll::Ready(None)) || this.body.is_end_stream() {
+            if let Some(mut up) = this.up.take() {
+                up.drive(cx);
+                if !up.done {
+                    *this.cell.borrow_mut() = Some(up);
+                }
+            }
+        }
+        r
+    }
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.body.size_hint()
+    }
+}
+
+impl Drop for Driven {
+    fn drop(&mut self) {
+        // A body dropped before its end: its connection is not reused.
+        let _ = self.up.take();
+    }
+}
+
+type InlineReply = Response<Either<Driven, Empty<Bytes>>>;
+
+/// [`exchange`] with `FLOOR_INLINE=1`: the upstream connection is polled here (its
+/// readiness, then alongside the response head) and by the response body ([`Driven`]).
+async fn exchange_inline(
+    cell: Rc<RefCell<Option<Upstream>>>,
+    upstream: SocketAddr,
+    mut req: Request<Incoming>,
+) -> InlineReply {
+    if with_headers() {
+        add_request_headers(req.headers_mut());
+    }
+    let mut up = cell.borrow_mut().take();
+    if let Some(u) = &mut up {
+        let ok = std::future::poll_fn(|cx| {
+            u.drive(cx);
+            if u.done {
+                return Poll::Ready(false);
+            }
+            u.tx.poll_ready(cx).map(|r| r.is_ok())
+        })
+        .await;
+        if !ok {
+            up = None;
+        }
+    }
+    let mut up = match up {
+        Some(u) => u,
+        None => match open_inline(upstream).await {
+            Some(u) => u,
+            None => return bad_gateway(),
+        },
+    };
+    let fut = up.tx.send_request(req);
+    let mut fut = std::pin::pin!(fut);
+    let result = std::future::poll_fn(|cx| {
+        let r = fut.as_mut().poll(cx);
+        if r.is_pending() {
+            up.drive(cx);
+        }
+        r
+    })
+    .await;
+    match result {
+        Ok(mut response) => {
+            if with_headers() {
+                add_response_headers(response.headers_mut());
+            }
+            response.map(|body| {
+                Either::Left(Driven {
+                    body,
+                    up: Some(up),
+                    cell,
+                })
+            })
+        }
+        Err(_) => bad_gateway(),
+    }
+}
+
+/// A new upstream connection for `FLOOR_INLINE=1`: no task is spawned for it.
+async fn open_inline(upstream: SocketAddr) -> Option<Upstream> {
+    let stream = TcpStream::connect(upstream).await.ok()?;
+    let _ = stream.set_nodelay(true);
+    let (tx, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .ok()?;
+    Some(Upstream {
+        tx,
+        conn: Box::pin(conn),
+        done: false,
+    })
 }
 
 /// Serve one downstream connection by answering every request with a fixed 429.
@@ -155,6 +318,67 @@ async fn refusing(stream: TcpStream) {
         .await;
 }
 
+/// With `FLOOR_HEADERS=1`: the header lines tollgate adds to a proxied request of the
+/// load cases (six on the request it forwards, seven on the response), with fixed values
+/// of the same lengths. What hyper and the kernel cost to carry them, with none of the work
+/// of computing them (benches/load.sh's `hyper_floor_headers`).
+static HEADERS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+
+fn with_headers() -> bool {
+    *HEADERS.get_or_init(|| switch("FLOOR_HEADERS"))
+}
+
+/// `FLOOR_INLINE=1`, read once (not from the environment for every connection).
+fn inline() -> bool {
+    static INLINE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *INLINE.get_or_init(|| switch("FLOOR_INLINE"))
+}
+
+/// Whether the environment variable `name` is `1`.
+fn switch(name: &str) -> bool {
+    std::env::var(name).is_ok_and(|v| v == "1")
+}
+
+const REQUEST_ID: HeaderValue = HeaderValue::from_static("916bb9d0-daa7-49d3-0000-000000000000");
+const VIA_VALUE: HeaderValue = HeaderValue::from_static("1.1 tollgate");
+
+/// A name and a value made at compile time (`const`), so that adding them is only the map's
+/// insert, as it is for tollgate's own names.
+macro_rules! header {
+    ($name:literal, $value:literal) => {{
+        const NAME: HeaderName = HeaderName::from_static($name);
+        const VALUE: HeaderValue = HeaderValue::from_static($value);
+        (NAME, VALUE)
+    }};
+}
+
+fn add_request_headers(h: &mut hyper::HeaderMap) {
+    h.insert(header!("x-request-id", "-").0, REQUEST_ID);
+    h.insert(VIA, VIA_VALUE);
+    for (name, value) in [
+        header!("x-forwarded-for", "127.0.0.1"),
+        header!("x-forwarded-proto", "http"),
+        header!("x-forwarded-host", "127.0.0.1:18081"),
+        header!("x-real-ip", "127.0.0.1"),
+    ] {
+        h.insert(name, value);
+    }
+}
+
+fn add_response_headers(h: &mut hyper::HeaderMap) {
+    h.insert(VIA, VIA_VALUE);
+    for (name, value) in [
+        header!("x-ratelimit-limit", "1000000000000"),
+        header!("x-ratelimit-remaining", "999999999999"),
+        header!("x-ratelimit-used", "1"),
+        header!("x-ratelimit-reset", "1795582870"),
+        header!("x-ratelimit-resource", "core"),
+    ] {
+        h.insert(name, value);
+    }
+    h.insert(header!("x-request-id", "-").0, REQUEST_ID);
+}
+
 /// Send `req` on this connection's upstream connection (opened now when there is none or
 /// the old one is gone) and return the upstream's response as it is; 502 on failure.
 ///
@@ -164,8 +388,12 @@ async fn refusing(stream: TcpStream) {
 async fn exchange(
     up: &RefCell<Option<SendRequest<Incoming>>>,
     upstream: SocketAddr,
-    req: Request<Incoming>,
+    mut req: Request<Incoming>,
 ) -> Reply {
+    let headers = with_headers();
+    if headers {
+        add_request_headers(req.headers_mut());
+    }
     let mut sender = up.borrow_mut().take();
     // A kept connection the upstream closed (or that failed) is replaced.
     if let Some(s) = &mut sender {
@@ -181,8 +409,11 @@ async fn exchange(
         },
     };
     match sender.send_request(req).await {
-        Ok(response) => {
+        Ok(mut response) => {
             *up.borrow_mut() = Some(sender);
+            if headers {
+                add_response_headers(response.headers_mut());
+            }
             response.map(Either::Left)
         }
         Err(_) => bad_gateway(),
@@ -202,7 +433,7 @@ async fn open(upstream: SocketAddr) -> Option<SendRequest<Incoming>> {
     Some(sender)
 }
 
-fn bad_gateway() -> Reply {
+fn bad_gateway<B>() -> Response<Either<B, Empty<Bytes>>> {
     let mut response = Response::new(Either::Right(Empty::new()));
     *response.status_mut() = StatusCode::BAD_GATEWAY;
     response

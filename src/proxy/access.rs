@@ -331,10 +331,14 @@ fn new_request_id() -> HeaderValue {
     let prefix = *PREFIX.get_or_init(|| uuid::Uuid::new_v4().as_u64_pair().0);
     let n = NEXT.fetch_add(1, Ordering::Relaxed);
     let mut buf = [0u8; uuid::fmt::Hyphenated::LENGTH];
-    let id = uuid::Uuid::from_u64_pair(prefix, n)
+    uuid::Uuid::from_u64_pair(prefix, n)
         .hyphenated()
         .encode_lower(&mut buf);
-    HeaderValue::from_str(id).unwrap_or(HeaderValue::from_static("-"))
+    // Owned by the value itself: one allocation, and the clones that go upstream and onto
+    // the response share it (a value copied from a slice is allocated again, to be
+    // shared, at its first clone).
+    HeaderValue::from_maybe_shared(bytes::Bytes::from_owner(buf))
+        .unwrap_or(HeaderValue::from_static("-"))
 }
 
 /// Counts a request in `tollgate_in_flight_requests` while it lives (kept with the

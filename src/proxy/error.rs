@@ -135,7 +135,7 @@ impl ProxyError {
 /// a refused caller may send thousands of requests a second: about a third of the
 /// instructions of the serializer, whose per-byte escaping dominated a 429's own work
 /// (callgrind, BENCHMARKS.md).
-fn over_limit_body(usage: &Usage, retry_after_s: u64, caller: &str) -> Vec<u8> {
+pub(super) fn over_limit_body(usage: &Usage, retry_after_s: u64, caller: &str) -> Vec<u8> {
     let mut out = Vec::with_capacity(128 + caller.len() + usage.resource.len());
     let mut n = itoa::Buffer::new();
     out.extend_from_slice(b"{\"message\":\"API rate limit exceeded for ");

@@ -25,6 +25,7 @@ pub mod headers;
 pub mod interim;
 pub mod path;
 pub mod pool;
+pub mod refusal;
 pub mod route;
 mod tls;
 
@@ -319,18 +320,23 @@ pub async fn serve(
             let now_ms = clock.now_ms();
             snap.limiter.count_refused(&usage.resource, &caller, now_ms);
             ctx.metrics.rejections.inc(&usage.resource, &caller.tier);
-            log.usage = Some(usage.clone());
-            let mut response = ProxyError::OverLimit {
-                usage: usage.clone(),
-                retry_after_s: usage.retry_after_s(now_ms),
-                caller: match &caller.client {
+            let label;
+            let response = refusal::over_limit(
+                &usage,
+                usage.retry_after_s(now_ms),
+                match &caller.client {
                     // The peer's address, rendered once per connection.
-                    None if caller.ip == peer.ip() => peer.ip_text().to_owned(),
-                    _ => caller.label(),
+                    None if caller.ip == peer.ip() => peer.ip_text(),
+                    _ => {
+                        label = caller.label();
+                        &label
+                    }
                 },
-            }
-            .into_response();
-            put_headers(snap, &mut response, &usage, &applied, now_ms);
+                snap.headers,
+                applied.iter().map(Policy::of),
+                now_ms,
+            );
+            log.usage = Some(usage);
             return response;
         }
         Err(Refusal::StoreDenied(_)) => {

@@ -1,0 +1,290 @@
+//! The 429 of a caller over a limit, rendered once per distinct answer on each thread.
+//!
+//! A refused caller often retries in a tight loop, and its refusals are one answer
+//! repeated: the same `Retry-After`, `X-RateLimit-*` headers and JSON body until
+//! `Retry-After` ticks down a second, or the caller, its usage or the limit changes.
+//! Each thread keeps the last 429 it rendered, and answers an identical one with copies
+//! of that header map and body (two allocations and a reference count per value)
+//! instead of building the map again (seven inserts, each hashing its name) and writing
+//! the body again: about 2,800 fewer instructions per 429 (callgrind, BENCHMARKS.md,
+//! issue 16). The bytes on the wire are the same either way (the tests hold the two to
+//! it); the request id is added afterwards ([`super::access::AccessLog::finish`]) and
+//! `Date` by hyper.
+//!
+//! Only for `headers.style = ["github"]`, the default: the IETF style's `RateLimit`
+//! counts the seconds to the reset on the clock, so with it every 429 is rendered
+//! afresh, as is one without rate-limit headers.
+
+use super::error::over_limit_body;
+use super::headers::{self, Policy, Styles};
+use super::Body;
+use crate::limiter::Usage;
+use bytes::Bytes;
+use http::header::{CONTENT_TYPE, RETRY_AFTER};
+use http::{HeaderMap, HeaderValue, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+use std::cell::RefCell;
+use std::sync::Arc;
+
+/// What a 429's bytes depend on: the limit's name, the caller's quota and units used,
+/// the reset (UTC epoch seconds), `Retry-After` (seconds) and the caller as the body
+/// names it.
+#[derive(Debug, PartialEq, Eq)]
+struct Inputs<'a> {
+    resource: &'a str,
+    quota: u64,
+    used: u64,
+    reset_s: u64,
+    retry_after_s: u64,
+    caller: &'a str,
+}
+
+/// A rendered 429, with what it was rendered from.
+struct Rendered {
+    resource: Arc<str>,
+    quota: u64,
+    used: u64,
+    reset_s: u64,
+    retry_after_s: u64,
+    caller: Box<str>,
+    headers: HeaderMap,
+    body: Bytes,
+}
+
+impl Rendered {
+    fn inputs(&self) -> Inputs<'_> {
+        Inputs {
+            resource: &self.resource,
+            quota: self.quota,
+            used: self.used,
+            reset_s: self.reset_s,
+            retry_after_s: self.retry_after_s,
+            caller: &self.caller,
+        }
+    }
+}
+
+thread_local! {
+    /// The last 429 this thread rendered (see the module documentation).
+    static LAST: RefCell<Option<Rendered>> = const { RefCell::new(None) };
+}
+
+/// The 429 for a caller over the limit `usage` describes: `Retry-After` in whole
+/// seconds (`retry_after_s`), the rate-limit headers of `styles` (`policies`: every
+/// limit that applied, for the IETF style; `now_ms`: milliseconds since the Unix epoch)
+/// and the JSON body naming `caller` (its client id or IP). Byte for byte what
+/// [`super::error::ProxyError::OverLimit`] with [`headers::put`] answers.
+pub fn over_limit<'a>(
+    usage: &Usage,
+    retry_after_s: u64,
+    caller: &str,
+    styles: Styles,
+    policies: impl IntoIterator<Item = Policy<'a>>,
+    now_ms: u64,
+) -> Response<Body> {
+    if !styles.github || styles.ietf {
+        let mut response = super::error::ProxyError::OverLimit {
+            usage: usage.clone(),
+            retry_after_s,
+            caller: caller.to_owned(),
+        }
+        .into_response();
+        headers::put(response.headers_mut(), styles, usage, policies, now_ms);
+        return response;
+    }
+    let inputs = Inputs {
+        resource: &usage.resource,
+        quota: usage.quota,
+        used: usage.used,
+        reset_s: usage.reset_epoch_s(),
+        retry_after_s,
+        caller,
+    };
+    let (headers, body) = LAST.with(|last| {
+        let mut last = last.borrow_mut();
+        match &*last {
+            Some(r) if r.inputs() == inputs => (r.headers.clone(), r.body.clone()),
+            _ => {
+                let (headers, body) = render(usage, retry_after_s, caller);
+                *last = Some(Rendered {
+                    resource: usage.resource.clone(),
+                    quota: inputs.quota,
+                    used: inputs.used,
+                    reset_s: inputs.reset_s,
+                    retry_after_s,
+                    caller: caller.into(),
+                    headers: headers.clone(),
+                    body: body.clone(),
+                });
+                (headers, body)
+            }
+        }
+    });
+    let mut response = Response::new(Full::new(body).map_err(|never| match never {}).boxed());
+    *response.status_mut() = StatusCode::TOO_MANY_REQUESTS;
+    *response.headers_mut() = headers;
+    response
+}
+
+/// The headers and body of a 429 in the GitHub style, in the order the gateway's other
+/// answers put them: `Content-Type`, `Retry-After`, then `X-RateLimit-*`. The map has
+/// room for the request id that is added later.
+fn render(usage: &Usage, retry_after_s: u64, caller: &str) -> (HeaderMap, Bytes) {
+    let body = Bytes::from(over_limit_body(usage, retry_after_s, caller));
+    let mut headers = HeaderMap::with_capacity(12);
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    headers.insert(RETRY_AFTER, headers::number(retry_after_s));
+    headers::put_usage(&mut headers, usage);
+    (headers, body)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proxy::error::ProxyError;
+
+    fn usage(resource: &str, quota: u64, used: u64, reset_at_ms: u64) -> Usage {
+        Usage {
+            resource: resource.into(),
+            quota,
+            used,
+            reset_at_ms,
+            retry_at_ms: 0,
+        }
+    }
+
+    /// What the gateway answered before the memo: the error's response, then the
+    /// rate-limit headers.
+    fn fresh(usage: &Usage, retry_after_s: u64, caller: &str) -> Response<Body> {
+        let mut response = ProxyError::OverLimit {
+            usage: usage.clone(),
+            retry_after_s,
+            caller: caller.to_owned(),
+        }
+        .into_response();
+        headers::put(
+            response.headers_mut(),
+            Styles::default(),
+            usage,
+            std::iter::empty(),
+            0,
+        );
+        response
+    }
+
+    /// A response as the client reads it: status, every header line in order, and the body.
+    type Wire = (u16, Vec<(String, String)>, Bytes);
+
+    async fn wire(response: Response<Body>) -> Wire {
+        let (parts, body) = response.into_parts();
+        let lines = parts
+            .headers
+            .iter()
+            .map(|(n, v)| (n.to_string(), v.to_str().unwrap().to_owned()))
+            .collect();
+        let body = body.collect().await.unwrap().to_bytes();
+        (parts.status.as_u16(), lines, body)
+    }
+
+    #[tokio::test]
+    async fn a_repeated_429_is_the_same_bytes_as_one_rendered_afresh_and_any_change_shows() {
+        let cases = [
+            (usage("core", 60, 60, 1_795_802_428_000), 3598, "127.0.0.1"),
+            // The same again: answered from the memo.
+            (usage("core", 60, 60, 1_795_802_428_000), 3598, "127.0.0.1"),
+            // A second later, Retry-After has ticked down.
+            (usage("core", 60, 60, 1_795_802_428_000), 3597, "127.0.0.1"),
+            // Another caller, units used, quota, reset and limit, each on its own.
+            (usage("core", 60, 60, 1_795_802_428_000), 3597, "acme"),
+            (usage("core", 60, 61, 1_795_802_428_000), 3597, "acme"),
+            (usage("core", 5000, 61, 1_795_802_428_000), 3597, "acme"),
+            (usage("core", 5000, 61, 1_795_802_429_000), 3597, "acme"),
+            (usage("search", 5000, 61, 1_795_802_429_000), 3597, "acme"),
+            // Text that the body escapes.
+            (
+                usage("se\"arch", 5000, 61, 1_795_802_429_000),
+                1,
+                "a\\c\"me\u{1}",
+            ),
+            (
+                usage("se\"arch", 5000, 61, 1_795_802_429_000),
+                1,
+                "a\\c\"me\u{1}",
+            ),
+        ];
+        // The cases that repeat the one before them.
+        let repeats = [1, 9];
+        let mut previous: Option<Wire> = None;
+        for (i, (u, retry, caller)) in cases.iter().enumerate() {
+            let got = wire(over_limit(
+                u,
+                *retry,
+                caller,
+                Styles::default(),
+                std::iter::empty(),
+                0,
+            ))
+            .await;
+            let want = wire(fresh(u, *retry, caller)).await;
+            assert_eq!(got, want, "{u:?} retry {retry} caller {caller}");
+            assert_eq!(got.0, 429);
+            let names: Vec<&str> = got.1.iter().map(|(n, _)| n.as_str()).collect();
+            assert_eq!(
+                names,
+                [
+                    "content-type",
+                    "retry-after",
+                    "x-ratelimit-limit",
+                    "x-ratelimit-remaining",
+                    "x-ratelimit-used",
+                    "x-ratelimit-reset",
+                    "x-ratelimit-resource"
+                ]
+            );
+            if let Some(p) = &previous {
+                // Consecutive cases differ in one input, but for the repeats, whose body
+                // is the memo's own (the same bytes in memory, not a copy).
+                let repeat = repeats.contains(&i);
+                assert_eq!(p == &got, repeat, "case {i}");
+                assert_eq!(p.2.as_ptr() == got.2.as_ptr(), repeat, "case {i}");
+            }
+            previous = Some(got);
+        }
+    }
+
+    #[tokio::test]
+    async fn the_ietf_style_and_no_style_are_rendered_afresh() {
+        let u = usage("core", 60, 60, 1_795_802_428_000);
+        let policy = Policy {
+            name: "core",
+            quota: 60,
+            window_ms: 3_600_000,
+        };
+        for styles in [
+            Styles {
+                github: true,
+                ietf: true,
+            },
+            Styles {
+                github: false,
+                ietf: true,
+            },
+            Styles {
+                github: false,
+                ietf: false,
+            },
+        ] {
+            for now_ms in [1_795_798_830_000, 1_795_798_831_000] {
+                let got = wire(over_limit(&u, 3598, "acme", styles, [policy], now_ms)).await;
+                let mut want = ProxyError::OverLimit {
+                    usage: u.clone(),
+                    retry_after_s: 3598,
+                    caller: "acme".into(),
+                }
+                .into_response();
+                headers::put(want.headers_mut(), styles, &u, [policy], now_ms);
+                assert_eq!(got, wire(want).await, "{styles:?} at {now_ms}");
+            }
+        }
+    }
+}

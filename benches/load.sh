@@ -68,6 +68,10 @@
 #        hyper_floor_429      wrk -> hyper floor answering every request itself with a fixed 429
 #                             (`tollgate-floor LISTEN -`): what hyper alone costs per refusal, the
 #                             floor of the 429 target
+#        hyper_floor_429_headers like hyper_floor_429 with FLOOR_HEADERS=1: the fixed 429 carries
+#                             the header lines (X-RateLimit-*, X-Request-Id) and the body of
+#                             tollgate's 429 here, fixed: what hyper costs per refusal that says
+#                             what the contract asks a 429 to say
 #        tg_memory            memory store, one caller (wrk's IP), quota 1e12
 #        tg_memory_w1         like tg_memory with `[server] workers = 1`: one runtime thread, as nginx
 #                             here runs one worker process
@@ -156,6 +160,7 @@ CONNS=64
 WARMUP=2s
 
 ALL_CASES=(direct nginx_proxy nginx_lua_redis nginx_limit_req_429 hyper_floor hyper_floor_headers hyper_floor_429
+    hyper_floor_429_headers
     tg_memory tg_memory_w1 tg_memory_per_core tg_memory_many tg_redis tg_redis_per_core tg_redis_many tg_redis3_replicas
     tg_memory_429 tg_redis_429 tg_redis_lease tg_redis_64 tg_redis_64_recent)
 
@@ -304,7 +309,8 @@ cp "$BIN" "$TG"
 FLOOR_DIR="$ROOT/benches/floor"
 FLOOR_BUILT="$FLOOR_DIR/target/release/tollgate-floor"
 FLOOR="$WORK/tollgate-floor"
-if selected hyper_floor || selected hyper_floor_headers || selected hyper_floor_429; then
+if selected hyper_floor || selected hyper_floor_headers || selected hyper_floor_429 \
+    || selected hyper_floor_429_headers; then
     if [[ "$SKIP_BUILD" == 1 ]]; then
         log "not building the floor (SKIP_BUILD=1): using $FLOOR_BUILT as it is"
         [[ -x "$FLOOR_BUILT" ]] || die "$FLOOR_BUILT does not exist (build it, or leave hyper_floor out of CASES)"
@@ -542,6 +548,12 @@ if selected hyper_floor_429; then
     FLOOR429_PID=$LAST_PID
     wait_port "$FLOOR429_PID" "$FLOOR429_PORT" "hyper floor (429)" "$LOGS/floor429.log"
 fi
+if selected hyper_floor_429_headers; then
+    free_port FLOOR429H_PORT
+    start_bg "$LOGS/floor429h.log" env WORKERS="$NCPU" FLOOR_HEADERS=1 "$FLOOR" "127.0.0.1:$FLOOR429H_PORT" -
+    FLOOR429H_PID=$LAST_PID
+    wait_port "$FLOOR429H_PID" "$FLOOR429H_PORT" "hyper floor (429 with headers)" "$LOGS/floor429h.log"
+fi
 if selected hyper_floor; then
     free_port FLOOR_PORT
     start_bg "$LOGS/floor.log" env WORKERS="$NCPU" "$FLOOR" "127.0.0.1:$FLOOR_PORT" "127.0.0.1:$UP_PORT"
@@ -716,6 +728,7 @@ def_case nginx_limit_req_429 "http://127.0.0.1:$PROXY_PORT/lr-reject" one "$PROX
 selected hyper_floor && def_case hyper_floor "http://127.0.0.1:$FLOOR_PORT/" one "$FLOOR_PID" "$UP_PIDS" "" "" 200
 selected hyper_floor_headers && def_case hyper_floor_headers "http://127.0.0.1:$FLOORH_PORT/" one "$FLOORH_PID" "$UP_PIDS" "" "" 200
 selected hyper_floor_429 && def_case hyper_floor_429 "http://127.0.0.1:$FLOOR429_PORT/" one "$FLOOR429_PID" "" "" "" 429
+selected hyper_floor_429_headers && def_case hyper_floor_429_headers "http://127.0.0.1:$FLOOR429H_PORT/" one "$FLOOR429H_PID" "" "" "" 429
 for c in tg_memory tg_memory_w1 tg_memory_per_core tg_memory_many tg_redis tg_redis_per_core tg_redis_many tg_redis3_replicas tg_memory_429 tg_redis_429 tg_redis_lease tg_redis_64 tg_redis_64_recent; do
     selected "$c" || continue
     script=one
@@ -1139,7 +1152,9 @@ targets() {
     if [[ -n "$m429" && -n "$r429" && -n "$d" ]]; then
         ok=FAIL; ge "$m429" "$(times 0.95 "$d")" && ge "$r429" "$(times 0.95 "$d")" && ok=PASS
         f429=$(val hyper_floor_429 rps)
-        row "$ok" "$x" "tg_memory_429 $(ratio "$m429" "$d")×, tg_redis_429 $(ratio "$r429" "$d")× direct${f429:+; the floor, hyper alone answering a fixed 429 (hyper_floor_429): $(ratio "$f429" "$d")× direct, tg_memory_429 = $(ratio "$m429" "$f429")× it}"
+        f429h=$(val hyper_floor_429_headers rps)
+        [[ "$f429h" == - ]] && f429h=""
+        row "$ok" "$x" "tg_memory_429 $(ratio "$m429" "$d")×, tg_redis_429 $(ratio "$r429" "$d")× direct${f429:+; the floor, hyper alone answering a fixed 429 (hyper_floor_429): $(ratio "$f429" "$d")× direct, tg_memory_429 = $(ratio "$m429" "$f429")× it}${f429h:+; the floor carrying the header lines and body of the 429 tollgate sends (hyper_floor_429_headers): $(ratio "$f429h" "$d")× direct, tg_memory_429 = $(ratio "$m429" "$f429h")× it}"
     else row "n/a" "$x" "needs tg_memory_429, tg_redis_429 and direct"; fi
 
     a=$(half tg_memory p99); b=$(half tg_redis p99)

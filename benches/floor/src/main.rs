@@ -11,7 +11,9 @@
 //! - `FLOOR_HEADERS=1`: the request it forwards and the response it returns carry the header
 //!   lines tollgate adds in the load cases (six and seven), with fixed values of the same
 //!   lengths: what hyper and the kernel cost to carry them, with none of the work of
-//!   computing them (benches/load.sh's `hyper_floor_headers`).
+//!   computing them (benches/load.sh's `hyper_floor_headers`). The fixed 429 then carries
+//!   the six header lines and the body of tollgate's 429 of the load cases, fixed too
+//!   (`hyper_floor_429_headers`).
 //! - `FLOOR_INLINE=1`: no task per upstream connection. hyper's client connection is polled
 //!   by the downstream connection's own task: while the response head is awaited, then by the
 //!   response body as it is read (see [`Driven`]). The issue that asked for the floor named
@@ -297,9 +299,11 @@ async fn open_inline(upstream: SocketAddr) -> Option<Upstream> {
 async fn refusing(stream: TcpStream) {
     let _ = stream.set_nodelay(true);
     let service = hyper::service::service_fn(|_req: Request<Incoming>| async {
-        let body = Full::new(Bytes::from_static(
-            b"{\"message\":\"rate limit exceeded\",\"limit\":1,\"remaining\":0}",
-        ));
+        let body = Full::new(Bytes::from_static(if with_headers() {
+            REFUSAL_BODY
+        } else {
+            b"{\"message\":\"rate limit exceeded\",\"limit\":1,\"remaining\":0}"
+        }));
         let mut response = Response::new(body);
         *response.status_mut() = StatusCode::TOO_MANY_REQUESTS;
         let h = response.headers_mut();
@@ -311,6 +315,9 @@ async fn refusing(stream: TcpStream) {
             hyper::header::RETRY_AFTER,
             hyper::header::HeaderValue::from_static("3600"),
         );
+        if with_headers() {
+            add_refusal_headers(h);
+        }
         Ok::<_, std::convert::Infallible>(response)
     });
     let _ = hyper::server::conn::http1::Builder::new()
@@ -372,6 +379,25 @@ fn add_response_headers(h: &mut hyper::HeaderMap) {
         header!("x-ratelimit-remaining", "999999999999"),
         header!("x-ratelimit-used", "1"),
         header!("x-ratelimit-reset", "1795582870"),
+        header!("x-ratelimit-resource", "core"),
+    ] {
+        h.insert(name, value);
+    }
+    h.insert(header!("x-request-id", "-").0, REQUEST_ID);
+}
+
+/// With `FLOOR_HEADERS=1`, a 429's body as long as tollgate's (the load cases' caller and
+/// limit, a quota of one) and its header lines beyond the two every 429 has (below).
+const REFUSAL_BODY: &[u8] = b"{\"message\":\"API rate limit exceeded for 127.0.0.1.\",\"limit\":1,\"remaining\":0,\"reset\":1795802428,\"resource\":\"core\",\"retry_after\":3598}";
+
+/// The header lines tollgate's 429 carries besides `Content-Type` and `Retry-After`, with
+/// fixed values of the same lengths (benches/load.sh's `hyper_floor_429_headers`).
+fn add_refusal_headers(h: &mut hyper::HeaderMap) {
+    for (name, value) in [
+        header!("x-ratelimit-limit", "1"),
+        header!("x-ratelimit-remaining", "0"),
+        header!("x-ratelimit-used", "1"),
+        header!("x-ratelimit-reset", "1795802428"),
         header!("x-ratelimit-resource", "core"),
     ] {
         h.insert(name, value);

@@ -72,9 +72,24 @@ local function new_window_end(window, align, now)
   return now + window
 end
 
+-- Fixed windows read in this call, by key, in the order first read: the hash's count
+-- and reset_at as the items so far left them, whether a new window replaced the
+-- stored one (fresh) and whether count changed (dirty). Read once and written once
+-- per key and call (write_windows), however many items of the call share the key:
+-- a hot caller's batched requests cost Redis one HMGET and one HSET, not one
+-- HMGET and one write each. Every item sees what the ones before it left, so the
+-- answers are those of the items applied one by one.
+local windows, window_keys = {}, {}
+
 local function fixed_window(key, op, quota, window, align, cost, now, id)
-  local f = redis.call("HMGET", key, "count", "reset_at")
-  local used, reset_at = tonumber(f[1]), tonumber(f[2])
+  local w = windows[key]
+  if not w then
+    local f = redis.call("HMGET", key, "count", "reset_at")
+    w = { count = tonumber(f[1]), reset_at = tonumber(f[2]), fresh = false, dirty = false }
+    windows[key] = w
+    window_keys[#window_keys + 1] = key
+  end
+  local used, reset_at = w.count, w.reset_at
   local live = used and reset_at and reset_at > now
   if not live then
     used, reset_at = 0, new_window_end(window, align, now)
@@ -85,23 +100,35 @@ local function fixed_window(key, op, quota, window, align, cost, now, id)
   elseif op == REFUND then
     if live and reset_at == tonumber(id) then
       used = math.max(used - cost, 0)
-      redis.call("HSET", key, "count", used)
+      w.count, w.dirty = used, true
     end
     admitted = true
   else
     used = used + cost
     if live then
-      redis.call("HINCRBY", key, "count", cost)
+      w.count, w.dirty = used, true
     else
       -- A new window: nothing of an old one (lease records included) carries over.
-      redis.call("DEL", key)
-      redis.call("HSET", key, "count", used, "reset_at", reset_at)
-      redis.call("PEXPIREAT", key, reset_at + 1000)
+      w.count, w.reset_at, w.fresh, w.dirty = used, reset_at, true, true
     end
   end
   local retry = 0
   if not admitted then retry = reset_at end
   return admitted, used, reset_at, retry, reset_at
+end
+
+-- Write what the call's items did to each fixed window (see `windows`).
+local function write_windows()
+  for _, key in ipairs(window_keys) do
+    local w = windows[key]
+    if w.fresh then
+      redis.call("DEL", key)
+      redis.call("HSET", key, "count", w.count, "reset_at", w.reset_at)
+      redis.call("PEXPIREAT", key, w.reset_at + 1000)
+    elseif w.dirty then
+      redis.call("HSET", key, "count", w.count)
+    end
+  end
 end
 
 local function sliding_window(key, op, quota, w, cost, now, id)
@@ -315,4 +342,5 @@ for i = 1, #KEYS do
   out[b + 4] = retry
   out[b + 5] = epoch
 end
+write_windows()
 return out

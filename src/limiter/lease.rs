@@ -15,10 +15,12 @@
 //! `lease_ttl` after its last store call, then renews it (reporting what it still
 //! holds) or, idle, gives it back: its record never lapses while it admits from it.
 
-use super::key::LimitKey;
+use super::key::{LimitKey, StateKey};
 use super::sharded::ShardedMap;
 use super::store::{Grant, Store, StoreError};
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use tokio::sync::Notify;
 
 /// A lease unused this long (milliseconds) gives its units back.
 pub const IDLE_MS: u64 = 1_000;
@@ -91,6 +93,10 @@ pub struct LeaseTable {
     leases: ShardedMap<Lease>,
     /// This gateway's id in the store's lease records: random per process.
     gateway: u64,
+    /// The windows whose grant this gateway is asking the store for now, each with what
+    /// wakes the takers that wait for it: at most one grant per window in flight (see
+    /// [`LeaseTable::take`]).
+    asking: Mutex<HashMap<StateKey, Arc<Notify>>>,
 }
 
 impl Default for LeaseTable {
@@ -99,6 +105,7 @@ impl Default for LeaseTable {
             leases: ShardedMap::default(),
             // 53 bits: exact in Lua's numbers.
             gateway: (uuid::Uuid::new_v4().as_u64_pair().0 >> 11).max(1),
+            asking: Mutex::default(),
         }
     }
 }
@@ -114,6 +121,13 @@ impl LeaseTable {
     /// `max(lease, cost)` units (never past `quota`), which also renews the store's
     /// record of the units this gateway holds.
     ///
+    /// One grant per window is in flight at a time: a taker that needs one while another
+    /// is being asked for waits for it, then looks at the local lease again. (The store
+    /// records the units this gateway holds as those it reports kept plus the grant; two
+    /// grants asked at once would each report the units kept before either, and the
+    /// record would miss one of them: units that shutdown or idleness could then never
+    /// give back, lost to the window until it ends.)
+    ///
     /// Errors: the store's, when a grant was needed and the store failed.
     pub async fn take(
         &self,
@@ -121,9 +135,38 @@ impl LeaseTable {
         ask: Ask<'_>,
         now_ms: u64,
     ) -> Result<Take, StoreError> {
-        if let Some(t) = self.take_local(ask.key, ask.cost, now_ms) {
-            return Ok(t);
-        }
+        let _asking = loop {
+            if let Some(t) = self.take_local(ask.key, ask.cost, now_ms) {
+                return Ok(t);
+            }
+            let busy = {
+                let mut asking = self.asking.lock().unwrap_or_else(|e| e.into_inner());
+                match asking.get(&ask.key.state) {
+                    Some(n) => n.clone(),
+                    None => {
+                        asking.insert(ask.key.state, Arc::new(Notify::new()));
+                        break Asking {
+                            table: self,
+                            key: ask.key.state,
+                        };
+                    }
+                }
+            };
+            // Registered before the lock is taken again, so that the asker's wake-up
+            // (after it leaves the map, under the lock) cannot be missed.
+            let done = busy.notified();
+            tokio::pin!(done);
+            done.as_mut().enable();
+            let still = {
+                let asking = self.asking.lock().unwrap_or_else(|e| e.into_inner());
+                asking
+                    .get(&ask.key.state)
+                    .is_some_and(|n| Arc::ptr_eq(n, &busy))
+            };
+            if still {
+                done.await;
+            }
+        };
         let (kept, kept_reset_at_ms) = self.kept(ask.key, now_ms);
         let lessee = super::store::Lessee {
             gateway: self.gateway,
@@ -142,19 +185,7 @@ impl LeaseTable {
             )
             .await?;
         let valid_until_ms = now_ms.saturating_add(ask.lease_ttl_ms / 2);
-        let taken = self.add_and_take(ask.key, grant, ask.cost, now_ms, valid_until_ms);
-        if matches!(taken, Take::Exhausted { .. }) {
-            // Concurrent takers asked the store at the same time, and one that was granted
-            // units may not have added them yet (replies come in order, their tasks run in
-            // any order): let them, then look again before refusing.
-            for _ in 0..4 {
-                tokio::task::yield_now().await;
-                if let Some(t) = self.take_local(ask.key, ask.cost, now_ms) {
-                    return Ok(t);
-                }
-            }
-        }
-        Ok(taken)
+        Ok(self.add_and_take(ask.key, grant, ask.cost, now_ms, valid_until_ms))
     }
 
     /// Whether this gateway's lease of `key` holds `cost` units now (then a cached
@@ -283,6 +314,27 @@ impl LeaseTable {
     /// True when no lease is held.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+}
+
+/// A grant being asked for ([`LeaseTable::take`]): when it is done (or its taker went
+/// away), the window leaves the map and its waiting takers are woken.
+struct Asking<'a> {
+    table: &'a LeaseTable,
+    key: StateKey,
+}
+
+impl Drop for Asking<'_> {
+    fn drop(&mut self) {
+        let removed = self
+            .table
+            .asking
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&self.key);
+        if let Some(n) = removed {
+            n.notify_waiters();
+        }
     }
 }
 

@@ -316,6 +316,9 @@ fn limiter_memory(c: &mut Criterion) {
     g.bench_function("applicable (1 limit)", |b| {
         b.iter(|| black_box(limiter.applicable(&route.limits, black_box(&caller), &headers)))
     });
+    g.bench_function("applicable, remembered (1 limit)", |b| {
+        b.iter(|| black_box(limiter.applicable_to(&route.limits, black_box(&caller), &headers)))
+    });
     g.bench_function("applicable + check + charge (1 limit)", |b| {
         b.iter(|| {
             rt.block_on(async {

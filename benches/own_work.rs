@@ -9,7 +9,8 @@
 //! the sockets: the in-flight gauge and the request id ([`AccessLog::start`]), the path's
 //! normal form, the edge's header rules, the one authority, identity, the access-log
 //! decision (`access::enabled`: off at `log.level = "warn"`, as in the load runs), route,
-//! upgrade decision, the limiter's applicable + check (`check_or_delay`), the /top
+//! upgrade decision, the limiter's applicable (`applicable_to`, answered from the
+//! thread's memo for this repeat caller, as in the gateway) + check (`check_or_delay`), the /top
 //! sketch (`count_used`), concurrency
 //! slots and the pending charge, the headers to the upstream (`to_upstream`, hop-by-hop
 //! stripping, `X-Forwarded-*`, `X-Real-IP`, the upstream URI and Host), the upstream
@@ -261,10 +262,9 @@ impl Gateway {
         }
 
         // 3. check
-        let applied: Arc<[Applied]> = gate
-            .limiter
-            .applicable(&route.limits, &caller, req.headers())
-            .into();
+        let applied: Arc<[Applied]> =
+            gate.limiter
+                .applicable_to(&route.limits, &caller, req.headers());
         let reserve = gate.limiter.reserves(route.on_request);
         let now_ms = clock.now_ms();
         let mut admission = drive(

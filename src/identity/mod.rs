@@ -65,6 +65,15 @@ impl Client {
             .find(|(n, _)| &**n == name)
             .map(|(_, q)| *q)
     }
+
+    /// Whether limits count this client and `other` alike: the same id and tier, and
+    /// neither with quotas of its own (which a disabled client never reaches).
+    pub fn limits_alike(&self, other: &Client) -> bool {
+        self.quotas.is_none()
+            && other.quotas.is_none()
+            && self.id == other.id
+            && self.tier == other.tier
+    }
 }
 
 /// The caller of one request.

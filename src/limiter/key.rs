@@ -113,6 +113,11 @@ impl KeyScheme {
         }
     }
 
+    /// Unique per [`KeyScheme::new`]: two schemes with the same id derive the same keys.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
     /// The key of `limit`'s window for `subject` (e.g. `"client:acme"`, `"ip:1.2.3.4"`).
     pub fn key(&self, limit: &str, subject: &str) -> LimitKey {
         self.key_for(limit, &self.digest(subject.as_bytes()))

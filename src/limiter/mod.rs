@@ -24,6 +24,9 @@
 //! - `limit.rs`: a `[[limits]]` entry ready to use ([`Limit`], built and validated from
 //!   config), what it counts ([`By`], the subject of a caller), and the limits that apply
 //!   to a request ([`Applied`], [`Limiter::applicable`]).
+//! - `applicable.rs`: a route's limits ([`LimitSet`]) and the limits that apply to a
+//!   request, remembered per thread for a caller that comes back
+//!   ([`Limiter::applicable_to`]).
 //! - `check.rs`: planning and running a CHECK ([`Limiter::check`]): how each limit is
 //!   held until the end of the request (stages: peek, reservation, held reservation,
 //!   slot, lease), the units in flight on this gateway and the lock that orders them
@@ -44,6 +47,7 @@
 //!   client's windows: `POST /callers/{id}/reset`).
 
 pub mod algorithm;
+mod applicable;
 pub mod cache;
 mod check;
 pub mod delayed;
@@ -58,6 +62,7 @@ pub mod store;
 pub mod top;
 mod usage;
 
+pub use applicable::LimitSet;
 pub use check::{Admission, Refusal};
 pub use limit::{Applied, By, Limit, TierQuotas};
 pub use settle::{PendingCharge, SlotGuard};

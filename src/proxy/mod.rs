@@ -301,10 +301,9 @@ pub async fn serve(
 
     // 3. Check every limit of the route: a read (may be stale, never written), or a
     //    reservation (`charge = "on_request"`, `store.reserve_in_flight`).
-    let applied: std::sync::Arc<[Applied]> = snap
-        .limiter
-        .applicable(&route.limits, &caller, req.headers())
-        .into();
+    let applied: std::sync::Arc<[Applied]> =
+        snap.limiter
+            .applicable_to(&route.limits, &caller, req.headers());
     let reserve = snap.limiter.reserves(route.on_request);
     // One reading of the clock for the check and what is counted with it.
     let now_ms = clock.now_ms();

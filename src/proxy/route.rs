@@ -1,7 +1,7 @@
 //! Step 2 of the request path: host and longest path prefix → route.
 
 use crate::config::{Problems, RouteConfig};
-use crate::limiter::Limit;
+use crate::limiter::{Limit, LimitSet};
 use crate::proxy::forward::Upstream;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -21,8 +21,8 @@ pub struct Route {
     pub max_request_bytes: Option<u64>,
     /// Where matching requests go.
     pub upstream: Arc<Upstream>,
-    /// Limits that must all admit a request.
-    pub limits: Vec<Arc<Limit>>,
+    /// Limits that must all admit a request, in the order of `limits` in the config.
+    pub limits: LimitSet,
     /// Units charged per request.
     pub cost: u64,
     /// Response statuses that are not charged.
@@ -170,7 +170,7 @@ impl Route {
             methods,
             max_request_bytes: cfg.max_request_bytes,
             upstream: upstream?,
-            limits: route_limits,
+            limits: LimitSet::new(route_limits),
             cost: cfg.cost,
             uncharged_statuses: cfg.uncharged_statuses.clone(),
             on_request: cfg.charge == "on_request",

@@ -154,6 +154,39 @@ async fn refused_upstream_is_502_and_slow_upstream_is_504() {
     }
 }
 
+/// HTTP/1 requests of one client connection share one response timer, which each
+/// re-arms: every request gets its own `response_timeout` (400 ms here), whatever came
+/// before it on the connection (a slow request cut off, a quick one, an idle spell past
+/// the last deadline).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_request_of_a_connection_gets_its_own_response_timeout() {
+    let upstream = Upstream::start().await;
+    let gw = gateway(&upstream).await;
+    let mut conn = h1_connection(&gw).await;
+    for (path, status, idle_ms) in [
+        ("/slow/50", 200, 0),
+        ("/slow/3000", 504, 0),
+        ("/slow/250", 200, 0),
+        ("/slow/3000", 504, 600),
+        ("/slow/250", 200, 600),
+        ("/slow/3000", 504, 0),
+        ("/", 200, 0),
+    ] {
+        tokio::time::sleep(Duration::from_millis(idle_ms)).await;
+        let started = Instant::now();
+        let r = send_on(&mut conn, http::Method::GET, path).await;
+        let took = started.elapsed();
+        assert_eq!(r.status(), status, "{path} after {idle_ms} ms idle");
+        r.into_body().collect().await.unwrap();
+        if status == 504 {
+            assert!(
+                took >= Duration::from_millis(400) && took < Duration::from_millis(2000),
+                "{path} cut off after {took:?}"
+            );
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn targets_are_used_round_robin() {
     let (a, b) = (Upstream::start().await, Upstream::start().await);

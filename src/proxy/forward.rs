@@ -565,15 +565,17 @@ pub async fn forward(
                 "upstream {what}"
             );
         };
-        let sent = tokio::time::timeout_at(
-            deadline,
-            upstream.targets[i]
-                .pool
-                .send(request, down.budget, Some(&down.peer.upstream)),
-        )
-        .await;
+        let send = upstream.targets[i]
+            .pool
+            .send(request, down.budget, Some(&down.peer.upstream));
+        let sent = if downstream_version < Version::HTTP_2 {
+            // HTTP/1 serves one request of a connection at a time: its timer is theirs.
+            down.peer.response_timer.within(deadline, send).await
+        } else {
+            tokio::time::timeout_at(deadline, send).await.ok()
+        };
         let error = match sent {
-            Ok(Ok(mut response)) => {
+            Some(Ok(mut response)) => {
                 upstream.healthy(i);
                 let head = head_bytes(response.headers());
                 if head > upstream.max_response_header_bytes {
@@ -627,14 +629,14 @@ pub async fn forward(
                 }
                 return Ok(respond(response, downstream_version, down.via));
             }
-            Err(_) => {
+            None => {
                 failed(
                     "timed out",
                     format!("no response headers within {:?}", upstream.response_timeout),
                 );
                 return Err(ProxyError::UpstreamTimeout(upstream.name.to_string()));
             }
-            Ok(Err(SendError {
+            Some(Err(SendError {
                 error: PoolError::NoDescriptor(_),
                 ..
             })) => {
@@ -649,7 +651,7 @@ pub async fn forward(
                 }
                 return Err(ProxyError::Overloaded("too many open connections"));
             }
-            Ok(Err(SendError { error, unsent })) => {
+            Some(Err(SendError { error, unsent })) => {
                 if error.is_refusal() {
                     upstream.eject(i, &error);
                 }
@@ -910,7 +912,7 @@ const GATEWAY_RESPONSE_HEADERS: usize = 8;
 
 /// The client end of a downstream connection, with what the forwarder adds for it
 /// rendered once per connection rather than once per request.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Peer {
     /// The socket address.
     pub addr: std::net::SocketAddr,
@@ -919,6 +921,9 @@ pub struct Peer {
     /// The upstream connection this client connection used last, kept for its next
     /// request ([`super::pool::Affinity`]).
     pub upstream: super::pool::Affinity,
+    /// The timer of `upstreams.response_timeout` for this connection's HTTP/1 requests
+    /// ([`super::deadline`]).
+    pub response_timer: super::deadline::ConnectionTimer,
 }
 
 impl Peer {
@@ -935,6 +940,7 @@ impl Peer {
             addr,
             ip_header,
             upstream: Default::default(),
+            response_timer: Default::default(),
         }
     }
 

@@ -17,6 +17,7 @@
 
 pub mod access;
 pub mod body;
+pub mod deadline;
 pub mod error;
 pub mod forward;
 pub mod grpc;

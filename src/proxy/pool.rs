@@ -209,16 +209,22 @@ impl Pool {
     /// On HTTP/1.1, `affinity` (the downstream connection's, `None` on HTTP/2) is tried
     /// first, and the connection the response came on is kept there for the next request
     /// when its exchange ends (see [`Affinity`]).
-    pub async fn send(
-        self: &Arc<Self>,
+    ///
+    /// A plain function choosing between the two exchanges' futures (an enum of them),
+    /// not an `async fn` around them: one state machine less to move the request
+    /// through (about 400 instructions per request, issue 16).
+    pub fn send<'a>(
+        self: &'a Arc<Self>,
         req: Request<RequestBody>,
-        budget: &Budget,
-        affinity: Option<&Affinity>,
-    ) -> Result<Response<PooledBody>, SendError> {
+        budget: &'a Budget,
+        affinity: Option<&'a Affinity>,
+    ) -> impl std::future::Future<Output = Result<Response<PooledBody>, SendError>> + Send + 'a
+    {
+        use futures_util::future::Either;
         match self.connector.protocol {
-            UpstreamProtocol::Http1 => self.send_h1(req, budget, affinity).await,
+            UpstreamProtocol::Http1 => Either::Left(self.send_h1(req, budget, affinity)),
             // Boxed: kept out of the size of every request's future (see `proxy::handle`).
-            UpstreamProtocol::Http2 => Box::pin(self.send_h2(req, budget)).await,
+            UpstreamProtocol::Http2 => Either::Right(Box::pin(self.send_h2(req, budget))),
         }
     }
 

@@ -172,9 +172,8 @@ commands() {
 # be admitted, or the state measured is not the one described.
 apply() {
   local alg="$1" key="$2" quota="$3" n="$4" now="$5" out
-  # Each call answers one string of 5 integers per operation, separated by commas:
-  # admitted, used, reset_at ms, retry_at ms, epoch. One integer a line here.
-  out="$(commands "$alg" "$key" "$quota" 1 "$n" "$now" 100 | rc | tr ',' '\n')"
+  out="$(commands "$alg" "$key" "$quota" 1 "$n" "$now" 100 | rc)"
+  # 5 integers per operation: admitted, used, reset_at ms, retry_at ms, epoch.
   if grep -q ERR <<<"$out" || [ "$(wc -l <<<"$out")" -ne $((5 * n)) ] ||
     [ "$(awk 'NR % 5 == 1 && $1 != 1' <<<"$out" | wc -l)" -ne 0 ]; then
     die "applying $n operations for $alg (quota $quota) failed: $(head -c 500 <<<"$out")"

@@ -87,9 +87,7 @@ impl Scripts {
 }
 
 /// Run `script` with `keys` and integer arguments on `conn` (EVALSHA; on NOSCRIPT the
-/// script is loaded and the call retried). Its integers: an array of integers, an
-/// integer, or a string of decimal integers separated by commas (`lua/apply.lua`), all
-/// read by [`integers`].
+/// script is loaded and the call retried).
 async fn invoke(
     script: &Script,
     keys: &[&str],
@@ -103,54 +101,7 @@ async fn invoke(
     for a in args {
         invocation.arg(*a);
     }
-    integers(invocation.invoke_async::<redis::Value>(conn).await?)
-}
-
-/// The integers of a script's reply: an array of integers, one integer, or a bulk string
-/// of decimal integers separated by commas (`lua/apply.lua`'s answer: one value for the
-/// client library to parse instead of five per key). Errors: [`StoreError::BadReply`]
-/// for anything else.
-fn integers(reply: redis::Value) -> Result<Vec<i64>, StoreError> {
-    use redis::Value;
-    let bad = |v: &dyn std::fmt::Debug| StoreError::BadReply(format!("{v:?}"));
-    match reply {
-        Value::BulkString(text) => {
-            if text.is_empty() {
-                return Ok(Vec::new());
-            }
-            text.split(|b| *b == b',')
-                .map(|n| decimal(n).ok_or_else(|| bad(&String::from_utf8_lossy(&text))))
-                .collect()
-        }
-        Value::Array(items) => items
-            .into_iter()
-            .map(|v| match v {
-                Value::Int(n) => Ok(n),
-                other => Err(bad(&other)),
-            })
-            .collect(),
-        Value::Int(n) => Ok(vec![n]),
-        other => Err(bad(&other)),
-    }
-}
-
-/// An optionally negative decimal integer of at most 18 digits, or `None`.
-fn decimal(text: &[u8]) -> Option<i64> {
-    let (negative, digits) = match text {
-        [b'-', rest @ ..] => (true, rest),
-        _ => (false, text),
-    };
-    if digits.is_empty() || digits.len() > 18 {
-        return None;
-    }
-    let mut n: i64 = 0;
-    for d in digits {
-        if !d.is_ascii_digit() {
-            return None;
-        }
-        n = n * 10 + i64::from(d - b'0');
-    }
-    Some(if negative { -n } else { n })
+    Ok(invocation.invoke_async::<Vec<i64>>(conn).await?)
 }
 
 /// The integers per key that `lua/apply.lua` answers ([`batch::REPLY_WIDTH`]), as verdicts.
@@ -924,39 +875,5 @@ impl Store for RedisStore {
 
     async fn reset(&self, keys: &[LimitKey]) -> Result<u64, StoreError> {
         self.reset_keys(keys).await
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::integers;
-    use redis::Value;
-
-    #[test]
-    fn a_scripts_integers_are_read_from_a_string_an_array_or_one_integer() {
-        let text = |s: &str| integers(Value::BulkString(s.as_bytes().to_vec()));
-        assert_eq!(
-            text("1,3,1700000060000,0,9007199254740993").unwrap(),
-            [1, 3, 1_700_000_060_000, 0, 9_007_199_254_740_993]
-        );
-        assert_eq!(text("-2,7").unwrap(), [-2, 7]);
-        assert_eq!(text("").unwrap(), Vec::<i64>::new());
-        for bad in [
-            "1,,2",
-            "1.5",
-            "1e+15",
-            "abc",
-            ",",
-            "1,",
-            "-",
-            "1234567890123456789",
-        ] {
-            assert!(text(bad).is_err(), "{bad:?} is not a list of integers");
-        }
-        let array = Value::Array(vec![Value::Int(4), Value::Int(-1)]);
-        assert_eq!(integers(array).unwrap(), [4, -1]);
-        assert_eq!(integers(Value::Int(12)).unwrap(), [12]);
-        assert!(integers(Value::Array(vec![Value::Nil])).is_err());
-        assert!(integers(Value::Nil).is_err());
     }
 }

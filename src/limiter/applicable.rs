@@ -23,14 +23,24 @@ use std::sync::Arc;
 pub struct LimitSet {
     id: u64,
     limits: Vec<Arc<Limit>>,
+    /// A limit is keyed by a request header: what applies depends on each request.
+    by_header: bool,
+    /// A limit counts the client IP (`by = "ip"`).
+    by_ip: bool,
+    /// A limit counts the caller (the IP of an anonymous one).
+    by_caller: bool,
 }
 
 impl LimitSet {
     /// A set of `limits`, with a fresh id.
     pub fn new(limits: Vec<Arc<Limit>>) -> Self {
         static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+        let any = |f: fn(&By) -> bool| limits.iter().any(|l| f(&l.by));
         Self {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            by_header: any(|b| matches!(b, By::Header(_) | By::TrustedHeader(_))),
+            by_ip: any(|b| matches!(b, By::Ip)),
+            by_caller: any(|b| matches!(b, By::Caller)),
             limits,
         }
     }
@@ -83,20 +93,24 @@ fn alike(a: &Option<Arc<Client>>, b: &Option<Arc<Client>>) -> bool {
 impl Limiter {
     /// The limits of `set` that apply to `caller` ([`Limiter::applicable`]), answered
     /// from this thread's memo when the same caller (client, tier, and the IP where a
-    /// limit counts it) asked for the same set under the same key scheme before. A limit
-    /// keyed by a request header (`by = "header:…"`) depends on each request: an answer
-    /// with one is never remembered. Same answer as [`Limiter::applicable`], shared.
+    /// limit counts it) asked for the same set under the same key scheme before. A set with
+    /// a limit keyed by a request header (`by = "header:…"`) depends on each request: it
+    /// is never answered from the memo. Same answer as [`Limiter::applicable`], shared.
     pub fn applicable_to(
         &self,
         set: &LimitSet,
         caller: &Caller,
         headers: &HeaderMap,
     ) -> Arc<[Applied]> {
+        if set.by_header {
+            return self.applicable(set, caller, headers).into();
+        }
         let keys = self.keys.id();
         let slot = {
+            let hasher = foldhash::fast::FixedState::with_seed(set.id);
             let who = match &caller.client {
-                Some(c) => foldhash::fast::FixedState::with_seed(set.id).hash_one(&*c.id),
-                None => foldhash::fast::FixedState::with_seed(set.id).hash_one(caller.ip_key),
+                Some(c) => hasher.hash_one(&*c.id),
+                None => hasher.hash_one(caller.ip_key),
             };
             (who % SLOTS as u64) as usize
         };
@@ -114,15 +128,7 @@ impl Limiter {
             return applied;
         }
         let applied: Arc<[Applied]> = self.applicable(set, caller, headers).into();
-        let mut counts_ip = false;
-        for a in applied.iter() {
-            match &a.limit.by {
-                By::Header(_) | By::TrustedHeader(_) => return applied,
-                By::Ip | By::Caller if caller.client.is_none() => counts_ip = true,
-                By::Ip => counts_ip = true,
-                By::Caller | By::Global => {}
-            }
-        }
+        let counts_ip = set.by_ip || (set.by_caller && caller.client.is_none());
         let remembered = Remembered {
             keys,
             set: set.id,

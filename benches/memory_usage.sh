@@ -14,8 +14,9 @@
 # What it does:
 #   1. Starts its own redis-server on 127.0.0.1 and a free port, with no persistence
 #      (--save "" --appendonly no), and kills it by PID on exit.
-#   2. Loads lua/apply.lua (SCRIPT LOAD) and applies operations with EVALSHA, using the
-#      ARGV layout from the script's header: 9 arguments per key (op, algorithm code,
+#   2. Loads lua/apply.lua (SCRIPT LOAD; behind one line that packs decimal arguments as
+#      the script reads them) and applies operations with EVALSHA, using the ARGV layout
+#      from the script's header: 9 integers per key (op, algorithm code,
 #      quota, window ms, burst, align, cost, now ms, id), window 60000 ms, quota 100,
 #      burst = quota, align 0 (first request), cost 1, now = the current epoch ms.
 #        fixed_window, sliding_window, gcra: 1 and 100 charges (op 1) on one key.
@@ -115,7 +116,12 @@ rc() {
   "$CLI" -h 127.0.0.1 -p "$PORT" "$@"
 }
 
-SHA="$(rc SCRIPT LOAD "$(cat "$SCRIPT")")"
+# lua/apply.lua reads its 9 integers per key packed in ARGV[1] (8 bytes each, as the gateway
+# sends them); redis-cli sends text, so the script loaded here is apply.lua behind one line
+# that packs the decimal arguments of each EVALSHA line first (struct.pack, exact below 2^53).
+PACK='local p = {} for i = 1, #ARGV do p[i] = struct.pack("<I8", tonumber(ARGV[i])) ARGV[i] = nil end ARGV[1] = table.concat(p)'
+SHA="$(rc SCRIPT LOAD "$PACK
+$(cat "$SCRIPT")")"
 [[ "$SHA" =~ ^[0-9a-f]{40}$ ]] || die "SCRIPT LOAD failed: $SHA"
 
 # --- applying operations ------------------------------------------------------------

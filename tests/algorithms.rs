@@ -415,6 +415,17 @@ async fn sliding_log_counts_the_last_window_exactly() {
             assert!(keys[0].contains(":l:sliding_log:{"), "{keys:?}");
             let n: u64 = redis.cmd(&["ZCARD", &keys[0]]);
             assert_eq!(n, 3, "one member per charge; the refused request left none");
+            // Each member is "ID:COST" in integers, as the gateway's ids (up to 2^53) are
+            // written, never a number's 14-digit form ("4.5035996273700e+15:1").
+            let members: Vec<String> = redis.cmd(&["ZRANGE", &keys[0], "0", "-1"]);
+            assert!(
+                members.iter().all(|m| m
+                    .split_once(':')
+                    .is_some_and(
+                        |(id, cost)| id.parse::<u64>().is_ok_and(|id| id > 0) && cost == "1"
+                    )),
+                "{members:?}"
+            );
         }
         gw.clock.advance(std::time::Duration::from_secs(6));
         assert_eq!(get(&url).await.status, 200, "{backend:?}");
@@ -435,6 +446,18 @@ async fn concurrency_limits_requests_in_flight_and_frees_slots_when_the_body_end
         assert_eq!(refused.status, 429, "{backend:?}: two in flight of 2");
         assert_eq!(refused.header("x-ratelimit-used"), "2");
         assert_eq!(refused.header("retry-after"), "1");
+        if let Some(redis) = &redis {
+            // Each slot's member is its id in integers (ids go up to 2^53).
+            let keys = redis.keys();
+            let members: Vec<String> = redis.cmd(&["ZRANGE", &keys[0], "0", "-1"]);
+            assert_eq!(members.len(), 2, "{members:?}");
+            assert!(
+                members
+                    .iter()
+                    .all(|m| m.parse::<u64>().is_ok_and(|id| id > 0)),
+                "{members:?}"
+            );
+        }
         assert_eq!(a.await.unwrap(), 200);
         assert_eq!(b.await.unwrap(), 200);
         // Slots are given back when the response bodies end.

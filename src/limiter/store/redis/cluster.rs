@@ -8,7 +8,6 @@ use super::Scripts;
 use crate::limiter::store::StoreError;
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
-use redis::Script;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
@@ -55,7 +54,7 @@ impl ClusterNode {
                     let mut conn = client.get_async_connection().await?;
                     // Load every script on every primary (SCRIPT LOAD goes to all of them).
                     for script in scripts.all() {
-                        script.prepare_invoke().load_async(&mut conn).await?;
+                        script.load(&mut conn).await?;
                     }
                     Ok::<_, redis::RedisError>(conn)
                 };
@@ -90,7 +89,7 @@ impl ClusterNode {
 
     pub(super) async fn call(
         &self,
-        script: &Script,
+        script: &super::LuaScript,
         keys: &[&str],
         args: &[u64],
     ) -> Result<Vec<i64>, StoreError> {

@@ -41,7 +41,6 @@ use batch::Batcher;
 use cluster::ClusterNode;
 use futures_util::future::join_all;
 use node::{Node, NodeSettings, WhenDisconnected};
-use redis::Script;
 use sentinel::SentinelWatch;
 use stats::{bump, Counts, ShardStats};
 use std::future::Future;
@@ -65,43 +64,105 @@ pub const NOW_FROM_REDIS: u64 = 0;
 /// Every script the store runs, loaded on each new connection.
 #[derive(Debug)]
 pub(crate) struct Scripts {
-    apply: Script,
-    lease: Script,
-    refund: Script,
-    reset: Script,
+    apply: LuaScript,
+    lease: LuaScript,
+    refund: LuaScript,
+    reset: LuaScript,
 }
 
 impl Scripts {
     fn new() -> Self {
         Self {
-            apply: Script::new(APPLY_LUA),
-            lease: Script::new(LEASE_LUA),
-            refund: Script::new(REFUND_LUA),
-            reset: Script::new(RESET_LUA),
+            apply: LuaScript::new(APPLY_LUA, ArgStyle::Packed),
+            lease: LuaScript::new(LEASE_LUA, ArgStyle::Decimal),
+            refund: LuaScript::new(REFUND_LUA, ArgStyle::Decimal),
+            reset: LuaScript::new(RESET_LUA, ArgStyle::Decimal),
         }
     }
 
-    fn all(&self) -> [&Script; 4] {
+    fn all(&self) -> [&LuaScript; 4] {
         [&self.apply, &self.lease, &self.refund, &self.reset]
     }
 }
 
+/// How a script takes its integer arguments (ARGV).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ArgStyle {
+    /// One ARGV entry per integer, in decimal (`lease.lua`, `refund.lua`, `reset.lua`).
+    Decimal,
+    /// All the integers in ARGV[1], each as 8 bytes, unsigned, little-endian
+    /// (`apply.lua`, which reads them with `struct.unpack`): two arguments a key instead
+    /// of ten, and no decimal parsing, for the script every request runs.
+    Packed,
+}
+
+/// One script of `lua/`: its text (and SHA1), and how it takes its arguments.
+#[derive(Debug)]
+pub(crate) struct LuaScript {
+    script: redis::Script,
+    args: ArgStyle,
+}
+
+impl LuaScript {
+    fn new(code: &str, args: ArgStyle) -> Self {
+        Self {
+            script: redis::Script::new(code),
+            args,
+        }
+    }
+
+    /// SCRIPT LOAD it on `conn` (in cluster mode, on every primary).
+    async fn load(&self, conn: &mut impl redis::aio::ConnectionLike) -> redis::RedisResult<()> {
+        self.script
+            .prepare_invoke()
+            .load_async(conn)
+            .await
+            .map(drop)
+    }
+
+    /// The EVALSHA of `keys` and `args` (see [`ArgStyle`]).
+    fn command(&self, keys: &[&str], args: &[u64]) -> redis::Cmd {
+        let mut cmd = redis::Cmd::with_capacity(
+            3 + keys.len() + args.len(),
+            64 + keys.iter().map(|k| k.len()).sum::<usize>() + 20 * args.len(),
+        );
+        cmd.arg("EVALSHA")
+            .arg(self.script.get_hash())
+            .arg(keys.len());
+        for k in keys {
+            cmd.arg(*k);
+        }
+        match self.args {
+            ArgStyle::Decimal => {
+                for a in args {
+                    cmd.arg(*a);
+                }
+            }
+            ArgStyle::Packed => {
+                let packed: Vec<u8> = args.iter().flat_map(|a| a.to_le_bytes()).collect();
+                cmd.arg(&packed[..]);
+            }
+        }
+        cmd
+    }
+}
+
 /// Run `script` with `keys` and integer arguments on `conn` (EVALSHA; on NOSCRIPT the
-/// script is loaded and the call retried).
+/// script is loaded and the call retried once).
 async fn invoke(
-    script: &Script,
+    script: &LuaScript,
     keys: &[&str],
     args: &[u64],
     conn: &mut impl redis::aio::ConnectionLike,
 ) -> Result<Vec<i64>, StoreError> {
-    let mut invocation = script.prepare_invoke();
-    for k in keys {
-        invocation.key(*k);
+    let cmd = script.command(keys, args);
+    match cmd.query_async::<Vec<i64>>(conn).await {
+        Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+            script.load(conn).await?;
+            Ok(cmd.query_async::<Vec<i64>>(conn).await?)
+        }
+        answer => Ok(answer?),
     }
-    for a in args {
-        invocation.arg(*a);
-    }
-    Ok(invocation.invoke_async::<Vec<i64>>(conn).await?)
 }
 
 /// The integers per key that `lua/apply.lua` answers ([`batch::REPLY_WIDTH`]), as verdicts.
@@ -258,7 +319,7 @@ impl Shard {
 
     async fn on_primary(
         &self,
-        script: &Script,
+        script: &LuaScript,
         keys: &[&str],
         args: &[u64],
     ) -> Result<Vec<i64>, StoreError> {
@@ -667,7 +728,7 @@ impl RedisStore {
     /// not batched).
     async fn on_primary(
         &self,
-        script: &Script,
+        script: &LuaScript,
         key: &LimitKey,
         args: &[u64],
     ) -> Result<Vec<i64>, StoreError> {

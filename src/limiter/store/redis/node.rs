@@ -17,7 +17,7 @@ use super::stats::{bump, NodeStats};
 use super::Scripts;
 use crate::limiter::store::StoreError;
 use redis::aio::MultiplexedConnection;
-use redis::{AsyncConnectionConfig, Script};
+use redis::AsyncConnectionConfig;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
@@ -134,7 +134,7 @@ impl Node {
     /// wait for a connection). NOSCRIPT is handled by loading the script and retrying.
     pub(super) async fn call(
         &self,
-        script: &Script,
+        script: &super::LuaScript,
         keys: &[&str],
         args: &[u64],
         when: WhenDisconnected,
@@ -383,7 +383,7 @@ async fn connect(
         .query_async::<()>(&mut conn)
         .await;
     for script in scripts.all() {
-        script.prepare_invoke().load_async(&mut conn).await?;
+        script.load(&mut conn).await?;
     }
     Ok(conn)
 }

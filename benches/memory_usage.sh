@@ -179,9 +179,10 @@ commands() {
 apply() {
   local alg="$1" key="$2" quota="$3" n="$4" now="$5" out
   out="$(commands "$alg" "$key" "$quota" 1 "$n" "$now" 100 | rc)"
-  # 5 integers per operation: admitted, used, reset_at ms, retry_at ms, epoch.
-  if grep -q ERR <<<"$out" || [ "$(wc -l <<<"$out")" -ne $((5 * n)) ] ||
-    [ "$(awk 'NR % 5 == 1 && $1 != 1' <<<"$out" | wc -l)" -ne 0 ]; then
+  # 3 integers per operation: used (admitted; -(used + 1) when refused), reset_at ms, and
+  # the epoch (admitted) or retry_at ms (refused).
+  if grep -q ERR <<<"$out" || [ "$(wc -l <<<"$out")" -ne $((3 * n)) ] ||
+    [ "$(awk 'NR % 3 == 1 && $1 < 0' <<<"$out" | wc -l)" -ne 0 ]; then
     die "applying $n operations for $alg (quota $quota) failed: $(head -c 500 <<<"$out")"
   fi
 }

@@ -174,7 +174,8 @@ pub struct Verdict {
     /// When `cost` would be admitted, ms since the epoch (`Retry-After`); 0 when admitted.
     pub retry_at_ms: u64,
     /// What a refund must quote to undo this charge or reservation: the fixed window's
-    /// end, the sliding window's start, the log entry's or slot's id (GCRA: 0).
+    /// end, the sliding window's start, the log entry's or slot's id (GCRA: 0); 0 when
+    /// not admitted (a refusal is never refunded).
     pub epoch: u64,
 }
 
@@ -231,12 +232,18 @@ impl State {
 /// Apply `op` to `state` under `policy` at `now_ms`: the reference rules. Returns the
 /// verdict; `state` is updated in place (never for [`OpKind::Peek`]).
 pub fn apply(policy: &Policy, state: &mut State, op: Op, now_ms: u64) -> Verdict {
-    match policy.algorithm {
+    let v = match policy.algorithm {
         Algorithm::FixedWindow => fixed_window(policy, state, op, now_ms),
         Algorithm::SlidingWindow => sliding_window(policy, state, op, now_ms),
         Algorithm::SlidingLog => sliding_log(policy, state, op, now_ms),
         Algorithm::Gcra => gcra(policy, state, op, now_ms),
         Algorithm::Concurrency => concurrency(policy, state, op, now_ms),
+    };
+    // A refusal took nothing a refund could quote (`lua/apply.lua` answers the same).
+    if v.admitted {
+        v
+    } else {
+        Verdict { epoch: 0, ..v }
     }
 }
 

@@ -28,8 +28,8 @@ use tokio::sync::oneshot;
 /// Most keys sent in one script call (a Lua call blocks Redis while it runs).
 pub(super) const MAX_KEYS: usize = 256;
 
-/// Integers `lua/apply.lua` answers per key.
-pub(super) const REPLY_WIDTH: usize = 5;
+/// Integers `lua/apply.lua` answers per key (see [`super::verdicts`]).
+pub(super) const REPLY_WIDTH: usize = 3;
 
 /// A script call under way: [`REPLY_WIDTH`] integers per key, or the error.
 type Call = Pin<Box<dyn Future<Output = Result<Vec<i64>, StoreError>> + Send>>;

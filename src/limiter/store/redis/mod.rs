@@ -165,27 +165,29 @@ async fn invoke(
     }
 }
 
-/// The integers per key that `lua/apply.lua` answers ([`batch::REPLY_WIDTH`]), as verdicts.
+/// The integers per key that `lua/apply.lua` answers ([`batch::REPLY_WIDTH`]), as
+/// verdicts: `[used, reset_at ms, epoch]` when admitted, `[-(used + 1), reset_at ms,
+/// retry_at ms]` when refused (a refusal's epoch is 0, an admission's retry_at 0).
 fn verdicts(reply: &[i64]) -> Vec<Result<Verdict, StoreError>> {
     reply
         .chunks(batch::REPLY_WIDTH)
-        .map(|v| match v {
-            [admitted, used, reset_at, retry_at, epoch]
-                if (0..=1).contains(admitted)
-                    && *used >= 0
-                    && *reset_at >= 0
-                    && *retry_at >= 0
-                    && *epoch >= 0 =>
-            {
+        .map(|v| match *v {
+            [signed_used, reset_at, third] if reset_at >= 0 && third >= 0 => {
+                let admitted = signed_used >= 0;
+                let (used, retry_at, epoch) = if admitted {
+                    (signed_used, 0, third)
+                } else {
+                    (-(signed_used + 1), third, 0)
+                };
                 Ok(Verdict {
-                    admitted: *admitted == 1,
-                    used: *used as u64,
-                    reset_at_ms: *reset_at as u64,
-                    retry_at_ms: *retry_at as u64,
-                    epoch: *epoch as u64,
+                    admitted,
+                    used: used as u64,
+                    reset_at_ms: reset_at as u64,
+                    retry_at_ms: retry_at as u64,
+                    epoch: epoch as u64,
                 })
             }
-            other => Err(StoreError::BadReply(format!("{other:?}"))),
+            ref other => Err(StoreError::BadReply(format!("{other:?}"))),
         })
         .collect()
 }

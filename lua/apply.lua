@@ -33,9 +33,9 @@
 --                  epoch the charge reported for REFUND). One binary argument
 --                  instead of 9 decimal ones per key: Redis makes a string
 --                  object and a Lua string of each argument, and Lua's
---                  tonumber parses a decimal with strtod; packed, the
---                  arguments of a batch of 15 keys cost Redis about a third
---                  as much (BENCHMARKS.md, issue 16, twelfth round).
+--                  tonumber parses a decimal with strtod; packed, a call of
+--                  15 keys costs Redis about a third less (BENCHMARKS.md,
+--                  issue 16, twelfth round).
 --
 -- Returns 3 integers per key:
 --   admitted: used, reset_at ms, epoch (what a refund quotes);

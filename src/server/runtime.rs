@@ -41,6 +41,13 @@ pub fn worker() -> Option<(usize, usize)> {
     WORKER.with(Cell::get)
 }
 
+/// Make this thread count as worker `index` of `count` (tests of what is kept or done
+/// per worker, on threads of their own).
+#[cfg(test)]
+pub(crate) fn pretend_worker(index: usize, count: usize) {
+    WORKER.with(|w| w.set(Some((index, count))));
+}
+
 /// `server.workers`, or one per CPU the process may use (at least 1).
 pub fn worker_count(cfg: &ServerConfig) -> usize {
     cfg.workers.filter(|n| *n > 0).unwrap_or_else(|| {

@@ -16,6 +16,12 @@
 //! Order: calls reach the node in the order they were submitted (one in flight, then
 //! the queue in order), whoever sends them. A submitter that goes away never loses its
 //! call: a call not yet sent, or in flight, is finished on the batcher's runtime.
+//!
+//! Answers go home in one hop per worker: a call carries the items of submitters on
+//! every `per_core` worker, and waking a task of another worker's runtime costs a
+//! system call (Tokio writes to that runtime's eventfd), so the items of each other
+//! worker are handed to it together, as one task spawned there that gives each its
+//! slice, instead of one cross-thread wake per item (see [`deliver`]).
 
 use super::StoreError;
 use std::future::Future;
@@ -38,11 +44,32 @@ type Call = Pin<Box<dyn Future<Output = Result<Vec<i64>, StoreError>> + Send>>;
 /// key order) → [`REPLY_WIDTH`] integers per key.
 pub(super) type Flush = Box<dyn Fn(Vec<String>, Vec<u64>) -> Call + Send + Sync>;
 
+/// Where a submitter waits for its answer.
+type Reply = oneshot::Sender<Result<Vec<i64>, StoreError>>;
+
 /// One request's items for the batch.
 struct Pending {
     keys: Vec<String>,
     args: Vec<u64>,
-    reply: oneshot::Sender<Result<Vec<i64>, StoreError>>,
+    reply: Reply,
+    /// The submitter's `per_core` worker (see [`Home`]).
+    home: Option<Home>,
+}
+
+/// The `per_core` worker a submitter runs on: its index, and its runtime, where its
+/// answer is delivered when the call was answered on another worker.
+struct Home {
+    worker: usize,
+    runtime: tokio::runtime::Handle,
+}
+
+impl Home {
+    /// The current thread's, when it is a `per_core` worker's.
+    fn here() -> Option<Home> {
+        let (worker, _) = crate::server::runtime::worker()?;
+        let runtime = tokio::runtime::Handle::try_current().ok()?;
+        Some(Home { worker, runtime })
+    }
 }
 
 /// See the module documentation.
@@ -105,7 +132,12 @@ impl Batcher {
         let mut state = self.shared.lock();
         let turn = if state.busy {
             let (reply, rx) = oneshot::channel();
-            state.queue.push(Pending { keys, args, reply });
+            state.queue.push(Pending {
+                keys,
+                args,
+                reply,
+                home: Home::here(),
+            });
             Turn::Queued(rx)
         } else {
             state.busy = true;
@@ -216,7 +248,7 @@ async fn drain(shared: Arc<Shared>, mut queued: Vec<Pending>) {
         for mut p in batch {
             keys.append(&mut p.keys);
             args.append(&mut p.args);
-            replies.push(p.reply);
+            replies.push((p.reply, p.home));
         }
         let result = (shared.flush)(keys, args).await;
         deliver(replies, &counts, result);
@@ -231,19 +263,26 @@ async fn drain(shared: Arc<Shared>, mut queued: Vec<Pending>) {
     }
 }
 
-/// Give each request its slice of the reply ([`REPLY_WIDTH`] integers per key), or the error.
+/// Give each request its slice of the reply ([`REPLY_WIDTH`] integers per key), or the
+/// error: at once to submitters of this thread (and of no worker), and to those of each
+/// other `per_core` worker as one task spawned on that worker's runtime, which wakes one
+/// thread once per call instead of once per item.
 fn deliver(
-    replies: Vec<oneshot::Sender<Result<Vec<i64>, StoreError>>>,
+    replies: Vec<(Reply, Option<Home>)>,
     counts: &[usize],
     result: Result<Vec<i64>, StoreError>,
 ) {
-    match result {
+    let answers: Vec<Result<Vec<i64>, StoreError>> = match result {
         Ok(reply) if reply.len() == REPLY_WIDTH * counts.iter().sum::<usize>() => {
             let mut at = 0;
-            for (tx, n) in replies.into_iter().zip(counts) {
-                let _ = tx.send(Ok(reply[at..at + REPLY_WIDTH * n].to_vec()));
-                at += REPLY_WIDTH * n;
-            }
+            counts
+                .iter()
+                .map(|n| {
+                    let slice = reply[at..at + REPLY_WIDTH * n].to_vec();
+                    at += REPLY_WIDTH * n;
+                    Ok(slice)
+                })
+                .collect()
         }
         Ok(reply) => {
             let e = StoreError::BadReply(format!(
@@ -251,16 +290,63 @@ fn deliver(
                 reply.len(),
                 counts.iter().sum::<usize>()
             ));
-            for tx in replies {
-                let _ = tx.send(Err(e.clone()));
-            }
+            counts.iter().map(|_| Err(e.clone())).collect()
         }
-        Err(e) => {
-            for tx in replies {
-                let _ = tx.send(Err(e.clone()));
+        Err(e) => counts.iter().map(|_| Err(e.clone())).collect(),
+    };
+    for (runtime, group) in by_home(replies, answers) {
+        match runtime {
+            None => {
+                for (tx, answer) in group {
+                    let _ = tx.send(answer);
+                }
+            }
+            Some(runtime) => {
+                runtime.spawn(async move {
+                    for (tx, answer) in group {
+                        let _ = tx.send(answer);
+                    }
+                });
             }
         }
     }
+}
+
+/// Submitters with their answers, delivered together: on the runtime given, or at once
+/// (`None`).
+type Group = (
+    Option<tokio::runtime::Handle>,
+    Vec<(Reply, Result<Vec<i64>, StoreError>)>,
+);
+
+/// Answers paired with their submitters, grouped by where they are delivered: `None`
+/// (first, when there is any) for this thread's submitters and those of no worker, then
+/// one group per other `per_core` worker with its runtime, each in submission order.
+fn by_home(
+    replies: Vec<(Reply, Option<Home>)>,
+    answers: Vec<Result<Vec<i64>, StoreError>>,
+) -> Vec<Group> {
+    let here = crate::server::runtime::worker().map(|(i, _)| i);
+    let mut groups: Vec<(Option<usize>, Option<tokio::runtime::Handle>, Vec<_>)> =
+        vec![(None, None, Vec::new())];
+    for ((tx, home), answer) in replies.into_iter().zip(answers) {
+        match home {
+            Some(home) if Some(home.worker) != here => {
+                match groups.iter_mut().find(|g| g.0 == Some(home.worker)) {
+                    Some(group) => group.2.push((tx, answer)),
+                    None => {
+                        groups.push((Some(home.worker), Some(home.runtime), vec![(tx, answer)]))
+                    }
+                }
+            }
+            _ => groups[0].2.push((tx, answer)),
+        }
+    }
+    groups
+        .into_iter()
+        .filter(|g| !g.2.is_empty())
+        .map(|(_, runtime, group)| (runtime, group))
+        .collect()
 }
 
 #[cfg(test)]
@@ -336,6 +422,112 @@ mod tests {
             keys,
             [["7"], ["8"], ["9"]],
             "the dropped submitter's call went first"
+        );
+    }
+
+    /// The items of submitters on two `per_core` workers share one call, answered on
+    /// worker 0: worker 0's items are answered at once, worker 1's in one group handed
+    /// to worker 1's runtime (one cross-thread wake per call, not per item), and every
+    /// submitter gets its own slice.
+    #[test]
+    fn answers_go_home_in_one_group_per_other_worker() {
+        let (flush, calls) = recording(Duration::from_millis(100));
+        let rt0 = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let batcher =
+            Arc::new(rt0.block_on(async { Batcher::spawn(flush, Duration::from_secs(5)) }));
+        // Worker 1 queues three items behind worker 0's call in flight.
+        let (go, ready) = std::sync::mpsc::channel::<()>();
+        let (queued_tx, queued_rx) = std::sync::mpsc::channel::<()>();
+        let b1 = batcher.clone();
+        let worker1 = std::thread::spawn(move || {
+            crate::server::runtime::pretend_worker(1, 2);
+            let rt1 = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt1.block_on(async move {
+                ready.recv().unwrap();
+                let mine: Vec<_> = (10..13)
+                    .map(|k| b1.enqueue(vec![k.to_string()], vec![]))
+                    .collect();
+                queued_tx.send(()).unwrap();
+                let mut got = Vec::new();
+                for f in mine {
+                    got.push(f.await.unwrap());
+                }
+                got
+            })
+        });
+        crate::server::runtime::pretend_worker(0, 2);
+        let answers = rt0.block_on(async {
+            let first = batcher.enqueue(vec!["1".into()], vec![]);
+            let sending = tokio::spawn(first);
+            tokio::task::yield_now().await; // the call is in flight
+            go.send(()).unwrap();
+            tokio::task::spawn_blocking(move || queued_rx.recv().unwrap())
+                .await
+                .unwrap();
+            let own = batcher.enqueue(vec!["2".into()], vec![]);
+            (sending.await.unwrap().unwrap(), own.await.unwrap())
+        });
+        assert_eq!(answers.0, vec![1; REPLY_WIDTH]);
+        assert_eq!(answers.1, vec![2; REPLY_WIDTH]);
+        let theirs = worker1.join().unwrap();
+        assert_eq!(
+            theirs,
+            vec![
+                vec![10; REPLY_WIDTH],
+                vec![11; REPLY_WIDTH],
+                vec![12; REPLY_WIDTH]
+            ]
+        );
+        let calls = calls.lock().unwrap();
+        let keys: Vec<&[String]> = calls.iter().map(|(k, _)| k.as_slice()).collect();
+        assert_eq!(
+            keys,
+            [
+                vec!["1".to_string()],
+                vec!["10".into(), "11".into(), "12".into(), "2".into()]
+            ]
+        );
+    }
+
+    /// How answers are grouped: this worker's and no worker's first, at once; each other
+    /// worker's in one group, in submission order.
+    #[tokio::test]
+    async fn answers_are_grouped_by_the_worker_they_go_to() {
+        let here = tokio::runtime::Handle::current();
+        let home = |worker| {
+            Some(Home {
+                worker,
+                runtime: here.clone(),
+            })
+        };
+        let homes = [home(3), None, home(5), home(3), home(5), home(3)];
+        let mut rxs = Vec::new();
+        let mut replies = Vec::new();
+        for h in homes {
+            let (tx, rx) = oneshot::channel();
+            replies.push((tx, h));
+            rxs.push(rx);
+        }
+        let answers = (0..6).map(|i| Ok(vec![i])).collect();
+        let groups = by_home(replies, answers);
+        let shape: Vec<(bool, Vec<i64>)> = groups
+            .iter()
+            .map(|(rt, g)| {
+                (
+                    rt.is_some(),
+                    g.iter().map(|(_, a)| a.as_ref().unwrap()[0]).collect(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            shape,
+            [(false, vec![1]), (true, vec![0, 3, 5]), (true, vec![2, 4])]
         );
     }
 }

@@ -26,7 +26,7 @@
 use super::StoreError;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
 use tokio::sync::oneshot;
@@ -52,24 +52,9 @@ struct Pending {
     keys: Vec<String>,
     args: Vec<u64>,
     reply: Reply,
-    /// The submitter's `per_core` worker (see [`Home`]).
-    home: Option<Home>,
-}
-
-/// The `per_core` worker a submitter runs on: its index, and its runtime, where its
-/// answer is delivered when the call was answered on another worker.
-struct Home {
-    worker: usize,
-    runtime: tokio::runtime::Handle,
-}
-
-impl Home {
-    /// The current thread's, when it is a `per_core` worker's.
-    fn here() -> Option<Home> {
-        let (worker, _) = crate::server::runtime::worker()?;
-        let runtime = tokio::runtime::Handle::try_current().ok()?;
-        Some(Home { worker, runtime })
-    }
+    /// The submitter's `per_core` worker, whose runtime its answer is delivered on
+    /// when the call was answered on another worker (see [`Shared::home`]).
+    home: Option<usize>,
 }
 
 /// See the module documentation.
@@ -93,6 +78,9 @@ struct Shared {
     /// The runtime the batcher was made on: where queued calls, and calls whose
     /// submitter went away, are sent from.
     runtime: tokio::runtime::Handle,
+    /// Each `per_core` worker's runtime, by worker index, kept the first time the
+    /// worker queues an item (made when the first worker does).
+    workers: OnceLock<Box<[OnceLock<tokio::runtime::Handle>]>>,
     state: Mutex<State>,
 }
 
@@ -112,6 +100,7 @@ impl Batcher {
             shared: Arc::new(Shared {
                 flush,
                 runtime: tokio::runtime::Handle::current(),
+                workers: OnceLock::new(),
                 state: Mutex::new(State::default()),
             }),
             timeout,
@@ -129,6 +118,7 @@ impl Batcher {
         args: Vec<u64>,
     ) -> impl Future<Output = Result<Vec<i64>, StoreError>> + Send + 'static {
         let limit = self.timeout * 2;
+        let home = self.shared.home();
         let mut state = self.shared.lock();
         let turn = if state.busy {
             let (reply, rx) = oneshot::channel();
@@ -136,7 +126,7 @@ impl Batcher {
                 keys,
                 args,
                 reply,
-                home: Home::here(),
+                home,
             });
             Turn::Queued(rx)
         } else {
@@ -170,6 +160,25 @@ enum Turn {
 impl Shared {
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// On a `per_core` worker, its index, its runtime kept (once) for delivering its
+    /// answers; `None` on any other thread.
+    fn home(&self) -> Option<usize> {
+        let (index, count) = crate::server::runtime::worker()?;
+        let slot = self
+            .workers
+            .get_or_init(|| (0..count).map(|_| OnceLock::new()).collect())
+            .get(index)?;
+        if slot.get().is_none() {
+            let _ = slot.set(tokio::runtime::Handle::try_current().ok()?);
+        }
+        Some(index)
+    }
+
+    /// The runtime of worker `index`, kept by [`Shared::home`].
+    fn worker_runtime(&self, index: usize) -> Option<&tokio::runtime::Handle> {
+        self.workers.get()?.get(index)?.get()
     }
 
     /// The call in flight has been answered: send what was queued meanwhile (from a
@@ -251,7 +260,7 @@ async fn drain(shared: Arc<Shared>, mut queued: Vec<Pending>) {
             replies.push((p.reply, p.home));
         }
         let result = (shared.flush)(keys, args).await;
-        deliver(replies, &counts, result);
+        deliver(&shared, replies, &counts, result);
         let mut state = shared.lock();
         rest.append(&mut state.queue);
         if rest.is_empty() {
@@ -268,7 +277,8 @@ async fn drain(shared: Arc<Shared>, mut queued: Vec<Pending>) {
 /// other `per_core` worker as one task spawned on that worker's runtime, which wakes one
 /// thread once per call instead of once per item.
 fn deliver(
-    replies: Vec<(Reply, Option<Home>)>,
+    shared: &Shared,
+    replies: Vec<(Reply, Option<usize>)>,
     counts: &[usize],
     result: Result<Vec<i64>, StoreError>,
 ) {
@@ -294,13 +304,8 @@ fn deliver(
         }
         Err(e) => counts.iter().map(|_| Err(e.clone())).collect(),
     };
-    for (runtime, group) in by_home(replies, answers) {
-        match runtime {
-            None => {
-                for (tx, answer) in group {
-                    let _ = tx.send(answer);
-                }
-            }
+    for (worker, group) in by_home(replies, answers) {
+        match worker.and_then(|i| shared.worker_runtime(i)) {
             Some(runtime) => {
                 runtime.spawn(async move {
                     for (tx, answer) in group {
@@ -308,45 +313,37 @@ fn deliver(
                     }
                 });
             }
+            None => {
+                for (tx, answer) in group {
+                    let _ = tx.send(answer);
+                }
+            }
         }
     }
 }
 
-/// Submitters with their answers, delivered together: on the runtime given, or at once
-/// (`None`).
-type Group = (
-    Option<tokio::runtime::Handle>,
-    Vec<(Reply, Result<Vec<i64>, StoreError>)>,
-);
+/// Submitters with their answers, delivered together: on the runtime of the worker
+/// given, or at once (`None`).
+type Group = (Option<usize>, Vec<(Reply, Result<Vec<i64>, StoreError>)>);
 
 /// Answers paired with their submitters, grouped by where they are delivered: `None`
 /// (first, when there is any) for this thread's submitters and those of no worker, then
 /// one group per other `per_core` worker with its runtime, each in submission order.
 fn by_home(
-    replies: Vec<(Reply, Option<Home>)>,
+    replies: Vec<(Reply, Option<usize>)>,
     answers: Vec<Result<Vec<i64>, StoreError>>,
 ) -> Vec<Group> {
     let here = crate::server::runtime::worker().map(|(i, _)| i);
-    let mut groups: Vec<(Option<usize>, Option<tokio::runtime::Handle>, Vec<_>)> =
-        vec![(None, None, Vec::new())];
+    let mut groups: Vec<Group> = vec![(None, Vec::new())];
     for ((tx, home), answer) in replies.into_iter().zip(answers) {
-        match home {
-            Some(home) if Some(home.worker) != here => {
-                match groups.iter_mut().find(|g| g.0 == Some(home.worker)) {
-                    Some(group) => group.2.push((tx, answer)),
-                    None => {
-                        groups.push((Some(home.worker), Some(home.runtime), vec![(tx, answer)]))
-                    }
-                }
-            }
-            _ => groups[0].2.push((tx, answer)),
+        let to = home.filter(|&w| Some(w) != here);
+        match groups.iter_mut().find(|g| g.0 == to) {
+            Some(group) => group.1.push((tx, answer)),
+            None => groups.push((to, vec![(tx, answer)])),
         }
     }
+    groups.retain(|g| !g.1.is_empty());
     groups
-        .into_iter()
-        .filter(|g| !g.2.is_empty())
-        .map(|(_, runtime, group)| (runtime, group))
-        .collect()
 }
 
 #[cfg(test)]
@@ -499,15 +496,9 @@ mod tests {
 
     /// How answers are grouped: this worker's and no worker's first, at once; each other
     /// worker's in one group, in submission order.
-    #[tokio::test]
-    async fn answers_are_grouped_by_the_worker_they_go_to() {
-        let here = tokio::runtime::Handle::current();
-        let home = |worker| {
-            Some(Home {
-                worker,
-                runtime: here.clone(),
-            })
-        };
+    #[test]
+    fn answers_are_grouped_by_the_worker_they_go_to() {
+        let home = Some;
         let homes = [home(3), None, home(5), home(3), home(5), home(3)];
         let mut rxs = Vec::new();
         let mut replies = Vec::new();
@@ -520,9 +511,9 @@ mod tests {
         let groups = by_home(replies, answers);
         let shape: Vec<(bool, Vec<i64>)> = groups
             .iter()
-            .map(|(rt, g)| {
+            .map(|(worker, g)| {
                 (
-                    rt.is_some(),
+                    worker.is_some(),
                     g.iter().map(|(_, a)| a.as_ref().unwrap()[0]).collect(),
                 )
             })

@@ -122,9 +122,13 @@ impl LuaScript {
 
     /// The EVALSHA of `keys` and `args` (see [`ArgStyle`]).
     fn command(&self, keys: &[&str], args: &[u64]) -> redis::Cmd {
+        let (arg_count, arg_bytes) = match self.args {
+            ArgStyle::Decimal => (args.len(), 20 * args.len()),
+            ArgStyle::Packed => (1, 8 * args.len()),
+        };
         let mut cmd = redis::Cmd::with_capacity(
-            3 + keys.len() + args.len(),
-            64 + keys.iter().map(|k| k.len()).sum::<usize>() + 20 * args.len(),
+            3 + keys.len() + arg_count,
+            64 + keys.iter().map(|k| k.len()).sum::<usize>() + arg_bytes,
         );
         cmd.arg("EVALSHA")
             .arg(self.script.get_hash())
@@ -139,8 +143,14 @@ impl LuaScript {
                 }
             }
             ArgStyle::Packed => {
-                let packed: Vec<u8> = args.iter().flat_map(|a| a.to_le_bytes()).collect();
-                cmd.arg(&packed[..]);
+                use redis::RedisWrite;
+                use std::io::Write;
+                // Written straight into the command's buffer, one argument.
+                let mut packed = cmd.writer_for_next_arg();
+                for a in args {
+                    // Into a `Vec`: cannot fail.
+                    let _ = packed.write_all(&a.to_le_bytes());
+                }
             }
         }
         cmd

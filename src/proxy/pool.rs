@@ -25,6 +25,7 @@
 use super::body::{BodyError, BodyState, RequestBody};
 use super::h2client;
 use crate::budget::{Budget, Counted};
+use crate::clock::Coarse;
 use crate::config::UpstreamProtocol;
 use bytes::Bytes;
 use http::uri::Authority;
@@ -37,7 +38,7 @@ use rustls::pki_types::ServerName;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tokio::net::TcpStream;
 use tokio_rustls::TlsConnector;
 
@@ -165,7 +166,8 @@ struct Part {
 #[derive(Debug)]
 struct Idle {
     tx: http1::SendRequest<RequestBody>,
-    since: Instant,
+    /// When it became idle (the coarse clock: its idle timeout is seconds long).
+    since: Coarse,
 }
 
 /// How long a connection whose exchange has ended may take to be ready for the next
@@ -341,17 +343,17 @@ impl Pool {
             let pool = self.clone();
             tokio::spawn(async move {
                 if let Ok(Ok(())) = tokio::time::timeout(CLEAN_WAIT, tx.ready()).await {
-                    pool.keep(part, tx, Instant::now());
+                    pool.keep(part, tx, Coarse::now());
                 }
             });
             return;
         }
-        self.keep(part, tx, Instant::now());
+        self.keep(part, tx, Coarse::now());
     }
 
     /// Put a ready connection, idle `since`, on the idle stack of `part` (unless it has
     /// closed or been idle for `keepalive_timeout`).
-    fn keep(&self, part: usize, tx: http1::SendRequest<RequestBody>, since: Instant) {
+    fn keep(&self, part: usize, tx: http1::SendRequest<RequestBody>, since: Coarse) {
         if tx.is_closed() || since.elapsed() >= self.idle_timeout {
             return;
         }
@@ -514,7 +516,8 @@ struct Kept {
     pool: Arc<Pool>,
     part: usize,
     tx: http1::SendRequest<RequestBody>,
-    since: Instant,
+    /// When it became idle (the coarse clock: its idle timeout is seconds long).
+    since: Coarse,
 }
 
 impl Affinity {
@@ -535,7 +538,7 @@ impl Affinity {
             pool,
             part,
             tx,
-            since: Instant::now(),
+            since: Coarse::now(),
         };
         let old = self
             .0

@@ -9,6 +9,7 @@
 //! are [`crate::budget::Budget`]'s, sized here from the open-file limit.
 
 use crate::budget::FD_RESERVE;
+use crate::clock::Coarse;
 use crate::response::Body;
 use bytes::Bytes;
 use hyper::body::Frame;
@@ -16,13 +17,15 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Requests of one connection: how many are being handled, and when the last one
-/// started or ended (milliseconds since the connection opened).
+/// started or ended (milliseconds since the connection opened). Its times come from
+/// the coarse clock ([`Coarse`]: a reading lags by up to one kernel tick, 1 to 10 ms),
+/// read several times per request, against timeouts of seconds.
 #[derive(Debug)]
 pub(crate) struct Activity {
-    opened: Instant,
+    opened: Coarse,
     active: AtomicUsize,
     last_ms: AtomicU64,
     /// Response bodies that handed over data and have not been asked for more since:
@@ -40,7 +43,7 @@ impl Activity {
     /// A connection that opened now.
     pub(crate) fn new() -> Arc<Self> {
         Arc::new(Self {
-            opened: Instant::now(),
+            opened: Coarse::now(),
             active: AtomicUsize::new(0),
             last_ms: AtomicU64::new(0),
             waiting: AtomicUsize::new(0),
@@ -68,7 +71,7 @@ impl Activity {
     }
 
     fn now_ms(&self) -> u64 {
-        self.opened.elapsed().as_millis() as u64
+        self.opened.elapsed_ms()
     }
 
     fn touch(&self) {

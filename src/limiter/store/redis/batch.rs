@@ -118,7 +118,6 @@ impl Batcher {
         args: Vec<u64>,
     ) -> impl Future<Output = Result<Vec<i64>, StoreError>> + Send + 'static {
         let limit = self.timeout * 2;
-        let home = self.shared.home();
         let mut state = self.shared.lock();
         let turn = if state.busy {
             let (reply, rx) = oneshot::channel();
@@ -126,7 +125,9 @@ impl Batcher {
                 keys,
                 args,
                 reply,
-                home,
+                // Only a queued item is answered from elsewhere: a submitter that sends
+                // its own call is answered on its own thread.
+                home: self.shared.home(),
             });
             Turn::Queued(rx)
         } else {
@@ -305,19 +306,16 @@ fn deliver(
         Err(e) => counts.iter().map(|_| Err(e.clone())).collect(),
     };
     for (worker, group) in by_home(replies, answers) {
+        let hand_over = move || {
+            for (tx, answer) in group {
+                let _ = tx.send(answer);
+            }
+        };
         match worker.and_then(|i| shared.worker_runtime(i)) {
             Some(runtime) => {
-                runtime.spawn(async move {
-                    for (tx, answer) in group {
-                        let _ = tx.send(answer);
-                    }
-                });
+                runtime.spawn(async move { hand_over() });
             }
-            None => {
-                for (tx, answer) in group {
-                    let _ = tx.send(answer);
-                }
-            }
+            None => hand_over(),
         }
     }
 }

@@ -12,13 +12,23 @@
 # and prints the instructions of the whole process divided by the requests wrk counted.
 # The profile is left in ./cg.NAME.out.1 (read it with callgrind_annotate) and the request
 # count in ./cg.NAME.reqs. Needs valgrind (callgrind_control) and wrk. CONNS defaults to 4.
+#
+# CACHE=1 also simulates the caches and branch predictors (`--cache-sim=yes --branch-sim=yes`,
+# the host's L1/LL sizes) and prints per request the L1 instruction misses (I1mr), the L1
+# data read and write misses (D1mr, D1mw) and the mispredicted conditional and indirect
+# branches (Bcm, Bim). INSTR=1 records costs per instruction (`--dump-instr=yes`), which
+# benches/prof/footprint.py reads: how many 64-byte lines of code a request executes.
 set -euo pipefail
-[[ $# -ge 3 ]] || { sed -n '2,16p' "$0" >&2; exit 2; }
+[[ $# -ge 3 ]] || { sed -n '2,23p' "$0" >&2; exit 2; }
+extra=()
+[[ "${CACHE:-0}" == 1 ]] && extra+=(--cache-sim=yes --branch-sim=yes)
+dump_instr=no
+[[ "${INSTR:-0}" == 1 ]] && dump_instr=yes
 name=$1 port=$2
 shift 2
 conns=${CONNS:-4}
 rm -f "cg.$name.out" "cg.$name.out".*
-valgrind --tool=callgrind --callgrind-out-file="$PWD/cg.$name.out" --dump-instr=no "$@" >"cg.$name.log" 2>&1 &
+valgrind --tool=callgrind --callgrind-out-file="$PWD/cg.$name.out" --dump-instr=$dump_instr ${extra[@]+"${extra[@]}"} "$@" >"cg.$name.log" 2>&1 &
 vp=$!
 trap 'kill "$vp" 2>/dev/null || true' EXIT
 for _ in $(seq 100); do
@@ -36,3 +46,7 @@ reqs=$(grep -o '[0-9]* requests in' <<<"$out" | cut -d' ' -f1)
 total=$(callgrind_annotate "cg.$name.out.1" 2>/dev/null | grep -m1 'PROGRAM TOTALS' | tr -d ',' | awk '{ print $1 }')
 echo "$reqs" >"cg.$name.reqs"
 echo "$name: $reqs requests, $total instructions, $((total / reqs)) per request (cg.$name.out.1)"
+if [[ "${CACHE:-0}" == 1 ]]; then
+    callgrind_annotate "cg.$name.out.1" 2>/dev/null | grep -m1 'PROGRAM TOTALS' | tr -d ',' \
+        | awk -v r="$reqs" '{ printf "per request: I1mr %.0f  D1mr %.0f  D1mw %.0f  Bcm %.0f  Bim %.0f\n", $7 / r, $9 / r, $11 / r, $21 / r, $25 / r }'
+fi

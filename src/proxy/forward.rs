@@ -405,310 +405,317 @@ pub struct Downstream<'a> {
 /// descriptor budget has no room for an upstream socket, or `server.max_tunnels` are
 /// open for an upgrade (503); [`ProxyError::BodyTimeout`] when the request body stops
 /// arriving for `server.body_timeout` before the response (408).
-pub async fn forward(
-    upstream: &Upstream,
+///
+/// Not an `async fn`, for the reason [`super::handle`] gives (arguments kept once).
+#[allow(clippy::manual_async_fn)]
+pub fn forward<'a>(
+    upstream: &'a Upstream,
     mut req: Request<Incoming>,
-    down: Downstream<'_>,
-) -> Result<Response<Body>, ProxyError> {
-    // An upgrade the route allows (WebSocket): the request goes upstream with its
-    // Upgrade, and a 101 answer naming that protocol turns both connections into one
-    // tunnel. Any other Upgrade is stripped with the hop-by-hop headers.
-    let h2_websocket = down.upgrade.as_ref().is_some_and(|u| u.h2_websocket);
-    let upgrade = down.upgrade.as_ref().map(|u| u.protocols.clone());
-    let client_upgrade = match &upgrade {
-        Some(_) if upstream.protocol == UpstreamProtocol::Http2 => {
-            return Err(ProxyError::BadRequest(
-                "protocol upgrades (WebSocket) need an HTTP/1.1 upstream".into(),
-            ))
-        }
-        Some(_) => {
-            // Counted before anything goes upstream: past `server.max_tunnels`, 503.
-            let slot = down
-                .budget
-                .tunnel()
-                .ok_or(ProxyError::Overloaded("too many open tunnels"))?;
-            Some((crate::http::incoming::client_upgrade(&mut req), slot))
-        }
-        None => None,
-    };
-    let (mut parts, body) = req.into_parts();
-    let downstream_version = parts.version;
-
-    // The Host the client asked for (HTTP/2 carries it in the URI's authority).
-    let host = parts.headers.get(header::HOST).cloned().or_else(|| {
-        parts
-            .uri
-            .authority()
-            .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
-    });
-    // Shared with the request's URI, not copied. An empty one (an absolute-form
-    // `http://host`) stands for "/".
-    let path = match parts.uri.path_and_query() {
-        Some(pq) if pq.as_str() != "/" => pq.clone(),
-        _ => PathAndQuery::from_static("/"),
-    };
-
-    // `TE: trailers` is hop-by-hop, yet says what the upstream may send: passed on
-    // (only that value), as gRPC servers require.
-    let te_trailers = crate::http::hop::accepts_trailers(&parts.headers);
-    strip_hop_by_hop(&mut parts.headers);
-    let h = &mut parts.headers;
-    if te_trailers {
-        h.insert(header::TE, HeaderValue::from_static("trailers"));
-        if upstream.protocol == UpstreamProtocol::Http1 {
-            h.append(header::CONNECTION, HeaderValue::from_static("te"));
-        }
-    }
-    if let Some(via) = down.via {
-        via.append(h, downstream_version);
-    }
-    if let Some(protocol) = &upgrade {
-        h.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
-        h.insert(header::UPGRADE, protocol.clone());
-    }
-    if h2_websocket {
-        // RFC 8441 to RFC 6455: the HTTP/1.1 handshake the upstream expects.
-        parts.method = Method::GET;
-        parts.extensions.remove::<hyper::ext::Protocol>();
-        let h = &mut parts.headers;
-        h.insert(header::SEC_WEBSOCKET_KEY, websocket_key());
-        if !h.contains_key(header::SEC_WEBSOCKET_VERSION) {
-            h.insert(
-                header::SEC_WEBSOCKET_VERSION,
-                HeaderValue::from_static("13"),
-            );
-        }
-    }
-    let h = &mut parts.headers;
-    if upstream.protocol == UpstreamProtocol::Http1
-        && !body.is_end_stream()
-        && body.size_hint().exact().is_none()
-        && !h.contains_key(header::CONTENT_LENGTH)
-    {
-        // A body of unknown length (chunked, or HTTP/2 DATA without Content-Length):
-        // hyper's client sends a GET or HEAD without it unless told, and the upstream
-        // must get what the client sent, never a silently shortened request.
-        h.insert(
-            header::TRANSFER_ENCODING,
-            HeaderValue::from_static("chunked"),
-        );
-    }
-    append_forwarded_for(h, down.peer);
-    if !down.peer_trusted || !h.contains_key(&X_FORWARDED_PROTO) {
-        h.insert(
-            X_FORWARDED_PROTO.clone(),
-            HeaderValue::from_static(down.scheme),
-        );
-    }
-    if let Some(host) = &host {
-        if !down.peer_trusted || !h.contains_key(&X_FORWARDED_HOST) {
-            h.insert(X_FORWARDED_HOST.clone(), host.clone());
-        }
-    }
-    // The client the limiter used: what an upstream reading X-Real-IP must see (most
-    // often the peer, whose address is rendered once per connection).
-    let real_ip = if down.client_ip == down.peer.ip() {
-        Some(down.peer.ip_header.clone())
-    } else {
-        HeaderValue::from_str(&down.client_ip.to_string()).ok()
-    };
-    if let Some(ip) = real_ip {
-        h.insert(crate::http::X_REAL_IP.clone(), ip);
-    }
-    // Sent again to another target only when nothing of it was sent and it carries no
-    // body that would have to be sent twice.
-    let retriable = upstream.targets.len() > 1 && idempotent(&parts.method) && body.is_end_stream();
-
-    // Where 1xx go (see `proxy::interim`): an HTTP/1.1 client's handle comes with
-    // `down`, an HTTP/2 stream's in the extensions.
-    let informational = match upstream.protocol {
-        UpstreamProtocol::Http1 => down
-            .informational
-            .or_else(|| parts.extensions.get::<super::interim::Informational>())
-            .cloned(),
-        // The HTTP/2 client takes it from the extensions itself.
-        UpstreamProtocol::Http2 => {
-            if let Some(client) = down.informational {
-                parts.extensions.insert(client.clone());
+    down: Downstream<'a>,
+) -> impl std::future::Future<Output = Result<Response<Body>, ProxyError>> + Send + 'a {
+    async move {
+        // An upgrade the route allows (WebSocket): the request goes upstream with its
+        // Upgrade, and a 101 answer naming that protocol turns both connections into one
+        // tunnel. Any other Upgrade is stripped with the hop-by-hop headers.
+        let h2_websocket = down.upgrade.as_ref().is_some_and(|u| u.h2_websocket);
+        let upgrade = down.upgrade.as_ref().map(|u| u.protocols.clone());
+        let client_upgrade = match &upgrade {
+            Some(_) if upstream.protocol == UpstreamProtocol::Http2 => {
+                return Err(ProxyError::BadRequest(
+                    "protocol upgrades (WebSocket) need an HTTP/1.1 upstream".into(),
+                ))
             }
-            None
-        }
-    };
-    let mut request = Request::from_parts(
-        parts,
-        RequestBody::new(body, down.max_request_bytes, down.body_timeout),
-    );
-    if let Some(client) = informational {
-        // 1xx from the upstream (103 Early Hints, ...) go on to the client at once.
-        hyper::ext::on_informational(&mut request, move |response| {
-            client.send(response.status(), response.headers());
+            Some(_) => {
+                // Counted before anything goes upstream: past `server.max_tunnels`, 503.
+                let slot = down
+                    .budget
+                    .tunnel()
+                    .ok_or(ProxyError::Overloaded("too many open tunnels"))?;
+                Some((crate::http::incoming::client_upgrade(&mut req), slot))
+            }
+            None => None,
+        };
+        let (mut parts, body) = req.into_parts();
+        let downstream_version = parts.version;
+
+        // The Host the client asked for (HTTP/2 carries it in the URI's authority).
+        let host = parts.headers.get(header::HOST).cloned().or_else(|| {
+            parts
+                .uri
+                .authority()
+                .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
         });
-    }
-    let mut tried = None;
-    let deadline = tokio::time::Instant::from_std(down.started) + upstream.response_timeout;
-    loop {
-        let i = upstream.pick(tried);
-        let target = &upstream.targets[i].target;
-        address(
-            upstream.protocol,
-            target,
-            &path,
-            host.as_ref(),
-            &mut request,
-        )?;
-        let failed = |what: &str, detail: String| {
-            tracing::warn!(
-                upstream = %upstream.name,
-                addr = %target.authority,
-                request_id = down.request_id.to_str().unwrap_or("-"),
-                error = %detail,
-                "upstream {what}"
+        // Shared with the request's URI, not copied. An empty one (an absolute-form
+        // `http://host`) stands for "/".
+        let path = match parts.uri.path_and_query() {
+            Some(pq) if pq.as_str() != "/" => pq.clone(),
+            _ => PathAndQuery::from_static("/"),
+        };
+
+        // `TE: trailers` is hop-by-hop, yet says what the upstream may send: passed on
+        // (only that value), as gRPC servers require.
+        let te_trailers = crate::http::hop::accepts_trailers(&parts.headers);
+        strip_hop_by_hop(&mut parts.headers);
+        let h = &mut parts.headers;
+        if te_trailers {
+            h.insert(header::TE, HeaderValue::from_static("trailers"));
+            if upstream.protocol == UpstreamProtocol::Http1 {
+                h.append(header::CONNECTION, HeaderValue::from_static("te"));
+            }
+        }
+        if let Some(via) = down.via {
+            via.append(h, downstream_version);
+        }
+        if let Some(protocol) = &upgrade {
+            h.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+            h.insert(header::UPGRADE, protocol.clone());
+        }
+        if h2_websocket {
+            // RFC 8441 to RFC 6455: the HTTP/1.1 handshake the upstream expects.
+            parts.method = Method::GET;
+            parts.extensions.remove::<hyper::ext::Protocol>();
+            let h = &mut parts.headers;
+            h.insert(header::SEC_WEBSOCKET_KEY, websocket_key());
+            if !h.contains_key(header::SEC_WEBSOCKET_VERSION) {
+                h.insert(
+                    header::SEC_WEBSOCKET_VERSION,
+                    HeaderValue::from_static("13"),
+                );
+            }
+        }
+        let h = &mut parts.headers;
+        if upstream.protocol == UpstreamProtocol::Http1
+            && !body.is_end_stream()
+            && body.size_hint().exact().is_none()
+            && !h.contains_key(header::CONTENT_LENGTH)
+        {
+            // A body of unknown length (chunked, or HTTP/2 DATA without Content-Length):
+            // hyper's client sends a GET or HEAD without it unless told, and the upstream
+            // must get what the client sent, never a silently shortened request.
+            h.insert(
+                header::TRANSFER_ENCODING,
+                HeaderValue::from_static("chunked"),
             );
-        };
-        let send = upstream.targets[i]
-            .pool
-            .send(request, down.budget, Some(&down.peer.upstream));
-        let sent = if downstream_version < Version::HTTP_2 {
-            // HTTP/1 serves one request of a connection at a time: its timer is theirs.
-            down.peer.response_timer.within(deadline, send).await
+        }
+        append_forwarded_for(h, down.peer);
+        if !down.peer_trusted || !h.contains_key(&X_FORWARDED_PROTO) {
+            h.insert(
+                X_FORWARDED_PROTO.clone(),
+                HeaderValue::from_static(down.scheme),
+            );
+        }
+        if let Some(host) = &host {
+            if !down.peer_trusted || !h.contains_key(&X_FORWARDED_HOST) {
+                h.insert(X_FORWARDED_HOST.clone(), host.clone());
+            }
+        }
+        // The client the limiter used: what an upstream reading X-Real-IP must see (most
+        // often the peer, whose address is rendered once per connection).
+        let real_ip = if down.client_ip == down.peer.ip() {
+            Some(down.peer.ip_header.clone())
         } else {
-            tokio::time::timeout_at(deadline, send).await.ok()
+            HeaderValue::from_str(&down.client_ip.to_string()).ok()
         };
-        let error = match sent {
-            Some(Ok(mut response)) => {
-                upstream.healthy(i);
-                let head = head_bytes(response.headers());
-                if head > upstream.max_response_header_bytes {
-                    // HTTP/2 enforces this while decoding; HTTP/1.1 here, on the
-                    // parsed head, so that both protocols draw the same line.
-                    failed(
-                        "sent a response head past upstreams.max_response_header_bytes",
-                        format!("{head} bytes, limit {}", upstream.max_response_header_bytes),
-                    );
-                    return Err(ProxyError::UpstreamUnreachable(
-                        upstream.name.to_string(),
-                        "the response headers are too large".into(),
-                    ));
+        if let Some(ip) = real_ip {
+            h.insert(crate::http::X_REAL_IP.clone(), ip);
+        }
+        // Sent again to another target only when nothing of it was sent and it carries no
+        // body that would have to be sent twice.
+        let retriable =
+            upstream.targets.len() > 1 && idempotent(&parts.method) && body.is_end_stream();
+
+        // Where 1xx go (see `proxy::interim`): an HTTP/1.1 client's handle comes with
+        // `down`, an HTTP/2 stream's in the extensions.
+        let informational = match upstream.protocol {
+            UpstreamProtocol::Http1 => down
+                .informational
+                .or_else(|| parts.extensions.get::<super::interim::Informational>())
+                .cloned(),
+            // The HTTP/2 client takes it from the extensions itself.
+            UpstreamProtocol::Http2 => {
+                if let Some(client) = down.informational {
+                    parts.extensions.insert(client.clone());
                 }
-                if response.status() == StatusCode::SWITCHING_PROTOCOLS {
-                    let offered = upgrade.as_ref();
-                    let answered = response.headers().get(header::UPGRADE);
-                    if !offered
-                        .is_some_and(|o| crate::http::upgrade::switched_to_offered(o, answered))
-                    {
-                        // No tunnel to a protocol that was not asked for (and allowed).
+                None
+            }
+        };
+        let mut request = Request::from_parts(
+            parts,
+            RequestBody::new(body, down.max_request_bytes, down.body_timeout),
+        );
+        if let Some(client) = informational {
+            // 1xx from the upstream (103 Early Hints, ...) go on to the client at once.
+            hyper::ext::on_informational(&mut request, move |response| {
+                client.send(response.status(), response.headers());
+            });
+        }
+        let mut tried = None;
+        let deadline = tokio::time::Instant::from_std(down.started) + upstream.response_timeout;
+        loop {
+            let i = upstream.pick(tried);
+            let target = &upstream.targets[i].target;
+            address(
+                upstream.protocol,
+                target,
+                &path,
+                host.as_ref(),
+                &mut request,
+            )?;
+            let failed = |what: &str, detail: String| {
+                tracing::warn!(
+                    upstream = %upstream.name,
+                    addr = %target.authority,
+                    request_id = down.request_id.to_str().unwrap_or("-"),
+                    error = %detail,
+                    "upstream {what}"
+                );
+            };
+            let send =
+                upstream.targets[i]
+                    .pool
+                    .send(request, down.budget, Some(&down.peer.upstream));
+            let sent = if downstream_version < Version::HTTP_2 {
+                // HTTP/1 serves one request of a connection at a time: its timer is theirs.
+                down.peer.response_timer.within(deadline, send).await
+            } else {
+                tokio::time::timeout_at(deadline, send).await.ok()
+            };
+            let error = match sent {
+                Some(Ok(mut response)) => {
+                    upstream.healthy(i);
+                    let head = head_bytes(response.headers());
+                    if head > upstream.max_response_header_bytes {
+                        // HTTP/2 enforces this while decoding; HTTP/1.1 here, on the
+                        // parsed head, so that both protocols draw the same line.
                         failed(
-                            "switched protocols without being asked",
-                            format!("101 with Upgrade {answered:?}, offered {offered:?}"),
+                            "sent a response head past upstreams.max_response_header_bytes",
+                            format!("{head} bytes, limit {}", upstream.max_response_header_bytes),
                         );
                         return Err(ProxyError::UpstreamUnreachable(
                             upstream.name.to_string(),
-                            "the upstream switched to a protocol that was not asked for".into(),
+                            "the response headers are too large".into(),
                         ));
                     }
-                }
-                if let (Some((client, slot)), StatusCode::SWITCHING_PROTOCOLS) =
-                    (client_upgrade, response.status())
-                {
-                    let upstream_side = hyper::upgrade::on(&mut response);
-                    tokio::spawn(tunnel(
-                        client,
-                        upstream_side,
-                        slot,
-                        down.budget.tunnel_idle_timeout,
-                        down.request_id.clone(),
-                    ));
-                    if h2_websocket {
-                        // Over HTTP/2 the handshake is answered 200 (RFC 8441).
-                        let mut response = respond(response, downstream_version, down.via);
-                        *response.status_mut() = StatusCode::OK;
-                        response.headers_mut().remove(header::SEC_WEBSOCKET_ACCEPT);
-                        return Ok(response);
+                    if response.status() == StatusCode::SWITCHING_PROTOCOLS {
+                        let offered = upgrade.as_ref();
+                        let answered = response.headers().get(header::UPGRADE);
+                        if !offered
+                            .is_some_and(|o| crate::http::upgrade::switched_to_offered(o, answered))
+                        {
+                            // No tunnel to a protocol that was not asked for (and allowed).
+                            failed(
+                                "switched protocols without being asked",
+                                format!("101 with Upgrade {answered:?}, offered {offered:?}"),
+                            );
+                            return Err(ProxyError::UpstreamUnreachable(
+                                upstream.name.to_string(),
+                                "the upstream switched to a protocol that was not asked for".into(),
+                            ));
+                        }
                     }
-                    return Ok(respond_upgraded(response, downstream_version, down.via));
+                    if let (Some((client, slot)), StatusCode::SWITCHING_PROTOCOLS) =
+                        (client_upgrade, response.status())
+                    {
+                        let upstream_side = hyper::upgrade::on(&mut response);
+                        tokio::spawn(tunnel(
+                            client,
+                            upstream_side,
+                            slot,
+                            down.budget.tunnel_idle_timeout,
+                            down.request_id.clone(),
+                        ));
+                        if h2_websocket {
+                            // Over HTTP/2 the handshake is answered 200 (RFC 8441).
+                            let mut response = respond(response, downstream_version, down.via);
+                            *response.status_mut() = StatusCode::OK;
+                            response.headers_mut().remove(header::SEC_WEBSOCKET_ACCEPT);
+                            return Ok(response);
+                        }
+                        return Ok(respond_upgraded(response, downstream_version, down.via));
+                    }
+                    return Ok(respond(response, downstream_version, down.via));
                 }
-                return Ok(respond(response, downstream_version, down.via));
+                None => {
+                    failed(
+                        "timed out",
+                        format!("no response headers within {:?}", upstream.response_timeout),
+                    );
+                    return Err(ProxyError::UpstreamTimeout(upstream.name.to_string()));
+                }
+                Some(Err(SendError {
+                    error: PoolError::NoDescriptor(_),
+                    ..
+                })) => {
+                    static LOG: crate::logging::Throttle = crate::logging::Throttle::new();
+                    if let Some(suppressed) = LOG.due(1_000) {
+                        tracing::warn!(
+                            upstream = %upstream.name,
+                            addr = %target.authority,
+                            suppressed,
+                            "no descriptor left for an upstream connection (open-file limit); answered 503"
+                        );
+                    }
+                    return Err(ProxyError::Overloaded("too many open connections"));
+                }
+                Some(Err(SendError { error, unsent })) => {
+                    if error.is_refusal() {
+                        upstream.eject(i, &error);
+                    }
+                    match unsent {
+                        Some(back) if retriable && tried.is_none() => {
+                            if error.is_refusal() {
+                                // The refusal was logged (at warn) by the ejection.
+                                tracing::debug!(
+                                    upstream = %upstream.name,
+                                    addr = %target.authority,
+                                    error = %error_chain(&error),
+                                    "connect failed before the request was sent; trying another target"
+                                );
+                            } else {
+                                failed("failed; trying another target", error_chain(&error));
+                            }
+                            tried = Some(i);
+                            request = back;
+                            continue;
+                        }
+                        _ => error,
+                    }
+                }
+            };
+            if let Some(super::body::TooLarge(max)) = super::body::too_large(&error) {
+                // The client's body went past the route's limit: its fault, not the upstream's.
+                return Err(ProxyError::BodyTooLarge(max));
             }
-            None => {
-                failed(
-                    "timed out",
-                    format!("no response headers within {:?}", upstream.response_timeout),
+            if let Some(super::body::BodyTimedOut(after)) = super::body::timed_out(&error) {
+                tracing::debug!(
+                    upstream = %upstream.name,
+                    request_id = down.request_id.to_str().unwrap_or("-"),
+                    "request body stopped arriving (server.body_timeout)"
                 );
+                return Err(ProxyError::BodyTimeout(after));
+            }
+            if super::body::client_body(&error) {
+                tracing::debug!(
+                    upstream = %upstream.name,
+                    request_id = down.request_id.to_str().unwrap_or("-"),
+                    error = %error_chain(&error),
+                    "client request body failed"
+                );
+                return Err(ProxyError::BadRequest(
+                    "the request body could not be read".into(),
+                ));
+            }
+            if matches!(error, PoolError::ConnectTimeout(_)) || is_timeout(&error) {
+                failed("timed out", error_chain(&error));
                 return Err(ProxyError::UpstreamTimeout(upstream.name.to_string()));
             }
-            Some(Err(SendError {
-                error: PoolError::NoDescriptor(_),
-                ..
-            })) => {
-                static LOG: crate::logging::Throttle = crate::logging::Throttle::new();
-                if let Some(suppressed) = LOG.due(1_000) {
-                    tracing::warn!(
-                        upstream = %upstream.name,
-                        addr = %target.authority,
-                        suppressed,
-                        "no descriptor left for an upstream connection (open-file limit); answered 503"
-                    );
-                }
-                return Err(ProxyError::Overloaded("too many open connections"));
-            }
-            Some(Err(SendError { error, unsent })) => {
-                if error.is_refusal() {
-                    upstream.eject(i, &error);
-                }
-                match unsent {
-                    Some(back) if retriable && tried.is_none() => {
-                        if error.is_refusal() {
-                            // The refusal was logged (at warn) by the ejection.
-                            tracing::debug!(
-                                upstream = %upstream.name,
-                                addr = %target.authority,
-                                error = %error_chain(&error),
-                                "connect failed before the request was sent; trying another target"
-                            );
-                        } else {
-                            failed("failed; trying another target", error_chain(&error));
-                        }
-                        tried = Some(i);
-                        request = back;
-                        continue;
-                    }
-                    _ => error,
-                }
-            }
-        };
-        if let Some(super::body::TooLarge(max)) = super::body::too_large(&error) {
-            // The client's body went past the route's limit: its fault, not the upstream's.
-            return Err(ProxyError::BodyTooLarge(max));
-        }
-        if let Some(super::body::BodyTimedOut(after)) = super::body::timed_out(&error) {
-            tracing::debug!(
-                upstream = %upstream.name,
-                request_id = down.request_id.to_str().unwrap_or("-"),
-                "request body stopped arriving (server.body_timeout)"
-            );
-            return Err(ProxyError::BodyTimeout(after));
-        }
-        if super::body::client_body(&error) {
-            tracing::debug!(
-                upstream = %upstream.name,
-                request_id = down.request_id.to_str().unwrap_or("-"),
-                error = %error_chain(&error),
-                "client request body failed"
-            );
-            return Err(ProxyError::BadRequest(
-                "the request body could not be read".into(),
+            let detail = error_chain(&error);
+            failed("failed", detail.clone());
+            return Err(ProxyError::UpstreamUnreachable(
+                upstream.name.to_string(),
+                detail,
             ));
         }
-        if matches!(error, PoolError::ConnectTimeout(_)) || is_timeout(&error) {
-            failed("timed out", error_chain(&error));
-            return Err(ProxyError::UpstreamTimeout(upstream.name.to_string()));
-        }
-        let detail = error_chain(&error);
-        failed("failed", detail.clone());
-        return Err(ProxyError::UpstreamUnreachable(
-            upstream.name.to_string(),
-            detail,
-        ));
     }
 }
 

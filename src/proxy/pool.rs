@@ -230,41 +230,48 @@ impl Pool {
         }
     }
 
-    async fn send_h1(
-        self: &Arc<Self>,
+    /// [`Pool::send`] on HTTP/1.1.
+    ///
+    /// Not an `async fn`, for the reason [`super::handle`] gives (arguments kept once).
+    #[allow(clippy::manual_async_fn)]
+    fn send_h1<'a>(
+        self: &'a Arc<Self>,
         mut req: Request<RequestBody>,
-        budget: &Budget,
-        affinity: Option<&Affinity>,
-    ) -> Result<Response<PooledBody>, SendError> {
-        let body = req.body().state();
-        let (part, _) = self.part();
-        let kept = affinity.and_then(|a| a.take(self));
-        let back = |tx| Back {
-            part,
-            tx,
-            body: body.clone(),
-            affinity: affinity.cloned(),
-        };
-        for mut tx in kept
-            .into_iter()
-            .chain(std::iter::from_fn(|| self.checkout(part)))
-        {
-            if !tx.is_ready() && tx.ready().await.is_err() {
-                continue;
+        budget: &'a Budget,
+        affinity: Option<&'a Affinity>,
+    ) -> impl std::future::Future<Output = Result<Response<PooledBody>, SendError>> + Send + 'a
+    {
+        async move {
+            let body = req.body().state();
+            let (part, _) = self.part();
+            let kept = affinity.and_then(|a| a.take(self));
+            let back = |tx| Back {
+                part,
+                tx,
+                body: body.clone(),
+                affinity: affinity.cloned(),
+            };
+            for mut tx in kept
+                .into_iter()
+                .chain(std::iter::from_fn(|| self.checkout(part)))
+            {
+                if !tx.is_ready() && tx.ready().await.is_err() {
+                    continue;
+                }
+                match tx.try_send_request(req).await {
+                    Ok(response) => return Ok(self.wrap(response, Some(back(tx)))),
+                    Err(mut e) => match e.take_message() {
+                        // Not sent: the connection was closing. Try the next one.
+                        Some(again) => req = again,
+                        None => return Err(PoolError::Http(e.into_error()).into()),
+                    },
+                }
             }
-            match tx.try_send_request(req).await {
-                Ok(response) => return Ok(self.wrap(response, Some(back(tx)))),
-                Err(mut e) => match e.take_message() {
-                    // Not sent: the connection was closing. Try the next one.
-                    Some(again) => req = again,
-                    None => return Err(PoolError::Http(e.into_error()).into()),
-                },
-            }
+            // Boxed: connecting (TCP, TLS, handshake) is rare and its future large.
+            let (mut tx, req) = unsent_on_error(Box::pin(self.connect_h1(budget)).await, req)?;
+            let response = tx.send_request(req).await.map_err(PoolError::Http)?;
+            Ok(self.wrap(response, Some(back(tx))))
         }
-        // Boxed: connecting (TCP, TLS, handshake) is rare and its future large.
-        let (mut tx, req) = unsent_on_error(Box::pin(self.connect_h1(budget)).await, req)?;
-        let response = tx.send_request(req).await.map_err(PoolError::Http)?;
-        Ok(self.wrap(response, Some(back(tx))))
     }
 
     async fn send_h2(

@@ -566,7 +566,11 @@ async fn twenty_sighup_reloads_under_load_fail_no_request() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("tollgate.toml");
     let (port, admin_port) = (support::redis::free_port(), support::redis::free_port());
-    write(&path, &binary_config(&upstream, port, admin_port, 1000));
+    // Quotas no loader reaches in the test, even against an optimised build.
+    write(
+        &path,
+        &binary_config(&upstream, port, admin_port, 1_000_000),
+    );
     let gw = Binary::spawn(&path, port, &[]);
     let url = format!("http://127.0.0.1:{port}/");
     let auth = format!("Bearer {KEY}");
@@ -588,7 +592,7 @@ async fn twenty_sighup_reloads_under_load_fail_no_request() {
         })
     };
 
-    let mut current = 1000;
+    let mut current = 1_000_000;
     for i in 0..20u64 {
         if i % 4 == 3 {
             write(&path, "[server]\nlisten = \"not an address\"\n");
@@ -601,7 +605,7 @@ async fn twenty_sighup_reloads_under_load_fail_no_request() {
                 "an invalid file leaves the previous config"
             );
         } else {
-            current = 2000 + i;
+            current = 2_000_000 + i;
             write(&path, &binary_config(&upstream, port, admin_port, current));
             gw.signal("-HUP");
             let deadline = Instant::now() + Duration::from_secs(5);

@@ -238,13 +238,19 @@ mod tests {
                         seen.store(true, Ordering::SeqCst);
                     });
                 } else {
-                    // The other serves for 500 ms.
-                    tokio::time::sleep(Duration::from_millis(500)).await;
+                    // The other serves until that task has run, or 5 s (then the task
+                    // was dropped): no race between two timers on a loaded machine.
+                    for _ in 0..500 {
+                        if seen.load(Ordering::SeqCst) {
+                            break;
+                        }
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
                 }
             }
         })
         .unwrap();
-        tokio::time::timeout(Duration::from_secs(5), workers.wait())
+        tokio::time::timeout(Duration::from_secs(10), workers.wait())
             .await
             .expect("both workers stopped");
         assert!(

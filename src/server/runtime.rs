@@ -172,12 +172,14 @@ impl Workers {
         let count = listeners.len();
         let (done, stopped) = mpsc::channel::<()>(1);
         let serving = Arc::new(watch::Sender::new(0usize));
-        for (index, listener) in listeners.into_iter().enumerate() {
+        // Every worker is counted before any starts: a worker whose `serve` returns at
+        // once must not find the count at zero while the others are still being made.
+        let entered: Vec<Serving> = (0..count).map(|_| Serving::enter(&serving)).collect();
+        for ((index, listener), still) in listeners.into_iter().enumerate().zip(entered) {
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()?;
             let (serve, done) = (serve.clone(), done.clone());
-            let still = Serving::enter(&serving);
             std::thread::Builder::new()
                 .name(WORKER_THREAD.into())
                 .spawn(move || {

@@ -4,8 +4,8 @@
     INSTR=1 benches/prof/callgrind.sh NAME PORT CMD...   # writes cg.NAME.out.1, cg.NAME.reqs
     benches/prof/footprint.py NAME [TOP] [FUNCTION_REGEX]
 
-Reads a callgrind profile recorded with `--dump-instr=yes` (INSTR=1) and the request count
-callgrind.sh left beside it, and prints: how many distinct lines of code ran at all, how
+Reads the callgrind profile recorded with `--dump-instr=yes` (INSTR=1) and the request count
+callgrind.sh left in the current directory, and prints: how many distinct lines of code ran at all, how
 many ran at least once every other request (a request's hot code), their size in KiB and
 how densely the hot instructions fill them (a line half filled with code that never runs
 costs the cache as much as a full one), then the TOP functions (default 25) with the most

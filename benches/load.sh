@@ -72,6 +72,14 @@
 #                             the header lines (X-RateLimit-*, X-Request-Id) and the body of
 #                             tollgate's 429 here, fixed: what hyper costs per refusal that says
 #                             what the contract asks a 429 to say
+#        hyper_floor_contract like hyper_floor with FLOOR_CONTRACT=1: the least work tollgate's
+#                             contract asks of each of these requests, written plainly (hop-by-hop
+#                             stripping, a caller by IP, one fixed window in a store the workers
+#                             share, a request id, the forwarded and X-RateLimit-* lines computed,
+#                             a response timeout, a latency histogram; benches/floor/src/contract.rs):
+#                             how much of the CPU target the contract itself takes
+#        hyper_floor_contract_429 the same with a quota of one: every request after the first is
+#                             refused with a computed 429 (the contract's least work per refusal)
 #        tg_memory            memory store, one caller (wrk's IP), quota 1e12
 #        tg_memory_w1         like tg_memory with `[server] workers = 1`: one runtime thread, as nginx
 #                             here runs one worker process
@@ -161,7 +169,7 @@ CONNS=64
 WARMUP=2s
 
 ALL_CASES=(direct nginx_proxy nginx_lua_redis nginx_limit_req_429 hyper_floor hyper_floor_headers hyper_floor_429
-    hyper_floor_429_headers
+    hyper_floor_429_headers hyper_floor_contract hyper_floor_contract_429
     tg_memory tg_memory_w1 tg_memory_per_core tg_memory_many tg_redis tg_redis_per_core tg_redis_many tg_redis3_replicas
     tg_memory_429 tg_redis_429 tg_redis_lease tg_redis_64 tg_redis_64_recent)
 
@@ -311,7 +319,7 @@ FLOOR_DIR="$ROOT/benches/floor"
 FLOOR_BUILT="$FLOOR_DIR/target/release/tollgate-floor"
 FLOOR="$WORK/tollgate-floor"
 if selected hyper_floor || selected hyper_floor_headers || selected hyper_floor_429 \
-    || selected hyper_floor_429_headers; then
+    || selected hyper_floor_429_headers || selected hyper_floor_contract || selected hyper_floor_contract_429; then
     if [[ "$SKIP_BUILD" == 1 ]]; then
         log "not building the floor (SKIP_BUILD=1): using $FLOOR_BUILT as it is"
         [[ -x "$FLOOR_BUILT" ]] || die "$FLOOR_BUILT does not exist (build it, or leave hyper_floor out of CASES)"
@@ -561,6 +569,18 @@ if selected hyper_floor; then
     FLOOR_PID=$LAST_PID
     wait_port "$FLOOR_PID" "$FLOOR_PORT" "hyper floor" "$LOGS/floor.log"
 fi
+if selected hyper_floor_contract; then
+    free_port FLOORC_PORT
+    start_bg "$LOGS/floorc.log" env WORKERS="$NCPU" FLOOR_CONTRACT=1 "$FLOOR" "127.0.0.1:$FLOORC_PORT" "127.0.0.1:$UP_PORT"
+    FLOORC_PID=$LAST_PID
+    wait_port "$FLOORC_PID" "$FLOORC_PORT" "hyper floor (contract)" "$LOGS/floorc.log"
+fi
+if selected hyper_floor_contract_429; then
+    free_port FLOORC429_PORT
+    start_bg "$LOGS/floorc429.log" env WORKERS="$NCPU" FLOOR_CONTRACT=1 FLOOR_QUOTA=1 "$FLOOR" "127.0.0.1:$FLOORC429_PORT" "127.0.0.1:$UP_PORT"
+    FLOORC429_PID=$LAST_PID
+    wait_port "$FLOORC429_PID" "$FLOORC429_PORT" "hyper floor (contract, 429)" "$LOGS/floorc429.log"
+fi
 if selected hyper_floor_headers; then
     free_port FLOORH_PORT
     start_bg "$LOGS/floorh.log" env WORKERS="$NCPU" FLOOR_HEADERS=1 "$FLOOR" "127.0.0.1:$FLOORH_PORT" "127.0.0.1:$UP_PORT"
@@ -732,6 +752,8 @@ selected hyper_floor && def_case hyper_floor "http://127.0.0.1:$FLOOR_PORT/" one
 selected hyper_floor_headers && def_case hyper_floor_headers "http://127.0.0.1:$FLOORH_PORT/" one "$FLOORH_PID" "$UP_PIDS" "" "" 200
 selected hyper_floor_429 && def_case hyper_floor_429 "http://127.0.0.1:$FLOOR429_PORT/" one "$FLOOR429_PID" "" "" "" 429
 selected hyper_floor_429_headers && def_case hyper_floor_429_headers "http://127.0.0.1:$FLOOR429H_PORT/" one "$FLOOR429H_PID" "" "" "" 429
+selected hyper_floor_contract && def_case hyper_floor_contract "http://127.0.0.1:$FLOORC_PORT/" one "$FLOORC_PID" "$UP_PIDS" "" "" 200
+selected hyper_floor_contract_429 && def_case hyper_floor_contract_429 "http://127.0.0.1:$FLOORC429_PORT/" one "$FLOORC429_PID" "$UP_PIDS" "" "" 429
 for c in tg_memory tg_memory_w1 tg_memory_per_core tg_memory_many tg_redis tg_redis_per_core tg_redis_many tg_redis3_replicas tg_memory_429 tg_redis_429 tg_redis_lease tg_redis_64 tg_redis_64_recent; do
     selected "$c" || continue
     script=one
@@ -1131,10 +1153,12 @@ targets() {
     x="CPU per proxied request (memory store, one limit) ≤ 1.2× the hyper floor's"
     if [[ -n "$m_gw" && -n "$fl_gw" && "$m_gw" != - && "$fl_gw" != - ]]; then
         ok=FAIL; le "$m_gw" "$(times 1.2 "$fl_gw")" && ok=PASS
-        local fh_gw
+        local fh_gw fc_gw
         fh_gw=$(val hyper_floor_headers gw_us)
         [[ "$fh_gw" == - ]] && fh_gw=""
-        row "$ok" "$x" "tg_memory $m_gw µs/req = $(ratio "$m_gw" "$fl_gw")× hyper_floor's $fl_gw${fh_gw:+; the floor carrying the header lines tollgate adds (hyper_floor_headers): $fh_gw µs/req, tg_memory = $(ratio "$m_gw" "$fh_gw")× it}"
+        fc_gw=$(val hyper_floor_contract gw_us)
+        [[ "$fc_gw" == - ]] && fc_gw=""
+        row "$ok" "$x" "tg_memory $m_gw µs/req = $(ratio "$m_gw" "$fl_gw")× hyper_floor's $fl_gw${fh_gw:+; the floor carrying the header lines tollgate adds (hyper_floor_headers): $fh_gw µs/req, tg_memory = $(ratio "$m_gw" "$fh_gw")× it}${fc_gw:+; the floor doing the least work of the contract (hyper_floor_contract): $fc_gw µs/req = $(ratio "$fc_gw" "$fl_gw")× hyper_floor, tg_memory = $(ratio "$m_gw" "$fc_gw")× it}"
     else row "n/a" "$x" "needs tg_memory and hyper_floor"; fi
 
     r=$(val tg_redis rps)
@@ -1157,7 +1181,9 @@ targets() {
         f429=$(val hyper_floor_429 rps)
         f429h=$(val hyper_floor_429_headers rps)
         [[ "$f429h" == - ]] && f429h=""
-        row "$ok" "$x" "tg_memory_429 $(ratio "$m429" "$d")×, tg_redis_429 $(ratio "$r429" "$d")× direct${f429:+; the floor, hyper alone answering a fixed 429 (hyper_floor_429): $(ratio "$f429" "$d")× direct, tg_memory_429 = $(ratio "$m429" "$f429")× it}${f429h:+; the floor carrying the header lines and body of the 429 tollgate sends (hyper_floor_429_headers): $(ratio "$f429h" "$d")× direct, tg_memory_429 = $(ratio "$m429" "$f429h")× it}"
+        f429c=$(val hyper_floor_contract_429 rps)
+        [[ "$f429c" == - ]] && f429c=""
+        row "$ok" "$x" "tg_memory_429 $(ratio "$m429" "$d")×, tg_redis_429 $(ratio "$r429" "$d")× direct${f429:+; the floor, hyper alone answering a fixed 429 (hyper_floor_429): $(ratio "$f429" "$d")× direct, tg_memory_429 = $(ratio "$m429" "$f429")× it}${f429h:+; the floor carrying the header lines and body of the 429 tollgate sends (hyper_floor_429_headers): $(ratio "$f429h" "$d")× direct, tg_memory_429 = $(ratio "$m429" "$f429h")× it}${f429c:+; the floor doing the least work of the contract per refusal (hyper_floor_contract_429): $(ratio "$f429c" "$d")× direct, tg_memory_429 = $(ratio "$m429" "$f429c")× it}"
     else row "n/a" "$x" "needs tg_memory_429, tg_redis_429 and direct"; fi
 
     a=$(half tg_memory p99); b=$(half tg_redis p99)

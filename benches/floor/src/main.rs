@@ -7,7 +7,7 @@
 //! ratio to it: what tollgate costs beyond hyper itself. It is HTTP/1.1 only, plain TCP,
 //! and does nothing to the messages (no header rewriting, no limits, no logs, no timers).
 //!
-//! Two switches, for measuring what tollgate's request path needs beyond it:
+//! Switches, for measuring what tollgate's request path needs beyond it:
 //! - `FLOOR_HEADERS=1`: the request it forwards and the response it returns carry the header
 //!   lines tollgate adds in the load cases (six and seven), with fixed values of the same
 //!   lengths: what hyper and the kernel cost to carry them, with none of the work of
@@ -18,6 +18,12 @@
 //!   by the downstream connection's own task: while the response head is awaited, then by the
 //!   response body as it is read (see [`Driven`]). The issue that asked for the floor named
 //!   this as something a proxy need not do; BENCHMARKS.md has what it costs.
+//! - `FLOOR_CONTRACT=1`: the least work tollgate's contract asks of each request, written
+//!   plainly: hop-by-hop headers stripped, the caller by IP, one fixed window of
+//!   `FLOOR_QUOTA` units (default 10^12) in a store the workers share, checked before and
+//!   charged after, a request id, the forwarded and `X-RateLimit-*` lines computed, a
+//!   response timeout, a latency histogram; over the quota, a computed 429 (see
+//!   [`contract`]; benches/load.sh's `hyper_floor_contract` and `hyper_floor_contract_429`).
 //!
 //! Shape: `WORKERS` threads (default: one per core), each with its own `current_thread`
 //! tokio runtime and its own `SO_REUSEPORT` listener on LISTEN, so the kernel spreads
@@ -26,6 +32,8 @@
 //! request and keeps it (a new one when the old one failed); hyper's client dispatcher for
 //! it runs as a task on the same thread. A failed upstream exchange answers 502.
 #![forbid(unsafe_code)]
+
+mod contract;
 
 use http_body_util::{Either, Empty, Full};
 use hyper::body::{Bytes, Incoming};
@@ -110,6 +118,7 @@ fn bind(addr: SocketAddr) -> std::net::TcpListener {
 fn worker(listener: std::net::TcpListener, upstream: Option<SocketAddr>) {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_io()
+        .enable_time()
         .build()
         .unwrap_or_else(|e| fail(&format!("cannot build a runtime: {e}")));
     let local = tokio::task::LocalSet::new();
@@ -136,6 +145,9 @@ fn worker(listener: std::net::TcpListener, upstream: Option<SocketAddr>) {
 /// Serve one downstream connection; its upstream connection lives in `up`.
 async fn connection(stream: TcpStream, upstream: SocketAddr) {
     let _ = stream.set_nodelay(true);
+    if contract_work() {
+        return connection_contract(stream, upstream).await;
+    }
     if inline() {
         let up: Rc<RefCell<Option<Upstream>>> = Rc::default();
         let service = hyper::service::service_fn(move |req: Request<Incoming>| {
@@ -341,6 +353,12 @@ fn inline() -> bool {
     *INLINE.get_or_init(|| switch("FLOOR_INLINE"))
 }
 
+/// `FLOOR_CONTRACT=1`, read once.
+fn contract_work() -> bool {
+    static CONTRACT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *CONTRACT.get_or_init(|| switch("FLOOR_CONTRACT"))
+}
+
 /// Whether the environment variable `name` is `1`.
 fn switch(name: &str) -> bool {
     std::env::var(name).is_ok_and(|v| v == "1")
@@ -420,19 +438,8 @@ async fn exchange(
     if headers {
         add_request_headers(req.headers_mut());
     }
-    let mut sender = up.borrow_mut().take();
-    // A kept connection the upstream closed (or that failed) is replaced.
-    if let Some(s) = &mut sender {
-        if s.ready().await.is_err() {
-            sender = None;
-        }
-    }
-    let mut sender = match sender {
-        Some(s) => s,
-        None => match open(upstream).await {
-            Some(s) => s,
-            None => return bad_gateway(),
-        },
+    let Some(mut sender) = sender(up, upstream).await else {
+        return bad_gateway();
     };
     match sender.send_request(req).await {
         Ok(mut response) => {
@@ -443,6 +450,25 @@ async fn exchange(
             response.map(Either::Left)
         }
         Err(_) => bad_gateway(),
+    }
+}
+
+/// This connection's upstream sender, taken out of `up` for the exchange: the kept one, or
+/// a new one when there is none or the upstream closed (or failed) the kept one; `None`
+/// when no connection can be opened.
+async fn sender(
+    up: &RefCell<Option<SendRequest<Incoming>>>,
+    upstream: SocketAddr,
+) -> Option<SendRequest<Incoming>> {
+    let mut sender = up.borrow_mut().take();
+    if let Some(s) = &mut sender {
+        if s.ready().await.is_err() {
+            sender = None;
+        }
+    }
+    match sender {
+        Some(s) => Some(s),
+        None => open(upstream).await,
     }
 }
 
@@ -462,5 +488,64 @@ async fn open(upstream: SocketAddr) -> Option<SendRequest<Incoming>> {
 fn bad_gateway<B>() -> Response<Either<B, Empty<Bytes>>> {
     let mut response = Response::new(Either::Right(Empty::new()));
     *response.status_mut() = StatusCode::BAD_GATEWAY;
+    response
+}
+
+type ContractReply = Response<Either<Incoming, Full<Bytes>>>;
+
+/// `FLOOR_CONTRACT=1`: serve one downstream connection doing the contract's least work per
+/// request (see [`contract`]).
+async fn connection_contract(stream: TcpStream, upstream: SocketAddr) {
+    let peer = match stream.peer_addr() {
+        Ok(p) => p,
+        Err(_) => return,
+    };
+    // The peer's address as a header value, rendered once per connection (as tollgate does).
+    let peer_text =
+        HeaderValue::from_str(&peer.ip().to_string()).unwrap_or(HeaderValue::from_static("-"));
+    let up: Rc<RefCell<Option<SendRequest<Incoming>>>> = Rc::default();
+    let service = hyper::service::service_fn(move |req: Request<Incoming>| {
+        let up = up.clone();
+        let peer_text = peer_text.clone();
+        async move {
+            Ok::<_, std::convert::Infallible>(
+                exchange_contract(&up, upstream, req, peer, &peer_text).await,
+            )
+        }
+    });
+    let _ = hyper::server::conn::http1::Builder::new()
+        .serve_connection(TokioIo::new(stream), service)
+        .await;
+}
+
+/// [`exchange`] with the contract's work before and after (see [`contract`]).
+async fn exchange_contract(
+    up: &RefCell<Option<SendRequest<Incoming>>>,
+    upstream: SocketAddr,
+    mut req: Request<Incoming>,
+    peer: SocketAddr,
+    peer_text: &HeaderValue,
+) -> ContractReply {
+    let admitted = match contract::admit(&mut req, peer, peer_text) {
+        Ok(a) => a,
+        Err(answer) => return answer,
+    };
+    let Some(mut sender) = sender(up, upstream).await else {
+        return gateway_error(StatusCode::BAD_GATEWAY);
+    };
+    match contract::within(sender.send_request(req)).await {
+        Some(Ok(mut response)) => {
+            *up.borrow_mut() = Some(sender);
+            contract::answered(admitted, response.headers_mut());
+            response.map(Either::Left)
+        }
+        Some(Err(_)) => gateway_error(StatusCode::BAD_GATEWAY),
+        None => gateway_error(StatusCode::GATEWAY_TIMEOUT),
+    }
+}
+
+fn gateway_error(status: StatusCode) -> ContractReply {
+    let mut response = Response::new(Either::Right(Full::new(Bytes::new())));
+    *response.status_mut() = status;
     response
 }

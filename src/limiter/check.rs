@@ -8,6 +8,7 @@ use super::key::{LimitKey, StateKey};
 use super::lease::{self, Ask, Take};
 use super::store::{Item, Store, StoreError};
 use super::{next_id, sharded, Applied, Limiter, Usage, CACHE_TRUST_MS};
+use smallvec::SmallVec;
 use std::sync::Arc;
 
 /// How one limit is held between the check and the end of a request.
@@ -115,7 +116,7 @@ impl InFlightUnits {
 
     /// A guard that takes `cost` units out of the counts of `keys` (those
     /// [`InFlightUnits::enter`] counted) when dropped; `None` for no key.
-    pub(super) fn guard(&self, keys: Vec<StateKey>, cost: u64) -> Option<InFlightGuard> {
+    pub(super) fn guard(&self, keys: Keys, cost: u64) -> Option<InFlightGuard> {
         (!keys.is_empty()).then(|| InFlightGuard {
             units: self.clone(),
             keys,
@@ -124,11 +125,15 @@ impl InFlightUnits {
     }
 }
 
+/// The keys a request counted in flight: held inline for the one or two limits most routes
+/// apply (no allocation per request), on the heap past that.
+pub(super) type Keys = SmallVec<[StateKey; 2]>;
+
 /// Takes a request's units out of the in-flight counts when dropped.
 #[derive(Debug)]
 pub(super) struct InFlightGuard {
     units: InFlightUnits,
-    keys: Vec<StateKey>,
+    keys: Keys,
     cost: u64,
 }
 
@@ -250,8 +255,10 @@ impl Limiter {
         // request per gateway.
         // Per applied limit: the units in flight here before this request, and the
         // tightened policy of a held one.
-        let mut in_flight: Vec<(u64, Option<Policy>)> = vec![(0, None); applied.len()];
-        let mut counted = Vec::new();
+        // (On the stack for up to two limits, as the other per-request lists below.)
+        let mut in_flight: SmallVec<[(u64, Option<Policy>); 2]> =
+            smallvec::smallvec![(0, None); applied.len()];
+        let mut counted = Keys::new();
         let peeked = admission.holds.iter().any(|h| h.stage == Stage::Peek);
         let order = peeked.then(|| self.in_flight.order());
         // Per applied limit: the usage the recent-charge view admitted it with (no store
@@ -284,7 +291,7 @@ impl Limiter {
         }
         admission.in_flight = self.in_flight.guard(counted, cost);
         let in_flight_before = |i: usize| in_flight[i].0;
-        let items: Vec<Item<'_>> = applied
+        let items: SmallVec<[Item<'_>; 2]> = applied
             .iter()
             .zip(admission.holds.iter().map(|h| h.stage))
             .enumerate()

@@ -103,7 +103,9 @@ pub struct Context<'a> {
 }
 
 /// Serve one request on the snapshot it started with (its [`Gate`]): set its request id, run
-/// [`serve`], record metrics and write one access log line when the response body ends.
+/// [`serve`], record metrics; the access log line is written when the [`Finished`] that
+/// comes with the response is dropped, which the caller keeps with the response body (the
+/// request is in flight until then).
 ///
 /// A plain function around an `async move` block, not an `async fn`: an `async fn`
 /// keeps each argument twice in its state (its parameters, then the body's copies:
@@ -115,7 +117,7 @@ pub fn handle<'a>(
     ctx: &'a Context<'a>,
     mut req: Request<Incoming>,
     peer: &'a Peer,
-) -> impl std::future::Future<Output = Response<Body>> + 'a {
+) -> impl std::future::Future<Output = (Response<Body>, Finished)> + 'a {
     async move {
         let in_flight = access::InFlight::new(&ctx.metrics.in_flight);
         let mut log = AccessLog::start(&mut req, ctx.metrics);
@@ -129,9 +131,27 @@ pub fn handle<'a>(
             // Logged and counted with its HTTP status; a gRPC client reads grpc-status.
             response = grpc::gateway_error(response);
         }
-        // The request is in flight, and its log line waits, until the response body ends.
-        response.map(|body| crate::response::with_guard(body, (in_flight, line)))
+        (
+            response,
+            Finished {
+                _in_flight: in_flight,
+                _line: line.map(Box::new),
+            },
+        )
     }
+}
+
+/// A request [`handle`] has answered: in flight (`tollgate_in_flight_requests`) until this
+/// is dropped, and its access line written then. Kept with the response body, so that both
+/// happen when the body has been sent, has failed, or the client went away (held by the
+/// body itself rather than by a second boxed body around it: one allocation less per
+/// request, issue 16). Two words: the access line, when there is one (`log.level` shows
+/// access lines), is boxed, so that the response body that carries this stays small as
+/// hyper moves it.
+#[derive(Debug)]
+pub struct Finished {
+    _in_flight: access::InFlight,
+    _line: Option<Box<access::AccessLine>>,
 }
 
 /// The six steps of the request path.

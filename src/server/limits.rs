@@ -123,19 +123,23 @@ impl Drop for RequestActivity {
 
 /// A response body that tells its connection's [`Activity`] when it waits for the client
 /// to read: after it handed over a data frame and until it is asked for the next one.
-/// It also holds the request's [`RequestActivity`], so the connection counts as busy
-/// until the body is dropped (after the body's own guards: fields drop in order).
+/// It also holds what ends with the body: the request's [`crate::proxy::Finished`] (its
+/// in-flight count and access line) and its [`RequestActivity`], so the connection counts
+/// as busy until the body is dropped (after the body's own guards and the access line:
+/// fields drop in order).
 pub(crate) struct SendWatch {
     body: Body,
+    _finished: crate::proxy::Finished,
     busy: RequestActivity,
     waiting: bool,
 }
 
 impl SendWatch {
-    /// Watch `body`, the response of the request `busy` marks.
-    pub(crate) fn new(body: Body, busy: RequestActivity) -> Self {
+    /// Watch `body`, the response of the request `busy` marks, which `finished` ends.
+    pub(crate) fn new(body: Body, finished: crate::proxy::Finished, busy: RequestActivity) -> Self {
         Self {
             body,
+            _finished: finished,
             busy,
             waiting: false,
         }

@@ -408,9 +408,12 @@ impl Connection {
                     body_timeout: shared.body_timeout,
                     informational: informational.as_ref(),
                 };
-                let response = proxy::handle(&snap.gate(), &ctx, req, &peer).await;
-                // Watch the response body's progress for `server.send_timeout`.
-                Ok::<_, Infallible>(response.map(|body| limits::SendWatch::new(body, busy)))
+                let (response, finished) = proxy::handle(&snap.gate(), &ctx, req, &peer).await;
+                // Watch the response body's progress for `server.send_timeout`; the
+                // request's access line and in-flight count end with the body.
+                Ok::<_, Infallible>(
+                    response.map(|body| limits::SendWatch::new(body, finished, busy)),
+                )
             }
         };
         let conn = builders.serve(alpn.as_deref(), io, handler);

@@ -774,10 +774,10 @@ done
 
 # Spend the quota of 1 of the 429 cases: the first request is admitted, the next is refused
 # (for tg_redis_429, that refusal also fills the over-limit cache).
-for c in tg_memory_429 tg_redis_429; do
+for c in tg_memory_429 tg_redis_429 hyper_floor_contract_429; do
     selected "$c" || continue
     s=$(status "${C_URL[$c]}")
-    [[ "$s" == 200 ]] || die "$c: the request that spends the quota got $s, not 200 (see $LOGS/tg-$c.log)"
+    [[ "$s" == 200 ]] || die "$c: the request that spends the quota got $s, not 200 (see $LOGS)"
 done
 # nginx_limit_req_429: the first request in the minute passes.
 selected nginx_limit_req_429 && status "${C_URL[nginx_limit_req_429]}" >/dev/null

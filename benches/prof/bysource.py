@@ -17,21 +17,15 @@ import collections
 import re
 import sys
 
+from cgout import Names
+
 
 def load(name):
     reqs = int(open(f"cg.{name}.reqs").read())
-    files = {}
+    resolve = Names().resolve
     fl = fi = None
     after_call = False
     cost = collections.Counter()
-
-    def resolve(token):
-        m = re.match(r"\((\d+)\)(?: (.*))?", token)
-        if not m:
-            return token
-        if m.group(2):
-            files[m.group(1)] = m.group(2)
-        return files.get(m.group(1), "?")
 
     for raw in open(f"cg.{name}.out.1", errors="replace"):
         line = raw.rstrip("\n")

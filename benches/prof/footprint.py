@@ -20,6 +20,8 @@ import collections
 import re
 import sys
 
+from cgout import Names
+
 if len(sys.argv) < 2:
     sys.exit(__doc__)
 name = sys.argv[1]
@@ -27,17 +29,7 @@ top = int(sys.argv[2]) if len(sys.argv) > 2 else 25
 only = re.compile(sys.argv[3]) if len(sys.argv) > 3 else None
 reqs = int(open(f"cg.{name}.reqs").read())
 
-names = {}
-
-
-def resolve(token):
-    """callgrind's name compression: `(id) name` the first time, `(id)` after."""
-    m = re.match(r"\((\d+)\)(?: (.*))?", token)
-    if not m:
-        return token
-    if m.group(2):
-        names[m.group(1)] = m.group(2)
-    return names.get(m.group(1), "?")
+resolve = Names().resolve
 
 
 executions = {}  # instruction address -> (largest execution count, function)

@@ -232,8 +232,10 @@ impl Gateway {
         gate.edge
             .admit(req.headers_mut(), peer_trusted)
             .expect("edge");
-        tollgate::http::authority::settle(&mut req).expect("authority");
-        let host = tollgate::http::authority::host_name(req.headers());
+        let settled = tollgate::http::authority::settle(&mut req).expect("authority");
+        let host = settled
+            .as_ref()
+            .and_then(tollgate::http::authority::host_name);
 
         // 1. identity, and what the access line would need
         let caller = gate
@@ -303,9 +305,11 @@ impl Gateway {
         gate.identities.to_upstream(&caller, req.headers_mut());
         let (mut parts, ()) = req.into_parts();
         let downstream_version = parts.version;
-        let host_value = parts.headers.get(header::HOST).cloned();
+        let host_value = settled.clone();
         let path = parts.uri.path_and_query().cloned().expect("path and query");
-        tollgate::http::strip_hop_by_hop(&mut parts.headers);
+        assert!(!tollgate::http::hop::strip_request_hop_by_hop(
+            &mut parts.headers
+        ));
         let h = &mut parts.headers;
         assert!(upgrade.is_none());
         if let http::header::Entry::Vacant(v) = h.entry(&X_FORWARDED_FOR) {

@@ -13,7 +13,8 @@
 //!   is not a number, empty): 400 (RFC 9110 §4.2.4 treats userinfo as an error).
 //!
 //! After [`settle`], the request has at most one `Host` header and it is the authority;
-//! routing reads its name with [`host_name`], and the forwarder sends it on unchanged.
+//! [`settle`] answers it, routing reads its name with [`host_name`], and the forwarder
+//! sends it on unchanged (taking it from [`settle`]'s answer, not looking it up again).
 
 use http::header::{self, HeaderMap, HeaderValue};
 use http::{Request, Uri, Version};
@@ -42,22 +43,31 @@ pub enum AuthorityError {
 
 /// Settle the one authority of a request as the server read it (its URI has an
 /// authority for an absolute-form target and for HTTP/2's `:authority`): afterwards
-/// the request has at most one `Host`, and it is that authority.
+/// the request has at most one `Host`, and it is that authority. Answers that `Host`
+/// (a copy that shares its bytes), `None` when the request has none (HTTP/1.0 may go
+/// without).
 ///
 /// Errors: see [`AuthorityError`]; the request must then be answered 400, not routed.
-pub fn settle<B>(req: &mut Request<B>) -> Result<(), AuthorityError> {
-    if let Some(value) = decide(req.version(), req.uri(), req.headers())? {
-        req.headers_mut().insert(header::HOST, value);
-    }
-    Ok(())
+pub fn settle<B>(req: &mut Request<B>) -> Result<Option<HeaderValue>, AuthorityError> {
+    Ok(match decide(req.version(), req.uri(), req.headers())? {
+        Settled::Kept(host) => host,
+        Settled::Replaced(value) => {
+            req.headers_mut().insert(header::HOST, value.clone());
+            Some(value)
+        }
+    })
 }
 
-/// The `Host` that [`settle`] must set (`None`: the request's own, if any, stands).
-fn decide(
-    version: Version,
-    uri: &Uri,
-    headers: &HeaderMap,
-) -> Result<Option<HeaderValue>, AuthorityError> {
+/// What [`settle`] does with a request's `Host`.
+enum Settled {
+    /// The request's own (if any) stands.
+    Kept(Option<HeaderValue>),
+    /// It becomes this (the target's authority).
+    Replaced(HeaderValue),
+}
+
+/// The `Host` that [`settle`] must set, or the request's own if it stands.
+fn decide(version: Version, uri: &Uri, headers: &HeaderMap) -> Result<Settled, AuthorityError> {
     let mut hosts = headers.get_all(header::HOST).iter();
     let host = hosts.next().cloned();
     if hosts.next().is_some() {
@@ -69,10 +79,11 @@ fn decide(
                 let text = host
                     .to_str()
                     .map_err(|_| AuthorityError::Invalid("not ASCII".into()))?;
-                split(text).map(|_| None)
+                split(text)?;
+                Ok(Settled::Kept(Some(host)))
             }
             None if version == Version::HTTP_11 => Err(AuthorityError::NoHost),
-            None => Ok(None),
+            None => Ok(Settled::Kept(None)),
         };
     };
     let authority = authority.as_str();
@@ -97,16 +108,16 @@ fn decide(
         }
     }
     HeaderValue::from_str(authority)
-        .map(Some)
+        .map(Settled::Replaced)
         .map_err(|_| AuthorityError::Invalid("not a header value".into()))
 }
 
-/// The host name a request is routed on, from its [`settle`]d `Host`: without its port
-/// and without a trailing dot (`api.example.com.` is `api.example.com`), borrowed as
-/// sent (routes compare hosts in any case). `None` without a (usable) Host.
+/// The host name a request is routed on, from the `Host` [`settle`] answered: without
+/// its port and without a trailing dot (`api.example.com.` is `api.example.com`),
+/// borrowed as sent (routes compare hosts in any case). `None` when it is not usable.
 /// (The Host was checked by [`settle`], so it is not checked again: only cut.)
-pub fn host_name(headers: &HeaderMap) -> Option<&str> {
-    let text = headers.get(header::HOST)?.to_str().ok()?;
+pub fn host_name(host: &HeaderValue) -> Option<&str> {
+    let text = host.to_str().ok()?;
     let (name, _) = cut(text);
     let name = name.strip_suffix('.').unwrap_or(name);
     (!name.is_empty()).then_some(name)
@@ -205,10 +216,12 @@ mod tests {
             req = req.header(header::HOST, *host);
         }
         let mut req = req.body(()).unwrap();
-        settle(&mut req)?;
+        let settled = settle(&mut req)?;
         let h = req.headers();
         assert!(h.get_all(header::HOST).iter().count() <= 1);
-        Ok(host_name(h).map(str::to_string))
+        // What settle answers is the request's Host from then on.
+        assert_eq!(settled.as_ref(), h.get(header::HOST));
+        Ok(settled.as_ref().and_then(host_name).map(str::to_string))
     }
 
     #[test]

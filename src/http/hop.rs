@@ -46,6 +46,20 @@ pub fn accepts_trailers(headers: &HeaderMap) -> bool {
 /// named in `Connection`. One pass over the names finds what to remove; most messages
 /// have nothing to remove or only `Connection` itself.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    strip(headers, false);
+}
+
+/// [`strip_hop_by_hop`] for a request going upstream, answering whether its `TE`
+/// accepted trailer fields ([`accepts_trailers`]), which the caller passes on as
+/// `TE: trailers` (the one `TE` value that crosses, as gRPC servers require). `TE` is
+/// read only when the pass over the names finds one (most requests have none).
+pub fn strip_request_hop_by_hop(headers: &mut HeaderMap) -> bool {
+    strip(headers, true)
+}
+
+/// [`strip_hop_by_hop`], and with `read_te` whether `TE` accepted trailers (read
+/// before it is removed).
+fn strip(headers: &mut HeaderMap, read_te: bool) -> bool {
     // The common cases without a list: nothing to remove, or only a `Connection` that
     // names no header (`keep-alive`, `close`), as upstream responses have.
     let mut connection = false;
@@ -53,11 +67,13 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
         if *name == header::CONNECTION {
             connection = true;
         } else if always_hop_by_hop(name) {
-            return strip_listed(headers);
+            let te_trailers = read_te && accepts_trailers(headers);
+            strip_listed(headers);
+            return te_trailers;
         }
     }
     if !connection {
-        return;
+        return false;
     }
     if headers.get_all(header::CONNECTION).iter().all(|v| {
         // Most often the whole value is one token: no split.
@@ -67,9 +83,11 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
             || v.to_str().is_ok_and(|v| v.split(',').all(names_no_header))
     }) {
         headers.remove(header::CONNECTION);
-        return;
+        return false;
     }
-    strip_listed(headers)
+    // (No `TE` here: the pass found no name on the fixed list.)
+    strip_listed(headers);
+    false
 }
 
 /// Whether a `Connection` token names no header: `keep-alive` (on the list already),
@@ -141,6 +159,41 @@ mod tests {
         );
         h.insert(header::TE, HeaderValue::from_static("gzip"));
         assert!(!accepts_trailers(&h));
+    }
+
+    #[test]
+    fn a_request_going_upstream_says_whether_te_accepted_trailers() {
+        let stripped = |pairs: &[(&'static str, &'static str)]| {
+            let mut h = HeaderMap::new();
+            for (k, v) in pairs {
+                h.append(HeaderName::from_static(k), HeaderValue::from_static(v));
+            }
+            let trailers = strip_request_hop_by_hop(&mut h);
+            let mut left: Vec<_> = h.keys().map(|k| k.as_str().to_string()).collect();
+            left.sort();
+            (trailers, left)
+        };
+        let kept = vec!["accept".to_string()];
+        for (pairs, trailers) in [
+            (vec![("te", "trailers"), ("accept", "*/*")], true),
+            (
+                vec![("te", "gzip"), ("te", "Trailers;q=1"), ("accept", "*/*")],
+                true,
+            ),
+            (
+                vec![("connection", "te"), ("te", "trailers"), ("accept", "*/*")],
+                true,
+            ),
+            (vec![("te", "gzip"), ("accept", "*/*")], false),
+            (vec![("connection", "keep-alive"), ("accept", "*/*")], false),
+            (
+                vec![("connection", "x-a"), ("x-a", "1"), ("accept", "*/*")],
+                false,
+            ),
+            (vec![("accept", "*/*")], false),
+        ] {
+            assert_eq!(stripped(&pairs), (trailers, kept.clone()), "{pairs:?}");
+        }
     }
 
     #[test]

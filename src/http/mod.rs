@@ -165,16 +165,15 @@ impl Edge {
     /// a coding other than `chunked` (hyper de-chunks the body and would forward it
     /// without the coding).
     pub fn admit(&self, headers: &mut HeaderMap, peer_trusted: bool) -> Result<(), EdgeError> {
-        for value in headers.get_all(header::TRANSFER_ENCODING) {
-            let text = String::from_utf8_lossy(value.as_bytes());
-            for coding in text.split(',').map(str::trim).filter(|c| !c.is_empty()) {
-                if !coding.eq_ignore_ascii_case("chunked") {
-                    return Err(EdgeError::UnsupportedTransferCoding(coding.to_string()));
-                }
-            }
-        }
+        // One pass over the names finds what to drop and whether `Transfer-Encoding` is
+        // there at all (most requests have none: no lookup of it then).
+        let mut transfer_encoding = false;
         let mut doomed: Vec<HeaderName> = Vec::new();
         for name in headers.keys() {
+            if *name == header::TRANSFER_ENCODING {
+                transfer_encoding = true;
+                continue;
+            }
             let n = name.as_str();
             let drop = if n.as_bytes().contains(&b'_') {
                 !self.underscores || self.reserved(&dash_form(n))
@@ -186,6 +185,16 @@ impl Edge {
             };
             if drop {
                 doomed.push(name.clone());
+            }
+        }
+        if transfer_encoding {
+            for value in headers.get_all(header::TRANSFER_ENCODING) {
+                let text = String::from_utf8_lossy(value.as_bytes());
+                for coding in text.split(',').map(str::trim).filter(|c| !c.is_empty()) {
+                    if !coding.eq_ignore_ascii_case("chunked") {
+                        return Err(EdgeError::UnsupportedTransferCoding(coding.to_string()));
+                    }
+                }
             }
         }
         for name in doomed {

@@ -374,6 +374,10 @@ pub struct Downstream<'a> {
     pub scheme: &'static str,
     /// The request id, named in the log line of an upstream failure.
     pub request_id: HeaderValue,
+    /// The request's `Host` as the edge settled it ([`crate::http::authority::settle`]),
+    /// passed on as `X-Forwarded-Host`; `None` when it has none (then an HTTP/2
+    /// request's `:authority`, if any, stands for it).
+    pub host: Option<HeaderValue>,
     /// The route's `max_request_bytes`: the request body is cut off past it (413).
     pub max_request_bytes: Option<u64>,
     /// The client IP the limiter used (`X-Real-IP`).
@@ -438,8 +442,9 @@ pub fn forward<'a>(
         let (mut parts, body) = req.into_parts();
         let downstream_version = parts.version;
 
-        // The Host the client asked for (HTTP/2 carries it in the URI's authority).
-        let host = parts.headers.get(header::HOST).cloned().or_else(|| {
+        // The Host the client asked for (settled by the edge, so not looked up again;
+        // HTTP/2 carries it in the URI's authority).
+        let host = down.host.clone().or_else(|| {
             parts
                 .uri
                 .authority()
@@ -454,8 +459,7 @@ pub fn forward<'a>(
 
         // `TE: trailers` is hop-by-hop, yet says what the upstream may send: passed on
         // (only that value), as gRPC servers require.
-        let te_trailers = crate::http::hop::accepts_trailers(&parts.headers);
-        strip_hop_by_hop(&mut parts.headers);
+        let te_trailers = crate::http::hop::strip_request_hop_by_hop(&mut parts.headers);
         let h = &mut parts.headers;
         if te_trailers {
             h.insert(header::TE, HeaderValue::from_static("trailers"));

@@ -188,8 +188,7 @@ fn has_payload_semantics(method: &Method) -> bool {
 /// fields ([`crate::http::strip_hop_by_hop`]: the fixed list, `Proxy-*`, and what
 /// `Connection` names), keeping only `TE: trailers`.
 fn strip_connection_headers(headers: &mut HeaderMap) {
-    let trailers = crate::http::hop::accepts_trailers(headers);
-    crate::http::strip_hop_by_hop(headers);
+    let trailers = crate::http::hop::strip_request_hop_by_hop(headers);
     if trailers {
         headers.insert(header::TE, http::HeaderValue::from_static("trailers"));
     }

@@ -398,7 +398,14 @@ impl Connection {
                 (req.version() == http::Version::HTTP_11).then(|| informational.clone());
             // Busy until the response body ends (the guard travels with it).
             let busy = conn_activity.request();
-            async move {
+            // Boxed: hyper's dispatcher holds the service's future and moves it whole
+            // when it takes it; boxed, it moves a pointer (the request path's future is
+            // several KB). Written into the allocation (`Box::write`) rather than built
+            // and then moved there (`Box::pin`), which copies all of it once more. One box
+            // per request, in place, instead of a `Box::pin` each for `proxy::serve`'s and
+            // `proxy::forward`'s futures: 818 instructions fewer per proxied request and
+            // 443 per 429 (issue 16, callgrind).
+            Box::into_pin(Box::write(Box::new_uninit(), async move {
                 let snap = shared.snapshot.load_full();
                 let ctx = proxy::Context {
                     clock: &shared.clock,
@@ -414,7 +421,7 @@ impl Connection {
                 Ok::<_, Infallible>(
                     response.map(|body| limits::SendWatch::new(body, finished, busy)),
                 )
-            }
+            }))
         };
         let conn = builders.serve(alpn.as_deref(), io, handler);
         tokio::pin!(conn);

@@ -136,10 +136,6 @@ mod tests {
     use super::Coarse;
     use std::time::Duration;
 
-    /// The coarse clock follows real time, lagging by at most one kernel tick (10 ms at
-    /// the lowest `CONFIG_HZ`), and never goes back. Each coarse reading is bracketed by
-    /// two precise ones, so a thread descheduled between them widens the bounds instead
-    /// of failing the test.
     /// The limiter's clock reads what `SystemTime` reads, to the millisecond.
     #[test]
     fn system_clock_reads_the_unix_epoch_in_milliseconds() {
@@ -157,6 +153,10 @@ mod tests {
         }
     }
 
+    /// The coarse clock follows real time, lagging by at most one kernel tick (10 ms at
+    /// the lowest `CONFIG_HZ`), and never goes back. Each coarse reading is bracketed by
+    /// two precise ones, so a thread descheduled between them widens the bounds instead
+    /// of failing the test.
     #[test]
     fn coarse_clock_follows_real_time() {
         let tick = Duration::from_millis(11);

@@ -415,7 +415,7 @@ pub struct Downstream<'a> {
 pub fn forward<'a>(
     upstream: &'a Upstream,
     mut req: Request<Incoming>,
-    down: Downstream<'a>,
+    mut down: Downstream<'a>,
 ) -> impl std::future::Future<Output = Result<Response<Body>, ProxyError>> + Send + 'a {
     async move {
         // An upgrade the route allows (WebSocket): the request goes upstream with its
@@ -444,7 +444,7 @@ pub fn forward<'a>(
 
         // The Host the client asked for (settled by the edge, so not looked up again;
         // HTTP/2 carries it in the URI's authority).
-        let host = down.host.clone().or_else(|| {
+        let host = down.host.take().or_else(|| {
             parts
                 .uri
                 .authority()

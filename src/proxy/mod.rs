@@ -242,8 +242,8 @@ pub fn serve<'a>(
                 // IPv6 client's by its network (identity.ipv6_prefix_len).
                 let ip = snap.identities.client_ip(req.headers(), peer.ip());
                 let key = snap.identities.ip_key(ip);
-                // Boxed: a rare path, kept out of the request future's size (every request's
-                // future is moved whole into hyper's dispatcher).
+                // Boxed: a rare path, kept out of the request future's size (every request
+                // allocates that much for it, see `server::Connection::serve`).
                 if let Some(usage) = Box::pin(snap.limiter.failed_auth(key, clock.now_ms())).await {
                     log.decision = Decision::Rejected;
                     log.usage = Some(usage.clone());

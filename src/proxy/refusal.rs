@@ -10,13 +10,14 @@
 //! instead of building the map again (seven inserts, each hashing its name) and writing
 //! the body again: about 2,800 fewer instructions per 429 (callgrind, BENCHMARKS.md,
 //! issue 16). The bytes on the wire are the same either way (the tests hold the two to
-//! it); the request id is added afterwards ([`super::access::AccessLog::finish`]) and
-//! `Date` by hyper.
+//! it); the request id is set afterwards ([`super::access::AccessLog::finish`], in the
+//! line kept for it) and `Date` by hyper.
 //!
 //! Only for `headers.style = ["github"]`, the default: the IETF style's `RateLimit`
 //! counts the seconds to the reset on the clock, so with it every 429 is rendered
 //! afresh, as is one without rate-limit headers.
 
+use super::access::REQUEST_ID;
 use super::error::over_limit_body;
 use super::headers::{self, Policy, Styles};
 use super::Body;
@@ -136,14 +137,18 @@ pub fn over_limit<'a>(
 }
 
 /// The headers and body of a 429 in the GitHub style, in the order the gateway's other
-/// answers put them: `Content-Type`, `Retry-After`, then `X-RateLimit-*`. The map has
-/// room for the request id that is added later.
+/// answers put them: `Content-Type`, `Retry-After`, `X-RateLimit-*`, then `X-Request-Id`
+/// with a placeholder value that [`super::access::AccessLog::finish`] replaces (it puts
+/// the request id on every response, in place where the line is there already). The
+/// line is there so that a copy of a kept map, which has no room to spare, never grows:
+/// growing it reallocated its lines and copied them on every repeated 429 (issue 16).
 fn render(usage: &Usage, retry_after_s: u64, caller: &str) -> (HeaderMap, Bytes) {
     let body = Bytes::from(over_limit_body(usage, retry_after_s, caller));
     let mut headers = HeaderMap::with_capacity(12);
     headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
     headers.insert(RETRY_AFTER, headers::number(retry_after_s));
     headers::put_usage(&mut headers, usage);
+    headers.insert(REQUEST_ID.clone(), HeaderValue::from_static("-"));
     (headers, body)
 }
 
@@ -184,7 +189,12 @@ mod tests {
     /// A response as the client reads it: status, every header line in order, and the body.
     type Wire = (u16, Vec<(String, String)>, Bytes);
 
-    async fn wire(response: Response<Body>) -> Wire {
+    /// (After `AccessLog::finish` has put the request id on it, as it does on every
+    /// response.)
+    async fn wire(mut response: Response<Body>) -> Wire {
+        response
+            .headers_mut()
+            .insert(REQUEST_ID.clone(), HeaderValue::from_static("an-id"));
         let (parts, body) = response.into_parts();
         let lines = parts
             .headers
@@ -255,9 +265,11 @@ mod tests {
                     "x-ratelimit-remaining",
                     "x-ratelimit-used",
                     "x-ratelimit-reset",
-                    "x-ratelimit-resource"
+                    "x-ratelimit-resource",
+                    "x-request-id"
                 ]
             );
+            assert_eq!(got.1[7].1, "an-id");
             if let Some(p) = &previous {
                 // Consecutive cases differ in one input, but for the repeats; the body of
                 // one answered from the memo is the memo's own (the same bytes in memory

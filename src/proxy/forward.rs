@@ -374,9 +374,9 @@ pub struct Downstream<'a> {
     pub scheme: &'static str,
     /// The request id, named in the log line of an upstream failure.
     pub request_id: HeaderValue,
-    /// The request's `Host` as the edge settled it ([`crate::http::authority::settle`]),
-    /// passed on as `X-Forwarded-Host`; `None` when it has none (then an HTTP/2
-    /// request's `:authority`, if any, stands for it).
+    /// The request's `Host` as the edge settled it ([`crate::http::authority::settle`]:
+    /// an absolute-form target's or HTTP/2's `:authority` has become it), passed on as
+    /// `X-Forwarded-Host`; `None` when the request has none (HTTP/1.0 without `Host`).
     pub host: Option<HeaderValue>,
     /// The route's `max_request_bytes`: the request body is cut off past it (413).
     pub max_request_bytes: Option<u64>,
@@ -442,14 +442,9 @@ pub fn forward<'a>(
         let (mut parts, body) = req.into_parts();
         let downstream_version = parts.version;
 
-        // The Host the client asked for (settled by the edge, so not looked up again;
-        // HTTP/2 carries it in the URI's authority).
-        let host = down.host.take().or_else(|| {
-            parts
-                .uri
-                .authority()
-                .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
-        });
+        // The Host the client asked for, as the edge settled it (an HTTP/2 request's
+        // `:authority` included), so not looked up again.
+        let host = down.host.take();
         // Shared with the request's URI, not copied. An empty one (an absolute-form
         // `http://host`) stands for "/".
         let path = match parts.uri.path_and_query() {

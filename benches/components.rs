@@ -22,7 +22,7 @@ use tollgate::identity::Identities;
 use tollgate::limiter::algorithm::{Op, OpKind, Policy};
 use tollgate::limiter::key::KeyScheme;
 use tollgate::limiter::store::memory::MemoryStore;
-use tollgate::limiter::store::redis::{APPLY_LUA, LEASE_LUA, REFUND_LUA};
+use tollgate::limiter::store::redis::{unpack_integers, APPLY_LUA, LEASE_LUA, REFUND_LUA};
 use tollgate::limiter::store::Item;
 use tollgate::limiter::Usage;
 use tollgate::snapshot::Snapshot;
@@ -465,8 +465,9 @@ fn redis_scripts(c: &mut Criterion) {
         op_args(1, 1),
         op_args(1, HUGE_QUOTA),
     ]));
-    // Three integers per key; admitted: used, reset_at, epoch.
-    let verdicts: Vec<i64> = setup.invoke(&mut con).expect("seed windows");
+    // Three integers per key, packed; admitted: used, reset_at, epoch.
+    let apply_reply = |reply: Vec<u8>| unpack_integers(&reply).expect("apply.lua's packed reply");
+    let verdicts = apply_reply(setup.invoke(&mut con).expect("seed windows"));
     let refund_reset_at = verdicts[3 * 3 + 1] as u64;
     assert!(refund_reset_at > now);
 
@@ -507,12 +508,12 @@ fn redis_scripts(c: &mut Criterion) {
         .arg(GATEWAY_ID);
 
     // Each invocation must answer as the script's header says before it is timed.
-    let r: Vec<i64> = check1.invoke(&mut con).unwrap();
+    let r = apply_reply(check1.invoke(&mut con).unwrap());
     assert!(
         r.len() == 3 && r[0] >= 1 && r[1] as u64 > now,
         "apply.lua peek: {r:?}"
     );
-    let r: Vec<i64> = check3.invoke(&mut con).unwrap();
+    let r = apply_reply(check3.invoke(&mut con).unwrap());
     assert_eq!(r.len(), 9, "apply.lua peek: {r:?}");
     let r: Vec<u64> = lease1.invoke(&mut con).unwrap();
     assert_eq!(r[0], 10, "lease.lua granted: {r:?}");
@@ -535,7 +536,7 @@ fn redis_scripts(c: &mut Criterion) {
         g.bench_function(name, |b| {
             b.iter(|| {
                 invocation
-                    .invoke::<Vec<i64>>(&mut con)
+                    .invoke::<redis::Value>(&mut con)
                     .unwrap_or_else(|e| panic!("{name}: {e}"))
             })
         });

@@ -17,6 +17,17 @@
 //! the queue in order), whoever sends them. A submitter that goes away never loses its
 //! call: a call not yet sent, or in flight, is finished on the batcher's runtime.
 //!
+//! Bound: a submission is answered within twice `store.timeout` (one call ahead, then its
+//! own) without a timer of its own. A call that a submitter sends itself is bounded by
+//! the flush: each node call the store makes is bounded by `store.timeout` (its breaker's
+//! guard), and a CHECK asks at most a replica and then the primary. What is queued
+//! while a call is in flight shares one deadline, twice `store.timeout` after the first
+//! of them was queued, which the queue's task keeps with one timer per call: at the
+//! deadline its submitters are answered with a timeout, and the call is still finished
+//! before the next goes out. One timer per call instead of one per submission: about
+//! 1,700 instructions of a request through a busy shard (BENCHMARKS.md, issue 16,
+//! eighteenth round).
+//!
 //! Answers go home in one hop per worker: a call carries the items of submitters on
 //! every `per_core` worker, and waking a task of another worker's runtime costs a
 //! system call (Tokio writes to that runtime's eventfd), so the items of each other
@@ -30,6 +41,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
 use tokio::sync::oneshot;
+use tokio::time::Instant;
 
 /// Most keys sent in one script call (a Lua call blocks Redis while it runs).
 pub(super) const MAX_KEYS: usize = 256;
@@ -52,6 +64,10 @@ struct Pending {
     keys: Vec<String>,
     args: Vec<u64>,
     reply: Reply,
+    /// When its submitter is answered with a timeout if its call has not been answered:
+    /// the deadline of the first item queued behind the same call in flight (see the
+    /// module documentation).
+    deadline: Instant,
     /// The submitter's `per_core` worker, whose runtime its answer is delivered on
     /// when the call was answered on another worker (see [`Shared::home`]).
     home: Option<usize>,
@@ -60,14 +76,12 @@ struct Pending {
 /// See the module documentation.
 pub(super) struct Batcher {
     shared: Arc<Shared>,
-    /// Bound on one submission, queueing included.
-    timeout: Duration,
 }
 
 impl std::fmt::Debug for Batcher {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Batcher")
-            .field("timeout", &self.timeout)
+            .field("limit", &self.shared.limit)
             .finish_non_exhaustive()
     }
 }
@@ -75,6 +89,8 @@ impl std::fmt::Debug for Batcher {
 /// What the submitters and the batcher's task share.
 struct Shared {
     flush: Flush,
+    /// Bound on one submission, queueing included: twice `store.timeout`.
+    limit: Duration,
     /// The runtime the batcher was made on: where queued calls, and calls whose
     /// submitter went away, are sent from.
     runtime: tokio::runtime::Handle,
@@ -94,16 +110,17 @@ struct State {
 
 impl Batcher {
     /// A batcher whose queued calls are sent from the current Tokio runtime (call it
-    /// inside one).
+    /// inside one). `flush` must bound each of its calls (the store's node calls are
+    /// bounded by `timeout`, `store.timeout`, each; a CHECK makes at most two).
     pub(super) fn spawn(flush: Flush, timeout: Duration) -> Self {
         Self {
             shared: Arc::new(Shared {
                 flush,
+                limit: timeout * 2,
                 runtime: tokio::runtime::Handle::current(),
                 workers: OnceLock::new(),
                 state: Mutex::new(State::default()),
             }),
-            timeout,
         }
     }
 
@@ -111,20 +128,24 @@ impl Batcher {
     /// the returned future when the batcher is idle (its first poll sends it), else into
     /// the queue for the next call. What is handed over first runs first in Redis. The
     /// returned future answers [`REPLY_WIDTH`] integers per key, bounded by twice
-    /// `store.timeout` (one call ahead, then this one).
+    /// `store.timeout` (one call ahead, then this one; see the module documentation).
     pub(super) fn enqueue(
         &self,
         keys: Vec<String>,
         args: Vec<u64>,
     ) -> impl Future<Output = Result<Vec<i64>, StoreError>> + Send + 'static {
-        let limit = self.timeout * 2;
         let mut state = self.shared.lock();
         let turn = if state.busy {
             let (reply, rx) = oneshot::channel();
+            let deadline = match state.queue.first() {
+                Some(first) => first.deadline,
+                None => Instant::now() + self.shared.limit,
+            };
             state.queue.push(Pending {
                 keys,
                 args,
                 reply,
+                deadline,
                 // Only a queued item is answered from elsewhere: a submitter that sends
                 // its own call is answered on its own thread.
                 home: self.shared.home(),
@@ -139,15 +160,10 @@ impl Batcher {
         };
         drop(state);
         async move {
-            let answer = match turn {
-                Turn::Send(sending) => tokio::time::timeout(limit, sending).await,
-                Turn::Queued(rx) => match tokio::time::timeout(limit, rx).await {
-                    Ok(Ok(result)) => Ok(result),
-                    Ok(Err(_)) => Ok(Err(StoreError::NotStarted)),
-                    Err(elapsed) => Err(elapsed),
-                },
-            };
-            answer.unwrap_or(Err(StoreError::Timeout(limit.as_millis() as u64)))
+            match turn {
+                Turn::Send(sending) => sending.await,
+                Turn::Queued(rx) => rx.await.unwrap_or(Err(StoreError::NotStarted)),
+            }
         }
     }
 }
@@ -252,6 +268,8 @@ async fn drain(shared: Arc<Shared>, mut queued: Vec<Pending>) {
             }
         }
         let counts: Vec<usize> = batch.iter().map(|p| p.keys.len()).collect();
+        // The earliest deadline of the batch: its first item's (queued in order).
+        let deadline = batch.first().map(|p| p.deadline);
         let mut keys = Vec::with_capacity(n);
         let mut args = Vec::with_capacity(batch.iter().map(|p| p.args.len()).sum());
         let mut replies = Vec::with_capacity(batch.len());
@@ -260,8 +278,24 @@ async fn drain(shared: Arc<Shared>, mut queued: Vec<Pending>) {
             args.append(&mut p.args);
             replies.push((p.reply, p.home));
         }
-        let result = (shared.flush)(keys, args).await;
-        deliver(&shared, replies, &counts, result);
+        let mut call = (shared.flush)(keys, args);
+        match deadline {
+            Some(deadline) => match tokio::time::timeout_at(deadline, &mut call).await {
+                Ok(result) => deliver(&shared, replies, &counts, result),
+                Err(_) => {
+                    let limit_ms = shared.limit.as_millis() as u64;
+                    deliver(
+                        &shared,
+                        replies,
+                        &counts,
+                        Err(StoreError::Timeout(limit_ms)),
+                    );
+                    // Never lost, and in order: finished before the next call goes out.
+                    let _ = call.await;
+                }
+            },
+            None => deliver(&shared, replies, &counts, call.await),
+        }
         let mut state = shared.lock();
         rest.append(&mut state.queue);
         if rest.is_empty() {
@@ -354,10 +388,18 @@ mod tests {
     /// A flush that records each call's keys and the task it ran in, answers after
     /// `delay`, with REPLY_WIDTH copies of each key's number.
     fn recording(delay: Duration) -> (Flush, Calls) {
+        recording_by(move |_| delay)
+    }
+
+    /// [`recording`], answering each call after `delay_of` its keys.
+    fn recording_by(
+        delay_of: impl Fn(&[String]) -> Duration + Send + Sync + 'static,
+    ) -> (Flush, Calls) {
         let calls = Arc::new(Mutex::new(Vec::new()));
         let seen = calls.clone();
         let flush: Flush = Box::new(move |keys: Vec<String>, _args: Vec<u64>| {
             let seen = seen.clone();
+            let delay = delay_of(&keys);
             Box::pin(async move {
                 seen.lock()
                     .unwrap()
@@ -417,6 +459,46 @@ mod tests {
             keys,
             [["7"], ["8"], ["9"]],
             "the dropped submitter's call went first"
+        );
+    }
+
+    /// A queued submission gets no timer of its own: the queue's task answers it with a
+    /// timeout at its batch's deadline (twice `store.timeout` after the first item was
+    /// queued), and still sends its call and finishes it before the next goes out.
+    #[tokio::test]
+    async fn a_queued_submission_times_out_at_its_deadline_and_its_call_still_goes_out() {
+        // Key 2 takes 1 s, far past the 2 x 100 ms bound; every other call 10 ms.
+        let slow = |keys: &[String]| keys.iter().any(|k| k == "2");
+        let (flush, calls) =
+            recording_by(move |keys| Duration::from_millis(if slow(keys) { 1000 } else { 10 }));
+        let batcher = Batcher::spawn(flush, Duration::from_millis(100));
+        let first = batcher.enqueue(vec!["1".into()], vec![]);
+        let queued_at = Instant::now();
+        let slow = batcher.enqueue(vec!["2".into()], vec![]);
+        let behind = batcher.enqueue(vec!["3".into()], vec![]);
+        assert_eq!(first.await.unwrap(), vec![1; REPLY_WIDTH]);
+        for answer in [slow.await, behind.await] {
+            assert!(
+                matches!(answer, Err(StoreError::Timeout(200))),
+                "{answer:?}"
+            );
+        }
+        let waited = queued_at.elapsed();
+        assert!(
+            waited < Duration::from_millis(900),
+            "answered at the deadline, not when the slow call ended: {waited:?}"
+        );
+        // The slow call went out and the queue goes on after it, in order.
+        let _ = batcher.enqueue(vec!["4".into()], vec![]).await;
+        let calls = calls.lock().unwrap();
+        let keys: Vec<&[String]> = calls.iter().map(|(k, _)| k.as_slice()).collect();
+        assert_eq!(
+            keys,
+            [
+                vec!["1".to_string()],
+                vec!["2".into(), "3".into()],
+                vec!["4".into()]
+            ]
         );
     }
 

@@ -245,6 +245,10 @@ fn verdicts(reply: &[i64]) -> Vec<Result<Verdict, StoreError>> {
         .collect()
 }
 
+/// The indices `0..16`: the members of a call that takes every item of a request
+/// ([`RedisStore::submit_many`]'s usual case), with no list made for them.
+const FIRST_INDICES: [usize; 16] = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15];
+
 /// One primary/replica group.
 #[derive(Debug)]
 pub(crate) struct Shard {
@@ -683,6 +687,17 @@ impl RedisStore {
             };
             (kind, g)
         };
+        // The usual case, every item of one kind on one shard: one call, no grouping.
+        if let Some(first) = items.first().map(group_of) {
+            if items.len() <= FIRST_INDICES.len() && items[1..].iter().all(|i| group_of(i) == first)
+            {
+                let (kind, group) = first;
+                let members = &FIRST_INDICES[..items.len()];
+                return super::Submitted::Waiting(Box::pin(
+                    self.call_group(live, kind, group, items, members, now_ms),
+                ));
+            }
+        }
         let mut groups: Vec<((Kind, u64), Vec<usize>)> = Vec::new();
         for (i, item) in items.iter().enumerate() {
             let g = group_of(item);
@@ -700,11 +715,6 @@ impl RedisStore {
             })
             .collect();
         super::Submitted::Waiting(Box::pin(async move {
-            if calls.len() == 1 {
-                // Every item of one kind on one shard (the usual case): no reordering.
-                let (_, call) = calls.into_iter().next().expect("one call");
-                return call.await;
-            }
             let (members, calls): (Vec<_>, Vec<_>) = calls.into_iter().unzip();
             let replies = join_all(calls).await;
             let mut out: Vec<Option<Result<Verdict, StoreError>>> = (0..n).map(|_| None).collect();

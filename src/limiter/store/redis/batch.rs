@@ -25,7 +25,7 @@
 //! of them was queued, which the queue's task keeps with one timer per call: at the
 //! deadline its submitters are answered with a timeout, and the call is still finished
 //! before the next goes out. One timer per call instead of one per submission: about
-//! 1,700 instructions of a request through a busy shard (BENCHMARKS.md, issue 16,
+//! 700 instructions fewer per request through a busy shard (BENCHMARKS.md, issue 16,
 //! eighteenth round).
 //!
 //! Answers go home in one hop per worker: a call carries the items of submitters on

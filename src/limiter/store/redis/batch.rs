@@ -268,8 +268,9 @@ async fn drain(shared: Arc<Shared>, mut queued: Vec<Pending>) {
             }
         }
         let counts: Vec<usize> = batch.iter().map(|p| p.keys.len()).collect();
-        // The earliest deadline of the batch: its first item's (queued in order).
-        let deadline = batch.first().map(|p| p.deadline);
+        // The earliest deadline of the batch: its first item's (queued in order; a batch
+        // always has one).
+        let deadline = batch.first().map_or_else(Instant::now, |p| p.deadline);
         let mut keys = Vec::with_capacity(n);
         let mut args = Vec::with_capacity(batch.iter().map(|p| p.args.len()).sum());
         let mut replies = Vec::with_capacity(batch.len());
@@ -279,22 +280,19 @@ async fn drain(shared: Arc<Shared>, mut queued: Vec<Pending>) {
             replies.push((p.reply, p.home));
         }
         let mut call = (shared.flush)(keys, args);
-        match deadline {
-            Some(deadline) => match tokio::time::timeout_at(deadline, &mut call).await {
-                Ok(result) => deliver(&shared, replies, &counts, result),
-                Err(_) => {
-                    let limit_ms = shared.limit.as_millis() as u64;
-                    deliver(
-                        &shared,
-                        replies,
-                        &counts,
-                        Err(StoreError::Timeout(limit_ms)),
-                    );
-                    // Never lost, and in order: finished before the next call goes out.
-                    let _ = call.await;
-                }
-            },
-            None => deliver(&shared, replies, &counts, call.await),
+        match tokio::time::timeout_at(deadline, &mut call).await {
+            Ok(result) => deliver(&shared, replies, &counts, result),
+            Err(_) => {
+                let limit_ms = shared.limit.as_millis() as u64;
+                deliver(
+                    &shared,
+                    replies,
+                    &counts,
+                    Err(StoreError::Timeout(limit_ms)),
+                );
+                // Never lost, and in order: finished before the next call goes out.
+                let _ = call.await;
+            }
         }
         let mut state = shared.lock();
         rest.append(&mut state.queue);

@@ -24,27 +24,9 @@ cleanup() {
     rm -rf "$D"
 }
 trap cleanup EXIT
-# A free loopback port (not listened on now, not handed out before).
-TAKEN=" "
-free_port() {
-    local p
-    while :; do
-        p=$(( 20000 + RANDOM % 12000 ))
-        [[ "$TAKEN" == *" $p "* ]] && continue
-        [[ -z "$(ss -tanH "sport = :$p")" ]] && { TAKEN+="$p "; echo "$p"; return; }
-    done
-}
-UP=$(free_port)
-cat >"$D/nginx.conf" <<NG
-worker_processes 1;
-daemon on;
-pid $D/nginx.pid;
-error_log $D/nginx-error.log;
-events { worker_connections 4096; }
-http { access_log off; keepalive_requests 1000000;
-  server { listen 127.0.0.1:$UP; location / { return 200 "hello from upstream\n"; } } }
-NG
-nginx -c "$D/nginx.conf"
+# shellcheck source=benches/upstream.sh
+source "$(dirname "$0")/upstream.sh"
+start_upstream "hello from upstream\n"
 for bin in old new; do
     for mode in proxied 429; do
         q=1000000000000

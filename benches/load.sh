@@ -12,8 +12,12 @@
 #   ROUNDS [2]           interleaved rounds: every selected case runs once per round, in order
 #   CASES [all]          space-separated subset of the case names below (for quick tries)
 #   SKIP_INSTALL [0]     1: never apt-get; fail when a tool is missing
-#   SKIP_BUILD [0]       1: don't run cargo build; measure the target/release/tollgate (and the
-#                        benches/floor/target/release/tollgate-floor) already there
+#   PGO [1]              1: build tollgate with benches/pgo.sh (profile-guided: the release build
+#                        laid out by a profile of the gateway under load) and measure
+#                        target/pgo/tollgate; 0: `cargo build --release` and target/release/tollgate
+#   SKIP_BUILD [0]       1: don't run cargo build; measure the target/pgo/tollgate (PGO=0:
+#                        target/release/tollgate) and benches/floor/target/release/tollgate-floor
+#                        already there
 #   TOLLGATE_BIN []      measure this binary instead (no build), e.g. an older release to compare
 #   SKIP_HALFLOAD [0]    1: skip the half-load latency runs (h2load)
 #   SKIP_1M [0]          1: skip the 1,000,000-distinct-callers memory run
@@ -30,8 +34,8 @@
 #   1. Installs what is missing with apt-get (wrk, nginx, libnginx-mod-http-lua, nghttp2-client for
 #      h2load, redis-server/redis-tools, curl, iproute2, procps, python3), with a temporary
 #      /usr/sbin/policy-rc.d that exits 101 so Debian does not start system services (restored
-#      afterwards). Runs `cargo build --release --bin tollgate` (unless SKIP_BUILD=1) and copies
-#      the binary into the work dir, so a rebuild by someone else during the run changes nothing.
+#      afterwards). Runs `bash benches/pgo.sh` (PGO=0: `cargo build --release --bin tollgate`;
+#      neither when SKIP_BUILD=1) and copies the binary into the work dir, so a rebuild by someone else during the run changes nothing.
 #      For hyper_floor, builds benches/floor (its own package, not part of tollgate's build) with
 #      `cargo build --release --manifest-path benches/floor/Cargo.toml` (unless SKIP_BUILD=1) and
 #      copies that binary too. Unless SKIP_OWNWORK=1, builds the criterion bench
@@ -80,6 +84,9 @@
 #                             how much of the CPU target the contract itself takes
 #        hyper_floor_contract_429 the same with a quota of one: every request after the first is
 #                             refused with a computed 429 (the contract's least work per refusal)
+#        hyper_floor_pgo      like hyper_floor, the floor built profile-guided as tollgate is
+#                             (`bash benches/pgo.sh floor`; with PGO=1 only): the floor of the CPU
+#                             target with the same compiler help tollgate gets
 #        tg_memory            memory store, one caller (wrk's IP), quota 1e12
 #        tg_memory_w1         like tg_memory with `[server] workers = 1`: one runtime thread, as nginx
 #                             here runs one worker process
@@ -123,7 +130,7 @@
 #      10.(n>>16&255).(n>>8&255).(n&255) for n = 1..1,000,000 (then n stays at 1,000,000), run for
 #      1e6 / (tg_memory_many req/s) x 1.3 seconds (topped up with runs that continue from the next
 #      caller when the machine was slower than that; 120 s in all at most); VmRSS and VmHWM after.
-#   7. Binary size of target/release/tollgate (or TOLLGATE_BIN).
+#   7. Binary size of the binary measured (target/pgo/tollgate, or as PGO and TOLLGATE_BIN say).
 #   8. Own work (unless SKIP_OWNWORK=1), after every process above is stopped: `cargo bench --bench
 #      own_work`, criterion's middle estimate of `own work/proxied request (memory store, 1 limit)`:
 #      tollgate's own work for one proxied request with no I/O (see benches/own_work.rs).
@@ -156,6 +163,7 @@ ROUNDS=${ROUNDS:-2}
 CASES=${CASES:-}
 SKIP_INSTALL=${SKIP_INSTALL:-0}
 SKIP_BUILD=${SKIP_BUILD:-0}
+PGO=${PGO:-1}
 SKIP_HALFLOAD=${SKIP_HALFLOAD:-0}
 SKIP_1M=${SKIP_1M:-0}
 SKIP_OWNWORK=${SKIP_OWNWORK:-0}
@@ -168,8 +176,8 @@ KEEP_WORK=${KEEP_WORK:-0}
 CONNS=64
 WARMUP=2s
 
-ALL_CASES=(direct nginx_proxy nginx_lua_redis nginx_limit_req_429 hyper_floor hyper_floor_headers hyper_floor_429
-    hyper_floor_429_headers hyper_floor_contract hyper_floor_contract_429
+ALL_CASES=(direct nginx_proxy nginx_lua_redis nginx_limit_req_429 hyper_floor hyper_floor_pgo hyper_floor_headers
+    hyper_floor_429 hyper_floor_429_headers hyper_floor_contract hyper_floor_contract_429
     tg_memory tg_memory_w1 tg_memory_per_core tg_memory_many tg_redis tg_redis_per_core tg_redis_many tg_redis3_replicas
     tg_memory_429 tg_redis_429 tg_redis_lease tg_redis_64 tg_redis_64_recent)
 
@@ -296,18 +304,27 @@ install_deps
 HAVE_LUA=0
 [[ -f "$LUA_MOD" && -f "$NDK_MOD" ]] && HAVE_LUA=1
 
-BIN=${TOLLGATE_BIN:-target/release/tollgate}
+BUILT=target/release/tollgate BUILD_KIND="cargo build --release"
+[[ "$PGO" == 1 ]] && BUILT=target/pgo/tollgate BUILD_KIND="benches/pgo.sh (profile-guided release build)"
+BIN=${TOLLGATE_BIN:-$BUILT}
 if [[ -n "${TOLLGATE_BIN:-}" ]]; then
     log "not building: measuring TOLLGATE_BIN=$TOLLGATE_BIN"
     [[ -x "$BIN" ]] || die "TOLLGATE_BIN=$TOLLGATE_BIN is not an executable"
+    BUILD_KIND="TOLLGATE_BIN=$TOLLGATE_BIN"
 elif [[ "$SKIP_BUILD" == 1 ]]; then
-    log "not building (SKIP_BUILD=1): using target/release/tollgate as it is"
-    [[ -x target/release/tollgate ]] || die "target/release/tollgate does not exist"
+    log "not building (SKIP_BUILD=1): using $BUILT as it is"
+    [[ -x "$BUILT" ]] || die "$BUILT does not exist"
 else
     command -v cargo >/dev/null || die "cargo is missing (install Rust from https://rustup.rs)"
-    log "building: cargo build --release --bin tollgate"
-    cargo build --release --bin tollgate 2>"$LOGS/build.log" \
-        || { tail -n 40 "$LOGS/build.log" >&2; die "cargo build failed (SKIP_BUILD=1 measures the existing binary)"; }
+    if [[ "$PGO" == 1 ]]; then
+        log "building: bash benches/pgo.sh (two release builds and a minute of training; PGO=0: a plain release build)"
+        bash benches/pgo.sh >"$LOGS/build.log" 2>&1 \
+            || { tail -n 40 "$LOGS/build.log" >&2; die "benches/pgo.sh failed (PGO=0 measures a plain release build)"; }
+    else
+        log "building: cargo build --release --bin tollgate"
+        cargo build --release --bin tollgate 2>"$LOGS/build.log" \
+            || { tail -n 40 "$LOGS/build.log" >&2; die "cargo build failed (SKIP_BUILD=1 measures the existing binary)"; }
+    fi
 fi
 BIN_SIZE=$(stat -c %s "$BIN")
 VERSIONS="$(nginx -v 2>&1 | sed 's/^nginx version: //'); redis $(redis-server --version | awk '{ sub(/^v=/, "", $3); print $3 }'); wrk $( (wrk -v 2>&1 || true) | awk 'NR == 1 { print $2 }'); $(h2load --version | awk 'NR == 1')"
@@ -331,6 +348,24 @@ if selected hyper_floor || selected hyper_floor_headers || selected hyper_floor_
             || { tail -n 40 "$LOGS/floor-build.log" >&2; die "building benches/floor failed"; }
     fi
     cp "$FLOOR_BUILT" "$FLOOR"
+fi
+# The floor built profile-guided (hyper_floor_pgo): only beside a profile-guided tollgate.
+FLOORP_BUILT="$FLOOR_DIR/target/pgo/tollgate-floor"
+FLOORP="$WORK/tollgate-floor-pgo"
+if [[ "$PGO" != 1 || -n "${TOLLGATE_BIN:-}" ]]; then
+    # Measured beside a plain build, it would compare unlike builds.
+    selected hyper_floor_pgo && drop_case hyper_floor_pgo
+fi
+if selected hyper_floor_pgo; then
+    if [[ "$SKIP_BUILD" == 1 ]]; then
+        log "not building the floor (SKIP_BUILD=1): using $FLOORP_BUILT as it is"
+        [[ -x "$FLOORP_BUILT" ]] || die "$FLOORP_BUILT does not exist (bash benches/pgo.sh floor, or leave hyper_floor_pgo out of CASES)"
+    else
+        log "building: bash benches/pgo.sh floor"
+        bash benches/pgo.sh floor >"$LOGS/floor-pgo-build.log" 2>&1 \
+            || { tail -n 40 "$LOGS/floor-pgo-build.log" >&2; die "bash benches/pgo.sh floor failed"; }
+    fi
+    cp "$FLOORP_BUILT" "$FLOORP"
 fi
 
 # The own-work bench: built now (while nothing is measured), run after the load runs.
@@ -569,6 +604,12 @@ if selected hyper_floor; then
     FLOOR_PID=$LAST_PID
     wait_port "$FLOOR_PID" "$FLOOR_PORT" "hyper floor" "$LOGS/floor.log"
 fi
+if selected hyper_floor_pgo; then
+    free_port FLOORP_PORT
+    start_bg "$LOGS/floorp.log" env WORKERS="$NCPU" "$FLOORP" "127.0.0.1:$FLOORP_PORT" "127.0.0.1:$UP_PORT"
+    FLOORP_PID=$LAST_PID
+    wait_port "$FLOORP_PID" "$FLOORP_PORT" "hyper floor (profile-guided)" "$LOGS/floorp.log"
+fi
 if selected hyper_floor_contract; then
     free_port FLOORC_PORT
     start_bg "$LOGS/floorc.log" env WORKERS="$NCPU" FLOOR_CONTRACT=1 "$FLOOR" "127.0.0.1:$FLOORC_PORT" "127.0.0.1:$UP_PORT"
@@ -749,6 +790,7 @@ def_case nginx_lua_redis "http://127.0.0.1:$PROXY_PORT/redis-fw" one "$PROXY_PID
     "${RPID[r0]}" "$R0_NODE" 200
 def_case nginx_limit_req_429 "http://127.0.0.1:$PROXY_PORT/lr-reject" one "$PROXY_PIDS" "$UP_PIDS" "" "" 429
 selected hyper_floor && def_case hyper_floor "http://127.0.0.1:$FLOOR_PORT/" one "$FLOOR_PID" "$UP_PIDS" "" "" 200
+selected hyper_floor_pgo && def_case hyper_floor_pgo "http://127.0.0.1:$FLOORP_PORT/" one "$FLOORP_PID" "$UP_PIDS" "" "" 200
 selected hyper_floor_headers && def_case hyper_floor_headers "http://127.0.0.1:$FLOORH_PORT/" one "$FLOORH_PID" "$UP_PIDS" "" "" 200
 selected hyper_floor_429 && def_case hyper_floor_429 "http://127.0.0.1:$FLOOR429_PORT/" one "$FLOOR429_PID" "" "" "" 429
 selected hyper_floor_429_headers && def_case hyper_floor_429_headers "http://127.0.0.1:$FLOOR429H_PORT/" one "$FLOOR429H_PID" "" "" "" 429
@@ -1127,6 +1169,7 @@ REV=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 CMDLINE="DURATION=$DURATION ROUNDS=$ROUNDS"
 [[ -n "$CASES" ]] && CMDLINE+=" CASES=\"$CASES\""
 for k in SKIP_INSTALL SKIP_BUILD SKIP_HALFLOAD SKIP_1M SKIP_OWNWORK; do [[ "${!k}" == 1 ]] && CMDLINE+=" $k=1"; done
+[[ "$PGO" != 1 ]] && CMDLINE+=" PGO=$PGO"
 [[ "$HALF_SECS" != 10 ]] && CMDLINE+=" HALF_SECS=$HALF_SECS"
 CMDLINE+=" bash benches/load.sh"
 ELAPSED=$(( SECONDS - START_TIME ))
@@ -1153,12 +1196,14 @@ targets() {
     x="CPU per proxied request (memory store, one limit) ≤ 1.2× the hyper floor's"
     if [[ -n "$m_gw" && -n "$fl_gw" && "$m_gw" != - && "$fl_gw" != - ]]; then
         ok=FAIL; le "$m_gw" "$(times 1.2 "$fl_gw")" && ok=PASS
-        local fh_gw fc_gw
+        local fh_gw fc_gw fp_gw
+        fp_gw=$(val hyper_floor_pgo gw_us)
+        [[ "$fp_gw" == - ]] && fp_gw=""
         fh_gw=$(val hyper_floor_headers gw_us)
         [[ "$fh_gw" == - ]] && fh_gw=""
         fc_gw=$(val hyper_floor_contract gw_us)
         [[ "$fc_gw" == - ]] && fc_gw=""
-        row "$ok" "$x" "tg_memory $m_gw µs/req = $(ratio "$m_gw" "$fl_gw")× hyper_floor's $fl_gw${fh_gw:+; the floor carrying the header lines tollgate adds (hyper_floor_headers): $fh_gw µs/req, tg_memory = $(ratio "$m_gw" "$fh_gw")× it}${fc_gw:+; the floor doing the least work of the contract (hyper_floor_contract): $fc_gw µs/req = $(ratio "$fc_gw" "$fl_gw")× hyper_floor, tg_memory = $(ratio "$m_gw" "$fc_gw")× it}"
+        row "$ok" "$x" "tg_memory $m_gw µs/req = $(ratio "$m_gw" "$fl_gw")× hyper_floor's $fl_gw${fp_gw:+; the floor built profile-guided as tollgate is (hyper_floor_pgo): $fp_gw µs/req, tg_memory = $(ratio "$m_gw" "$fp_gw")× it}${fh_gw:+; the floor carrying the header lines tollgate adds (hyper_floor_headers): $fh_gw µs/req, tg_memory = $(ratio "$m_gw" "$fh_gw")× it}${fc_gw:+; the floor doing the least work of the contract (hyper_floor_contract): $fc_gw µs/req = $(ratio "$fc_gw" "$fl_gw")× hyper_floor, tg_memory = $(ratio "$m_gw" "$fc_gw")× it}"
     else row "n/a" "$x" "needs tg_memory and hyper_floor"; fi
 
     r=$(val tg_redis rps)
@@ -1262,7 +1307,7 @@ render() {
     echo
     echo "- Machine: $NCPU cores, ${cpu_model:-unknown CPU}, Linux $(uname -r), $(awk '/^MemTotal:/ { printf "%.0f GiB RAM", $2 / 1048576 }' /proc/meminfo)"
     echo "- Command: \`$CMDLINE\` (took ${ELAPSED}s; QUIET_PCT=$QUIET_PCT QUIET_WAIT=$QUIET_WAIT OTHER_MAX=$OTHER_MAX RETRIES=$RETRIES)"
-    echo "- tollgate: git $REV; $VERSIONS"
+    echo "- tollgate: git $REV, built by $BUILD_KIND; $VERSIONS"
     echo "- Load: \`wrk -t1 -c$CONNS -d$DURATION --latency\`, $WARMUP warm-up per case, $ROUNDS interleaved round(s); wrk, proxies, upstream and Redis all share the $NCPU cores."
     if [[ -n "$CASES" || "$ROUNDS" -lt 2 || "$DUR_S" -lt 10 ]]; then
         echo
@@ -1331,7 +1376,7 @@ render() {
     echo
     echo "### Binary"
     echo
-    echo "\`${TOLLGATE_BIN:-target/release/tollgate}\`: $BIN_SIZE bytes = $(fmt_mb "$BIN_SIZE")."
+    echo "\`$BIN\`: $BIN_SIZE bytes = $(fmt_mb "$BIN_SIZE")."
     echo
     echo "### Own work (no I/O)"
     echo

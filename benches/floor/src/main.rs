@@ -24,6 +24,9 @@
 //!   charged after, a request id, the forwarded and `X-RateLimit-*` lines computed, a
 //!   response timeout, a latency histogram; over the quota, a computed 429 (see
 //!   [`contract`]; benches/load.sh's `hyper_floor_contract` and `hyper_floor_contract_429`).
+//! - `FLOOR_EXIT_AFTER=N`: the process exits (status 0, through `std::process::exit`) N seconds
+//!   after it starts, so that an instrumented build (`-Cprofile-generate`) writes its profile:
+//!   BENCHMARKS.md's nineteenth round measured the floor built profile-guided too.
 //!
 //! Shape: `WORKERS` threads (default: one per core), each with its own `current_thread`
 //! tokio runtime and its own `SO_REUSEPORT` listener on LISTEN, so the kernel spreads
@@ -81,6 +84,15 @@ fn main() {
                 .unwrap_or_else(|e| fail(&format!("cannot start a worker thread: {e}")))
         })
         .collect();
+    if let Ok(v) = std::env::var("FLOOR_EXIT_AFTER") {
+        let secs = v.parse::<u64>().unwrap_or_else(|_| {
+            fail(&format!(
+                "FLOOR_EXIT_AFTER must be whole seconds, not {v:?}"
+            ))
+        });
+        std::thread::sleep(std::time::Duration::from_secs(secs));
+        std::process::exit(0);
+    }
     for t in threads {
         let _ = t.join();
     }

@@ -32,7 +32,9 @@ TRAIN_SECS=${TRAIN_SECS:-5}
 WHAT=${1:-tollgate}
 [[ $WHAT == tollgate || $WHAT == floor ]] || { echo "usage: bash benches/pgo.sh [floor]" >&2; exit 2; }
 die() { echo "pgo.sh: $*" >&2; exit 1; }
-for t in nginx wrk curl redis-server; do
+NEEDS=(nginx wrk curl)
+[[ $WHAT == tollgate ]] && NEEDS+=(redis-server)   # the floor has no store
+for t in "${NEEDS[@]}"; do
     command -v "$t" >/dev/null || die "$t is missing (Debian: apt-get install nginx wrk curl redis-server)"
 done
 

@@ -35,7 +35,7 @@
 #      h2load, redis-server/redis-tools, curl, iproute2, procps, python3), with a temporary
 #      /usr/sbin/policy-rc.d that exits 101 so Debian does not start system services (restored
 #      afterwards). Runs `bash benches/pgo.sh` (PGO=0: `cargo build --release --bin tollgate`;
-#      neither when SKIP_BUILD=1) and copies the binary into the work dir, so a rebuild by someone else during the run changes nothing.
+#      neither when SKIP_BUILD=1; with PGO=1 the plain `cargo build --release` too, for tg_memory_plain) and copies the binary into the work dir, so a rebuild by someone else during the run changes nothing.
 #      For hyper_floor, builds benches/floor (its own package, not part of tollgate's build) with
 #      `cargo build --release --manifest-path benches/floor/Cargo.toml` (unless SKIP_BUILD=1) and
 #      copies that binary too. Unless SKIP_OWNWORK=1, builds the criterion bench
@@ -88,6 +88,8 @@
 #                             (`bash benches/pgo.sh floor`; with PGO=1 only): the floor of the CPU
 #                             target with the same compiler help tollgate gets
 #        tg_memory            memory store, one caller (wrk's IP), quota 1e12
+#        tg_memory_plain      like tg_memory, on the plain `cargo build --release` binary (with PGO=1
+#                             only): tollgate built as hyper_floor is, the like-for-like ratio
 #        tg_memory_w1         like tg_memory with `[server] workers = 1`: one runtime thread, as nginx
 #                             here runs one worker process
 #        tg_memory_per_core   like tg_memory with `[server] runtime = "per_core"`: one current_thread
@@ -178,8 +180,8 @@ WARMUP=2s
 
 ALL_CASES=(direct nginx_proxy nginx_lua_redis nginx_limit_req_429 hyper_floor hyper_floor_pgo hyper_floor_headers
     hyper_floor_429 hyper_floor_429_headers hyper_floor_contract hyper_floor_contract_429
-    tg_memory tg_memory_w1 tg_memory_per_core tg_memory_many tg_redis tg_redis_per_core tg_redis_many tg_redis3_replicas
-    tg_memory_429 tg_redis_429 tg_redis_lease tg_redis_64 tg_redis_64_recent)
+    tg_memory tg_memory_plain tg_memory_w1 tg_memory_per_core tg_memory_many tg_redis tg_redis_per_core tg_redis_many
+    tg_redis3_replicas tg_memory_429 tg_redis_429 tg_redis_lease tg_redis_64 tg_redis_64_recent)
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -330,6 +332,24 @@ BIN_SIZE=$(stat -c %s "$BIN")
 VERSIONS="$(nginx -v 2>&1 | sed 's/^nginx version: //'); redis $(redis-server --version | awk '{ sub(/^v=/, "", $3); print $3 }'); wrk $( (wrk -v 2>&1 || true) | awk 'NR == 1 { print $2 }'); $(h2load --version | awk 'NR == 1')"
 TG="$WORK/tollgate"
 cp "$BIN" "$TG"
+
+# tollgate's plain release build beside the profile-guided one (tg_memory_plain): only with PGO=1.
+TG_PLAIN="$WORK/tollgate-plain"
+if [[ "$PGO" != 1 || -n "${TOLLGATE_BIN:-}" ]]; then
+    # Then tg_memory itself is the plain build (or the binary asked for).
+    selected tg_memory_plain && drop_case tg_memory_plain
+fi
+if selected tg_memory_plain; then
+    if [[ "$SKIP_BUILD" == 1 ]]; then
+        log "not building (SKIP_BUILD=1): using target/release/tollgate as it is for tg_memory_plain"
+        [[ -x target/release/tollgate ]] || die "target/release/tollgate does not exist (cargo build --release, or leave tg_memory_plain out of CASES)"
+    else
+        log "building: cargo build --release --bin tollgate (tg_memory_plain)"
+        cargo build --release --bin tollgate 2>"$LOGS/build-plain.log" \
+            || { tail -n 40 "$LOGS/build-plain.log" >&2; die "cargo build --release failed (tg_memory_plain)"; }
+    fi
+    cp target/release/tollgate "$TG_PLAIN"
+fi
 
 # The hyper floor: its own package under benches/floor (its own Cargo.lock and target dir).
 FLOOR_DIR="$ROOT/benches/floor"
@@ -687,13 +707,14 @@ EOF
 
 # start_tg NAME BACKEND QUOTA TRUSTED SHARDS [EXTRA]: write, check and start one gateway.
 start_tg() {
-    local name=$1 port file
+    local name=$1 port file bin=$TG
+    [[ "$name" == tg_memory_plain ]] && bin=$TG_PLAIN
     free_port port
     file="$WORK/tg-$name.toml"
     tg_config "$file" "$name" "$port" "$2" "$3" "$4" "$5" "${6:-}" "${7:-}" "${8:-}"
-    "$TG" check --config "$file" >"$LOGS/check-$name.log" 2>&1 \
+    "$bin" check --config "$file" >"$LOGS/check-$name.log" 2>&1 \
         || { cat "$LOGS/check-$name.log" >&2; die "tollgate check rejects the generated $file"; }
-    start_bg "$LOGS/tg-$name.log" "$TG" --config "$file"
+    start_bg "$LOGS/tg-$name.log" "$bin" --config "$file"
     TG_PID[$name]=$LAST_PID
     TG_PORT[$name]=$port
     wait_port "$LAST_PID" "$port" "tollgate ($name)" "$LOGS/tg-$name.log"
@@ -715,6 +736,7 @@ LEASE_SKIPPED=${LEASE_SKIPPED:-0}
 
 Q=1000000000000
 selected tg_memory && start_tg tg_memory memory "$Q" 0 -
+selected tg_memory_plain && start_tg tg_memory_plain memory "$Q" 0 -
 selected tg_memory_w1 && start_tg tg_memory_w1 memory "$Q" 0 - "" "workers = 1"
 selected tg_memory_per_core && start_tg tg_memory_per_core memory "$Q" 0 - "" 'runtime = "per_core"'
 # Random callers: past the default store.max_callers (a million) within the case on a fast
@@ -796,7 +818,7 @@ selected hyper_floor_429 && def_case hyper_floor_429 "http://127.0.0.1:$FLOOR429
 selected hyper_floor_429_headers && def_case hyper_floor_429_headers "http://127.0.0.1:$FLOOR429H_PORT/" one "$FLOOR429H_PID" "" "" "" 429
 selected hyper_floor_contract && def_case hyper_floor_contract "http://127.0.0.1:$FLOORC_PORT/" one "$FLOORC_PID" "$UP_PIDS" "" "" 200
 selected hyper_floor_contract_429 && def_case hyper_floor_contract_429 "http://127.0.0.1:$FLOORC429_PORT/" one "$FLOORC429_PID" "$UP_PIDS" "" "" 429
-for c in tg_memory tg_memory_w1 tg_memory_per_core tg_memory_many tg_redis tg_redis_per_core tg_redis_many tg_redis3_replicas tg_memory_429 tg_redis_429 tg_redis_lease tg_redis_64 tg_redis_64_recent; do
+for c in tg_memory tg_memory_plain tg_memory_w1 tg_memory_per_core tg_memory_many tg_redis tg_redis_per_core tg_redis_many tg_redis3_replicas tg_memory_429 tg_redis_429 tg_redis_lease tg_redis_64 tg_redis_64_recent; do
     selected "$c" || continue
     script=one
     [[ "$c" == *_many || "$c" == tg_redis3_replicas ]] && script=many
@@ -1196,14 +1218,16 @@ targets() {
     x="CPU per proxied request (memory store, one limit) ≤ 1.2× the hyper floor's"
     if [[ -n "$m_gw" && -n "$fl_gw" && "$m_gw" != - && "$fl_gw" != - ]]; then
         ok=FAIL; le "$m_gw" "$(times 1.2 "$fl_gw")" && ok=PASS
-        local fh_gw fc_gw fp_gw
+        local fh_gw fc_gw fp_gw mp_gw
         fp_gw=$(val hyper_floor_pgo gw_us)
         [[ "$fp_gw" == - ]] && fp_gw=""
+        mp_gw=$(val tg_memory_plain gw_us)
+        [[ "$mp_gw" == - ]] && mp_gw=""
         fh_gw=$(val hyper_floor_headers gw_us)
         [[ "$fh_gw" == - ]] && fh_gw=""
         fc_gw=$(val hyper_floor_contract gw_us)
         [[ "$fc_gw" == - ]] && fc_gw=""
-        row "$ok" "$x" "tg_memory $m_gw µs/req = $(ratio "$m_gw" "$fl_gw")× hyper_floor's $fl_gw${fp_gw:+; the floor built profile-guided as tollgate is (hyper_floor_pgo): $fp_gw µs/req, tg_memory = $(ratio "$m_gw" "$fp_gw")× it}${fh_gw:+; the floor carrying the header lines tollgate adds (hyper_floor_headers): $fh_gw µs/req, tg_memory = $(ratio "$m_gw" "$fh_gw")× it}${fc_gw:+; the floor doing the least work of the contract (hyper_floor_contract): $fc_gw µs/req = $(ratio "$fc_gw" "$fl_gw")× hyper_floor, tg_memory = $(ratio "$m_gw" "$fc_gw")× it}"
+        row "$ok" "$x" "tg_memory $m_gw µs/req = $(ratio "$m_gw" "$fl_gw")× hyper_floor's $fl_gw${fp_gw:+; the floor built profile-guided as tollgate is (hyper_floor_pgo): $fp_gw µs/req, tg_memory = $(ratio "$m_gw" "$fp_gw")× it}${mp_gw:+; tollgate's plain release build, as hyper_floor is built (tg_memory_plain): $mp_gw µs/req = $(ratio "$mp_gw" "$fl_gw")× hyper_floor's}${fh_gw:+; the floor carrying the header lines tollgate adds (hyper_floor_headers): $fh_gw µs/req, tg_memory = $(ratio "$m_gw" "$fh_gw")× it}${fc_gw:+; the floor doing the least work of the contract (hyper_floor_contract): $fc_gw µs/req = $(ratio "$fc_gw" "$fl_gw")× hyper_floor, tg_memory = $(ratio "$m_gw" "$fc_gw")× it}"
     else row "n/a" "$x" "needs tg_memory and hyper_floor"; fi
 
     r=$(val tg_redis rps)

@@ -17,7 +17,7 @@
 #                        target/pgo/tollgate; 0: `cargo build --release` and target/release/tollgate
 #   SKIP_BUILD [0]       1: don't run cargo build; measure the target/pgo/tollgate (PGO=0:
 #                        target/release/tollgate) and benches/floor/target/release/tollgate-floor
-#                        already there
+#                        already there (and target/release/tollgate for tg_memory_plain)
 #   TOLLGATE_BIN []      measure this binary instead (no build), e.g. an older release to compare
 #   SKIP_HALFLOAD [0]    1: skip the half-load latency runs (h2load)
 #   SKIP_1M [0]          1: skip the 1,000,000-distinct-callers memory run

@@ -333,60 +333,48 @@ VERSIONS="$(nginx -v 2>&1 | sed 's/^nginx version: //'); redis $(redis-server --
 TG="$WORK/tollgate"
 cp "$BIN" "$TG"
 
-# tollgate's plain release build beside the profile-guided one (tg_memory_plain): only with PGO=1.
-TG_PLAIN="$WORK/tollgate-plain"
+# side_binary WHAT BUILT DEST LOG CMD...: build BUILT with CMD (its output in $LOGS/LOG), or with
+# SKIP_BUILD=1 take BUILT as it is, then copy it to DEST. WHAT names the cases it is for.
+side_binary() {
+    local what=$1 built=$2 dest=$3 out=$4
+    shift 4
+    if [[ "$SKIP_BUILD" == 1 ]]; then
+        log "not building (SKIP_BUILD=1): using $built as it is ($what)"
+        [[ -x "$built" ]] || die "$built does not exist (run: $*; or leave $what out of CASES)"
+    else
+        command -v cargo >/dev/null || die "cargo is missing (install Rust from https://rustup.rs)"
+        log "building: $* ($what)"
+        "$@" >"$LOGS/$out" 2>&1 || { tail -n 40 "$LOGS/$out" >&2; die "$* failed ($what)"; }
+    fi
+    cp "$built" "$dest"
+}
+
+# Beside a plain tollgate (PGO=0, or TOLLGATE_BIN), the profile-guided floor would compare unlike
+# builds, and tollgate's plain build is tg_memory itself.
 if [[ "$PGO" != 1 || -n "${TOLLGATE_BIN:-}" ]]; then
-    # Then tg_memory itself is the plain build (or the binary asked for).
+    selected hyper_floor_pgo && drop_case hyper_floor_pgo
     selected tg_memory_plain && drop_case tg_memory_plain
 fi
-if selected tg_memory_plain; then
-    if [[ "$SKIP_BUILD" == 1 ]]; then
-        log "not building (SKIP_BUILD=1): using target/release/tollgate as it is for tg_memory_plain"
-        [[ -x target/release/tollgate ]] || die "target/release/tollgate does not exist (cargo build --release, or leave tg_memory_plain out of CASES)"
-    else
-        log "building: cargo build --release --bin tollgate (tg_memory_plain)"
-        cargo build --release --bin tollgate 2>"$LOGS/build-plain.log" \
-            || { tail -n 40 "$LOGS/build-plain.log" >&2; die "cargo build --release failed (tg_memory_plain)"; }
-    fi
-    cp target/release/tollgate "$TG_PLAIN"
-fi
+
+# tollgate's plain release build beside the profile-guided one (tg_memory_plain).
+TG_PLAIN="$WORK/tollgate-plain"
+selected tg_memory_plain \
+    && side_binary tg_memory_plain target/release/tollgate "$TG_PLAIN" build-plain.log \
+        cargo build --release --bin tollgate
 
 # The hyper floor: its own package under benches/floor (its own Cargo.lock and target dir).
 FLOOR_DIR="$ROOT/benches/floor"
-FLOOR_BUILT="$FLOOR_DIR/target/release/tollgate-floor"
 FLOOR="$WORK/tollgate-floor"
 if selected hyper_floor || selected hyper_floor_headers || selected hyper_floor_429 \
     || selected hyper_floor_429_headers || selected hyper_floor_contract || selected hyper_floor_contract_429; then
-    if [[ "$SKIP_BUILD" == 1 ]]; then
-        log "not building the floor (SKIP_BUILD=1): using $FLOOR_BUILT as it is"
-        [[ -x "$FLOOR_BUILT" ]] || die "$FLOOR_BUILT does not exist (build it, or leave hyper_floor out of CASES)"
-    else
-        command -v cargo >/dev/null || die "cargo is missing (install Rust from https://rustup.rs)"
-        log "building: cargo build --release --manifest-path benches/floor/Cargo.toml"
-        cargo build --release --manifest-path "$FLOOR_DIR/Cargo.toml" --target-dir "$FLOOR_DIR/target" \
-            2>"$LOGS/floor-build.log" \
-            || { tail -n 40 "$LOGS/floor-build.log" >&2; die "building benches/floor failed"; }
-    fi
-    cp "$FLOOR_BUILT" "$FLOOR"
+    side_binary "hyper_floor and its variants" "$FLOOR_DIR/target/release/tollgate-floor" "$FLOOR" floor-build.log \
+        cargo build --release --manifest-path "$FLOOR_DIR/Cargo.toml" --target-dir "$FLOOR_DIR/target"
 fi
 # The floor built profile-guided (hyper_floor_pgo): only beside a profile-guided tollgate.
-FLOORP_BUILT="$FLOOR_DIR/target/pgo/tollgate-floor"
 FLOORP="$WORK/tollgate-floor-pgo"
-if [[ "$PGO" != 1 || -n "${TOLLGATE_BIN:-}" ]]; then
-    # Measured beside a plain build, it would compare unlike builds.
-    selected hyper_floor_pgo && drop_case hyper_floor_pgo
-fi
-if selected hyper_floor_pgo; then
-    if [[ "$SKIP_BUILD" == 1 ]]; then
-        log "not building the floor (SKIP_BUILD=1): using $FLOORP_BUILT as it is"
-        [[ -x "$FLOORP_BUILT" ]] || die "$FLOORP_BUILT does not exist (bash benches/pgo.sh floor, or leave hyper_floor_pgo out of CASES)"
-    else
-        log "building: bash benches/pgo.sh floor"
-        bash benches/pgo.sh floor >"$LOGS/floor-pgo-build.log" 2>&1 \
-            || { tail -n 40 "$LOGS/floor-pgo-build.log" >&2; die "bash benches/pgo.sh floor failed"; }
-    fi
-    cp "$FLOORP_BUILT" "$FLOORP"
-fi
+selected hyper_floor_pgo \
+    && side_binary hyper_floor_pgo "$FLOOR_DIR/target/pgo/tollgate-floor" "$FLOORP" floor-pgo-build.log \
+        bash benches/pgo.sh floor
 
 # The own-work bench: built now (while nothing is measured), run after the load runs.
 OWN_US="" OWN_RANGE="" OWN_NOTE=""

@@ -4,6 +4,7 @@
 //! [`Gateway`] that tests and `main` drive.
 
 mod alpn;
+mod guards;
 mod h2;
 mod limits;
 pub mod runtime;
@@ -19,8 +20,10 @@ pub use crate::reload::{ReloadOutcome, Reloader};
 use crate::snapshot::Snapshot;
 use arc_swap::ArcSwap;
 use std::convert::Infallible;
+use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
@@ -438,19 +441,38 @@ impl Connection {
             tokio::time::sleep(idle_timeout.min(send_timeout).min(header_read_timeout));
         tokio::pin!(idle_check);
         let second = Duration::from_secs(1);
+        // The guards (shutdown, the timer) are polled only when they woke the task, not
+        // on each of a request's wakes (see `guards`).
+        let guards = guards::Guards::new();
+        let changed = shutdown.changed();
+        tokio::pin!(changed);
         loop {
-            tokio::select! {
-                ended = conn.as_mut() => {
+            let fired = std::future::poll_fn(|cx| {
+                guards.poll(
+                    cx,
+                    |cx| conn.as_mut().poll(cx).map(Fired::Ended),
+                    |cx| {
+                        if !closing && changed.as_mut().poll(cx).is_ready() {
+                            return Poll::Ready(Fired::Shutdown);
+                        }
+                        idle_check.as_mut().poll(cx).map(|()| Fired::Check)
+                    },
+                )
+            })
+            .await;
+            guards.rearm();
+            match fired {
+                Fired::Ended(ended) => {
                     if let Err(e) = ended {
                         tracing::debug!(%peer, error = %e, "connection ended with an error");
                     }
                     return;
                 }
-                _ = shutdown.changed(), if !closing => {
+                Fired::Shutdown => {
                     closing = true;
                     conn.graceful_shutdown();
                 }
-                _ = idle_check.as_mut() => {
+                Fired::Check => {
                     let head_for = activity.head_for();
                     if head_for >= header_read_timeout {
                         tracing::debug!(%peer, ?head_for, "request head incomplete; connection closed (server.header_read_timeout)");
@@ -489,11 +511,21 @@ impl Connection {
                     // `header_read_timeout` away, which then waits for what it has left.
                     next = next.min(header_read_timeout - head_for);
                     let next = next.max(Duration::from_millis(10));
-                    idle_check.as_mut().reset(tokio::time::Instant::now() + next);
+                    idle_check
+                        .as_mut()
+                        .reset(tokio::time::Instant::now() + next);
                 }
             }
         }
     }
+}
+
+/// What ended a wait of a connection's task: the connection (its result), the shutdown
+/// signal, or the connection's timer (idle, header read, send: see `Connection::serve`).
+enum Fired<R> {
+    Ended(R),
+    Shutdown,
+    Check,
 }
 
 /// The answer to a connection past `server.max_connections`,

@@ -442,10 +442,10 @@ fn redis_scripts(c: &mut Criterion) {
     let scheme = KeyScheme::new("tollgate:", Some("secret"));
     let keys: Vec<String> = ["core", "search", "graphql"]
         .iter()
-        .map(|limit| scheme.key(limit, "client:acme").key)
+        .map(|limit| scheme.key(limit, "client:acme").key.to_string())
         .collect();
-    let lease_key = scheme.key("core", "client:leased").key;
-    let refund_key = scheme.key("core", "client:refunded").key;
+    let lease_key = scheme.key("core", "client:leased").key.to_string();
+    let refund_key = scheme.key("core", "client:refunded").key.to_string();
 
     // Live windows for CHECK to read; a window with a count that refunds of 1 unit
     // cannot use up, so every REFUND takes the HINCRBY path.

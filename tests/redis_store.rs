@@ -60,6 +60,7 @@ fn key_for_ip(ip: &str) -> String {
     KeyScheme::new("tollgate:", None)
         .key("core", &format!("ip:{ip}"))
         .key
+        .to_string()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -160,7 +161,10 @@ async fn callers_spread_over_two_shards_and_keys_hide_keys_and_ips() {
         let k = scheme.key("core", &format!("ip:{ip}"));
         let shard = jump_consistent_hash(k.shard_hash(), 2);
         let holder = if shard == 0 { &ka } else { &kb };
-        assert!(holder.contains(&k.key), "{ip} should be on shard {shard}");
+        assert!(
+            holder.contains(&k.key.to_string()),
+            "{ip} should be on shard {shard}"
+        );
     }
 }
 

@@ -335,6 +335,7 @@ fn client_key(key_name: &str, id: &str) -> String {
     KeyScheme::new("tollgate:", None)
         .key(key_name, &format!("client:{id}"))
         .key
+        .to_string()
 }
 
 #[tokio::test]

@@ -215,7 +215,9 @@ mod tests {
         let shared = snap.limiter.applicable_to(&route.limits, caller, headers);
         let fresh = snap.limiter.applicable(&route.limits, caller, headers);
         let view = |a: &[super::Applied]| -> Vec<(String, u64)> {
-            a.iter().map(|a| (a.key().key.clone(), a.quota())).collect()
+            a.iter()
+                .map(|a| (a.key().key.to_string(), a.quota()))
+                .collect()
         };
         assert_eq!(
             view(&shared),

@@ -17,7 +17,9 @@ use std::hash::BuildHasher;
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct LimitKey {
     /// The full storage key, e.g. `tollgate:core:{3f1c…}` (32 hex digits in a hash tag).
-    pub key: String,
+    /// Shared, not copied, by each Redis call that carries it (a request's CHECK and
+    /// CHARGE each hand it to a shard's batch).
+    pub key: std::sync::Arc<str>,
     /// The same key in 24 bytes, as the maps held in this process key it ([`StateKey`]).
     pub state: StateKey,
 }
@@ -159,15 +161,19 @@ impl KeyScheme {
 
     /// The key of `limit`'s window for the subject with digest `d`.
     pub fn key_for(&self, limit: &str, d: &SubjectDigest) -> LimitKey {
-        let mut key = String::with_capacity(self.prefix.len() + limit.len() + 35);
-        key.push_str(&self.prefix);
-        key.push_str(limit);
-        let scope = scope_hash(&key);
-        key.push_str(":{");
-        key.push_str(d.hex());
-        key.push('}');
+        // Written on the stack, then into its one shared allocation.
+        let scoped = self.prefix.len() + limit.len();
+        let mut buf = smallvec::SmallVec::<[u8; 128]>::with_capacity(scoped + 35);
+        buf.extend_from_slice(self.prefix.as_bytes());
+        buf.extend_from_slice(limit.as_bytes());
+        buf.extend_from_slice(b":{");
+        buf.extend_from_slice(d.hex().as_bytes());
+        buf.push(b'}');
+        // Made of `str`s only: always UTF-8, and `scoped` is a character boundary.
+        let key = std::str::from_utf8(&buf).unwrap_or_default();
+        let scope = scope_hash(key.get(..scoped).unwrap_or(key));
         LimitKey {
-            key,
+            key: key.into(),
             state: StateKey {
                 head: d.shard_hash,
                 tail: d.tail,

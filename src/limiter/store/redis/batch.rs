@@ -52,16 +52,28 @@ pub(super) const REPLY_WIDTH: usize = 3;
 /// A script call under way: [`REPLY_WIDTH`] integers per key, or the error.
 type Call = Pin<Box<dyn Future<Output = Result<Vec<i64>, StoreError>> + Send>>;
 
+/// A storage key, shared with the limit it belongs to ([`crate::limiter::key::LimitKey`]):
+/// handed to a batch without a copy.
+pub(super) type Key = Arc<str>;
+
 /// Sends one script call for a batch: keys, their arguments (a fixed number per key, in
 /// key order) → [`REPLY_WIDTH`] integers per key.
-pub(super) type Flush = Box<dyn Fn(Vec<String>, Vec<u64>) -> Call + Send + Sync>;
+pub(super) type Flush = Box<dyn Fn(Vec<Key>, Vec<u64>) -> Call + Send + Sync>;
+
+/// One submitter's integers: [`REPLY_WIDTH`] per key, held inline for a one-key
+/// submission (the usual request's), so that its slice of a shared reply is handed over
+/// without an allocation.
+pub(super) type Integers = smallvec::SmallVec<[i64; REPLY_WIDTH]>;
+
+/// What a submitter is answered.
+pub(super) type Answer = Result<Integers, StoreError>;
 
 /// Where a submitter waits for its answer.
-type Reply = oneshot::Sender<Result<Vec<i64>, StoreError>>;
+type Reply = oneshot::Sender<Answer>;
 
 /// One request's items for the batch.
 struct Pending {
-    keys: Vec<String>,
+    keys: Vec<Key>,
     args: Vec<u64>,
     reply: Reply,
     /// When its submitter is answered with a timeout if its call has not been answered:
@@ -131,9 +143,9 @@ impl Batcher {
     /// `store.timeout` (one call ahead, then this one; see the module documentation).
     pub(super) fn enqueue(
         &self,
-        keys: Vec<String>,
+        keys: Vec<Key>,
         args: Vec<u64>,
-    ) -> impl Future<Output = Result<Vec<i64>, StoreError>> + Send + 'static {
+    ) -> impl Future<Output = Answer> + Send + 'static {
         let mut state = self.shared.lock();
         let turn = if state.busy {
             let (reply, rx) = oneshot::channel();
@@ -161,7 +173,7 @@ impl Batcher {
         drop(state);
         async move {
             match turn {
-                Turn::Send(sending) => sending.await,
+                Turn::Send(sending) => sending.await.map(Integers::from_vec),
                 Turn::Queued(rx) => rx.await.unwrap_or(Err(StoreError::NotStarted)),
             }
         }
@@ -171,7 +183,7 @@ impl Batcher {
 /// Whose turn a submission is: to send now, or to wait for its slice of a queued call.
 enum Turn {
     Send(Sending),
-    Queued(oneshot::Receiver<Result<Vec<i64>, StoreError>>),
+    Queued(oneshot::Receiver<Answer>),
 }
 
 impl Shared {
@@ -315,13 +327,13 @@ fn deliver(
     counts: &[usize],
     result: Result<Vec<i64>, StoreError>,
 ) {
-    let answers: Vec<Result<Vec<i64>, StoreError>> = match result {
+    let answers: Vec<Answer> = match result {
         Ok(reply) if reply.len() == REPLY_WIDTH * counts.iter().sum::<usize>() => {
             let mut at = 0;
             counts
                 .iter()
                 .map(|n| {
-                    let slice = reply[at..at + REPLY_WIDTH * n].to_vec();
+                    let slice = Integers::from_slice(&reply[at..at + REPLY_WIDTH * n]);
                     at += REPLY_WIDTH * n;
                     Ok(slice)
                 })
@@ -354,15 +366,12 @@ fn deliver(
 
 /// Submitters with their answers, delivered together: on the runtime of the worker
 /// given, or at once (`None`).
-type Group = (Option<usize>, Vec<(Reply, Result<Vec<i64>, StoreError>)>);
+type Group = (Option<usize>, Vec<(Reply, Answer)>);
 
 /// Answers paired with their submitters, grouped by where they are delivered: `None`
 /// (first, when there is any) for this thread's submitters and those of no worker, then
 /// one group per other `per_core` worker with its runtime, each in submission order.
-fn by_home(
-    replies: Vec<(Reply, Option<usize>)>,
-    answers: Vec<Result<Vec<i64>, StoreError>>,
-) -> Vec<Group> {
+fn by_home(replies: Vec<(Reply, Option<usize>)>, answers: Vec<Answer>) -> Vec<Group> {
     let here = crate::server::runtime::worker().map(|(i, _)| i);
     let mut groups: Vec<Group> = vec![(None, Vec::new())];
     for ((tx, home), answer) in replies.into_iter().zip(answers) {
@@ -395,7 +404,8 @@ mod tests {
     ) -> (Flush, Calls) {
         let calls = Arc::new(Mutex::new(Vec::new()));
         let seen = calls.clone();
-        let flush: Flush = Box::new(move |keys: Vec<String>, _args: Vec<u64>| {
+        let flush: Flush = Box::new(move |keys: Vec<Key>, _args: Vec<u64>| {
+            let keys: Vec<String> = keys.iter().map(|k| k.to_string()).collect();
             let seen = seen.clone();
             let delay = delay_of(&keys);
             Box::pin(async move {
@@ -418,16 +428,16 @@ mod tests {
         let batcher = Batcher::spawn(flush, Duration::from_secs(5));
         let first = batcher.enqueue(vec!["1".into()], vec![]);
         let queued: Vec<_> = (2..5)
-            .map(|k| batcher.enqueue(vec![k.to_string()], vec![]))
+            .map(|k| batcher.enqueue(vec![k.to_string().into()], vec![]))
             .collect();
         let me = tokio::spawn(async move {
             let id = tokio::task::id();
             (first.await, id)
         });
         let (answer, submitter) = me.await.unwrap();
-        assert_eq!(answer.unwrap(), vec![1; REPLY_WIDTH]);
+        assert_eq!(answer.unwrap().to_vec(), vec![1; REPLY_WIDTH]);
         for (k, q) in (2..5).zip(queued) {
-            assert_eq!(q.await.unwrap(), vec![k; REPLY_WIDTH]);
+            assert_eq!(q.await.unwrap().to_vec(), vec![k; REPLY_WIDTH]);
         }
         let calls = calls.lock().unwrap();
         assert_eq!(calls.len(), 2, "one call, then the queue in one call");
@@ -447,10 +457,10 @@ mod tests {
         let batcher = Batcher::spawn(flush, Duration::from_secs(5));
         drop(batcher.enqueue(vec!["7".into()], vec![])); // never polled
         let next = batcher.enqueue(vec!["8".into()], vec![]);
-        assert_eq!(next.await.unwrap(), vec![8; REPLY_WIDTH]);
+        assert_eq!(next.await.unwrap().to_vec(), vec![8; REPLY_WIDTH]);
         // And the batcher is idle again: the next call is sent by its submitter.
         let again = batcher.enqueue(vec!["9".into()], vec![]);
-        assert_eq!(again.await.unwrap(), vec![9; REPLY_WIDTH]);
+        assert_eq!(again.await.unwrap().to_vec(), vec![9; REPLY_WIDTH]);
         let calls = calls.lock().unwrap();
         let keys: Vec<&[String]> = calls.iter().map(|(k, _)| k.as_slice()).collect();
         assert_eq!(
@@ -474,7 +484,7 @@ mod tests {
         let queued_at = Instant::now();
         let slow = batcher.enqueue(vec!["2".into()], vec![]);
         let behind = batcher.enqueue(vec!["3".into()], vec![]);
-        assert_eq!(first.await.unwrap(), vec![1; REPLY_WIDTH]);
+        assert_eq!(first.await.unwrap().to_vec(), vec![1; REPLY_WIDTH]);
         for answer in [slow.await, behind.await] {
             assert!(
                 matches!(answer, Err(StoreError::Timeout(200))),
@@ -528,12 +538,12 @@ mod tests {
             rt1.block_on(async move {
                 ready.recv().unwrap();
                 let mine: Vec<_> = (10..13)
-                    .map(|k| b1.enqueue(vec![k.to_string()], vec![]))
+                    .map(|k| b1.enqueue(vec![k.to_string().into()], vec![]))
                     .collect();
                 queued_tx.send(()).unwrap();
                 let mut got = Vec::new();
                 for f in mine {
-                    got.push(f.await.unwrap());
+                    got.push(f.await.unwrap().to_vec());
                 }
                 got
             })
@@ -548,7 +558,10 @@ mod tests {
                 .await
                 .unwrap();
             let own = batcher.enqueue(vec!["2".into()], vec![]);
-            (sending.await.unwrap().unwrap(), own.await.unwrap())
+            (
+                sending.await.unwrap().unwrap().to_vec(),
+                own.await.unwrap().to_vec(),
+            )
         });
         assert_eq!(answers.0, vec![1; REPLY_WIDTH]);
         assert_eq!(answers.1, vec![2; REPLY_WIDTH]);
@@ -585,7 +598,7 @@ mod tests {
             replies.push((tx, h));
             rxs.push(rx);
         }
-        let answers = (0..6).map(|i| Ok(vec![i])).collect();
+        let answers = (0..6).map(|i| Ok(Integers::from_slice(&[i]))).collect();
         let groups = by_home(replies, answers);
         let shape: Vec<(bool, Vec<i64>)> = groups
             .iter()

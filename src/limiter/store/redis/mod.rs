@@ -39,7 +39,7 @@ use crate::limiter::key::{jump_consistent_hash, LimitKey};
 use arc_swap::ArcSwap;
 use batch::Batcher;
 use cluster::ClusterNode;
-use futures_util::future::join_all;
+use futures_util::future::{join_all, Either};
 use node::{Node, NodeSettings, WhenDisconnected};
 use sentinel::SentinelWatch;
 use stats::{bump, Counts, ShardStats};
@@ -302,7 +302,7 @@ impl Shard {
                 let (w, s) = (w.clone(), s.clone());
                 Box::pin(async move {
                     let shard = w.upgrade().ok_or(StoreError::NotStarted)?;
-                    let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+                    let keys: Vec<&str> = keys.iter().map(|k| &**k).collect();
                     match kind {
                         Kind::Check => shard.check(&s, &keys, &args).await,
                         Kind::Charge => shard.on_primary(&s.apply, &keys, &args).await,
@@ -740,7 +740,7 @@ impl RedisStore {
         members: &[usize],
         now_ms: u64,
     ) -> impl Future<Output = Vec<Result<Verdict, StoreError>>> + Send + 'static {
-        let names: Vec<String> = members.iter().map(|&i| items[i].key.key.clone()).collect();
+        let names: Vec<batch::Key> = members.iter().map(|&i| items[i].key.key.clone()).collect();
         let flat: Vec<u64> = members
             .iter()
             .flat_map(|&i| {
@@ -759,20 +759,23 @@ impl RedisStore {
             })
             .collect();
         let count = members.len();
-        let reply: std::pin::Pin<Box<dyn Future<Output = Result<Vec<i64>, StoreError>> + Send>> =
-            match live {
-                Topology::Cluster(c) => {
-                    let (c, scripts) = (c.clone(), self.scripts.clone());
-                    Box::pin(async move {
-                        let names: Vec<&str> = names.iter().map(String::as_str).collect();
-                        c.call(&scripts.apply, &names, &flat).await
-                    })
-                }
-                Topology::Sharded(shards) => match shards.get(group as usize) {
-                    None => Box::pin(async { Err(StoreError::NotStarted) }),
-                    Some(shard) => Box::pin(shard.batcher(kind).enqueue(names, flat)),
-                },
-            };
+        // A shard's batch is held inline (the future this returns is boxed once, by
+        // `submit_many`); cluster calls and the store not started are boxed.
+        type Other = std::pin::Pin<Box<dyn Future<Output = batch::Answer> + Send>>;
+        let reply = match live {
+            Topology::Cluster(c) => {
+                let (c, scripts) = (c.clone(), self.scripts.clone());
+                Either::Right(Box::pin(async move {
+                    let names: Vec<&str> = names.iter().map(|k| &**k).collect();
+                    let reply = c.call(&scripts.apply, &names, &flat).await;
+                    reply.map(batch::Integers::from_vec)
+                }) as Other)
+            }
+            Topology::Sharded(shards) => match shards.get(group as usize) {
+                None => Either::Right(Box::pin(async { Err(StoreError::NotStarted) }) as Other),
+                Some(shard) => Either::Left(shard.batcher(kind).enqueue(names, flat)),
+            },
+        };
         async move {
             match reply.await {
                 Ok(r) if r.len() == batch::REPLY_WIDTH * count => verdicts(&r),

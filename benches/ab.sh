@@ -4,16 +4,20 @@
 # is measured here in interleaved rounds.
 #
 #   bash benches/ab.sh OLD_BINARY NEW_BINARY        (ROUNDS=4 by default)
+#   MODES="proxied 429 redis" bash benches/ab.sh OLD_BINARY NEW_BINARY
 #
-# Each binary serves the memory store with one limit (default runtime, log level warn) in
-# front of one nginx worker, twice: a quota no run uses up (proxied) and a quota of 1,
-# spent before the run (every request a 429 from the over-limit cache). Each round runs
-# `wrk -t1 -c64 -d10s` against old and new in turn, proxied then 429; the gateway's CPU
-# comes from /proc/PID/stat (utime + stime of all its threads). Prints every round, then
-# the means. Needs nginx, wrk and curl.
+# Each binary serves one limit (default runtime, log level warn) in front of one nginx
+# worker, once per mode: `proxied`, the memory store with a quota no run uses up; `429`, the
+# memory store with a quota of 1, spent before the run (every request a 429 from the
+# over-limit cache); `redis` (not by default), a quota no run uses up in one Redis shard
+# (a `redis-server` of the script's own on a free port, stopped by PID; each binary under
+# its own key prefix), CHARGEd after the response. Each round runs `wrk -t1 -c64 -d10s`
+# against old and new in turn, mode by mode; the gateway's CPU comes from /proc/PID/stat
+# (utime + stime of all its threads). Prints every round, then the means. Needs nginx, wrk
+# and curl (and redis-server for `redis`).
 set -euo pipefail
 [[ $# == 2 && -x "$1" && -x "$2" ]] || { echo "usage: bash benches/ab.sh OLD_BINARY NEW_BINARY" >&2; exit 2; }
-OLD=$1 NEW=$2 ROUNDS=${ROUNDS:-4}
+OLD=$1 NEW=$2 ROUNDS=${ROUNDS:-4} MODES=${MODES:-proxied 429}
 for t in nginx wrk curl; do command -v $t >/dev/null || { echo "ab.sh: $t is missing" >&2; exit 2; }; done
 D=$(mktemp -d)
 HZ=$(getconf CLK_TCK)
@@ -21,16 +25,26 @@ declare -A PORT PID
 cleanup() {
     for k in "${!PID[@]}"; do kill "${PID[$k]}" 2>/dev/null || true; done
     [[ -s $D/nginx.pid ]] && kill "$(cat "$D/nginx.pid")" 2>/dev/null || true
+    [[ -n "${REDIS_PID:-}" ]] && kill "$REDIS_PID" 2>/dev/null || true
     rm -rf "$D"
 }
 trap cleanup EXIT
 # shellcheck source=benches/upstream.sh
 source "$(dirname "$0")/upstream.sh"
 start_upstream "hello from upstream\n"
+if [[ " $MODES " == *" redis "* ]]; then
+    command -v redis-server >/dev/null || { echo "ab.sh: redis-server is missing (MODES has redis)" >&2; exit 2; }
+    RP=$(free_port)
+    redis-server --port "$RP" --bind 127.0.0.1 --save '' --appendonly no >"$D/redis.log" 2>&1 &
+    REDIS_PID=$!
+    for _ in $(seq 50); do redis-cli -p "$RP" ping >/dev/null 2>&1 && break; sleep 0.1; done
+fi
 for bin in old new; do
-    for mode in proxied 429; do
+    for mode in $MODES; do
         q=1000000000000
         [[ $mode == 429 ]] && q=1
+        store='backend = "memory"'
+        [[ $mode == redis ]] && store=$(printf 'backend = "redis"\nkey_prefix = "ab-%s:"\n[[store.shards]]\nprimary = "redis://127.0.0.1:%s"' "$bin" "$RP")
         p=$(free_port)
         cat >"$D/$bin-$mode.toml" <<TG
 [server]
@@ -40,7 +54,7 @@ watch_config = false
 [log]
 level = "warn"
 [store]
-backend = "memory"
+$store
 [[upstreams]]
 name = "nginx"
 targets = ["http://127.0.0.1:$UP"]
@@ -67,7 +81,7 @@ done
 ticks() { awk '{ print $14 + $15 }' "/proc/$1/stat"; }
 printf 'round\tcase\treq/s\tgateway CPU us/req\n' | tee "$D/result.tsv"
 for r in $(seq "$ROUNDS"); do
-    for mode in proxied 429; do
+    for mode in $MODES; do
         for bin in old new; do
             k=$bin-$mode
             t0=$(ticks "${PID[$k]}")

@@ -34,10 +34,7 @@ source "$(dirname "$0")/upstream.sh"
 start_upstream "hello from upstream\n"
 if [[ " $MODES " == *" redis "* ]]; then
     command -v redis-server >/dev/null || { echo "ab.sh: redis-server is missing (MODES has redis)" >&2; exit 2; }
-    RP=$(free_port)
-    redis-server --port "$RP" --bind 127.0.0.1 --save '' --appendonly no >"$D/redis.log" 2>&1 &
-    REDIS_PID=$!
-    for _ in $(seq 50); do redis-cli -p "$RP" ping >/dev/null 2>&1 && break; sleep 0.1; done
+    start_redis
 fi
 for bin in old new; do
     for mode in $MODES; do

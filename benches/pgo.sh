@@ -85,10 +85,9 @@ trap cleanup EXIT
 # shellcheck source=benches/upstream.sh
 source benches/upstream.sh
 start_upstream "ok"
-RP=$(free_port)
 if [[ $WHAT == tollgate ]]; then
-    redis-server --port "$RP" --bind 127.0.0.1 --save '' --appendonly no --daemonize no >"$D/redis.log" 2>&1 &
-    PIDS+=($!)
+    start_redis
+    PIDS+=("$REDIS_PID")
 fi
 # POST bodies for the API-key case.
 cat >"$D/post.lua" <<'LUA'

@@ -331,6 +331,7 @@ fn redact(v: &mut Value) {
                         | "key"
                         | "secret"
                         | "password"
+                        | "sentinel_password"
                         | "admin_token_sha256"
                 ) {
                     if !v.is_null() {

@@ -277,7 +277,17 @@ impl Snapshot {
         // over-limit cache when [store] is unchanged, or when both are memory stores;
         // drop cached rejections of limits whose definition changed. The new [store] is
         // validated either way.
-        let fresh = build_store(&cfg.store, &mut problems);
+        // Secrets and certificates named in [store] are read now, on every load and
+        // reload: a kept store takes the newly read ones for its next connections.
+        let store_dir = crate::tls::base_dir(&file.path);
+        let hash_key = crate::config::secrets::secret(
+            "store.hash_key",
+            cfg.store.hash_key.as_deref(),
+            cfg.store.hash_key_file.as_deref(),
+            &store_dir,
+            &mut problems,
+        );
+        let fresh = build_store(&cfg.store, &store_dir, &mut problems);
         let keep = previous.filter(|prev| {
             prev.config.store == cfg.store
                 || (prev.config.store.backend == Backend::Memory
@@ -285,6 +295,11 @@ impl Snapshot {
         });
         let (store, cache, leases) = match keep {
             Some(prev) => {
+                if let (AnyStore::Redis(kept), Some(AnyStore::Redis(fresh))) =
+                    (&**prev.limiter.store(), &fresh)
+                {
+                    kept.take_dial_settings(fresh);
+                }
                 let cache = prev.limiter.cache().clone();
                 for old in &prev.config.limits {
                     if !cfg.limits.contains(old) {
@@ -326,7 +341,7 @@ impl Snapshot {
         let (Some(listen), Some(store)) = (listen, store) else {
             return Err(report);
         };
-        let keys = KeyScheme::new(&cfg.store.key_prefix, cfg.store.hash_key.as_deref());
+        let keys = KeyScheme::new(&cfg.store.key_prefix, hash_key.as_deref());
         Ok(Snapshot {
             config: cfg.clone(),
             identities,
@@ -541,7 +556,11 @@ fn check_headers(cfg: &Config, problems: &mut Problems) {
 }
 
 /// Validate `[store]` and build the store it describes (no I/O).
-fn build_store(cfg: &StoreConfig, problems: &mut Problems) -> Option<AnyStore> {
+fn build_store(
+    cfg: &StoreConfig,
+    base_dir: &std::path::Path,
+    problems: &mut Problems,
+) -> Option<AnyStore> {
     if cfg.timeout.0.is_zero() {
         problems.error("store.timeout", "must be more than 0");
     }
@@ -572,7 +591,9 @@ fn build_store(cfg: &StoreConfig, problems: &mut Problems) -> Option<AnyStore> {
                 cfg.max_callers,
             )))
         }
-        Backend::Redis => RedisStore::from_config(cfg, problems).map(AnyStore::Redis),
+        Backend::Redis => {
+            RedisStore::from_config_in(cfg, base_dir, problems).map(AnyStore::Redis)
+        }
     }
 }
 

@@ -10,6 +10,7 @@
 pub mod duration;
 mod locate;
 pub mod schema;
+pub mod secrets;
 
 pub use duration::Dur;
 pub use schema::*;

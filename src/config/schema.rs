@@ -323,6 +323,38 @@ pub struct StoreConfig {
     /// Every gateway of a fleet must use the same value. Default: none (the hash is
     /// keyed with the key prefix only).
     pub hash_key: Option<String>,
+    /// Path of a file holding `hash_key` instead (one trailing newline stripped), read at
+    /// every load and reload. A relative path is looked up in `$CREDENTIALS_DIRECTORY`
+    /// first (systemd's `LoadCredential=`), then relative to the config file's
+    /// directory. Not together with `hash_key`. Default: none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hash_key_file: Option<String>,
+    /// Redis ACL user name for every data node (primaries, replicas, nodes found through
+    /// Sentinel or Cluster) whose URL carries none. Default: none (`default` user).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub username: Option<String>,
+    /// Redis password for every data node whose URL carries none. Default: none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub password: Option<String>,
+    /// Path of a file holding `password` instead (resolved like `hash_key_file`), read
+    /// at every load and reload: the next connection uses a rotated password. Not
+    /// together with `password`. Default: none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub password_file: Option<String>,
+    /// ACL user name for the Sentinels whose URL carries none. Default: none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sentinel_username: Option<String>,
+    /// Password for the Sentinels whose URL carries none. Default: none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sentinel_password: Option<String>,
+    /// Path of a file holding `sentinel_password` instead (resolved like
+    /// `hash_key_file`). Not together with `sentinel_password`. Default: none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sentinel_password_file: Option<String>,
+    /// `[store.tls]`: how `rediss://` nodes are verified, and the client certificate
+    /// presented to them. Default: none (public roots, no client certificate).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls: Option<StoreTlsConfig>,
     /// Where CHECKs go: `"replica"` (default when a shard lists replicas) or `"primary"`.
     /// CHARGEs always go to the primary.
     pub read_from: Option<ReadFrom>,
@@ -366,6 +398,14 @@ impl Default for StoreConfig {
             on_error: OnError::Allow,
             key_prefix: "tollgate:".into(),
             hash_key: None,
+            hash_key_file: None,
+            username: None,
+            password: None,
+            password_file: None,
+            sentinel_username: None,
+            sentinel_password: None,
+            sentinel_password_file: None,
+            tls: None,
             read_from: None,
             sweep_interval: Dur::from_secs(5),
             max_callers: 1_000_000,
@@ -378,6 +418,35 @@ impl Default for StoreConfig {
             nodes: Vec::new(),
         }
     }
+}
+
+/// `[store.tls]`: TLS to Redis nodes reached through `rediss://` URLs (and the nodes
+/// Sentinel and Cluster announce for them). rustls with the ring provider. The files are
+/// read at every load and reload; the next connection uses what was read last.
+/// Relative paths are relative to the config file's directory.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct StoreTlsConfig {
+    /// PEM file of the CA certificate(s) that sign the Redis servers' certificates (a
+    /// private CA); replaces `roots`. Default: none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca: Option<String>,
+    /// Trusted roots when `ca` is not set: `"webpki"` (default, Mozilla's roots built in)
+    /// or `"system"` (the operating system's store, read at every load).
+    #[serde(default)]
+    pub roots: TlsRoots,
+    /// PEM file of the client certificate (chain) presented to Redis (mutual TLS,
+    /// `tls-auth-clients yes`); needs `client_key`. Default: none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_cert: Option<String>,
+    /// PEM file of the private key of `client_cert`. Default: none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_key: Option<String>,
+    /// The name sent as SNI and verified in every Redis server's certificate, instead of
+    /// the host of the address dialled (needed when nodes are announced by IP, as
+    /// Cluster and Sentinel do, and the certificate names a DNS name). Default: none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub server_name: Option<String>,
 }
 
 /// The kind of store.
@@ -529,7 +598,7 @@ pub struct IdentityConfig {
 }
 
 /// `[identity.jwt]`: how bearer tokens shaped like JWTs are verified. Exactly one of
-/// `secret`, `secret_env`, `public_key` and `jwks` gives the key(s).
+/// `secret`, `secret_env`, `secret_file`, `public_key` and `jwks` gives the key(s).
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct JwtConfig {
@@ -539,6 +608,11 @@ pub struct JwtConfig {
     /// Name of an environment variable holding the HMAC secret (read at each load).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub secret_env: Option<String>,
+    /// Path of a file holding the HMAC secret (one trailing newline stripped; read at
+    /// each load). A relative path is looked up in `$CREDENTIALS_DIRECTORY` first, then
+    /// relative to the config file's directory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret_file: Option<String>,
     /// Path of a PEM public key (RSA or EC; relative paths are relative to the config
     /// file's directory).
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -152,6 +152,7 @@ impl JwtVerifier {
         let sources = [
             cfg.secret.is_some(),
             cfg.secret_env.is_some(),
+            cfg.secret_file.is_some(),
             cfg.public_key.is_some(),
             cfg.jwks.is_some(),
         ];
@@ -159,7 +160,7 @@ impl JwtVerifier {
             0 => {
                 problems.error(
                     at,
-                    "no key: give one of `secret`, `secret_env`, `public_key` or `jwks`",
+                    "no key: give one of `secret`, `secret_env`, `secret_file`, `public_key` or `jwks`",
                 );
                 None
             }
@@ -167,7 +168,7 @@ impl JwtVerifier {
             _ => {
                 problems.error(
                     at,
-                    "give only one of `secret`, `secret_env`, `public_key` and `jwks`",
+                    "give only one of `secret`, `secret_env`, `secret_file`, `public_key` and `jwks`",
                 );
                 None
             }
@@ -323,8 +324,18 @@ fn load_keys(
                 return None;
             }
         },
-        (None, None) => None,
+        (None, None) => crate::config::secrets::secret(
+            &format!("{at}.secret"),
+            None,
+            cfg.secret_file.as_deref(),
+            base_dir,
+            problems,
+        )
+        .map(|s| ("secret_file", s)),
     };
+    if cfg.secret_file.is_some() && secret.is_none() {
+        return None;
+    }
     if let Some((name, secret)) = secret {
         if secret.len() < 16 {
             problems.error(
@@ -457,6 +468,7 @@ mod tests {
         let cfg = JwtConfig {
             secret: None,
             secret_env: None,
+            secret_file: None,
             public_key: Some("does-not-exist.pem".into()),
             jwks: None,
             algorithms: vec!["RS256".into(), "none".into(), "XX1".into()],

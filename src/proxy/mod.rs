@@ -28,7 +28,7 @@ pub mod path;
 pub mod pool;
 pub mod refusal;
 pub mod route;
-mod tls;
+pub(crate) mod tls;
 
 use crate::clock::Clock;
 use crate::config::LogClientIp;

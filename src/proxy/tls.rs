@@ -16,65 +16,105 @@ pub(crate) fn client_config(
     base_dir: &Path,
     problems: &mut Problems,
 ) -> Option<Arc<ClientConfig>> {
-    let before = problems.errors.len();
-    let roots = match &cfg.ca {
-        Some(ca) => ca_roots(&format!("{at}.ca"), &base_dir.join(ca), problems),
-        None => match cfg.tls_roots {
-            TlsRoots::Webpki => Some(RootCertStore {
-                roots: webpki_roots::TLS_SERVER_ROOTS.to_vec(),
-            }),
-            TlsRoots::System => system_roots(&format!("{at}.tls_roots"), problems),
-        },
+    let files = ClientTlsFiles {
+        ca: cfg.ca.as_deref(),
+        roots: cfg.tls_roots,
+        roots_key: "tls_roots",
+        client_cert: cfg.client_cert.as_deref(),
+        client_key: cfg.client_key.as_deref(),
     };
-    let client_auth = match (&cfg.client_cert, &cfg.client_key) {
-        (None, None) => None,
-        (Some(_), None) => {
-            problems.error(
-                format!("{at}.client_key"),
-                "is required with client_cert (the PEM file of its private key)",
-            );
-            None
-        }
-        (None, Some(_)) => {
-            problems.error(
-                format!("{at}.client_cert"),
-                "is required with client_key (the PEM file of the certificate chain)",
-            );
-            None
-        }
-        (Some(cert), Some(key)) => {
-            let chain = read_certs(&format!("{at}.client_cert"), &base_dir.join(cert), problems);
-            let key = read_key(&format!("{at}.client_key"), &base_dir.join(key), problems);
-            chain.zip(key)
-        }
-    };
-    if problems.errors.len() != before {
-        return None;
-    }
-    let roots = roots?;
-    let builder =
-        ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-            .with_safe_default_protocol_versions()
-            .ok()?
-            .with_root_certificates(roots);
-    let mut config = match client_auth {
-        None => builder.with_no_client_auth(),
-        Some((chain, key)) => match builder.with_client_auth_cert(chain, key) {
-            Ok(c) => c,
-            Err(e) => {
-                problems.error(
-                    format!("{at}.client_key"),
-                    format!("does not fit client_cert: {e}"),
-                );
-                return None;
-            }
-        },
-    };
+    let mut config = files.client_config(at, base_dir, problems)?;
     config.alpn_protocols = match cfg.protocol {
         UpstreamProtocol::Http1 => vec![b"http/1.1".to_vec()],
         UpstreamProtocol::Http2 => vec![b"h2".to_vec()],
     };
     Some(Arc::new(config))
+}
+
+/// The files and roots a TLS client is configured from (`[[upstreams]]` or
+/// `[store.tls]`), as written in the config.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ClientTlsFiles<'a> {
+    /// PEM file of private CA certificates; replaces `roots`.
+    pub ca: Option<&'a str>,
+    /// The built-in or system roots, when `ca` is not set.
+    pub roots: TlsRoots,
+    /// The key `roots` is written under (problems with the system store are reported
+    /// there).
+    pub roots_key: &'a str,
+    /// PEM file of the client certificate chain (needs `client_key`).
+    pub client_cert: Option<&'a str>,
+    /// PEM file of its private key (needs `client_cert`).
+    pub client_key: Option<&'a str>,
+}
+
+impl ClientTlsFiles<'_> {
+    /// A rustls client configuration (ring provider, TLS 1.2 and 1.3, no ALPN) from
+    /// these files, read now (relative to `base_dir`). Problems are recorded under
+    /// `at.ca`, `at.client_cert`, `at.client_key` and `at.ROOTS_KEY`.
+    pub(crate) fn client_config(
+        &self,
+        at: &str,
+        base_dir: &Path,
+        problems: &mut Problems,
+    ) -> Option<ClientConfig> {
+        let before = problems.errors.len();
+        let roots = match self.ca {
+            Some(ca) => ca_roots(&format!("{at}.ca"), &base_dir.join(ca), problems),
+            None => match self.roots {
+                TlsRoots::Webpki => Some(RootCertStore {
+                    roots: webpki_roots::TLS_SERVER_ROOTS.to_vec(),
+                }),
+                TlsRoots::System => system_roots(&format!("{at}.{}", self.roots_key), problems),
+            },
+        };
+        let client_auth = match (self.client_cert, self.client_key) {
+            (None, None) => None,
+            (Some(_), None) => {
+                problems.error(
+                    format!("{at}.client_key"),
+                    "is required with client_cert (the PEM file of its private key)",
+                );
+                None
+            }
+            (None, Some(_)) => {
+                problems.error(
+                    format!("{at}.client_cert"),
+                    "is required with client_key (the PEM file of the certificate chain)",
+                );
+                None
+            }
+            (Some(cert), Some(key)) => {
+                let chain =
+                    read_certs(&format!("{at}.client_cert"), &base_dir.join(cert), problems);
+                let key = read_key(&format!("{at}.client_key"), &base_dir.join(key), problems);
+                chain.zip(key)
+            }
+        };
+        if problems.errors.len() != before {
+            return None;
+        }
+        let roots = roots?;
+        let builder = ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .ok()?
+        .with_root_certificates(roots);
+        match client_auth {
+            None => Some(builder.with_no_client_auth()),
+            Some((chain, key)) => match builder.with_client_auth_cert(chain, key) {
+                Ok(c) => Some(c),
+                Err(e) => {
+                    problems.error(
+                        format!("{at}.client_key"),
+                        format!("does not fit client_cert: {e}"),
+                    );
+                    None
+                }
+            },
+        }
+    }
 }
 
 fn read_certs(

@@ -3,6 +3,7 @@
 //! all keys of one caller share a slot.
 
 use super::breaker::Breaker;
+use super::cluster_dial::Dialed;
 use super::stats::{bump, NodeStats};
 use super::Scripts;
 use crate::limiter::store::StoreError;
@@ -15,7 +16,7 @@ use tokio::sync::watch;
 /// A Redis Cluster seen as one store node (one breaker, one set of counters).
 pub(crate) struct ClusterNode {
     pub(super) label: String,
-    conn: watch::Sender<Option<ClusterConnection>>,
+    conn: watch::Sender<Option<ClusterConnection<Dialed>>>,
     breaker: Breaker,
     pub(super) stats: Arc<NodeStats>,
     timeout: Duration,
@@ -51,7 +52,8 @@ impl ClusterNode {
             let mut backoff = super::backoff::Backoff::new();
             loop {
                 let connected = async {
-                    let mut conn = client.get_async_connection().await?;
+                    // Each node's connection through the store's dialer (TLS, credentials).
+                    let mut conn = client.get_async_generic_connection::<Dialed>().await?;
                     // Load every script on every primary (SCRIPT LOAD goes to all of them).
                     for script in scripts.all() {
                         script.load(&mut conn).await?;

@@ -26,6 +26,8 @@ mod backoff;
 mod batch;
 mod breaker;
 mod cluster;
+mod cluster_dial;
+mod dial;
 mod node;
 mod sentinel;
 pub mod stats;
@@ -39,6 +41,7 @@ use crate::limiter::key::{jump_consistent_hash, LimitKey};
 use arc_swap::ArcSwap;
 use batch::Batcher;
 use cluster::ClusterNode;
+use dial::{DialSettings, Dialer, Endpoint};
 use futures_util::future::{join_all, Either};
 use node::{Node, NodeSettings, WhenDisconnected};
 use sentinel::SentinelWatch;
@@ -406,6 +409,8 @@ pub struct RedisStore {
     cfg: StoreConfig,
     scripts: Arc<Scripts>,
     live: OnceLock<Topology>,
+    /// Credentials and TLS settings every new connection reads (see [`dial`]).
+    dialer: Arc<Dialer>,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -417,20 +422,44 @@ impl std::fmt::Debug for RedisStore {
     }
 }
 
-fn check_url(url: &str, at: String, problems: &mut Problems) -> bool {
-    match redis::Client::open(url) {
-        Ok(_) => true,
+/// Whether `url` is a usable `redis://` or `rediss://` URL (else a problem at `at`);
+/// `tls` is set when it is `rediss://`.
+fn check_url(url: &str, at: String, tls: &mut bool, problems: &mut Problems) -> bool {
+    match Endpoint::parse(url) {
+        Ok(ep) => {
+            *tls |= ep.tls;
+            true
+        }
         Err(e) => {
-            problems.error(at, format!("{url:?} is not a usable Redis URL: {e}"));
+            problems.error(
+                at,
+                format!(
+                    "{:?} is not a usable Redis URL: {e}",
+                    crate::config::redact_url(url)
+                ),
+            );
             false
         }
     }
 }
 
 impl RedisStore {
-    /// Validate `[store]` for Redis (problems under `store.*`) and build the store.
+    /// Validate `[store]` for Redis (problems under `store.*`) and build the store;
+    /// files named in `[store]` are relative to the working directory.
     pub fn from_config(cfg: &StoreConfig, problems: &mut Problems) -> Option<Self> {
+        Self::from_config_in(cfg, std::path::Path::new("."), problems)
+    }
+
+    /// [`RedisStore::from_config`], reading the secret files (`store.password_file`,
+    /// `store.sentinel_password_file`) and `[store.tls]`'s PEM files now, relative to
+    /// `base_dir` (the config file's directory).
+    pub fn from_config_in(
+        cfg: &StoreConfig,
+        base_dir: &std::path::Path,
+        problems: &mut Problems,
+    ) -> Option<Self> {
         let before = problems.errors.len();
+        let mut tls = false;
         if cfg.breaker_failures == 0 {
             problems.error("store.breaker_failures", "must be at least 1");
         }
@@ -443,7 +472,7 @@ impl RedisStore {
                     problems.error("store.nodes", "mode \"cluster\" needs at least one seed node, e.g. [\"redis://10.0.0.1:7000\"]");
                 }
                 for (i, n) in cfg.nodes.iter().enumerate() {
-                    check_url(n, format!("store.nodes[{i}]"), problems);
+                    check_url(n, format!("store.nodes[{i}]"), &mut tls, problems);
                 }
                 if !cfg.shards.is_empty() {
                     problems.error(
@@ -475,7 +504,7 @@ impl RedisStore {
                     let at = format!("store.shards[{i}]");
                     match (&s.primary, &s.sentinel) {
                         (Some(p), None) => {
-                            check_url(p, format!("{at}.primary"), problems);
+                            check_url(p, format!("{at}.primary"), &mut tls, problems);
                         }
                         (None, Some(sen)) => {
                             if sen.master.trim().is_empty() {
@@ -485,7 +514,7 @@ impl RedisStore {
                                 problems.error(format!("{at}.sentinel.nodes"), "needs at least one Sentinel, e.g. [\"redis://10.0.0.1:26379\"]");
                             }
                             for (j, n) in sen.nodes.iter().enumerate() {
-                                check_url(n, format!("{at}.sentinel.nodes[{j}]"), problems);
+                                check_url(n, format!("{at}.sentinel.nodes[{j}]"), &mut tls, problems);
                             }
                             if !s.replicas.is_empty() {
                                 problems.error(format!("{at}.replicas"), "with `sentinel`, replicas come from Sentinel; remove `replicas`");
@@ -495,16 +524,25 @@ impl RedisStore {
                         (None, None) => problems.error(at.clone(), "needs `primary = \"redis://HOST:PORT\"` or `sentinel = { master = …, nodes = […] }`"),
                     }
                     for (j, r) in s.replicas.iter().enumerate() {
-                        check_url(r, format!("{at}.replicas[{j}]"), problems);
+                        check_url(r, format!("{at}.replicas[{j}]"), &mut tls, problems);
                     }
                 }
             }
         }
+        let settings = DialSettings::load(cfg, tls, base_dir, problems);
         (problems.errors.len() == before).then(|| Self {
             cfg: cfg.clone(),
             scripts: Arc::new(Scripts::new()),
             live: OnceLock::new(),
+            dialer: Dialer::new(settings),
         })
+    }
+
+    /// Take the credentials and TLS settings `fresh` read (a reload that keeps this
+    /// store because `[store]` is unchanged): connections opened from now on use them;
+    /// open ones are left alone.
+    pub fn take_dial_settings(&self, fresh: &RedisStore) {
+        self.dialer.replace(fresh.dialer.settings());
     }
 
     /// The `now` to pass to the scripts, in ms since the Unix epoch: the gateway's
@@ -521,6 +559,7 @@ impl RedisStore {
             timeout: self.cfg.timeout.0,
             breaker_failures: self.cfg.breaker_failures,
             breaker_cooloff: self.cfg.breaker_cooloff.0,
+            dialer: self.dialer.clone(),
         }
     }
 
@@ -529,7 +568,28 @@ impl RedisStore {
     pub fn start(&self) {
         self.live.get_or_init(|| match self.cfg.mode {
             StoreMode::Cluster => {
-                let client = redis::cluster::ClusterClient::builder(self.cfg.nodes.clone())
+                // TLS is the dialer's (redis-rs is built without it): the client is
+                // given the seeds as redis:// URLs, and every node is dialled with TLS
+                // when the seeds are rediss://.
+                let tls = self.cfg.nodes.iter().any(|n| n.starts_with("rediss://"));
+                let seeds: Vec<String> = self
+                    .cfg
+                    .nodes
+                    .iter()
+                    .map(|n| match n.strip_prefix("rediss://") {
+                        Some(rest) => format!("redis://{rest}"),
+                        None => n.clone(),
+                    })
+                    .collect();
+                cluster_dial::use_for_cluster(
+                    self.dialer.clone(),
+                    tls,
+                    self.cfg
+                        .timeout
+                        .0
+                        .max(std::time::Duration::from_millis(500)),
+                );
+                let client = redis::cluster::ClusterClient::builder(seeds)
                     .connection_timeout(
                         self.cfg
                             .timeout
@@ -579,7 +639,7 @@ impl RedisStore {
                     } else {
                         ReadFrom::Replica
                     });
-            let open = |url: &str| redis::Client::open(url).ok();
+            let open = |url: &str| Endpoint::parse(url).ok();
             let primary_client = s.primary.as_deref().and_then(open);
             let primary_label = match (&s.primary, &s.sentinel) {
                 (Some(p), _) => format!("shard {index} primary {}", crate::config::redact_url(p)),

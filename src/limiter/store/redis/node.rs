@@ -13,6 +13,7 @@
 //! connection is up, and are dropped whenever it is replaced (reconnect, failover).
 
 use super::breaker::{Breaker, BreakerState};
+use super::dial::{Dialer, Endpoint, Role};
 use super::stats::{bump, NodeStats};
 use super::Scripts;
 use crate::limiter::store::StoreError;
@@ -39,13 +40,15 @@ pub(super) struct NodeSettings {
     pub timeout: Duration,
     pub breaker_failures: u32,
     pub breaker_cooloff: Duration,
+    /// Opens every connection, with the store's current credentials and TLS settings.
+    pub dialer: Arc<Dialer>,
 }
 
 /// See the module documentation.
 #[derive(Debug)]
 pub(crate) struct Node {
     pub(super) label: String,
-    target: Mutex<Option<redis::Client>>,
+    target: Mutex<Option<Endpoint>>,
     conn: watch::Sender<Option<MultiplexedConnection>>,
     /// Each `per_core` worker's own connection (see the module documentation).
     workers: Arc<WorkerConns>,
@@ -66,12 +69,13 @@ pub(super) enum WhenDisconnected {
 }
 
 impl Node {
-    /// A node that connects to `client` (or waits for [`Node::retarget`] when `None`).
+    /// A node that connects to `client` (or waits for [`Node::retarget`] when `None`),
+    /// through `settings.dialer`.
     /// Must be called inside a Tokio runtime: it spawns the connection task, which ends
     /// when the node is dropped.
     pub(super) fn spawn(
         label: String,
-        client: Option<redis::Client>,
+        client: Option<Endpoint>,
         scripts: Arc<Scripts>,
         settings: NodeSettings,
     ) -> Arc<Node> {
@@ -104,12 +108,12 @@ impl Node {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .as_ref()
-            .map(|c| c.get_connection_info().addr().to_string())
+            .map(Endpoint::addr)
             .unwrap_or_default()
     }
 
     /// Point the node at a new address (after a failover) and reconnect.
-    pub(super) fn retarget(&self, client: redis::Client) {
+    pub(super) fn retarget(&self, client: Endpoint) {
         *self.target.lock().unwrap_or_else(|e| e.into_inner()) = Some(client);
         self.publish(None);
         self.wake.notify_one();
@@ -225,11 +229,12 @@ impl Node {
         drop(slot);
         let workers = self.workers.clone();
         let scripts = self.scripts.clone();
+        let dialer = self.settings.dialer.clone();
         let label = self.label.clone();
         let timeout = self.settings.timeout.max(Duration::from_millis(500));
         runtime.spawn(async move {
             let name = format!("{SHARED_NAME}-worker-{index}");
-            let opened = connect(&client, &scripts, timeout, &name).await;
+            let opened = connect(&dialer, &client, &scripts, timeout, &name).await;
             let Some(slot) = workers.slots.get().and_then(|s| s.get(index)) else {
                 return;
             };
@@ -306,9 +311,10 @@ async fn maintain(node: Weak<Node>, wake: Arc<Notify>) {
         let connect_timeout = n.settings.timeout.max(Duration::from_millis(500));
         let scripts = n.scripts.clone();
         let label = n.label.clone();
+        let dialer = n.settings.dialer.clone();
         drop(n);
 
-        match connect(&client, &scripts, connect_timeout, SHARED_NAME).await {
+        match connect(&dialer, &client, &scripts, connect_timeout, SHARED_NAME).await {
             Ok(conn) => {
                 let Some(n) = node.upgrade() else { return };
                 // A retarget while connecting makes this connection stale: try again.
@@ -316,8 +322,7 @@ async fn maintain(node: Weak<Node>, wake: Arc<Notify>) {
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
                     .as_ref()
-                    .map(|c| c.get_connection_info().addr().to_string())
-                    != Some(client.get_connection_info().addr().to_string())
+                    != Some(&client)
                 {
                     continue;
                 }
@@ -362,20 +367,18 @@ async fn maintain(node: Weak<Node>, wake: Arc<Notify>) {
     }
 }
 
-/// Open a multiplexed connection named `name` (`CLIENT SETNAME`, where the server
-/// allows it) and load every script on it. Its I/O task runs on the current runtime.
+/// Open a multiplexed connection to `client` through `dialer` (TLS, credentials), named
+/// `name` (`CLIENT SETNAME`, where the server allows it), and load every script on it.
+/// Its I/O task runs on the current runtime.
 async fn connect(
-    client: &redis::Client,
+    dialer: &Dialer,
+    client: &Endpoint,
     scripts: &Scripts,
     timeout: Duration,
     name: &str,
 ) -> redis::RedisResult<MultiplexedConnection> {
-    let config = AsyncConnectionConfig::new()
-        .set_connection_timeout(Some(timeout))
-        .set_response_timeout(Some(timeout * 4));
-    let mut conn = client
-        .get_multiplexed_async_connection_with_config(&config)
-        .await?;
+    let config = AsyncConnectionConfig::new().set_response_timeout(Some(timeout * 4));
+    let mut conn = dialer.connect(client, Role::Data, config, timeout).await?;
     // Best effort: a server that renames or forbids CLIENT still serves the scripts.
     let _ = redis::cmd("CLIENT")
         .arg("SETNAME")

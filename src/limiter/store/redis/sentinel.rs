@@ -6,7 +6,13 @@
 //! to the primary fails (connection error, timeout, `READONLY`: the shard asks through
 //! [`SentinelWatch::suspect`]), and when any Sentinel publishes `+switch-master` (a
 //! subscription per Sentinel).
+//!
+//! Every connection goes through the store's [`Dialer`]: Sentinels with
+//! `store.sentinel_username` / `store.sentinel_password`, the nodes they announce with
+//! `store.username` / `store.password`. When a shard's Sentinel URLs are `rediss://`,
+//! the Sentinels and the nodes they announce are dialled with TLS.
 
+use super::dial::{Dialer, Endpoint, Role};
 use super::node::{Node, NodeSettings};
 use super::{Scripts, Shard};
 use futures_util::StreamExt;
@@ -18,14 +24,18 @@ use tokio::sync::Notify;
 #[derive(Debug)]
 pub(super) struct SentinelWatch {
     pub master: String,
-    pub sentinels: Vec<redis::Client>,
+    pub sentinels: Vec<Endpoint>,
+    /// The announced primary and replicas are dialled with TLS (the Sentinels' URLs are
+    /// `rediss://`).
+    tls: bool,
     trigger: Notify,
 }
 
 impl SentinelWatch {
-    pub(super) fn new(master: String, sentinels: Vec<redis::Client>) -> Arc<Self> {
+    pub(super) fn new(master: String, sentinels: Vec<Endpoint>) -> Arc<Self> {
         Arc::new(Self {
             master,
+            tls: sentinels.iter().any(|s| s.tls),
             sentinels,
             trigger: Notify::new(),
         })
@@ -47,13 +57,14 @@ impl SentinelWatch {
             Arc::downgrade(shard),
             self.clone(),
             scripts,
-            settings,
+            settings.clone(),
         ));
         for sentinel in &self.sentinels {
             tokio::spawn(subscribe(
                 Arc::downgrade(self),
                 sentinel.clone(),
                 self.master.clone(),
+                settings.dialer.clone(),
             ));
         }
     }
@@ -66,10 +77,13 @@ struct Resolved {
     replicas: Vec<String>,
 }
 
-async fn resolve(watch: &SentinelWatch, timeout: Duration) -> Option<Resolved> {
+async fn resolve(watch: &SentinelWatch, dialer: &Dialer, timeout: Duration) -> Option<Resolved> {
     for sentinel in &watch.sentinels {
         let asked = async {
-            let mut conn = sentinel.get_multiplexed_async_connection().await?;
+            let config = redis::AsyncConnectionConfig::new().set_response_timeout(Some(timeout));
+            let mut conn = dialer
+                .connect(sentinel, Role::Sentinel, config, timeout)
+                .await?;
             let (host, port): (String, u16) = redis::cmd("SENTINEL")
                 .arg("get-master-addr-by-name")
                 .arg(&watch.master)
@@ -98,7 +112,7 @@ async fn resolve(watch: &SentinelWatch, timeout: Duration) -> Option<Resolved> {
         match tokio::time::timeout(timeout, asked).await {
             Ok(Ok(r)) => return Some(r),
             Ok(Err(e)) => {
-                tracing::debug!(master = %watch.master, error = %e, "sentinel did not answer")
+                tracing::debug!(master = %watch.master, sentinel = %sentinel.addr(), error = %e, "sentinel did not answer")
             }
             Err(_) => tracing::debug!(master = %watch.master, "sentinel timed out"),
         }
@@ -106,8 +120,10 @@ async fn resolve(watch: &SentinelWatch, timeout: Duration) -> Option<Resolved> {
     None
 }
 
-fn client_for(addr: &str) -> Option<redis::Client> {
-    redis::Client::open(format!("redis://{addr}")).ok()
+/// The node Sentinel announced at `addr` (`HOST:PORT`), dialled with TLS when `tls`.
+fn client_for(addr: &str, tls: bool) -> Option<Endpoint> {
+    let (host, port) = addr.rsplit_once(':')?;
+    Some(Endpoint::announced(host, port.parse().ok()?, tls))
 }
 
 async fn watch(
@@ -118,11 +134,11 @@ async fn watch(
 ) {
     let mut last: Option<Resolved> = None;
     loop {
-        match resolve(&watch, Duration::from_secs(1)).await {
+        match resolve(&watch, &settings.dialer, Duration::from_secs(1)).await {
             Some(resolved) if last.as_ref() != Some(&resolved) => {
                 let Some(shard) = shard.upgrade() else { return };
                 if last.as_ref().map(|l| &l.primary) != Some(&resolved.primary) {
-                    match client_for(&resolved.primary) {
+                    match client_for(&resolved.primary, watch.tls) {
                         Some(client) => {
                             tracing::warn!(shard = shard.index, master = %watch.master, primary = %resolved.primary, "sentinel: primary is now {}", resolved.primary);
                             shard.primary.retarget(client);
@@ -139,7 +155,7 @@ async fn watch(
                         let label = format!("shard {} replica {addr}", shard.index);
                         Some(Node::spawn(
                             label,
-                            Some(client_for(addr)?),
+                            Some(client_for(addr, watch.tls)?),
                             scripts.clone(),
                             settings.clone(),
                         ))
@@ -167,12 +183,20 @@ async fn watch(
 }
 
 /// Listen for `+switch-master` on one Sentinel and trigger re-resolution.
-async fn subscribe(watch: Weak<SentinelWatch>, sentinel: redis::Client, master: String) {
+async fn subscribe(
+    watch: Weak<SentinelWatch>,
+    sentinel: Endpoint,
+    master: String,
+    dialer: Arc<Dialer>,
+) {
     loop {
         if watch.strong_count() == 0 {
             return;
         }
-        if let Ok(mut pubsub) = sentinel.get_async_pubsub().await {
+        let opened = dialer
+            .pubsub(&sentinel, Role::Sentinel, Duration::from_secs(2))
+            .await;
+        if let Ok(mut pubsub) = opened {
             if pubsub.subscribe("+switch-master").await.is_ok() {
                 let mut messages = pubsub.on_message();
                 loop {

@@ -6,6 +6,7 @@ pub mod binary;
 pub mod client;
 pub mod raw;
 pub mod redis;
+pub mod tls_redis;
 pub mod topology;
 pub mod upstream;
 

@@ -275,7 +275,11 @@ impl Dialer {
             Role::Data => (&settings.username, &settings.password),
             Role::Sentinel => (&settings.sentinel_username, &settings.sentinel_password),
         };
-        let mut info = RedisConnectionInfo::default().set_db(ep.db);
+        // No `CLIENT SETINFO` (Redis 7.2+ only, and one more command for the ACL): the
+        // connection is named with `CLIENT SETNAME` instead.
+        let mut info = RedisConnectionInfo::default()
+            .set_db(ep.db)
+            .set_skip_set_lib_name();
         if let Some(u) = ep.username.as_ref().or(user.as_ref()) {
             info = info.set_username(u);
         }

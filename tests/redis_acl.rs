@@ -1,0 +1,376 @@
+//! The Redis store as operators run it: an ACL user with exactly the least-privilege
+//! rule of docs/redis.md (the default user disabled), its password in a file
+//! (`store.password_file`) that can be rotated, and Sentinels and data nodes that
+//! require passwords.
+
+mod support;
+
+use http::Method;
+use std::path::Path;
+use std::time::{Duration, Instant};
+use support::client::Reply;
+use support::tls_redis::AuthedRedis;
+use support::{get_with, send, sha256_hex, TestGateway, Upstream};
+use tollgate::limiter::key::KeyScheme;
+
+const TOKEN: &str = "admin-token-for-acl-tests";
+const ADMIN: (&str, &str) = ("admin", "admin-password");
+
+/// The `ACL SETUSER tollgate ...` line of docs/redis.md, split into arguments, with
+/// `password` in place of `PASSWORD`.
+fn documented_acl(password: &str) -> Vec<String> {
+    let docs = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/redis.md"))
+        .unwrap();
+    let line = docs
+        .lines()
+        .find(|l| l.starts_with("ACL SETUSER tollgate "))
+        .expect("docs/redis.md gives the ACL SETUSER line");
+    line.split_whitespace()
+        .map(|w| {
+            if w == ">PASSWORD" {
+                format!(">{password}")
+            } else {
+                w.to_string()
+            }
+        })
+        .collect()
+}
+
+/// A Redis whose default user is off: only `admin` (the test's) and, once
+/// [`least_privilege`] ran, `tollgate` can log in.
+fn redis_without_default_user() -> AuthedRedis {
+    AuthedRedis::start(
+        &[
+            "--user", "admin", "on", ">admin-password", "~*", "&*", "+@all", "--user", "default",
+            "off",
+        ],
+        ADMIN,
+    )
+}
+
+/// Create the `tollgate` user with the documented rule and `password`.
+fn least_privilege(redis: &AuthedRedis, password: &str) {
+    let args = documented_acl(password);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let ok: String = redis.cmd(&args);
+    assert_eq!(ok, "OK");
+}
+
+/// The gateway: `core` (fixed window, 3, reserved on request and refunded for a 304),
+/// `log` (sliding log, 10) and `leased` (lease mode) for the client `acme`; store
+/// errors give 503.
+fn config(redis: &AuthedRedis, password_file: &Path, up: &Upstream) -> String {
+    format!(
+        r#"
+[server]
+listen = "127.0.0.1:0"
+admin_listen = "127.0.0.1:0"
+admin_token_sha256 = "{token}"
+
+[store]
+backend = "redis"
+timeout = "2s"
+on_error = "deny"
+username = "tollgate"
+password_file = "{pw}"
+
+[[store.shards]]
+primary = "{url}"
+
+[[identity.clients]]
+id = "acme"
+key_sha256 = "{acme}"
+tier = "gold"
+
+[[upstreams]]
+name = "api"
+targets = ["{up}"]
+
+[[limits]]
+name = "core"
+window = "1h"
+quota = {{ gold = 3 }}
+
+[[limits]]
+name = "log"
+algorithm = "sliding_log"
+window = "1h"
+quota = {{ gold = 10 }}
+
+[[limits]]
+name = "leased"
+window = "1h"
+lease = 5
+quota = {{ gold = 100 }}
+
+[[routes]]
+path_prefix = "/lease"
+upstream = "api"
+limits = ["leased"]
+
+[[routes]]
+path_prefix = "/"
+upstream = "api"
+limits = ["core", "log"]
+charge = "on_request"
+"#,
+        token = sha256_hex(TOKEN),
+        pw = password_file.display(),
+        url = redis.url(),
+        acme = sha256_hex("acme-key"),
+        up = up.url(),
+    )
+}
+
+fn key(limit: &str) -> String {
+    KeyScheme::new("tollgate:", None)
+        .key(limit, "client:acme")
+        .key
+        .to_string()
+}
+
+async fn call(gw: &TestGateway, path: &str) -> Reply {
+    get_with(&gw.url(path), &[("authorization", "Bearer acme-key")]).await
+}
+
+/// GET `path` until it is not 503 (a connection is still opening), for at most 10 s.
+async fn first_answer(gw: &TestGateway, path: &str) -> Reply {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let r = call(gw, path).await;
+        if r.status != 503 || Instant::now() > deadline {
+            return r;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Redis's `ACL LOG`: every command refused by an ACL since start, as text.
+fn acl_log(redis: &AuthedRedis) -> Vec<String> {
+    let entries: Vec<redis::Value> = redis.cmd(&["ACL", "LOG"]);
+    entries.iter().map(|e| format!("{e:?}")).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_least_privilege_user_runs_the_whole_request_path() {
+    let redis = redis_without_default_user();
+    least_privilege(&redis, "tollgate-pw-1");
+    // The default user is off: nothing gets in without a password.
+    let anonymous = redis::Client::open(redis.url())
+        .unwrap()
+        .get_connection_with_timeout(Duration::from_secs(1))
+        .and_then(|mut c| redis::cmd("PING").query::<String>(&mut c));
+    assert!(anonymous.is_err(), "{anonymous:?}");
+
+    let dir = tempfile::tempdir().unwrap();
+    let pw = dir.path().join("redis-password");
+    std::fs::write(&pw, "tollgate-pw-1\n").unwrap();
+    let up = Upstream::start().await;
+    let gw = TestGateway::start(&config(&redis, &pw, &up)).await;
+
+    // Check and charge (reserved on request), then 429.
+    let first = first_answer(&gw, "/x").await;
+    assert_eq!(first.status, 200);
+    assert_eq!(first.header("x-ratelimit-resource"), "core");
+    assert_eq!(first.num("x-ratelimit-remaining"), 2);
+    assert_eq!(call(&gw, "/x").await.num("x-ratelimit-remaining"), 1);
+    // A 304 is not charged: its reservation is refunded.
+    let not_modified = call(&gw, "/status/304").await;
+    assert_eq!(not_modified.status, 304);
+    let count: u64 = redis.cmd(&["HGET", &key("core"), "count"]);
+    assert_eq!(count, 2);
+    assert_eq!(call(&gw, "/x").await.status, 200);
+    let refused = call(&gw, "/x").await;
+    assert_eq!(refused.status, 429);
+    assert_eq!(refused.header("x-ratelimit-resource"), "core");
+    let count: u64 = redis.cmd(&["HGET", &key("core"), "count"]);
+    assert_eq!(count, 3);
+    // The sliding log's key names its algorithm.
+    let log_key = key("log").replace("tollgate:log:", "tollgate:log:sliding_log:");
+    let logged: u64 = redis.cmd(&["ZCARD", &log_key]);
+    assert_eq!(logged, 3, "{:?}", redis.keys());
+
+    // Lease mode: a lease of 5 taken from the window.
+    let leased = first_answer(&gw, "/lease").await;
+    assert_eq!(leased.status, 200);
+    let granted: u64 = redis.cmd(&["HGET", &key("leased"), "count"]);
+    assert_eq!(granted, 5);
+
+    // The admin reset deletes the caller's windows.
+    let admin = gw.gateway.admin_addr().unwrap();
+    let reset = send(
+        Method::POST,
+        &format!("http://{admin}/callers/acme/reset?limit=core"),
+        &[("authorization", &format!("Bearer {TOKEN}"))],
+    )
+    .await;
+    assert_eq!(reset.status, 200, "{}", reset.text());
+    assert_eq!(reset.json()["windows_deleted"], 1);
+    let exists: u64 = redis.cmd(&["EXISTS", &key("core")]);
+    assert_eq!(exists, 0);
+    let again = call(&gw, "/x").await;
+    assert_eq!(again.status, 200);
+    assert_eq!(again.num("x-ratelimit-remaining"), 2);
+
+    // Every key is tollgate's, and Redis refused nothing tollgate sent.
+    let keys = redis.keys();
+    assert!(!keys.is_empty());
+    assert!(keys.iter().all(|k| k.starts_with("tollgate:")), "{keys:?}");
+    assert_eq!(acl_log(&redis), Vec::<String>::new());
+    let clients: String = redis.cmd(&["CLIENT", "LIST"]);
+    assert!(
+        clients
+            .lines()
+            .filter(|l| l.contains("name=tollgate"))
+            .all(|l| l.contains("user=tollgate")),
+        "{clients}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rotated_password_file_is_used_by_the_next_connection() {
+    let redis = redis_without_default_user();
+    least_privilege(&redis, "old-password");
+    let dir = tempfile::tempdir().unwrap();
+    let pw = dir.path().join("redis-password");
+    std::fs::write(&pw, "old-password\n").unwrap();
+    let up = Upstream::start().await;
+    let toml = config(&redis, &pw, &up);
+    let gw = TestGateway::start(&toml).await;
+    assert_eq!(first_answer(&gw, "/x").await.status, 200);
+
+    // Redis gets the new password only, and the gateway's connections are cut: it
+    // cannot get back in with the old one.
+    let _: String = redis.cmd(&["ACL", "SETUSER", "tollgate", "resetpass", ">new-password"]);
+    let _: u64 = redis.cmd(&["CLIENT", "KILL", "USER", "tollgate"]);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for _ in 0..3 {
+        assert_eq!(call(&gw, "/x").await.status, 503);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // The new password in the file, the config text unchanged: a reload reads it, and
+    // the kept store's next connection uses it.
+    std::fs::write(&pw, "new-password\n").unwrap();
+    gw.reload(&toml).expect("reload");
+    let r = first_answer(&gw, "/x").await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.num("x-ratelimit-remaining"), 1);
+    let count: u64 = redis.cmd(&["HGET", &key("core"), "count"]);
+    assert_eq!(count, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sentinels_and_data_nodes_with_passwords() {
+    const DATA_PW: &str = "data-password";
+    const SENTINEL_PW: &str = "sentinel-password";
+    let primary = AuthedRedis::start(
+        &["--requirepass", DATA_PW, "--repl-diskless-sync-delay", "0"],
+        ("default", DATA_PW),
+    );
+    let port = primary.port.to_string();
+    let replica = AuthedRedis::start(
+        &[
+            "--requirepass",
+            DATA_PW,
+            "--masterauth",
+            DATA_PW,
+            "--replicaof",
+            "127.0.0.1",
+            &port,
+        ],
+        ("default", DATA_PW),
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !replica
+        .cmd::<String>(&["INFO", "replication"])
+        .contains("master_link_status:up")
+    {
+        assert!(Instant::now() < deadline, "the replica never linked up");
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    let sentinel = AuthedRedis::sentinel(
+        &format!(
+            "requirepass {SENTINEL_PW}\nsentinel monitor m 127.0.0.1 {port} 1\nsentinel auth-pass m {DATA_PW}\nsentinel down-after-milliseconds m 500\n"
+        ),
+        ("default", SENTINEL_PW),
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while sentinel
+        .try_cmd::<Vec<redis::Value>>(&["SENTINEL", "replicas", "m"])
+        .map_or(0, |r| r.len())
+        == 0
+    {
+        assert!(Instant::now() < deadline, "the sentinel never saw the replica");
+        std::thread::sleep(Duration::from_millis(25));
+    }
+
+    let dir = tempfile::tempdir().unwrap();
+    let pw = dir.path().join("data-password");
+    std::fs::write(&pw, format!("{DATA_PW}\n")).unwrap();
+    let up = Upstream::start().await;
+    let toml = format!(
+        r#"
+[server]
+listen = "127.0.0.1:0"
+
+[store]
+backend = "redis"
+timeout = "2s"
+on_error = "deny"
+password_file = "{pw}"
+sentinel_password = "{SENTINEL_PW}"
+
+[[store.shards]]
+sentinel = {{ master = "m", nodes = ["{sentinel}"] }}
+
+[[upstreams]]
+name = "api"
+targets = ["{up}"]
+
+[[limits]]
+name = "core"
+window = "1h"
+quota = {{ anonymous = 3 }}
+
+[[routes]]
+path_prefix = "/"
+upstream = "api"
+limits = ["core"]
+"#,
+        pw = pw.display(),
+        sentinel = sentinel.url(),
+        up = up.url(),
+    );
+    let gw = TestGateway::start(&toml).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut r = support::get(&gw.url("/")).await;
+    while r.status == 503 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        r = support::get(&gw.url("/")).await;
+    }
+    assert_eq!(r.status, 200);
+    // The replica Sentinel announced is logged into (with store.password_file's).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !replica
+        .cmd::<String>(&["CLIENT", "LIST"])
+        .contains("name=tollgate")
+    {
+        assert!(Instant::now() < deadline, "the gateway never connected to the replica");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    for _ in 0..2 {
+        assert_eq!(support::get(&gw.url("/")).await.status, 200);
+    }
+    let refused = support::get(&gw.url("/")).await;
+    assert_eq!(refused.status, 429);
+    let key = KeyScheme::new("tollgate:", None)
+        .key("core", "ip:127.0.0.1")
+        .key
+        .to_string();
+    let count: u64 = primary.cmd(&["HGET", &key, "count"]);
+    assert_eq!(count, 3);
+    // The replica answered checks.
+    let stats: String = replica.cmd(&["INFO", "commandstats"]);
+    assert!(stats.contains("cmdstat_evalsha:calls="), "{stats}");
+}

@@ -296,11 +296,18 @@ async fn sentinels_and_data_nodes_with_passwords() {
         ("default", SENTINEL_PW),
     );
     let deadline = Instant::now() + Duration::from_secs(10);
-    while sentinel
-        .try_cmd::<Vec<redis::Value>>(&["SENTINEL", "replicas", "m"])
-        .map_or(0, |r| r.len())
-        == 0
-    {
+    // Known, and reported linked (what the gateway asks for before using a replica).
+    let linked = || {
+        sentinel
+            .try_cmd::<Vec<std::collections::HashMap<String, String>>>(&["SENTINEL", "replicas", "m"])
+            .is_ok_and(|replicas| {
+                replicas.iter().any(|r| {
+                    r.get("flags").map(String::as_str) == Some("slave")
+                        && r.get("master-link-status").map(String::as_str) == Some("ok")
+                })
+            })
+    };
+    while !linked() {
         assert!(Instant::now() < deadline, "the sentinel never saw the replica");
         std::thread::sleep(Duration::from_millis(25));
     }

@@ -383,4 +383,30 @@ mod tests {
         let text = v.to_string();
         assert!(!text.contains("ss@h") && !text.contains("=pw"), "{text}");
     }
+
+    /// Redis passwords written inline never show; the `_file` keys show their paths
+    /// (the secrets are in the files, which `GET /config` does not read).
+    #[test]
+    fn redacts_redis_passwords_and_shows_secret_file_paths() {
+        let mut v = json!({
+            "store": {
+                "username": "tollgate",
+                "password": "data-pw",
+                "sentinel_password": "sentinel-pw",
+                "password_file": "redis-password",
+                "hash_key_file": "hash-key",
+                "tls": { "ca": "ca.pem", "client_key": "client.key" },
+            },
+        });
+        redact(&mut v);
+        assert_eq!(v["store"]["password"], REDACTED);
+        assert_eq!(v["store"]["sentinel_password"], REDACTED);
+        assert_eq!(v["store"]["username"], "tollgate");
+        assert_eq!(v["store"]["password_file"], "redis-password");
+        assert_eq!(v["store"]["hash_key_file"], "hash-key");
+        // A path, not a key.
+        assert_eq!(v["store"]["tls"]["client_key"], "client.key");
+        let text = v.to_string();
+        assert!(!text.contains("data-pw") && !text.contains("sentinel-pw"), "{text}");
+    }
 }

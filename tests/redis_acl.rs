@@ -177,8 +177,13 @@ async fn the_least_privilege_user_runs_the_whole_request_path() {
     // A 304 is not charged: its reservation is refunded.
     let not_modified = call(&gw, "/status/304").await;
     assert_eq!(not_modified.status, 304);
-    let count: u64 = redis.cmd(&["HGET", &key("core"), "count"]);
-    assert_eq!(count, 2);
+    // (The refund is sent once the response is known: wait for it, ≤ 5 s.)
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let count = || redis.cmd::<u64>(&["HGET", &key("core"), "count"]);
+    while count() != 2 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(count(), 2);
     assert_eq!(call(&gw, "/x").await.status, 200);
     let refused = call(&gw, "/x").await;
     assert_eq!(refused.status, 429);
@@ -211,6 +216,15 @@ async fn the_least_privilege_user_runs_the_whole_request_path() {
     let again = call(&gw, "/x").await;
     assert_eq!(again.status, 200);
     assert_eq!(again.num("x-ratelimit-remaining"), 2);
+
+    // GET /config shows the password file's path, never the password.
+    let shown = support::get(&format!("http://{admin}/config")).await;
+    assert_eq!(shown.status, 200);
+    assert_eq!(
+        shown.json()["config"]["store"]["password_file"],
+        pw.display().to_string()
+    );
+    assert!(!shown.text().contains("tollgate-pw-1"), "{}", shown.text());
 
     // Every key is tollgate's, and Redis refused nothing tollgate sent.
     let keys = redis.keys();
@@ -380,4 +394,85 @@ limits = ["core"]
     // The replica answered checks.
     let stats: String = replica.cmd(&["INFO", "commandstats"]);
     assert!(stats.contains("cmdstat_evalsha:calls="), "{stats}");
+}
+
+/// `tollgate check` with secret files: each missing one named at its key with its line
+/// and column; found in `$CREDENTIALS_DIRECTORY` (systemd's `LoadCredential=`) before
+/// the config file's directory; a key given both ways is an error.
+#[test]
+fn check_names_secret_files_at_their_keys_and_reads_the_credentials_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let creds = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tollgate.toml");
+    std::fs::write(
+        &path,
+        r#"[store]
+backend = "redis"
+username = "tollgate"
+password_file = "redis-password"
+hash_key_file = "hash-key"
+sentinel_password_file = "sentinel-password"
+
+[[store.shards]]
+sentinel = { master = "m", nodes = ["redis://127.0.0.1:26379"] }
+
+[identity.jwt]
+secret_file = "jwt-secret"
+algorithms = ["HS256"]
+"#,
+    )
+    .unwrap();
+    let run = |creds: Option<&Path>| {
+        let mut cmd = support::tollgate();
+        cmd.env_remove("CREDENTIALS_DIRECTORY")
+            .args(["check", "--config"])
+            .arg(&path);
+        if let Some(c) = creds {
+            cmd.env("CREDENTIALS_DIRECTORY", c);
+        }
+        let out = cmd.output().unwrap();
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+
+    let (code, err) = run(None);
+    assert_ne!(code, 0);
+    for (line, key) in [
+        (4, "store.password_file"),
+        (5, "store.hash_key_file"),
+        (6, "store.sentinel_password_file"),
+        (12, "identity.jwt.secret_file"),
+    ] {
+        let want = format!("tollgate.toml:{line}:1: {key}: cannot read ");
+        assert!(err.contains(&want), "{want:?} not in:\n{err}");
+    }
+
+    // The same relative names, found in $CREDENTIALS_DIRECTORY.
+    for (name, secret) in [
+        ("redis-password", "pw\n"),
+        ("hash-key", "a-long-random-hash-key\n"),
+        ("sentinel-password", "spw\n"),
+        ("jwt-secret", "0123456789abcdef0123456789abcdef\n"),
+    ] {
+        std::fs::write(creds.path().join(name), secret).unwrap();
+    }
+    let (code, err) = run(Some(creds.path()));
+    assert_eq!(code, 0, "{err}");
+
+    // An empty file, and a key given both inline and as a file.
+    std::fs::write(creds.path().join("redis-password"), "\n").unwrap();
+    let text = std::fs::read_to_string(&path).unwrap().replace(
+        "hash_key_file = \"hash-key\"",
+        "hash_key_file = \"hash-key\"\nhash_key = \"inline\"",
+    );
+    std::fs::write(&path, text).unwrap();
+    let (code, err) = run(Some(creds.path()));
+    assert_ne!(code, 0);
+    assert!(err.contains("store.password_file: ") && err.contains("is empty"), "{err}");
+    assert!(
+        err.contains("store.hash_key_file: give either `hash_key` or `hash_key_file`, not both"),
+        "{err}"
+    );
 }

@@ -60,6 +60,18 @@ fn core_key() -> String {
         .to_string()
 }
 
+/// Wait (≤ 5 s) until `core`'s count in `redis` is `want` (a charge is sent after the
+/// response), and assert it.
+async fn assert_count(redis: &TlsRedis, want: &str) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let count = || redis.cli(&["HGET", &core_key(), "count"]);
+
+    while count() != want && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(count(), want);
+}
+
 /// GET `/` until it is not 503 (the store's connection is still opening), for at most
 /// 10 s; that answer.
 async fn first_answer(gw: &TestGateway) -> support::client::Reply {
@@ -140,7 +152,7 @@ async fn mutual_tls_needs_the_client_certificate() {
     let r = first_answer(&with).await;
     assert_eq!(r.status, 200);
     assert_eq!(r.num("x-ratelimit-remaining"), 2);
-    assert_eq!(redis.cli(&["HGET", &core_key(), "count"]), "1");
+    assert_count(&redis, "1").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -173,7 +185,7 @@ async fn a_certificate_for_another_name_needs_server_name() {
     .await;
     let r = first_answer(&named).await;
     assert_eq!(r.status, 200);
-    assert_eq!(redis.cli(&["HGET", &core_key(), "count"]), "1");
+    assert_count(&redis, "1").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -202,7 +214,7 @@ async fn a_new_ca_file_is_used_by_the_next_connection_after_a_reload() {
     gw.reload(&toml).expect("reload");
     let r = first_answer(&gw).await;
     assert_eq!(r.status, 200);
-    assert_eq!(redis.cli(&["HGET", &core_key(), "count"]), "1");
+    assert_count(&redis, "1").await;
 }
 
 #[test]
@@ -235,4 +247,61 @@ fn check_accepts_rediss_and_names_a_missing_ca_file() {
     let (code, _, err) = check(&half);
     assert_ne!(code, 0);
     assert!(err.contains("store.tls.client_key: is required"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn checks_go_to_a_replica_over_tls() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = TestCa::new(dir.path(), "redis");
+    let cert = ca.issue("server", "redis", &["127.0.0.1"]);
+    let primary = TlsRedis::start(&ca, &cert, false, &["--repl-diskless-sync-delay", "0"]);
+    let port = primary.port.to_string();
+    let replica = TlsRedis::start(
+        &ca,
+        &cert,
+        false,
+        &["--tls-replication", "yes", "--replicaof", "127.0.0.1", &port],
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !replica
+        .cli(&["INFO", "replication"])
+        .contains("master_link_status:up")
+    {
+        assert!(Instant::now() < deadline, "the TLS replica never linked up");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    let up = Upstream::start().await;
+    let toml = config(
+        &primary.url(),
+        &format!("ca = \"{}\"", toml_path(&ca.pem)),
+        &up,
+    )
+    .replace(
+        &format!("primary = \"{}\"", primary.url()),
+        &format!(
+            "primary = \"{}\"\nreplicas = [\"{}\"]",
+            primary.url(),
+            replica.url()
+        ),
+    );
+    let gw = TestGateway::start(&toml).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !replica.cli(&["CLIENT", "LIST"]).contains("name=tollgate") {
+        assert!(Instant::now() < deadline, "the gateway never connected to the replica");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!(first_answer(&gw).await.status, 200);
+    for _ in 0..2 {
+        assert_eq!(get(&gw.url("/")).await.status, 200);
+    }
+    assert_count(&primary, "3").await;
+    let stats = replica.cli(&["INFO", "commandstats"]);
+    assert!(stats.contains("cmdstat_evalsha:calls="), "{stats}");
+    // Replicated over TLS: the replica holds the primary's count.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while replica.cli(&["HGET", &core_key(), "count"]) != "3" {
+        assert!(Instant::now() < deadline, "the count never reached the replica");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(get(&gw.url("/")).await.status, 429);
 }

@@ -29,7 +29,11 @@ impl TestCa {
     /// A CA named `name`, its PEM file written in `dir` as `NAME-ca.pem`.
     pub fn new(dir: &Path, name: &str) -> TestCa {
         let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
-        params.distinguished_name.push(DnType::CommonName, name);
+        // Not a leaf's CN: OpenSSL (redis-server as a replica) takes a certificate whose
+        // issuer and subject match for a self-signed one.
+        params
+            .distinguished_name
+            .push(DnType::CommonName, format!("{name} test CA"));
         params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
         params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
         let key = KeyPair::generate().unwrap();

@@ -48,6 +48,12 @@ limits = ["core"]
     )
 }
 
+/// `toml` with `store.timeout = "200ms"`: a gateway that cannot connect answers 503
+/// after 200 ms instead of 2 s.
+fn short_timeout(toml: String) -> String {
+    toml.replace("timeout = \"2s\"", "timeout = \"200ms\"")
+}
+
 fn toml_path(p: &Path) -> String {
     p.display().to_string()
 }
@@ -126,11 +132,11 @@ async fn mutual_tls_needs_the_client_certificate() {
     let up = Upstream::start().await;
 
     // Without a client certificate the handshake is refused: on_error = "deny" → 503.
-    let without = TestGateway::start(&config(
+    let without = TestGateway::start(&short_timeout(config(
         &redis.url(),
         &format!("ca = \"{}\"", toml_path(&ca.pem)),
         &up,
-    ))
+    )))
     .await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     for _ in 0..3 {
@@ -164,11 +170,11 @@ async fn a_certificate_for_another_name_needs_server_name() {
     let redis = TlsRedis::start(&ca, &cert, false, &[]);
     let up = Upstream::start().await;
 
-    let mismatch = TestGateway::start(&config(
+    let mismatch = TestGateway::start(&short_timeout(config(
         &redis.url(),
         &format!("ca = \"{}\"", toml_path(&ca.pem)),
         &up,
-    ))
+    )))
     .await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(get(&mismatch.url("/")).await.status, 503);
@@ -199,11 +205,11 @@ async fn a_new_ca_file_is_used_by_the_next_connection_after_a_reload() {
     // The file the config names holds the wrong CA at first: no connection.
     let ca_file = dir.path().join("store-ca.pem");
     std::fs::copy(&other.pem, &ca_file).unwrap();
-    let toml = config(
+    let toml = short_timeout(config(
         &redis.url(),
         &format!("ca = \"{}\"", toml_path(&ca_file)),
         &up,
-    );
+    ));
     let gw = TestGateway::start(&toml).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(get(&gw.url("/")).await.status, 503);

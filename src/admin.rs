@@ -407,6 +407,9 @@ mod tests {
         // A path, not a key.
         assert_eq!(v["store"]["tls"]["client_key"], "client.key");
         let text = v.to_string();
-        assert!(!text.contains("data-pw") && !text.contains("sentinel-pw"), "{text}");
+        assert!(
+            !text.contains("data-pw") && !text.contains("sentinel-pw"),
+            "{text}"
+        );
     }
 }

@@ -591,9 +591,7 @@ fn build_store(
                 cfg.max_callers,
             )))
         }
-        Backend::Redis => {
-            RedisStore::from_config_in(cfg, base_dir, problems).map(AnyStore::Redis)
-        }
+        Backend::Redis => RedisStore::from_config_in(cfg, base_dir, problems).map(AnyStore::Redis),
     }
 }
 

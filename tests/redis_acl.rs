@@ -41,7 +41,15 @@ fn documented_acl(password: &str) -> Vec<String> {
 fn redis_without_default_user() -> AuthedRedis {
     AuthedRedis::start(
         &[
-            "--user", "admin", "on", ">admin-password", "~*", "&*", "+@all", "--user", "default",
+            "--user",
+            "admin",
+            "on",
+            ">admin-password",
+            "~*",
+            "&*",
+            "+@all",
+            "--user",
+            "default",
             "off",
         ],
         ADMIN,
@@ -313,7 +321,9 @@ async fn sentinels_and_data_nodes_with_passwords() {
     // Known, and reported linked (what the gateway asks for before using a replica).
     let linked = || {
         sentinel
-            .try_cmd::<Vec<std::collections::HashMap<String, String>>>(&["SENTINEL", "replicas", "m"])
+            .try_cmd::<Vec<std::collections::HashMap<String, String>>>(&[
+                "SENTINEL", "replicas", "m",
+            ])
             .is_ok_and(|replicas| {
                 replicas.iter().any(|r| {
                     r.get("flags").map(String::as_str) == Some("slave")
@@ -322,7 +332,10 @@ async fn sentinels_and_data_nodes_with_passwords() {
             })
     };
     while !linked() {
-        assert!(Instant::now() < deadline, "the sentinel never saw the replica");
+        assert!(
+            Instant::now() < deadline,
+            "the sentinel never saw the replica"
+        );
         std::thread::sleep(Duration::from_millis(25));
     }
 
@@ -377,7 +390,10 @@ limits = ["core"]
         .cmd::<String>(&["CLIENT", "LIST"])
         .contains("name=tollgate")
     {
-        assert!(Instant::now() < deadline, "the gateway never connected to the replica");
+        assert!(
+            Instant::now() < deadline,
+            "the gateway never connected to the replica"
+        );
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
     for _ in 0..2 {
@@ -470,7 +486,10 @@ algorithms = ["HS256"]
     std::fs::write(&path, text).unwrap();
     let (code, err) = run(Some(creds.path()));
     assert_ne!(code, 0);
-    assert!(err.contains("store.password_file: ") && err.contains("is empty"), "{err}");
+    assert!(
+        err.contains("store.password_file: ") && err.contains("is empty"),
+        "{err}"
+    );
     assert!(
         err.contains("store.hash_key_file: give either `hash_key` or `hash_key_file`, not both"),
         "{err}"

@@ -237,7 +237,10 @@ fn check_accepts_rediss_and_names_a_missing_ca_file() {
     };
     // A relative path: the config file's directory.
     std::fs::copy(&ca.pem, dir.path().join("ca.pem")).unwrap();
-    let good = write("good.toml", "ca = \"ca.pem\"\nserver_name = \"redis.example\"");
+    let good = write(
+        "good.toml",
+        "ca = \"ca.pem\"\nserver_name = \"redis.example\"",
+    );
     let (code, out, err) = check(&good);
     assert_eq!(code, 0, "stdout: {out}\nstderr: {err}");
 
@@ -266,7 +269,13 @@ async fn checks_go_to_a_replica_over_tls() {
         &ca,
         &cert,
         false,
-        &["--tls-replication", "yes", "--replicaof", "127.0.0.1", &port],
+        &[
+            "--tls-replication",
+            "yes",
+            "--replicaof",
+            "127.0.0.1",
+            &port,
+        ],
     );
     let deadline = Instant::now() + Duration::from_secs(10);
     while !replica
@@ -293,7 +302,10 @@ async fn checks_go_to_a_replica_over_tls() {
     let gw = TestGateway::start(&toml).await;
     let deadline = Instant::now() + Duration::from_secs(10);
     while !replica.cli(&["CLIENT", "LIST"]).contains("name=tollgate") {
-        assert!(Instant::now() < deadline, "the gateway never connected to the replica");
+        assert!(
+            Instant::now() < deadline,
+            "the gateway never connected to the replica"
+        );
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
     assert_eq!(first_answer(&gw).await.status, 200);
@@ -306,7 +318,10 @@ async fn checks_go_to_a_replica_over_tls() {
     // Replicated over TLS: the replica holds the primary's count.
     let deadline = Instant::now() + Duration::from_secs(5);
     while replica.cli(&["HGET", &core_key(), "count"]) != "3" {
-        assert!(Instant::now() < deadline, "the count never reached the replica");
+        assert!(
+            Instant::now() < deadline,
+            "the count never reached the replica"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_eq!(get(&gw.url("/")).await.status, 429);

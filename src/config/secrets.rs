@@ -91,9 +91,8 @@ mod tests {
         std::fs::write(dir.path().join("crlf"), "two\r\n\r\n").unwrap();
         std::fs::write(dir.path().join("empty"), "\n").unwrap();
         let mut p = Problems::default();
-        let read = |f: &str, p: &mut Problems| {
-            secret("store.password", None, Some(f), dir.path(), p)
-        };
+        let read =
+            |f: &str, p: &mut Problems| secret("store.password", None, Some(f), dir.path(), p);
         assert_eq!(read("pw", &mut p).as_deref(), Some("s3cret"));
         assert_eq!(read("crlf", &mut p).as_deref(), Some("two\r\n"));
         assert!(p.is_ok());
@@ -106,7 +105,11 @@ mod tests {
         let keys: Vec<&str> = p.errors.iter().map(|e| e.path.as_str()).collect();
         assert_eq!(keys, ["store.password_file"; 3]);
         assert!(p.errors[0].message.ends_with("is empty"), "{:?}", p.errors);
-        assert!(p.errors[1].message.starts_with("cannot read "), "{:?}", p.errors);
+        assert!(
+            p.errors[1].message.starts_with("cannot read "),
+            "{:?}",
+            p.errors
+        );
         assert!(p.errors[2].message.contains("not both"), "{:?}", p.errors);
     }
 }

@@ -95,12 +95,11 @@ impl ClientTlsFiles<'_> {
             return None;
         }
         let roots = roots?;
-        let builder = ClientConfig::builder_with_provider(Arc::new(
-            rustls::crypto::ring::default_provider(),
-        ))
-        .with_safe_default_protocol_versions()
-        .ok()?
-        .with_root_certificates(roots);
+        let builder =
+            ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+                .with_safe_default_protocol_versions()
+                .ok()?
+                .with_root_certificates(roots);
         match client_auth {
             None => Some(builder.with_no_client_auth()),
             Some((chain, key)) => match builder.with_client_auth_cert(chain, key) {

@@ -51,8 +51,7 @@ impl TestCa {
     /// names, or IP addresses such as `127.0.0.1`), written as `FILE.pem` / `FILE.key`.
     pub fn issue(&self, file: &str, cn: &str, sans: &[&str]) -> CertFiles {
         let mut params =
-            CertificateParams::new(sans.iter().map(|s| s.to_string()).collect::<Vec<_>>())
-                .unwrap();
+            CertificateParams::new(sans.iter().map(|s| s.to_string()).collect::<Vec<_>>()).unwrap();
         params.distinguished_name.push(DnType::CommonName, cn);
         let key = KeyPair::generate().unwrap();
         let cert = params.signed_by(&key, &self.issuer).unwrap();
@@ -269,7 +268,10 @@ impl AuthedRedis {
             if me.try_cmd::<String>(&["PING"]).is_ok() {
                 return me;
             }
-            assert!(Instant::now() < deadline, "redis-server on port {port} did not start");
+            assert!(
+                Instant::now() < deadline,
+                "redis-server on port {port} did not start"
+            );
             std::thread::sleep(Duration::from_millis(25));
         }
     }

@@ -68,7 +68,10 @@ impl Endpoint {
         };
         let settings = info.redis_settings();
         Ok(Endpoint {
-            host: host.trim_start_matches('[').trim_end_matches(']').to_string(),
+            host: host
+                .trim_start_matches('[')
+                .trim_end_matches(']')
+                .to_string(),
             port,
             tls,
             db: settings.db(),
@@ -81,7 +84,10 @@ impl Endpoint {
     /// dialled with TLS when `tls`, with no credentials of its own.
     pub(crate) fn announced(host: &str, port: u16, tls: bool) -> Endpoint {
         Endpoint {
-            host: host.trim_start_matches('[').trim_end_matches(']').to_string(),
+            host: host
+                .trim_start_matches('[')
+                .trim_end_matches(']')
+                .to_string(),
             port,
             tls,
             db: 0,
@@ -169,8 +175,10 @@ impl DialSettings {
                 "no Redis URL is rediss://, so these settings are not used (TLS is asked for per URL)",
             );
         }
-        let server_name = tls_cfg.server_name.as_ref().and_then(|name| {
-            match ServerName::try_from(name.clone()) {
+        let server_name = tls_cfg
+            .server_name
+            .as_ref()
+            .and_then(|name| match ServerName::try_from(name.clone()) {
                 Ok(n) => Some(n),
                 Err(e) => {
                     problems.error(
@@ -179,8 +187,7 @@ impl DialSettings {
                     );
                     None
                 }
-            }
-        });
+            });
         let tls = if wants_tls || cfg.tls.is_some() {
             let files = crate::proxy::tls::ClientTlsFiles {
                 ca: tls_cfg.ca.as_deref(),
@@ -382,9 +389,15 @@ mod tests {
             (Some("tollgate"), Some("pw"))
         );
         let sentinel = Dialer::info(&bare, Role::Sentinel, &settings);
-        assert_eq!((sentinel.username(), sentinel.password()), (None, Some("spw")));
+        assert_eq!(
+            (sentinel.username(), sentinel.password()),
+            (None, Some("spw"))
+        );
         let own = Endpoint::parse("redis://other:secret@h:1").unwrap();
         let data = Dialer::info(&own, Role::Data, &settings);
-        assert_eq!((data.username(), data.password()), (Some("other"), Some("secret")));
+        assert_eq!(
+            (data.username(), data.password()),
+            (Some("other"), Some("secret"))
+        );
     }
 }

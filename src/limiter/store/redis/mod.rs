@@ -406,7 +406,9 @@ enum Topology {
 /// Fixed windows in Redis. Built without I/O by [`RedisStore::from_config`]; connections
 /// are opened by [`RedisStore::start`].
 pub struct RedisStore {
-    cfg: StoreConfig,
+    /// Boxed: `[store]` with its credentials and `[store.tls]` is large, and the
+    /// store is one variant of [`super::AnyStore`].
+    cfg: Box<StoreConfig>,
     scripts: Arc<Scripts>,
     live: OnceLock<Topology>,
     /// Credentials and TLS settings every new connection reads (see [`dial`]).
@@ -531,7 +533,7 @@ impl RedisStore {
         }
         let settings = DialSettings::load(cfg, tls, base_dir, problems);
         (problems.errors.len() == before).then(|| Self {
-            cfg: cfg.clone(),
+            cfg: Box::new(cfg.clone()),
             scripts: Arc::new(Scripts::new()),
             live: OnceLock::new(),
             dialer: Dialer::new(settings),

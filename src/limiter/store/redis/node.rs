@@ -318,12 +318,7 @@ async fn maintain(node: Weak<Node>, wake: Arc<Notify>) {
             Ok(conn) => {
                 let Some(n) = node.upgrade() else { return };
                 // A retarget while connecting makes this connection stale: try again.
-                if n.target
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .as_ref()
-                    != Some(&client)
-                {
+                if n.target.lock().unwrap_or_else(|e| e.into_inner()).as_ref() != Some(&client) {
                     continue;
                 }
                 bump(&n.stats.connects);

@@ -7,7 +7,7 @@ mod support;
 
 use std::path::Path;
 use std::time::{Duration, Instant};
-use support::tls_redis::{TestCa, TlsRedis};
+use support::tls_redis::{TestCa, TlsCluster, TlsRedis};
 use support::{check, get, TestGateway, Upstream};
 use tollgate::limiter::key::KeyScheme;
 
@@ -325,4 +325,45 @@ async fn checks_go_to_a_replica_over_tls() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_eq!(get(&gw.url("/")).await.status, 429);
+}
+
+/// A Redis Cluster over TLS with a password: the seed is `rediss://`, the nodes the
+/// cluster announces (by IP) are dialled with TLS and `store.password_file`'s password.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_cluster_over_tls_with_a_password() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = TestCa::new(dir.path(), "redis");
+    let cert = ca.issue("server", "redis.internal", &["redis.internal"]);
+    let cluster = TlsCluster::start(&ca, &cert, "cluster-pw");
+    let pw = dir.path().join("redis-password");
+    std::fs::write(&pw, "cluster-pw\n").unwrap();
+    let up = Upstream::start().await;
+    let toml = config("unused", "", &up)
+        .replace(
+            "[[store.shards]]\nprimary = \"unused\"\n",
+            &format!(
+                "mode = \"cluster\"\nnodes = [\"rediss://127.0.0.1:{}\"]\npassword_file = \"{}\"\n",
+                cluster.nodes[0].port,
+                toml_path(&pw)
+            ),
+        )
+        .replace(
+            "[store.tls]\n",
+            &format!(
+                "[store.tls]\nca = \"{}\"\nserver_name = \"redis.internal\"\n",
+                toml_path(&ca.pem)
+            ),
+        );
+    let gw = TestGateway::start(&toml).await;
+    let first = first_answer(&gw).await;
+    assert_eq!(first.status, 200);
+    for _ in 0..2 {
+        assert_eq!(get(&gw.url("/")).await.status, 200);
+    }
+    let refused = get(&gw.url("/")).await;
+    assert_eq!(refused.status, 429);
+    let key = core_key();
+    assert_eq!(cluster.all_keys(), vec![key.clone()]);
+    let node = cluster.node_with(&key).expect("a node holds the key");
+    assert_eq!(node.cli(&["HGET", &key, "count"]), "3");
 }

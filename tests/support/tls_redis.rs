@@ -76,6 +76,8 @@ pub struct TlsRedis {
     /// Certificate and key redis-cli presents (always, so `tls-auth-clients yes` servers
     /// answer too).
     client: CertFiles,
+    /// The `--requirepass` it was started with, given to redis-cli.
+    password: Option<String>,
     _dir: tempfile::TempDir,
 }
 
@@ -111,10 +113,16 @@ impl TlsRedis {
             .unwrap_or_else(|e| {
                 panic!("cannot start {}: {e}. These tests need a real redis-server built with TLS (Debian's redis-server 7 is)", redis_server_bin())
             });
+        let password = extra
+            .iter()
+            .position(|a| *a == "--requirepass")
+            .and_then(|i| extra.get(i + 1))
+            .map(|p| p.to_string());
         let mut me = TlsRedis {
             port,
             child: Some(child),
             client,
+            password,
             _dir: dir,
         };
         let deadline = Instant::now() + WAIT;
@@ -141,7 +149,11 @@ impl TlsRedis {
 
     /// Run `redis-cli --tls` with `args`; its trimmed stdout, or stderr as the error.
     pub fn try_cli(&self, args: &[&str]) -> Result<String, String> {
-        let out = Command::new(redis_cli_bin())
+        let mut cli = Command::new(redis_cli_bin());
+        if let Some(p) = &self.password {
+            cli.args(["-a", p, "--no-auth-warning"]);
+        }
+        let out = cli
             .args(["--tls", "-h", "127.0.0.1", "-p", &self.port.to_string()])
             // The test's own reads skip verification (a certificate may name a host other
             // than 127.0.0.1 on purpose); the gateway's verification is what is tested.
@@ -193,6 +205,105 @@ impl TlsRedis {
 impl Drop for TlsRedis {
     fn drop(&mut self) {
         self.kill();
+    }
+}
+
+/// A Redis Cluster of primaries only, every node TLS-only (`--tls-cluster yes`, so the
+/// cluster announces the TLS ports), each with `--requirepass password` and
+/// `--masterauth password`.
+pub struct TlsCluster {
+    pub nodes: Vec<TlsRedis>,
+    _dir: tempfile::TempDir,
+}
+
+impl TlsCluster {
+    /// Start three nodes with `server` as their certificate, join them with
+    /// `redis-cli --tls --cluster create`, and wait (≤ 10 s) until each reports
+    /// `cluster_state:ok` and knows the others.
+    pub fn start(ca: &TestCa, server: &CertFiles, password: &str) -> TlsCluster {
+        let dir = tempfile::tempdir().expect("tempdir for cluster nodes");
+        let d = dir.path().display().to_string();
+        let nodes: Vec<TlsRedis> = (0..3)
+            .map(|_| {
+                let conf = format!("{d}/nodes-{}.conf", free_port());
+                let bus = free_port().to_string();
+                TlsRedis::start(
+                    ca,
+                    server,
+                    false,
+                    &[
+                        "--cluster-enabled",
+                        "yes",
+                        "--cluster-config-file",
+                        &conf,
+                        "--cluster-node-timeout",
+                        "2000",
+                        "--cluster-port",
+                        &bus,
+                        "--tls-cluster",
+                        "yes",
+                        "--requirepass",
+                        password,
+                        "--masterauth",
+                        password,
+                    ],
+                )
+            })
+            .collect();
+        let addrs: Vec<String> = nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect();
+        let first = &nodes[0];
+        let out = Command::new(redis_cli_bin())
+            .args(["-a", password, "--no-auth-warning", "--tls", "--insecure"])
+            .arg("--cert")
+            .arg(&first.client.cert)
+            .arg("--key")
+            .arg(&first.client.key)
+            .args(["--cluster", "create"])
+            .args(&addrs)
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .stdin(Stdio::null())
+            .output()
+            .expect("run redis-cli --cluster create");
+        assert!(
+            out.status.success(),
+            "redis-cli --tls --cluster create {addrs:?} failed ({}):\n{}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let deadline = Instant::now() + WAIT;
+        for n in &nodes {
+            loop {
+                let info = n.try_cli(&["CLUSTER", "INFO"]).unwrap_or_default();
+                if info.contains("cluster_state:ok") && info.contains("cluster_known_nodes:3") {
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "TLS cluster node on port {} not ready:\n{info}",
+                    n.port
+                );
+                std::thread::sleep(Duration::from_millis(25));
+            }
+        }
+        TlsCluster { nodes, _dir: dir }
+    }
+
+    /// Every key on every node, sorted.
+    pub fn all_keys(&self) -> Vec<String> {
+        let mut keys: Vec<String> = self.nodes.iter().flat_map(TlsRedis::keys).collect();
+        keys.sort();
+        keys
+    }
+
+    /// The node holding `key` (`None` when no node has it).
+    pub fn node_with(&self, key: &str) -> Option<&TlsRedis> {
+        self.nodes
+            .iter()
+            .find(|n| n.keys().iter().any(|k| k == key))
     }
 }
 

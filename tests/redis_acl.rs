@@ -495,3 +495,101 @@ algorithms = ["HS256"]
         "{err}"
     );
 }
+
+/// The binary as systemd runs it: `store.password_file` is a relative name found in
+/// `$CREDENTIALS_DIRECTORY`; the password rotated in Redis locks the gateway out (503,
+/// logged) until the file is rewritten and SIGHUP reloads it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_takes_its_password_from_the_credentials_directory_and_rotates_on_sighup() {
+    let redis = redis_without_default_user();
+    least_privilege(&redis, "first-password");
+    let dir = tempfile::tempdir().unwrap();
+    let creds = tempfile::tempdir().unwrap();
+    let secret = creds.path().join("redis-password");
+    std::fs::write(&secret, "first-password\n").unwrap();
+    let up = Upstream::start().await;
+    let port = support::redis::free_port();
+    let path = dir.path().join("tollgate.toml");
+    std::fs::write(
+        &path,
+        format!(
+            r#"
+[server]
+listen = "127.0.0.1:{port}"
+
+[store]
+backend = "redis"
+timeout = "500ms"
+on_error = "deny"
+username = "tollgate"
+password_file = "redis-password"
+
+[[store.shards]]
+primary = "{url}"
+
+[[upstreams]]
+name = "api"
+targets = ["{up}"]
+
+[[limits]]
+name = "core"
+window = "1h"
+quota = {{ anonymous = 100 }}
+
+[[routes]]
+path_prefix = "/"
+upstream = "api"
+limits = ["core"]
+"#,
+            url = redis.url(),
+            up = up.url()
+        ),
+    )
+    .unwrap();
+    let gw = support::Binary::spawn(
+        &path,
+        port,
+        &[("CREDENTIALS_DIRECTORY", creds.path().display().to_string())],
+    );
+    let url = format!("http://127.0.0.1:{port}/");
+    let until_served = |what: &'static str| {
+        let url = url.clone();
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            loop {
+                let r = support::get(&url).await;
+                if r.status == 200 {
+                    return r;
+                }
+                assert!(Instant::now() < deadline, "{what}: still {}", r.status);
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    until_served("at start").await;
+
+    let _: String = redis.cmd(&[
+        "ACL",
+        "SETUSER",
+        "tollgate",
+        "resetpass",
+        ">second-password",
+    ]);
+    let _: u64 = redis.cmd(&["CLIENT", "KILL", "USER", "tollgate"]);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(support::get(&url).await.status, 503);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !gw.logs().contains("redis node unreachable") {
+        assert!(Instant::now() < deadline, "no log line:\n{}", gw.logs());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(!gw.logs().contains("first-password"), "{}", gw.logs());
+
+    std::fs::write(&secret, "second-password\n").unwrap();
+    gw.signal("-HUP");
+    let served = until_served("after SIGHUP").await;
+    assert_eq!(served.num("x-ratelimit-limit"), 100);
+    let logs = gw.logs();
+    assert!(logs.contains("config reloaded"), "{logs}");
+    assert!(!logs.contains("second-password"), "{logs}");
+}

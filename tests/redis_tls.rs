@@ -367,3 +367,38 @@ async fn a_redis_cluster_over_tls_with_a_password() {
     let node = cluster.node_with(&key).expect("a node holds the key");
     assert_eq!(node.cli(&["HGET", &key, "count"]), "3");
 }
+
+/// A refused handshake (mutual TLS without a client certificate) is logged, and
+/// `store.on_error = "allow"` forwards the requests unlimited.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_handshake_is_logged_and_on_error_applies() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = TestCa::new(dir.path(), "redis");
+    let cert = ca.issue("server", "redis", &["127.0.0.1"]);
+    let redis = TlsRedis::start(&ca, &cert, true, &[]);
+    let up = Upstream::start().await;
+    let port = support::redis::free_port();
+    let path = dir.path().join("tollgate.toml");
+    let toml = short_timeout(config(
+        &redis.url(),
+        &format!("ca = \"{}\"", toml_path(&ca.pem)),
+        &up,
+    ))
+    .replace("on_error = \"deny\"", "on_error = \"allow\"")
+    .replace(
+        "listen = \"127.0.0.1:0\"",
+        &format!("listen = \"127.0.0.1:{port}\""),
+    );
+    std::fs::write(&path, toml).unwrap();
+    let gw = support::Binary::spawn(&path, port, &[]);
+    let url = format!("http://127.0.0.1:{port}/");
+    for _ in 0..5 {
+        assert_eq!(get(&url).await.status, 200);
+    }
+    assert!(redis.keys().is_empty());
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !gw.logs().contains("redis node unreachable") {
+        assert!(Instant::now() < deadline, "no log line:\n{}", gw.logs());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

@@ -402,3 +402,84 @@ async fn a_refused_handshake_is_logged_and_on_error_applies() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// Sentinel over TLS: `rediss://` Sentinel URLs, and the primary and replica Sentinel
+/// announces (by IP) dialled with TLS too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sentinels_and_the_nodes_they_announce_over_tls() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = TestCa::new(dir.path(), "redis");
+    let cert = ca.issue("server", "redis", &["127.0.0.1"]);
+    let primary = TlsRedis::start(&ca, &cert, false, &["--repl-diskless-sync-delay", "0"]);
+    let port = primary.port.to_string();
+    let replica = TlsRedis::start(
+        &ca,
+        &cert,
+        false,
+        &[
+            "--tls-replication",
+            "yes",
+            "--replicaof",
+            "127.0.0.1",
+            &port,
+        ],
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !replica
+        .cli(&["INFO", "replication"])
+        .contains("master_link_status:up")
+    {
+        assert!(Instant::now() < deadline, "the TLS replica never linked up");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    let sentinel = TlsRedis::sentinel(
+        &ca,
+        &cert,
+        &format!("sentinel monitor m 127.0.0.1 {port} 1\nsentinel down-after-milliseconds m 500\n"),
+    );
+    // Known and reported linked (what the gateway asks for before using a replica).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !sentinel
+        .try_cli(&["SENTINEL", "replicas", "m"])
+        .is_ok_and(|r| r.contains("master-link-status\nok"))
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the sentinel never saw the replica linked"
+        );
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    let up = Upstream::start().await;
+    let toml = config("unused", &format!("ca = \"{}\"", toml_path(&ca.pem)), &up).replace(
+        "primary = \"unused\"",
+        &format!(
+            "sentinel = {{ master = \"m\", nodes = [\"{}\"] }}",
+            sentinel.url()
+        ),
+    );
+    let gw = TestGateway::start(&toml).await;
+    assert_eq!(first_answer(&gw).await.status, 200);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !replica.cli(&["CLIENT", "LIST"]).contains("name=tollgate") {
+        assert!(
+            Instant::now() < deadline,
+            "the gateway never connected to the replica"
+        );
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    for _ in 0..2 {
+        assert_eq!(get(&gw.url("/")).await.status, 200);
+    }
+    assert_count(&primary, "3").await;
+    let stats = replica.cli(&["INFO", "commandstats"]);
+    assert!(stats.contains("cmdstat_evalsha:calls="), "{stats}");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while replica.cli(&["HGET", &core_key(), "count"]) != "3" {
+        assert!(
+            Instant::now() < deadline,
+            "the count never reached the replica"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(get(&gw.url("/")).await.status, 429);
+}

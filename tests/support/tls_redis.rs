@@ -86,6 +86,23 @@ impl TlsRedis {
     /// `ca` for client certificates, and `--tls-auth-clients yes|no` per
     /// `auth_clients`, plus `extra` arguments. Waits (≤ 10 s) until a TLS PING answers.
     pub fn start(ca: &TestCa, server: &CertFiles, auth_clients: bool, extra: &[&str]) -> TlsRedis {
+        Self::launch(ca, server, auth_clients, extra, None)
+    }
+
+    /// A Sentinel listening with TLS only (`redis-server CONF --sentinel`, `body` the
+    /// rest of its config: `sentinel monitor …`), which reaches the nodes it monitors
+    /// with TLS (`tls-replication yes`). Waits (≤ 10 s) until a TLS PING answers.
+    pub fn sentinel(ca: &TestCa, server: &CertFiles, body: &str) -> TlsRedis {
+        Self::launch(ca, server, false, &["--tls-replication", "yes"], Some(body))
+    }
+
+    fn launch(
+        ca: &TestCa,
+        server: &CertFiles,
+        auth_clients: bool,
+        extra: &[&str],
+        sentinel: Option<&str>,
+    ) -> TlsRedis {
         let dir = tempfile::tempdir().expect("temp dir for redis-server");
         let client = ca.issue(
             &format!("redis-cli-{}", free_port()),
@@ -93,7 +110,13 @@ impl TlsRedis {
             &["redis-cli"],
         );
         let port = free_port();
-        let child = Command::new(redis_server_bin())
+        let mut cmd = Command::new(redis_server_bin());
+        if let Some(body) = sentinel {
+            let conf = dir.path().join("sentinel.conf");
+            std::fs::write(&conf, body).unwrap();
+            cmd.arg(&conf).arg("--sentinel");
+        }
+        let child = cmd
             .args(["--port", "0", "--tls-port", &port.to_string()])
             .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
             .args(["--daemonize", "no", "--protected-mode", "no", "--loglevel", "warning"])

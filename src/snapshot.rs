@@ -53,6 +53,10 @@ pub struct Snapshot {
     pub warnings: Vec<String>,
     /// SHA-256 of the file's text, hex: tells whether a file really changed.
     pub content_hash: String,
+    /// SHA-256 of the `store.hash_key` in use (written inline or read from
+    /// `store.hash_key_file`), hex; empty without one. A reload compares it to warn
+    /// when the file's contents changed (every caller moves to new keys).
+    pub hash_key_digest: String,
     /// 1 for the config the gateway started with, +1 per successful reload (set by the
     /// gateway when it swaps the snapshot in).
     pub generation: u64,
@@ -318,9 +322,24 @@ impl Snapshot {
                 Arc::new(LeaseTable::new()),
             ),
         };
+        let hash_key_digest = hash_key.as_deref().map(content_hash).unwrap_or_default();
         if let Some(prev) = previous {
-            if let Some((key, warning)) = reshard_warning(&prev.config.store, &cfg.store) {
+            let warning = reshard_warning(&prev.config.store, &cfg.store)
+                // Moving the same key from `hash_key` to `hash_key_file` (or back)
+                // moves nobody.
+                .filter(|(key, _)| {
+                    *key != "store.hash_key" || prev.hash_key_digest != hash_key_digest
+                });
+            if let Some((key, warning)) = warning {
                 problems.warn(key, warning);
+            } else if prev.hash_key_digest != hash_key_digest
+                && cfg.store.backend == Backend::Redis
+                && prev.config.store.backend == Backend::Redis
+            {
+                problems.warn(
+                    "store.hash_key_file",
+                    "the hash key read from the file changed: every caller gets new keys and starts a fresh window",
+                );
             }
         }
 
@@ -371,6 +390,7 @@ impl Snapshot {
             tls,
             warnings: report.warning_lines(),
             content_hash: content_hash(&file.text),
+            hash_key_digest,
             generation: 0,
             running,
             edge,

@@ -593,3 +593,83 @@ limits = ["core"]
     assert!(logs.contains("config reloaded"), "{logs}");
     assert!(!logs.contains("second-password"), "{logs}");
 }
+
+/// `store.hash_key_file`: moving the key out of the TOML moves nobody; a changed file
+/// (read at the reload, the config text unchanged) moves every caller, with a warning.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hash_key_file_keys_the_windows_and_its_change_is_warned() {
+    let redis = support::RedisServer::start();
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let key_file = dir.path().join("hash-key");
+    let toml = |hash: &str| {
+        format!(
+            r#"
+[store]
+backend = "redis"
+timeout = "2s"
+{hash}
+
+[[store.shards]]
+primary = "{url}"
+
+[[upstreams]]
+name = "api"
+targets = ["{up}"]
+
+[[limits]]
+name = "core"
+window = "1h"
+quota = {{ anonymous = 100 }}
+
+[[routes]]
+path_prefix = "/"
+upstream = "api"
+limits = ["core"]
+"#,
+            url = redis.url(),
+            up = up.url()
+        )
+    };
+    let key_with = |secret: &str| {
+        KeyScheme::new("tollgate:", Some(secret))
+            .key("core", "ip:127.0.0.1")
+            .key
+            .to_string()
+    };
+    let warnings = |outcome| match outcome {
+        tollgate::server::ReloadOutcome::Applied { warnings, .. } => warnings,
+        other => panic!("{other:?}"),
+    };
+    let gw = TestGateway::start(&toml("hash_key = \"first-secret-key\"")).await;
+    assert_eq!(support::get(&gw.url("/")).await.status, 200);
+
+    std::fs::write(&key_file, "first-secret-key\n").unwrap();
+    let in_file = toml(&format!("hash_key_file = \"{}\"", key_file.display()));
+    let moved = warnings(gw.reload(&in_file).expect("reload"));
+    assert!(!moved.iter().any(|w| w.contains("hash_key")), "{moved:?}");
+    assert_eq!(support::get(&gw.url("/")).await.status, 200);
+
+    std::fs::write(&key_file, "second-secret-key\n").unwrap();
+    let changed = warnings(gw.reload(&in_file).expect("reload"));
+    assert!(
+        changed
+            .iter()
+            .any(|w| w.contains("store.hash_key_file") && w.contains("fresh window")),
+        "{changed:?}"
+    );
+    assert_eq!(support::get(&gw.url("/")).await.status, 200);
+
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let count = |k: &str| redis.cmd::<Option<u64>>(&["HGET", k, "count"]);
+    while (
+        count(&key_with("first-secret-key")),
+        count(&key_with("second-secret-key")),
+    ) != (Some(2), Some(1))
+        && Instant::now() < deadline
+    {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(count(&key_with("first-secret-key")), Some(2));
+    assert_eq!(count(&key_with("second-secret-key")), Some(1));
+}

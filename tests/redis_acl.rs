@@ -234,6 +234,16 @@ async fn the_least_privilege_user_runs_the_whole_request_path() {
     );
     assert!(!shown.text().contains("tollgate-pw-1"), "{}", shown.text());
 
+    // store.clock = "redis": the scripts call TIME (`+time` in the rule).
+    let redis_clock = TestGateway::start(&config(&redis, &pw, &up).replace(
+        "timeout = \"2s\"",
+        "timeout = \"2s\"\nclock = \"redis\"\nkey_prefix = \"tollgate:rc:\"",
+    ))
+    .await;
+    let timed = first_answer(&redis_clock, "/x").await;
+    assert_eq!(timed.status, 200);
+    assert_eq!(timed.num("x-ratelimit-remaining"), 2);
+
     // Every key is tollgate's, and Redis refused nothing tollgate sent.
     let keys = redis.keys();
     assert!(!keys.is_empty());

@@ -3,7 +3,8 @@
 //! Closed: calls go through. After `failures` consecutive failures (errors or timeouts)
 //! it opens: calls fail at once (and `store.on_error` applies) for `cooloff`. Then it is
 //! half-open: one probe call goes through; its success closes the breaker, its failure
-//! opens it again. Every state change is logged once and counted.
+//! opens it again. Every state change is logged once and counted. A Redis Cluster
+//! redirection (`MOVED`, `ASK`) is an answer from a live node: it counts as a success.
 
 use super::stats::{bump, NodeStats};
 use crate::limiter::store::StoreError;
@@ -99,6 +100,11 @@ impl Breaker {
                 stats.latency.observe(started.elapsed().as_secs_f64());
                 self.success();
                 Ok(reply)
+            }
+            // A cluster redirection: the node answered (and applied nothing).
+            Ok(Err(e)) if e.is_redirect() => {
+                self.success();
+                Err(e)
             }
             Ok(Err(e)) => {
                 bump(&stats.errors);

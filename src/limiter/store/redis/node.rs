@@ -139,12 +139,29 @@ impl Node {
         args: &[u64],
         when: WhenDisconnected,
     ) -> Result<Vec<i64>, StoreError> {
+        self.call_with(script, keys, args, when, false).await
+    }
+
+    /// [`Node::call`], preceded by `ASKING` when `asking` (a cluster's `ASK`
+    /// redirection: the slot is being migrated to this node).
+    pub(super) async fn call_with(
+        &self,
+        script: &super::LuaScript,
+        keys: &[&str],
+        args: &[u64],
+        when: WhenDisconnected,
+        asking: bool,
+    ) -> Result<Vec<i64>, StoreError> {
         let attempt = async {
             let mut conn = match self.connection(when).await {
                 Some(c) => c,
                 None => return Err(StoreError::NotConnected(self.label.clone())),
             };
-            super::invoke(script, keys, args, &mut conn).await
+            if asking {
+                super::invoke_asking(script, keys, args, &mut conn).await
+            } else {
+                super::invoke(script, keys, args, &mut conn).await
+            }
         };
         let result = self
             .breaker

@@ -187,7 +187,10 @@ impl Cluster {
 
     /// Run `script` on the master of `keys`' slot (all keys share a hash tag), each
     /// attempt bounded by `store.timeout`; redirections are followed (see the module
-    /// documentation), so a call takes at most `1 + MAX_RESENDS` attempts.
+    /// documentation), so a call takes at most `1 + MAX_RESENDS` attempts, each after
+    /// at most one wait of `store.timeout` (for the first slot map, or a refresh).
+    /// Errors: the last attempt's (`BreakerOpen` while the slot's master's breaker is
+    /// open; `NotConnected` when no map has been read yet or no master serves the slot).
     pub(super) async fn call(
         &self,
         script: &super::LuaScript,
@@ -210,7 +213,10 @@ impl Cluster {
                 Ok(_) => return result,
                 Err(StoreError::Redis(e)) => e,
                 Err(e) => {
-                    if e.suggests_failover() {
+                    // A dead or unreachable master (or its open breaker): its replica
+                    // may be promoted any moment, so the map is read again soon
+                    // (at most every REFRESH_AT_MOST_EVERY), not only every second.
+                    if e.suggests_failover() || matches!(e, StoreError::BreakerOpen(_)) {
                         self.wake.notify_one();
                     }
                     return result;

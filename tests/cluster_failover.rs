@@ -211,7 +211,11 @@ async fn a_dead_master_fails_open_only_the_callers_whose_slots_it_holds() {
         limited_exactly(ips[2..].to_vec(), *m).await;
     }
     for ip in &victim_ips {
-        assert_eq!(as_ip(&gw, "/", ip).await.status, 200, "{ip} still fails open");
+        assert_eq!(
+            as_ip(&gw, "/", ip).await.status,
+            200,
+            "{ip} still fails open"
+        );
     }
 }
 
@@ -331,7 +335,11 @@ async fn killed_master_is_followed_to_its_promoted_replica() {
         let r = as_ip(&gw, "/bulk", &ip).await;
         assert_eq!((r.status.as_u16(), r.num("x-ratelimit-used")), (200, used));
     }
-    assert_eq!(count_on(&cluster, successor, &key), 9, "exact on the new master");
+    assert_eq!(
+        count_on(&cluster, successor, &key),
+        9,
+        "exact on the new master"
+    );
     let rep = report(&gw);
     let new_addr = format!("127.0.0.1:{}", cluster.nodes[successor].port);
     assert!(
@@ -385,7 +393,11 @@ async fn a_demoted_master_has_every_charge_land_once_on_its_successor() {
         charge(as_ip(&gw, "/bulk", &ip).await);
     }
     let total = used;
-    assert_eq!(count_on(&cluster, successor, &key), total, "exact on the new master");
+    assert_eq!(
+        count_on(&cluster, successor, &key),
+        total,
+        "exact on the new master"
+    );
     assert_eq!(cluster.role(old).as_deref(), Some("slave"));
     assert!(
         rejected_evalsha(&cluster, old) > redirected_before,

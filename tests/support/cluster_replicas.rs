@@ -93,7 +93,9 @@ impl ReplicatedCluster {
                         .ok()?;
                     let role = me.role(me.index_of(n.port))?;
                     let linked = role == "master"
-                        || me.info(me.index_of(n.port), "master_link_status").as_deref()
+                        || me
+                            .info(me.index_of(n.port), "master_link_status")
+                            .as_deref()
                             == Some("up");
                     (ok && known == total && linked).then_some(())
                 },
@@ -139,8 +141,7 @@ impl ReplicatedCluster {
     pub fn master_of_slot(&self, slot: u16) -> usize {
         (0..self.nodes.len())
             .find(|&i| {
-                let Ok(nodes) = try_cmd::<String>(self.nodes[i].port, &["CLUSTER", "NODES"])
-                else {
+                let Ok(nodes) = try_cmd::<String>(self.nodes[i].port, &["CLUSTER", "NODES"]) else {
                     return false;
                 };
                 nodes.lines().any(|l| {

@@ -77,7 +77,10 @@ struct SlotMap {
 impl SlotMap {
     /// The index in `masters` of the master serving `slot`.
     fn index_of(&self, slot: u16) -> Option<usize> {
-        let i = self.ranges.partition_point(|r| r.0 <= slot).checked_sub(1)?;
+        let i = self
+            .ranges
+            .partition_point(|r| r.0 <= slot)
+            .checked_sub(1)?;
         let (first, last, m) = self.ranges[i];
         (first..=last).contains(&slot).then_some(m)
     }
@@ -254,7 +257,10 @@ impl Cluster {
                     self.refresh_within(started, from.as_deref()).await;
                 }
                 _ => {
-                    if result.as_ref().err().is_some_and(StoreError::suggests_failover)
+                    if result
+                        .as_ref()
+                        .err()
+                        .is_some_and(StoreError::suggests_failover)
                         || matches!(
                             kind,
                             Some(ServerErrorKind::ClusterDown | ServerErrorKind::TryAgain)
@@ -468,11 +474,9 @@ impl Cluster {
             indexed.push((first, last, i));
         }
         let same = old.ranges.len() == indexed.len()
-            && old
-                .ranges
-                .iter()
-                .zip(&indexed)
-                .all(|(a, b)| (a.0, a.1) == (b.0, b.1) && old.masters[a.2].addr == masters[b.2].addr)
+            && old.ranges.iter().zip(&indexed).all(|(a, b)| {
+                (a.0, a.1) == (b.0, b.1) && old.masters[a.2].addr == masters[b.2].addr
+            })
             && old.masters.len() == masters.len();
         if same && *self.version.borrow() > 0 {
             return;
@@ -524,7 +528,10 @@ async fn keep_map(cluster: Weak<Cluster>) {
 }
 
 /// A multiplexed connection to `info` for `CLUSTER SLOTS`.
-async fn open(info: ConnectionInfo, timeout: Duration) -> redis::RedisResult<MultiplexedConnection> {
+async fn open(
+    info: ConnectionInfo,
+    timeout: Duration,
+) -> redis::RedisResult<MultiplexedConnection> {
     let config = AsyncConnectionConfig::new()
         .set_connection_timeout(Some(timeout))
         .set_response_timeout(Some(timeout));
@@ -557,9 +564,11 @@ fn parse_slots(reply: &Value, asked: &str) -> Result<Vec<(u16, u16, String)>, St
             let Value::Array(fields) = entry else {
                 return Err(bad());
             };
-            let (Some(first), Some(last), Some(Value::Array(master))) =
-                (fields.first().and_then(int), fields.get(1).and_then(int), fields.get(2))
-            else {
+            let (Some(first), Some(last), Some(Value::Array(master))) = (
+                fields.first().and_then(int),
+                fields.get(1).and_then(int),
+                fields.get(2),
+            ) else {
                 return Err(bad());
             };
             let host = master.first().and_then(text).ok_or_else(bad)?;

@@ -202,7 +202,9 @@ async fn invoke_asking(
     conn: &mut impl redis::aio::ConnectionLike,
 ) -> Result<Vec<i64>, StoreError> {
     let mut pipe = redis::pipe();
-    pipe.cmd("ASKING").ignore().add_command(script.command(keys, args));
+    pipe.cmd("ASKING")
+        .ignore()
+        .add_command(script.command(keys, args));
     let (reply,): (redis::Value,) = pipe.query_async(conn).await?;
     decode(script, reply)
 }

@@ -350,10 +350,11 @@ async fn killed_master_is_followed_to_its_promoted_replica() {
 }
 
 /// (c) A master demoted by `CLUSTER FAILOVER` on its replica while a caller keeps
-/// charging: every call that reaches the demoted node (MOVED, or READONLY) is sent
-/// once more to the new master, so every request is counted, each exactly once: the
-/// X-RateLimit-Used values run 1, 2, 3, … with no gap, and the new master holds the
-/// same total.
+/// charging: every call that reaches the demoted node (Redis 7 answers it `MOVED`; a
+/// `READONLY` would be handled alike) is sent once more to the new master, so every
+/// request is counted, each exactly once: the X-RateLimit-Used values run 1, 2, 3, …
+/// with no gap, the new master holds the same total, and the demoted node refused at
+/// least one call (the redirect path was taken).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_demoted_master_has_every_charge_land_once_on_its_successor() {
     let cluster = ReplicatedCluster::start(3, 1);

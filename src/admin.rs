@@ -243,12 +243,17 @@ pub fn readiness(snap: &Snapshot) -> (bool, Value) {
                 .nodes
                 .iter()
                 .map(|n| {
-                    json!({
+                    let mut node = json!({
                         "role": n.role,
                         "addr": n.addr,
                         "connected": n.connected,
                         "breaker": n.breaker.as_str(),
-                    })
+                    });
+                    // Cluster mode: the master's hash slots.
+                    if let (Some(slots), Some(map)) = (&n.slots, node.as_object_mut()) {
+                        map.insert("slots".into(), json!(slots));
+                    }
+                    node
                 })
                 .collect();
             json!({ "shard": s.index, "nodes": nodes, "replica_fallbacks": s.replica_fallbacks })

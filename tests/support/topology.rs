@@ -30,7 +30,7 @@ fn conn_port(port: u16) -> redis::RedisResult<redis::Connection> {
 }
 
 /// Run a command on a port; errors (refused, loading, ...) come back as `Err`.
-fn try_cmd<T: redis::FromRedisValue>(port: u16, args: &[&str]) -> redis::RedisResult<T> {
+pub fn try_cmd<T: redis::FromRedisValue>(port: u16, args: &[&str]) -> redis::RedisResult<T> {
     let mut c = conn_port(port)?;
     let mut cmd = redis::cmd(args[0]);
     for a in &args[1..] {
@@ -40,7 +40,7 @@ fn try_cmd<T: redis::FromRedisValue>(port: u16, args: &[&str]) -> redis::RedisRe
 }
 
 /// Poll `check` until it returns `Some`, or panic with `what()` after `timeout`.
-fn wait_for<T>(
+pub fn wait_for<T>(
     timeout: Duration,
     mut check: impl FnMut() -> Option<T>,
     what: impl Fn() -> String,
@@ -60,7 +60,7 @@ fn wait_for<T>(
 }
 
 /// One `field:value` of an `INFO` text.
-fn parse_info_field(info: &str, field: &str) -> Option<String> {
+pub fn parse_info_field(info: &str, field: &str) -> Option<String> {
     info.lines().filter(|l| !l.starts_with('#')).find_map(|l| {
         let (k, v) = l.split_once(':')?;
         (k == field).then(|| v.trim().to_string())
@@ -519,7 +519,7 @@ impl Cluster {
 
 /// Whether a `CLUSTER NODES` line lists `slot` among its ranges (fields 9 and on:
 /// `N` or `A-B`; `[..]` migrating/importing entries are skipped).
-fn owns_slot(line: &str, slot: u16) -> bool {
+pub fn owns_slot(line: &str, slot: u16) -> bool {
     line.split_whitespace().skip(8).any(|r| {
         if r.starts_with('[') {
             return false;

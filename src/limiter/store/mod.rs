@@ -103,6 +103,20 @@ impl StoreError {
             _ => false,
         }
     }
+
+    /// Whether the error is a Redis Cluster redirection (`MOVED`, `ASK`): the node is
+    /// alive and answered, but another one serves the key's slot; nothing was applied.
+    pub fn is_redirect(&self) -> bool {
+        match self {
+            StoreError::Redis(e) => matches!(
+                e.kind(),
+                ::redis::ErrorKind::Server(
+                    ::redis::ServerErrorKind::Moved | ::redis::ServerErrorKind::Ask
+                )
+            ),
+            _ => false,
+        }
+    }
 }
 
 /// One operation of a batch: `op` on the state of `key` under `policy`.

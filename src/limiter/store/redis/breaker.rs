@@ -3,7 +3,8 @@
 //! Closed: calls go through. After `failures` consecutive failures (errors or timeouts)
 //! it opens: calls fail at once (and `store.on_error` applies) for `cooloff`. Then it is
 //! half-open: one probe call goes through; its success closes the breaker, its failure
-//! opens it again. Every state change is logged once and counted.
+//! opens it again. Every state change is logged once and counted. A Redis Cluster
+//! redirection (`MOVED`, `ASK`) is an answer from a live node: it counts as a success.
 
 use super::stats::{bump, NodeStats};
 use crate::limiter::store::StoreError;
@@ -99,6 +100,11 @@ impl Breaker {
                 stats.latency.observe(started.elapsed().as_secs_f64());
                 self.success();
                 Ok(reply)
+            }
+            // A cluster redirection: the node answered (and applied nothing).
+            Ok(Err(e)) if e.is_redirect() => {
+                self.success();
+                Err(e)
             }
             Ok(Err(e)) => {
                 bump(&stats.errors);
@@ -202,6 +208,39 @@ impl Breaker {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A cluster redirection is an answer from a live node: it never opens the
+    /// breaker nor counts as an error; a `CLUSTERDOWN` reply does count.
+    #[tokio::test]
+    async fn redirections_count_as_answers_and_clusterdown_as_failures() {
+        let reply = |line: &str| -> StoreError {
+            let v = redis::parse_redis_value(format!("-{line}\r\n").as_bytes()).unwrap();
+            StoreError::Redis(v.extract_error().unwrap_err())
+        };
+        let stats = Arc::new(NodeStats::default());
+        let b = Breaker::new(
+            "n".into(),
+            2,
+            Duration::from_secs(60),
+            Duration::from_secs(1),
+            stats.clone(),
+        );
+        let t = Duration::from_secs(1);
+        for line in ["MOVED 1 127.0.0.1:7001", "ASK 1 127.0.0.1:7001"].repeat(3) {
+            let e = reply(line);
+            assert!(e.is_redirect());
+            assert!(b.guard(&stats, t, async { Err::<(), _>(e) }).await.is_err());
+        }
+        assert_eq!(b.state(), BreakerState::Closed);
+        assert_eq!(stats.counts().errors, 0);
+        for _ in 0..2 {
+            let e = reply("CLUSTERDOWN The cluster is down");
+            assert!(!e.is_redirect());
+            let _ = b.guard(&stats, t, async { Err::<(), _>(e) }).await;
+        }
+        assert_eq!(b.state(), BreakerState::Open);
+        assert_eq!(stats.counts().errors, 2);
+    }
 
     #[test]
     fn opens_after_threshold_probes_after_cooloff_and_closes() {

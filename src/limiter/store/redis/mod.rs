@@ -26,7 +26,6 @@ mod backoff;
 mod batch;
 mod breaker;
 mod cluster;
-mod cluster_dial;
 mod dial;
 mod node;
 mod sentinel;
@@ -40,7 +39,7 @@ use crate::limiter::algorithm::{OpKind, Verdict};
 use crate::limiter::key::{jump_consistent_hash, LimitKey};
 use arc_swap::ArcSwap;
 use batch::Batcher;
-use cluster::ClusterNode;
+use cluster::Cluster;
 use dial::{DialSettings, Dialer, Endpoint};
 use futures_util::future::{join_all, Either};
 use node::{Node, NodeSettings, WhenDisconnected};
@@ -191,6 +190,29 @@ async fn invoke(
         }
         answer => answer?,
     };
+    decode(script, reply)
+}
+
+/// [`invoke`] on a cluster node that answered `ASK` (the slot is being migrated to
+/// it): `ASKING` and the EVALSHA in one pipeline, so that the node takes the call for
+/// the slot it is importing. No NOSCRIPT retry: the node's connection loaded every
+/// script when it opened.
+async fn invoke_asking(
+    script: &LuaScript,
+    keys: &[&str],
+    args: &[u64],
+    conn: &mut impl redis::aio::ConnectionLike,
+) -> Result<Vec<i64>, StoreError> {
+    let mut pipe = redis::pipe();
+    pipe.cmd("ASKING")
+        .ignore()
+        .add_command(script.command(keys, args));
+    let (reply,): (redis::Value,) = pipe.query_async(conn).await?;
+    decode(script, reply)
+}
+
+/// A script's reply as its integers (see [`ReplyStyle`]).
+fn decode(script: &LuaScript, reply: redis::Value) -> Result<Vec<i64>, StoreError> {
     match (script.reply, reply) {
         (ReplyStyle::Packed, redis::Value::BulkString(bytes)) => unpack_integers(&bytes),
         (ReplyStyle::Integers, reply) => {
@@ -400,7 +422,7 @@ impl Shard {
 
 enum Topology {
     Sharded(Vec<Arc<Shard>>),
-    Cluster(Arc<ClusterNode>),
+    Cluster(Arc<Cluster>),
 }
 
 /// Fixed windows in Redis. Built without I/O by [`RedisStore::from_config`]; connections
@@ -570,46 +592,15 @@ impl RedisStore {
     pub fn start(&self) {
         self.live.get_or_init(|| match self.cfg.mode {
             StoreMode::Cluster => {
-                // TLS is the dialer's (redis-rs is built without it): the client is
-                // given the seeds as redis:// URLs, and every node is dialled with TLS
-                // when the seeds are rediss://.
-                let tls = self.cfg.nodes.iter().any(|n| n.starts_with("rediss://"));
-                let seeds: Vec<String> = self
+                // Validated in from_config: every seed is a usable URL.
+                let seeds = self
                     .cfg
                     .nodes
                     .iter()
-                    .map(|n| match n.strip_prefix("rediss://") {
-                        Some(rest) => format!("redis://{rest}"),
-                        None => n.clone(),
-                    })
+                    .filter_map(|n| Endpoint::parse(n).ok())
                     .collect();
-                cluster_dial::use_for_cluster(
-                    self.dialer.clone(),
-                    tls,
-                    self.cfg
-                        .timeout
-                        .0
-                        .max(std::time::Duration::from_millis(500)),
-                );
-                let client = redis::cluster::ClusterClient::builder(seeds)
-                    .connection_timeout(
-                        self.cfg
-                            .timeout
-                            .0
-                            .max(std::time::Duration::from_millis(500)),
-                    )
-                    .response_timeout(self.cfg.timeout.0 * 4)
-                    .build();
-                let client = match client {
-                    Ok(c) => c,
-                    // Validated in from_config; an error here means no usable node.
-                    Err(e) => {
-                        tracing::error!(error = %e, "cannot build the cluster client");
-                        return Topology::Sharded(Vec::new());
-                    }
-                };
-                Topology::Cluster(ClusterNode::spawn(
-                    client,
+                Topology::Cluster(Cluster::spawn(
+                    seeds,
                     format!(
                         "cluster {}",
                         self.cfg
@@ -620,9 +611,7 @@ impl RedisStore {
                             .join(",")
                     ),
                     self.scripts.clone(),
-                    self.cfg.timeout.0,
-                    self.cfg.breaker_failures,
-                    self.cfg.breaker_cooloff.0,
+                    self.settings(),
                 ))
             }
             StoreMode::Sharded => Topology::Sharded(self.start_shards()),
@@ -911,25 +900,25 @@ impl RedisStore {
     pub fn report(&self) -> Vec<ShardReport> {
         match self.live.get() {
             None => Vec::new(),
-            Some(Topology::Cluster(c)) => vec![ShardReport {
-                index: 0,
-                replica_fallbacks: 0,
-                nodes: vec![NodeReport {
-                    role: "cluster",
-                    label: c.label.clone(),
-                    addr: self
-                        .cfg
-                        .nodes
-                        .iter()
-                        .map(|n| crate::config::redact_url(n))
-                        .collect::<Vec<_>>()
-                        .join(","),
-                    connected: c.is_connected(),
-                    breaker: c.breaker_state(),
-                    counts: c.stats.counts(),
-                    latency: c.stats.latency.clone(),
-                }],
-            }],
+            Some(Topology::Cluster(c)) => c
+                .masters()
+                .into_iter()
+                .enumerate()
+                .map(|(index, m)| ShardReport {
+                    index,
+                    replica_fallbacks: 0,
+                    nodes: vec![NodeReport {
+                        role: "primary",
+                        label: m.node.label.clone(),
+                        addr: m.addr,
+                        connected: m.node.is_connected(),
+                        breaker: m.node.breaker_state(),
+                        counts: m.node.stats.counts(),
+                        latency: m.node.stats.latency.clone(),
+                        slots: Some(m.slots),
+                    }],
+                })
+                .collect(),
             Some(Topology::Sharded(shards)) => shards
                 .iter()
                 .map(|s| {
@@ -941,6 +930,7 @@ impl RedisStore {
                         breaker: n.breaker_state(),
                         counts: n.stats.counts(),
                         latency: n.stats.latency.clone(),
+                        slots: None,
                     };
                     let mut nodes = vec![node("primary", &s.primary)];
                     nodes.extend(s.replicas.load().iter().map(|r| node("replica", r)));
@@ -964,10 +954,11 @@ enum Kind {
     Charge,
 }
 
-/// The state of one shard.
+/// The state of one shard (in cluster mode, of one master).
 #[derive(Debug, Clone)]
 pub struct ShardReport {
-    /// Position in `[[store.shards]]` (0 in cluster mode).
+    /// Position in `[[store.shards]]`; in cluster mode, the master's position in the
+    /// slot map, ordered by its first slot.
     pub index: usize,
     /// CHECKs meant for a replica that the primary answered.
     pub replica_fallbacks: u64,
@@ -985,7 +976,8 @@ impl ShardReport {
 /// The state of one Redis node.
 #[derive(Debug, Clone)]
 pub struct NodeReport {
-    /// `"primary"`, `"replica"` or `"cluster"`.
+    /// `"primary"` or `"replica"` (a cluster's masters are `"primary"`, each in a
+    /// [`ShardReport`] of its own).
     pub role: &'static str,
     /// Name used in logs.
     pub label: String,
@@ -999,6 +991,10 @@ pub struct NodeReport {
     pub counts: Counts,
     /// Its call latency histogram (shared with the node; read at scrape time).
     pub latency: prometheus_client::metrics::histogram::Histogram,
+    /// In cluster mode, the hash slots the master serves, e.g. `"0-5460"` or
+    /// `"0-99,200-300"` (empty for a master a redirection named before the slot map
+    /// listed it); `None` in sharded mode.
+    pub slots: Option<String>,
 }
 
 impl Store for RedisStore {

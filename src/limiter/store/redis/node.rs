@@ -143,19 +143,36 @@ impl Node {
         args: &[u64],
         when: WhenDisconnected,
     ) -> Result<Vec<i64>, StoreError> {
+        self.call_with(script, keys, args, when, false).await
+    }
+
+    /// [`Node::call`], preceded by `ASKING` when `asking` (a cluster's `ASK`
+    /// redirection: the slot is being migrated to this node).
+    pub(super) async fn call_with(
+        &self,
+        script: &super::LuaScript,
+        keys: &[&str],
+        args: &[u64],
+        when: WhenDisconnected,
+        asking: bool,
+    ) -> Result<Vec<i64>, StoreError> {
         let attempt = async {
             let mut conn = match self.connection(when).await {
                 Some(c) => c,
                 None => return Err(StoreError::NotConnected(self.label.clone())),
             };
-            super::invoke(script, keys, args, &mut conn).await
+            if asking {
+                super::invoke_asking(script, keys, args, &mut conn).await
+            } else {
+                super::invoke(script, keys, args, &mut conn).await
+            }
         };
         let result = self
             .breaker
             .guard(&self.stats, self.settings.timeout, attempt)
             .await;
         if let Err(StoreError::Redis(e)) = &result {
-            if e.is_connection_dropped() || e.is_io_error() || e.is_unrecoverable_error() {
+            if breaks_connection(e) {
                 // Let the connection task reconnect (and reload the scripts).
                 self.publish(None);
                 self.wake.notify_one();
@@ -255,6 +272,15 @@ impl Node {
         });
         None
     }
+}
+
+/// Whether a failed call means the connection itself is broken, so that the node
+/// reconnects: a dropped connection, an I/O error, or what redis-rs deems unrecoverable
+/// (a protocol error). An error reply from a live node — `LOADING`, `MASTERDOWN`,
+/// `CLUSTERDOWN`, `TRYAGAIN`, `READONLY`, `MOVED`, `ASK`, `NOSCRIPT`, a script error —
+/// never does: it is counted by the breaker, without connection churn.
+fn breaks_connection(e: &redis::RedisError) -> bool {
+    e.is_connection_dropped() || e.is_io_error() || e.is_unrecoverable_error()
 }
 
 /// Each `per_core` worker's own connection to a node (see the module documentation).
@@ -384,4 +410,40 @@ async fn connect(
         script.load(&mut conn).await?;
     }
     Ok(conn)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The error a node answers with `reply` (one RESP error line).
+    fn answered(reply: &str) -> redis::RedisError {
+        match redis::parse_redis_value(format!("-{reply}\r\n").as_bytes()) {
+            Ok(v) => v.extract_error().expect_err("an error reply"),
+            Err(e) => e,
+        }
+    }
+
+    /// Error replies from a live node are not a dead connection: no reconnect.
+    #[test]
+    fn error_replies_from_a_live_node_keep_the_connection() {
+        for reply in [
+            "LOADING Redis is loading the dataset in memory",
+            "MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'.",
+            "CLUSTERDOWN The cluster is down",
+            "TRYAGAIN Multiple keys request during rehashing of slot",
+            "READONLY You can't write against a read only replica.",
+            "MOVED 3999 127.0.0.1:6381",
+            "ASK 3999 127.0.0.1:6381",
+            "NOSCRIPT No matching script.",
+            "ERR Error running script",
+        ] {
+            let e = answered(reply);
+            assert!(e.code().is_some(), "{reply}: {e:?}");
+            assert!(!breaks_connection(&e), "{reply} must not reconnect");
+        }
+        let dropped =
+            redis::RedisError::from(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
+        assert!(breaks_connection(&dropped));
+    }
 }

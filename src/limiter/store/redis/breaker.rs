@@ -102,7 +102,10 @@ impl Breaker {
             }
             Ok(Err(e)) => {
                 bump(&stats.errors);
-                self.failure();
+                // A node that answers LOADING or MASTERDOWN is alive: not a failure.
+                if !e.is_not_serving() {
+                    self.failure();
+                }
                 Err(e)
             }
             Err(_) => {

@@ -40,7 +40,7 @@ use arc_swap::ArcSwap;
 use batch::Batcher;
 use cluster::ClusterNode;
 use futures_util::future::{join_all, Either};
-use node::{Node, NodeSettings, WhenDisconnected};
+use node::{Node, NodeSettings, Role, WhenDisconnected};
 use sentinel::SentinelWatch;
 use stats::{bump, Counts, ShardStats};
 use std::future::Future;
@@ -352,6 +352,11 @@ impl Shard {
         keys: &[&str],
         args: &[u64],
     ) -> Result<Vec<i64>, StoreError> {
+        if !self.primary.writable() {
+            // Nothing could be counted: a replica's (or the demoted primary's) answer
+            // must not admit anyone. `store.on_error` decides.
+            return Err(StoreError::NotWritable(self.primary.label.clone()));
+        }
         if self.read_from == ReadFrom::Replica {
             let replicas = self.replicas.load();
             if !replicas.is_empty() {
@@ -376,16 +381,25 @@ impl Shard {
         self.on_primary(&scripts.apply, keys, args).await
     }
 
+    /// Run `script` on the primary: a write (anything but a `lua/apply.lua` call of
+    /// peeks only) records whether the primary's writes succeed ([`Node::writable`]); a
+    /// peek while they fail is refused as [`StoreError::NotWritable`].
     async fn on_primary(
         &self,
         script: &LuaScript,
         keys: &[&str],
         args: &[u64],
     ) -> Result<Vec<i64>, StoreError> {
-        let result = self
-            .primary
-            .call(script, keys, args, WhenDisconnected::Wait)
-            .await;
+        let writes = !std::ptr::eq(script, &self.scripts.apply) || apply_writes(args);
+        let result = if writes {
+            self.primary.write(script, keys, args).await
+        } else if !self.primary.writable() {
+            Err(StoreError::NotWritable(self.primary.label.clone()))
+        } else {
+            self.primary
+                .call(script, keys, args, WhenDisconnected::Wait)
+                .await
+        };
         if let (Err(e), Some(sentinel)) = (&result, &self.sentinel) {
             if e.suggests_failover() {
                 sentinel.suspect();
@@ -393,6 +407,17 @@ impl Shard {
         }
         result
     }
+}
+
+/// The `lua/apply.lua` arguments of one key: kind, algorithm, quota, window, burst,
+/// align, cost, now, id (see `RedisStore::call_group`).
+const APPLY_ARGS: usize = 9;
+
+/// Whether a `lua/apply.lua` call's arguments ([`APPLY_ARGS`] per key, the operation's
+/// kind first) hold anything but peeks.
+fn apply_writes(args: &[u64]) -> bool {
+    args.chunks(APPLY_ARGS)
+        .any(|a| a.first() != Some(&OpKind::Peek.code()))
 }
 
 enum Topology {
@@ -593,6 +618,7 @@ impl RedisStore {
                 primary_client,
                 self.scripts.clone(),
                 settings.clone(),
+                Role::Primary,
             );
             let replicas: Vec<Arc<Node>> = s
                 .replicas
@@ -603,6 +629,7 @@ impl RedisStore {
                         Some(open(r)?),
                         self.scripts.clone(),
                         settings.clone(),
+                        Role::Replica,
                     ))
                 })
                 .collect();
@@ -631,6 +658,7 @@ impl RedisStore {
                 }
             });
             if let Some(sentinel) = sentinel {
+                shard.primary.follow(&sentinel);
                 sentinel.start(&shard, self.scripts.clone(), settings.clone());
             }
             shards.push(shard);
@@ -852,6 +880,7 @@ impl RedisStore {
             Some(Topology::Cluster(c)) => vec![ShardReport {
                 index: 0,
                 replica_fallbacks: 0,
+                writable: true,
                 nodes: vec![NodeReport {
                     role: "cluster",
                     label: c.label.clone(),
@@ -863,6 +892,7 @@ impl RedisStore {
                         .collect::<Vec<_>>()
                         .join(","),
                     connected: c.is_connected(),
+                    serving: true,
                     breaker: c.breaker_state(),
                     counts: c.stats.counts(),
                     latency: c.stats.latency.clone(),
@@ -876,6 +906,7 @@ impl RedisStore {
                         label: n.label.clone(),
                         addr: n.addr(),
                         connected: n.is_connected(),
+                        serving: n.is_serving(),
                         breaker: n.breaker_state(),
                         counts: n.stats.counts(),
                         latency: n.stats.latency.clone(),
@@ -885,6 +916,7 @@ impl RedisStore {
                     ShardReport {
                         index: s.index,
                         replica_fallbacks: s.stats.replica_fallbacks.load(Ordering::Relaxed),
+                        writable: s.primary.writable(),
                         nodes,
                     }
                 })
@@ -909,6 +941,11 @@ pub struct ShardReport {
     pub index: usize,
     /// CHECKs meant for a replica that the primary answered.
     pub replica_fallbacks: u64,
+    /// Whether the primary's writes succeed: false from a failed write (or a primary that
+    /// says it is a replica) until a write succeeds or the primary is reconnected as a
+    /// master. While false, the shard's checks fail and `store.on_error` decides. Always
+    /// true in cluster mode.
+    pub writable: bool,
     /// The primary first, then the replicas.
     pub nodes: Vec<NodeReport>,
 }
@@ -931,6 +968,9 @@ pub struct NodeReport {
     pub addr: String,
     /// Whether it has a live connection.
     pub connected: bool,
+    /// False while it answers `LOADING` or `MASTERDOWN` (a replica is then skipped for
+    /// reads), until its probe says it serves again.
+    pub serving: bool,
     /// Its circuit breaker.
     pub breaker: BreakerState,
     /// Its counters.

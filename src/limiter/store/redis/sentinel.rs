@@ -142,6 +142,7 @@ async fn watch(
                             Some(client_for(addr)?),
                             scripts.clone(),
                             settings.clone(),
+                            super::node::Role::Replica,
                         ))
                     })
                     .collect();

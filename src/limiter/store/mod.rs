@@ -253,12 +253,12 @@ pub fn primaries_ready(report: &[redis::ShardReport]) -> bool {
 /// connected, its breaker is open, or its writes fail. Shown by `/readyz`.
 pub fn shard_unready(s: &redis::ShardReport) -> Option<&'static str> {
     let p = s.primary();
-    if !p.connected {
+    if !s.writable {
+        Some("writes to the primary fail (a failed or demoted primary); checks follow store.on_error")
+    } else if !p.connected {
         Some("primary not connected")
     } else if p.breaker == redis::BreakerState::Open {
         Some("primary's circuit breaker open")
-    } else if !s.writable {
-        Some("writes to the primary fail (a failed or demoted primary); checks follow store.on_error")
     } else {
         None
     }

@@ -652,6 +652,11 @@ async fn maintain(node: Weak<Node>, wake: Arc<Notify>) {
                 }
                 bump(&n.stats.connects);
                 n.publish(Some(conn.clone()));
+                if said == Said::Master || node_role == Role::Replica {
+                    // The failures the breaker counted were the old connection's; this
+                    // one answered (and a primary said master): calls may go through.
+                    n.breaker.success();
+                }
                 match said {
                     Said::Master if node_role == Role::Primary => {
                         n.confirm_writable("reconnected to a master")

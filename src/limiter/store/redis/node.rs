@@ -41,6 +41,11 @@ use tokio::sync::{watch, Notify};
 /// How often a connected node is probed with PING when nothing else talks to it.
 const PROBE_EVERY: Duration = Duration::from_secs(1);
 
+/// The longest wait between two connects while a primary's address reaches a replica:
+/// the address (a DNS name, a Service) may move to the new primary at any moment, and
+/// each wait is time the shard's callers get `store.on_error`.
+const REPLICA_RETRY_MAX: Duration = Duration::from_millis(250);
+
 /// How long a worker waits after its own connection to a node failed to open before it
 /// tries again (meanwhile it uses the node's shared connection).
 const WORKER_RETRY_AFTER: Duration = Duration::from_secs(1);
@@ -630,7 +635,7 @@ async fn maintain(node: Weak<Node>, wake: Arc<Notify>) {
                     drop(n);
                     drop(conn);
                     tokio::select! {
-                        _ = tokio::time::sleep(backoff.next_wait()) => {}
+                        _ = tokio::time::sleep(backoff.next_wait().min(REPLICA_RETRY_MAX)) => {}
                         _ = wake.notified() => {}
                     }
                     continue;

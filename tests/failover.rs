@@ -162,7 +162,10 @@ fn count_on(server: &RedisServer) -> u64 {
 async fn wait_until(within: Duration, what: &str, mut check: impl FnMut() -> bool) {
     let deadline = Instant::now() + within;
     while !check() {
-        assert!(Instant::now() < deadline, "timed out after {within:?}: {what}");
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {within:?}: {what}"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
@@ -205,7 +208,10 @@ async fn a_primary_demoted_behind_a_stable_address_is_followed_and_counts_stay_e
         assert_eq!(gw.status("/").await, 200);
         admitted += 1;
     }
-    wait_until(Duration::from_secs(5), "B has A's count", || count_on(&b) == 2).await;
+    wait_until(Duration::from_secs(5), "B has A's count", || {
+        count_on(&b) == 2
+    })
+    .await;
 
     fwd.switch(b.port, false);
     promote(&a, &b);
@@ -219,7 +225,10 @@ async fn a_primary_demoted_behind_a_stable_address_is_followed_and_counts_stay_e
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    assert_eq!(admitted, 3, "exactly the quota admitted in all: {statuses:?}");
+    assert_eq!(
+        admitted, 3,
+        "exactly the quota admitted in all: {statuses:?}"
+    );
     assert_eq!(count_on(&b), 3, "B, the new primary, holds the count");
     assert!(
         statuses.iter().all(|s| [200, 429, 503].contains(s)),
@@ -252,7 +261,10 @@ async fn while_a_demoted_primary_refuses_writes_checks_fail_open_and_counting_re
     for _ in 0..2 {
         assert_eq!(gw.status("/").await, 200);
     }
-    wait_until(Duration::from_secs(5), "B has A's count", || count_on(&b) == 2).await;
+    wait_until(Duration::from_secs(5), "B has A's count", || {
+        count_on(&b) == 2
+    })
+    .await;
 
     promote(&a, &b);
     let started = Instant::now();
@@ -261,18 +273,29 @@ async fn while_a_demoted_primary_refuses_writes_checks_fail_open_and_counting_re
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let failed_open = gw.decisions("store_error_allowed").await;
-    assert!(failed_open >= 10, "admissions while writes fail are counted as failing open: {failed_open}");
+    assert!(
+        failed_open >= 10,
+        "admissions while writes fail are counted as failing open: {failed_open}"
+    );
     let (status, body) = gw.ready().await;
     assert_eq!(status, 503, "{body}");
     assert_eq!(body["shards"][0]["writable"], false, "{body}");
-    assert!(body.to_string().contains("writes to the primary fail"), "{body}");
+    assert!(
+        body.to_string().contains("writes to the primary fail"),
+        "{body}"
+    );
     assert_eq!(
-        gw.metric("tollgate_store_shard_writable{shard=\"0\"}").await.as_deref(),
+        gw.metric("tollgate_store_shard_writable{shard=\"0\"}")
+            .await
+            .as_deref(),
         Some("0")
     );
     let logs = gw.bin.logs();
     assert!(logs.contains("forwarding without limiting"), "{logs}");
-    assert!(logs.contains("writes to the shard's primary fail"), "{logs}");
+    assert!(
+        logs.contains("writes to the shard's primary fail"),
+        "{logs}"
+    );
 
     fwd.switch(b.port, true);
     gw.wait_ready(Duration::from_secs(5)).await;
@@ -287,7 +310,9 @@ async fn while_a_demoted_primary_refuses_writes_checks_fail_open_and_counting_re
     let after = gw.decisions("store_error_allowed").await;
     assert_eq!(after, failed_open, "nothing fails open once followed");
     assert_eq!(
-        gw.metric("tollgate_store_shard_writable{shard=\"0\"}").await.as_deref(),
+        gw.metric("tollgate_store_shard_writable{shard=\"0\"}")
+            .await
+            .as_deref(),
         Some("1")
     );
 }
@@ -311,7 +336,10 @@ async fn reservations_follow_a_demoted_primary_within_seconds() {
     );
     gw.wait_ready(Duration::from_secs(10)).await;
     assert_eq!(gw.status("/").await, 200);
-    wait_until(Duration::from_secs(5), "B has A's count", || count_on(&b) == 1).await;
+    wait_until(Duration::from_secs(5), "B has A's count", || {
+        count_on(&b) == 1
+    })
+    .await;
 
     fwd.switch(b.port, false);
     promote(&a, &b);
@@ -386,10 +414,22 @@ async fn a_replica_answering_masterdown_is_skipped_without_reconnecting() {
         bulk += 1;
         tokio::time::sleep(Duration::from_millis(30)).await;
     }
-    assert_eq!(&statuses[..4], &[200, 200, 200, 429], "exact answers from the primary");
+    assert_eq!(
+        &statuses[..4],
+        &[200, 200, 200, 429],
+        "exact answers from the primary"
+    );
     assert!(statuses[4..].iter().all(|s| *s == 429), "{statuses:?}");
-    assert_eq!(cmd_calls(&r, "client|setname"), setname, "no reconnect to the replica");
-    assert_eq!(cmd_calls(&r, "script|load"), loads, "no SCRIPT LOAD churn on the replica");
+    assert_eq!(
+        cmd_calls(&r, "client|setname"),
+        setname,
+        "no reconnect to the replica"
+    );
+    assert_eq!(
+        cmd_calls(&r, "script|load"),
+        loads,
+        "no SCRIPT LOAD churn on the replica"
+    );
     assert!(
         evalsha_calls(&a) >= primary_before + 2 * bulk,
         "the primary answered the checks (and took the charges)"
@@ -404,7 +444,10 @@ async fn a_replica_answering_masterdown_is_skipped_without_reconnecting() {
         Some("0")
     );
     let (status, _) = gw.ready().await;
-    assert_eq!(status, 200, "a replica not serving does not make the gateway unready");
+    assert_eq!(
+        status, 200,
+        "a replica not serving does not make the gateway unready"
+    );
 
     // Linked again: it serves reads again.
     let _: () = r.cmd(&["REPLICAOF", "127.0.0.1", &a.port.to_string()]);
@@ -415,7 +458,10 @@ async fn a_replica_answering_masterdown_is_skipped_without_reconnecting() {
     let before = evalsha_calls(&r);
     let deadline = Instant::now() + Duration::from_secs(5);
     while evalsha_calls(&r) == before {
-        assert!(Instant::now() < deadline, "the replica never served reads again");
+        assert!(
+            Instant::now() < deadline,
+            "the replica never served reads again"
+        );
         assert_eq!(gw.status("/bulk").await, 200);
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -438,7 +484,10 @@ async fn a_primary_restarted_empty_is_logged_once() {
         if s == 200 && count_on(&a) == 1 {
             break;
         }
-        assert!(Instant::now() < deadline, "never counted on the restarted primary");
+        assert!(
+            Instant::now() < deadline,
+            "never counted on the restarted primary"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     tokio::time::sleep(Duration::from_millis(1500)).await;
@@ -521,7 +570,12 @@ async fn what_a_failover_costs() {
             f.switch(bp, false);
             let _ = redis::Client::open(format!("redis://127.0.0.1:{bp}"))
                 .and_then(|c| c.get_connection())
-                .and_then(|mut c| redis::cmd("REPLICAOF").arg("NO").arg("ONE").query::<()>(&mut c));
+                .and_then(|mut c| {
+                    redis::cmd("REPLICAOF")
+                        .arg("NO")
+                        .arg("ONE")
+                        .query::<()>(&mut c)
+                });
             let _ = redis::Client::open(format!("redis://127.0.0.1:{ap}"))
                 .and_then(|c| c.get_connection())
                 .and_then(|mut c| {
@@ -536,7 +590,10 @@ async fn what_a_failover_costs() {
         deny.wait_ready(Duration::from_secs(5)).await;
         allow.wait_ready(Duration::from_secs(5)).await;
         assert_eq!(deny.status("/bulk").await, 200, "counting resumed on B");
-        assert!(b.keys().iter().any(|k| k.contains("bulk")), "B holds the windows");
+        assert!(
+            b.keys().iter().any(|k| k.contains("bulk")),
+            "B holds the windows"
+        );
     }
 
     // 1b. The old primary demoted first, the stable address moved 1 s later (closing its
@@ -554,7 +611,12 @@ async fn what_a_failover_costs() {
             std::thread::sleep(Duration::from_millis(500));
             let _ = redis::Client::open(format!("redis://127.0.0.1:{bp}"))
                 .and_then(|c| c.get_connection())
-                .and_then(|mut c| redis::cmd("REPLICAOF").arg("NO").arg("ONE").query::<()>(&mut c));
+                .and_then(|mut c| {
+                    redis::cmd("REPLICAOF")
+                        .arg("NO")
+                        .arg("ONE")
+                        .query::<()>(&mut c)
+                });
             let _ = redis::Client::open(format!("redis://127.0.0.1:{ap}"))
                 .and_then(|c| c.get_connection())
                 .and_then(|mut c| {
@@ -568,7 +630,10 @@ async fn what_a_failover_costs() {
         })
         .await;
         report("primary_demoted_address_moves_1s_later", got);
-        assert!(got.0 > 0 && got.1 > 0, "the lag is a failure window: {got:?}");
+        assert!(
+            got.0 > 0 && got.1 > 0,
+            "the lag is a failure window: {got:?}"
+        );
         deny.wait_ready(Duration::from_secs(5)).await;
         allow.wait_ready(Duration::from_secs(5)).await;
         assert_eq!(deny.status("/bulk").await, 200, "counting resumed on B");
@@ -614,7 +679,13 @@ async fn what_a_failover_costs() {
             std::thread::sleep(Duration::from_millis(500));
             let _ = redis::Client::open(url)
                 .and_then(|c| c.get_connection())
-                .and_then(|mut c| redis::cmd("CLIENT").arg("PAUSE").arg(2000).arg("ALL").query::<()>(&mut c));
+                .and_then(|mut c| {
+                    redis::cmd("CLIENT")
+                        .arg("PAUSE")
+                        .arg(2000)
+                        .arg("ALL")
+                        .query::<()>(&mut c)
+                });
         })
         .await;
         report("primary_paused_2s", got);

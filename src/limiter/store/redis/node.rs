@@ -515,7 +515,9 @@ async fn role(conn: &mut MultiplexedConnection, timeout: Duration) -> Result<Sai
     let asked = cmd.query_async::<redis::Value>(conn);
     match tokio::time::timeout(timeout, asked).await {
         Err(_) => Err(format!("no answer to ROLE within {timeout:?}")),
-        Ok(Err(e)) if e.is_io_error() || e.is_connection_dropped() || e.is_unrecoverable_error() => {
+        Ok(Err(e))
+            if e.is_io_error() || e.is_connection_dropped() || e.is_unrecoverable_error() =>
+        {
             Err(e.to_string())
         }
         // An error reply is an answer: the node is alive.
@@ -625,7 +627,9 @@ async fn maintain(node: Weak<Node>, wake: Arc<Notify>) {
                     }
                 };
                 let Some(n) = node.upgrade() else { return };
-                if node_role == Role::Primary && matches!(said, Said::LinkedReplica | Said::CutOffReplica) {
+                if node_role == Role::Primary
+                    && matches!(said, Said::LinkedReplica | Said::CutOffReplica)
+                {
                     if !replica_since_logged {
                         tracing::warn!(node = %label, addr = %client.get_connection_info().addr(), "the shard's primary address reaches a replica (ROLE says slave): waiting for a master there (retrying with backoff, asking Sentinel again)");
                         replica_since_logged = true;
@@ -662,12 +666,11 @@ async fn maintain(node: Weak<Node>, wake: Arc<Notify>) {
                     // one answered (and a primary said master): calls may go through.
                     n.breaker.success();
                 }
-                match said {
-                    Said::Master if node_role == Role::Primary => {
-                        n.confirm_writable("reconnected to a master")
-                    }
-                    Said::Master | Said::LinkedReplica => n.set_serving(),
-                    _ => {}
+                if matches!(said, Said::Master | Said::LinkedReplica) {
+                    n.set_serving();
+                }
+                if said == Said::Master && node_role == Role::Primary {
+                    n.confirm_writable("reconnected to a master");
                 }
                 tracing::info!(node = %label, "redis node connected, scripts loaded");
                 failing_since_logged = false;
@@ -691,17 +694,21 @@ async fn maintain(node: Weak<Node>, wake: Arc<Notify>) {
                             n.publish(None);
                             break;
                         }
-                        Ok(Said::LinkedReplica | Said::CutOffReplica) if node_role == Role::Primary => {
+                        Ok(Said::LinkedReplica | Said::CutOffReplica)
+                            if node_role == Role::Primary =>
+                        {
                             tracing::warn!(node = %label, "the shard's primary now says it is a replica (ROLE): it was demoted; reconnecting to follow the failover");
                             n.set_unwritable(&"ROLE says slave");
                             n.suspect();
                             n.publish(None);
                             break;
                         }
-                        Ok(Said::Master) if node_role == Role::Primary => {
-                            n.confirm_writable("the primary says it is a master")
+                        Ok(said @ (Said::Master | Said::LinkedReplica)) => {
+                            n.set_serving();
+                            if said == Said::Master && node_role == Role::Primary {
+                                n.confirm_writable("the primary says it is a master");
+                            }
                         }
-                        Ok(Said::Master | Said::LinkedReplica) => n.set_serving(),
                         Ok(_) => {}
                     }
                 }

@@ -4,8 +4,9 @@
 //! `SENTINEL get-master-addr-by-name NAME` and `SENTINEL replicas NAME`, and points the
 //! shard's primary [`Node`] at the answer. It asks again every 10 s, at once when a call
 //! to the primary fails (connection error, timeout, `READONLY`: the shard asks through
-//! [`SentinelWatch::suspect`]), and when any Sentinel publishes `+switch-master` (a
-//! subscription per Sentinel).
+//! [`SentinelWatch::suspect`]; the primary's node asks too when its `ROLE` says it is a
+//! replica), and when any Sentinel publishes `+switch-master` (a subscription per
+//! Sentinel).
 
 use super::node::{Node, NodeSettings};
 use super::{Scripts, Shard};

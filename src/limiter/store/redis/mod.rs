@@ -1051,6 +1051,35 @@ impl Store for RedisStore {
 mod tests {
     use super::*;
 
+    /// A shard's primary batch is a write unless every key's operation is a peek: only a
+    /// batch of peeks is refused while the primary's writes fail (and cannot clear it).
+    #[test]
+    fn a_batch_writes_unless_every_operation_is_a_peek() {
+        let key = |kind: OpKind| [kind.code(), 0, 3, 60_000, 0, 0, 1, 1_800_000_000_000, 7];
+        let peeks: Vec<u64> = [key(OpKind::Peek), key(OpKind::Peek)].concat();
+        let mixed: Vec<u64> = [key(OpKind::Peek), key(OpKind::Charge)].concat();
+        assert!(!apply_writes(&peeks));
+        assert!(apply_writes(&mixed));
+        assert!(apply_writes(&key(OpKind::Reserve)));
+        assert!(!apply_writes(&[]));
+    }
+
+    /// LOADING and MASTERDOWN are a live node that does not serve; READONLY and a
+    /// connection error are not.
+    #[test]
+    fn loading_and_masterdown_are_not_serving_readonly_is_not() {
+        let reply = |text: &[u8]| match redis::parse_redis_value(text) {
+            Ok(redis::Value::ServerError(e)) => StoreError::Redis(redis::RedisError::from(e)),
+            other => panic!("{other:?}"),
+        };
+        assert!(reply(b"-LOADING Redis is loading the dataset in memory\r\n").is_not_serving());
+        assert!(reply(b"-MASTERDOWN Link with MASTER is down\r\n").is_not_serving());
+        let readonly = reply(b"-READONLY You can't write against a read only replica.\r\n");
+        assert!(!readonly.is_not_serving());
+        assert!(readonly.suggests_failover());
+        assert!(!StoreError::Timeout(50).is_not_serving());
+    }
+
     /// `lua/apply.lua`'s reply as `struct.pack("<i8i8i8", ...)` writes it: every integer
     /// back, negative ones (a refusal's `-(used + 1)`) and epoch milliseconds included;
     /// a length that is not whole integers is a bad reply, not a panic.

@@ -693,6 +693,29 @@ async fn what_a_failover_costs() {
         assert_eq!(deny.status("/bulk").await, 200, "counting resumed");
     }
 
+    // 3b. Primary unreachable without a reset, on the network: the forwarder in front of
+    //     it passes no byte for 2 s, and closes nothing.
+    {
+        let a = RedisServer::start();
+        let fwd = std::sync::Arc::new(Forwarder::start(a.port));
+        let shard = format!("[[store.shards]]\nprimary = \"{}\"\n", fwd.url());
+        let deny = Gw::start(&store("deny", "", &shard), &upstream);
+        let allow = Gw::start(&store("allow", "", &shard), &upstream);
+        deny.wait_ready(Duration::from_secs(10)).await;
+        allow.wait_ready(Duration::from_secs(10)).await;
+        let f = fwd.clone();
+        let got = drive_through(&deny, &allow, Duration::from_secs(5), move || {
+            std::thread::sleep(Duration::from_millis(500));
+            f.blackhole(true);
+            std::thread::sleep(Duration::from_millis(2000));
+            f.blackhole(false);
+        })
+        .await;
+        report("primary_blackholed_2s", got);
+        deny.wait_ready(Duration::from_secs(5)).await;
+        assert_eq!(deny.status("/bulk").await, 200, "counting resumed");
+    }
+
     // 4. Primary killed, Sentinel fails over.
     {
         let mut topo = Sentinels::start("costs", 1, 1);

@@ -516,7 +516,10 @@ async fn role(conn: &mut MultiplexedConnection, timeout: Duration) -> Result<Sai
     match tokio::time::timeout(timeout, asked).await {
         Err(_) => Err(format!("no answer to ROLE within {timeout:?}")),
         Ok(Err(e))
-            if e.is_io_error() || e.is_connection_dropped() || e.is_unrecoverable_error() =>
+            if e.is_io_error()
+                || e.is_connection_dropped()
+                || e.is_timeout()
+                || e.is_unrecoverable_error() =>
         {
             Err(e.to_string())
         }

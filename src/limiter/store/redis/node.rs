@@ -38,7 +38,7 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 use tokio::sync::{watch, Notify};
 
-/// How often a connected node is probed with PING when nothing else talks to it.
+/// How often a connected node is probed with `ROLE` (its role, and whether it answers).
 const PROBE_EVERY: Duration = Duration::from_secs(1);
 
 /// The longest wait between two connects while a primary's address reaches a replica:

@@ -2,7 +2,8 @@
 //!
 //! - `GET /healthz`: 200 while the process serves (liveness).
 //! - `GET /readyz`: 200 when a config is loaded and every shard's primary is reachable
-//!   (connected, breaker not open); 503 otherwise. JSON with per-shard state.
+//!   (connected, breaker not open) and takes writes; 503 otherwise. JSON with per-shard
+//!   state, and each unready shard's reason in `unready`.
 //! - `GET /metrics`: Prometheus text format ([`crate::metrics`]).
 //! - `GET /config`: the active config as JSON, secrets and key hashes redacted (`[server]`
 //!   and `[log]` as they run, with reloaded values that wait for a restart under
@@ -247,6 +248,7 @@ pub fn readiness(snap: &Snapshot) -> (bool, Value) {
                         "role": n.role,
                         "addr": n.addr,
                         "connected": n.connected,
+                        "serving": n.serving,
                         "breaker": n.breaker.as_str(),
                     });
                     // Cluster mode: the master's hash slots.
@@ -256,7 +258,13 @@ pub fn readiness(snap: &Snapshot) -> (bool, Value) {
                     node
                 })
                 .collect();
-            json!({ "shard": s.index, "nodes": nodes, "replica_fallbacks": s.replica_fallbacks })
+            json!({
+                "shard": s.index,
+                "nodes": nodes,
+                "replica_fallbacks": s.replica_fallbacks,
+                "writable": s.writable,
+                "unready": crate::limiter::store::shard_unready(s),
+            })
         })
         .collect();
     let body = json!({

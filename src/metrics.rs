@@ -572,11 +572,17 @@ impl prometheus_client::collector::Collector for StoreCollector {
         let mut changes = Vec::new();
         let mut state = Vec::new();
         let mut up = Vec::new();
+        let mut serving = Vec::new();
         let mut fallbacks = Vec::new();
+        let mut writable = Vec::new();
         for shard in &report {
             fallbacks.push((
                 vec![("shard", shard.index.to_string())],
                 shard.replica_fallbacks,
+            ));
+            writable.push((
+                vec![("shard", shard.index.to_string())],
+                i64::from(shard.writable),
             ));
             for n in &shard.nodes {
                 let l = node_labels(shard.index, n);
@@ -591,6 +597,7 @@ impl prometheus_client::collector::Collector for StoreCollector {
                     crate::limiter::store::redis::BreakerState::Open => 2,
                 };
                 state.push((l.clone(), s));
+                serving.push((l.clone(), i64::from(n.serving)));
                 up.push((l, i64::from(n.connected)));
             }
         }
@@ -641,6 +648,18 @@ impl prometheus_client::collector::Collector for StoreCollector {
             "store_connected",
             "1 when the node has a live connection",
             &up,
+        )?;
+        gauge_family(
+            &mut enc,
+            "store_serving",
+            "0 while the node answers LOADING or MASTERDOWN (a replica is then skipped for reads)",
+            &serving,
+        )?;
+        gauge_family(
+            &mut enc,
+            "store_shard_writable",
+            "0 while writes to the shard's primary fail (its checks then follow store.on_error)",
+            &writable,
         )?;
         let mut me = enc.encode_descriptor(
             "store_latency_seconds",

@@ -100,6 +100,10 @@ pub struct Limiter {
     keys: KeyScheme,
     on_error: OnError,
     warn_gate: Arc<WarnGate>,
+    /// Its own gate for the decision on a failed check (deny, or fail open), so that a
+    /// failed charge logged just before cannot hold back the line saying callers now go
+    /// unlimited (or are refused).
+    decision_gate: Arc<WarnGate>,
     /// `identity.failed_auth_limit`, as a limit on the client IP; `None` when off.
     failed_auth: Option<Arc<Limit>>,
     /// Requests held by `on_limit = "delay"`, per storage key of the refusing limit.
@@ -139,6 +143,7 @@ impl Limiter {
             keys,
             on_error,
             warn_gate: Arc::new(WarnGate::default()),
+            decision_gate: Arc::new(WarnGate::default()),
             failed_auth: None,
             waiting: Arc::default(),
             in_flight: InFlightUnits::default(),
@@ -280,11 +285,11 @@ impl Limiter {
     /// or the refusal (deny). Logs at most once per 10 s.
     fn store_failed(&self, e: StoreError) -> Result<(), Refusal> {
         if self.on_error == OnError::Deny {
-            self.warn_gate
+            self.decision_gate
                 .warn(&e, "denying request (store.on_error = \"deny\")");
             return Err(Refusal::StoreDenied(e));
         }
-        self.warn_gate.warn(
+        self.decision_gate.warn(
             &e,
             "forwarding without limiting (store.on_error = \"allow\")",
         );

@@ -85,9 +85,31 @@ pub enum StoreError {
     /// The script's reply did not have the expected shape.
     #[error("unexpected reply from store: {0}")]
     BadReply(String),
+    /// A check of a shard whose primary's writes fail (a failed or demoted primary):
+    /// answered as a failed call, whatever a replica would say, so that a caller is never
+    /// admitted by reads while nothing can be counted.
+    #[error("{0}: writes to the shard's primary fail; its checks fail until they succeed")]
+    NotWritable(String),
 }
 
 impl StoreError {
+    /// Whether the node answered but does not serve for now: `LOADING` (loading its data
+    /// set) or `MASTERDOWN` (a replica cut off from its primary with
+    /// `replica-serve-stale-data no`). The one place these are classified: such a node
+    /// is alive — not reconnected, not a circuit-breaker failure — and a replica that
+    /// answers so is skipped for reads until it serves again.
+    pub fn is_not_serving(&self) -> bool {
+        match self {
+            StoreError::Redis(e) => matches!(
+                e.kind(),
+                ::redis::ErrorKind::Server(
+                    ::redis::ServerErrorKind::BusyLoading | ::redis::ServerErrorKind::MasterDown
+                )
+            ),
+            _ => false,
+        }
+    }
+
     /// Whether the error is what a failover looks like from the client: the connection
     /// failed or timed out, or the node is now a read-only replica.
     pub fn suggests_failover(&self) -> bool {
@@ -228,20 +250,32 @@ pub trait StoreStatus: Send + Sync {
     /// The state of every shard and node; empty for the memory store.
     fn report(&self) -> Vec<redis::ShardReport>;
     /// Whether limits can be enforced now: always for the memory store; with Redis, when
-    /// every shard's primary (or the cluster) is connected and its breaker is not open.
+    /// every shard's primary (or the cluster) is connected, its breaker is not open and
+    /// its writes succeed ([`redis::ShardReport::writable`]).
     fn ready(&self) -> bool {
         primaries_ready(&self.report())
     }
 }
 
-/// Every shard's primary (or the cluster) connected with its breaker not open; false
-/// when there are no shards.
+/// Every shard's primary (or the cluster) connected with its breaker not open and its
+/// writes succeeding; false when there are no shards.
 pub fn primaries_ready(report: &[redis::ShardReport]) -> bool {
-    !report.is_empty()
-        && report.iter().all(|s| {
-            let p = s.primary();
-            p.connected && p.breaker != redis::BreakerState::Open
-        })
+    !report.is_empty() && report.iter().all(|s| shard_unready(s).is_none())
+}
+
+/// Why a shard cannot enforce its limits now (`None`: it can): its primary is not
+/// connected, its breaker is open, or its writes fail. Shown by `/readyz`.
+pub fn shard_unready(s: &redis::ShardReport) -> Option<&'static str> {
+    let p = s.primary();
+    if !s.writable {
+        Some("writes to the primary fail (a failed or demoted primary); checks follow store.on_error")
+    } else if !p.connected {
+        Some("primary not connected")
+    } else if p.breaker == redis::BreakerState::Open {
+        Some("primary's circuit breaker open")
+    } else {
+        None
+    }
 }
 
 impl StoreStatus for AnyStore {

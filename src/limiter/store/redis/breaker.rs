@@ -108,7 +108,10 @@ impl Breaker {
             }
             Ok(Err(e)) => {
                 bump(&stats.errors);
-                self.failure();
+                // A node that answers LOADING or MASTERDOWN is alive: not a failure.
+                if !e.is_not_serving() {
+                    self.failure();
+                }
                 Err(e)
             }
             Err(_) => {
@@ -240,6 +243,40 @@ mod tests {
         }
         assert_eq!(b.state(), BreakerState::Open);
         assert_eq!(stats.counts().errors, 2);
+    }
+
+    /// A node answering LOADING or MASTERDOWN is alive: its errors are counted, but they
+    /// never open the breaker.
+    #[tokio::test]
+    async fn loading_and_masterdown_answers_do_not_open_the_breaker() {
+        let stats = Arc::new(NodeStats::default());
+        let b = Breaker::new(
+            "n".into(),
+            2,
+            Duration::from_secs(60),
+            Duration::from_secs(1),
+            stats.clone(),
+        );
+        let masterdown = || match ::redis::parse_redis_value(b"-MASTERDOWN link down\r\n") {
+            Ok(::redis::Value::ServerError(e)) => StoreError::Redis(e.into()),
+            other => panic!("{other:?}"),
+        };
+        for _ in 0..5 {
+            let r: Result<(), _> = b
+                .guard(&stats, Duration::from_secs(1), async { Err(masterdown()) })
+                .await;
+            assert!(r.is_err());
+        }
+        assert_eq!(b.state(), BreakerState::Closed);
+        assert_eq!(stats.counts().errors, 5);
+        for _ in 0..2 {
+            let _: Result<(), _> = b
+                .guard(&stats, Duration::from_secs(1), async {
+                    Err(StoreError::NotConnected("n".into()))
+                })
+                .await;
+        }
+        assert_eq!(b.state(), BreakerState::Open, "other errors still count");
     }
 
     #[test]

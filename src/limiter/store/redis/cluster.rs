@@ -18,17 +18,18 @@
 //!   new master.
 //!
 //! `LOADING`, `MASTERDOWN`, `CLUSTERDOWN` and `TRYAGAIN` are answers from a live node
-//! that cannot serve the call now: they count as a failed call for that master's
-//! breaker (`store.on_error` applies), never as a dead connection (no reconnect), and
-//! `CLUSTERDOWN`/`TRYAGAIN` refresh the map. MOVED and ASK count as a success for the
+//! that cannot serve the call now: the call fails (`store.on_error` applies), never as
+//! a dead connection (no reconnect); `CLUSTERDOWN`/`TRYAGAIN` count towards that
+//! master's breaker and refresh the map, `LOADING`/`MASTERDOWN` do not count
+//! ([`StoreError::is_not_serving`]). MOVED and ASK count as a success for the
 //! breaker of the node that answered them.
 
-use super::node::{Node, NodeSettings, WhenDisconnected};
+use super::dial::{DialAs, Dialer, Endpoint};
+use super::node::{Node, NodeSettings, Role, WhenDisconnected};
 use super::Scripts;
 use crate::limiter::store::StoreError;
 use arc_swap::ArcSwap;
 use redis::aio::MultiplexedConnection;
-use super::dial::{Dialer, Endpoint, Role};
 use redis::{AsyncConnectionConfig, ServerErrorKind, Value};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
@@ -335,6 +336,7 @@ impl Cluster {
             Some(endpoint),
             self.scripts.clone(),
             self.settings.clone(),
+            Role::ClusterMaster,
         ))
     }
 
@@ -530,7 +532,9 @@ async fn open(
     let config = AsyncConnectionConfig::new()
         .set_connection_timeout(Some(timeout))
         .set_response_timeout(Some(timeout));
-    dialer.connect(endpoint, Role::Data, config, timeout).await
+    dialer
+        .connect(endpoint, DialAs::Data, config, timeout)
+        .await
 }
 
 /// The ranges of a `CLUSTER SLOTS` reply asked of `asked` (`HOST:PORT`): `(first, last,

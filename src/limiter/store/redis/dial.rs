@@ -108,7 +108,7 @@ impl Endpoint {
 
 /// Whose credentials a connection uses when its URL carries none.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Role {
+pub(crate) enum DialAs {
     /// A primary or replica: `store.username` / `store.password`.
     Data,
     /// A Sentinel: `store.sentinel_username` / `store.sentinel_password`.
@@ -275,12 +275,12 @@ impl Dialer {
         Ok(Box::new(tls))
     }
 
-    /// The redis-rs connection info of `ep` for `role`: the URL's credentials, else the
-    /// store's for that role.
-    fn info(ep: &Endpoint, role: Role, settings: &DialSettings) -> RedisConnectionInfo {
-        let (user, pass) = match role {
-            Role::Data => (&settings.username, &settings.password),
-            Role::Sentinel => (&settings.sentinel_username, &settings.sentinel_password),
+    /// The redis-rs connection info of `ep` dialled as `dial_as`: the URL's credentials, else the
+    /// store's for that kind of node.
+    fn info(ep: &Endpoint, dial_as: DialAs, settings: &DialSettings) -> RedisConnectionInfo {
+        let (user, pass) = match dial_as {
+            DialAs::Data => (&settings.username, &settings.password),
+            DialAs::Sentinel => (&settings.sentinel_username, &settings.sentinel_password),
         };
         // No `CLIENT SETINFO` (Redis 7.2+ only, and one more command for the ACL): the
         // connection is named with `CLIENT SETNAME` instead.
@@ -308,14 +308,14 @@ impl Dialer {
     pub(crate) async fn connect(
         &self,
         ep: &Endpoint,
-        role: Role,
+        dial_as: DialAs,
         config: AsyncConnectionConfig,
         timeout: Duration,
     ) -> RedisResult<MultiplexedConnection> {
         let settings = self.settings();
         let opened = async {
             let stream = self.stream(ep, &settings).await?;
-            let info = Self::info(ep, role, &settings);
+            let info = Self::info(ep, dial_as, &settings);
             let (conn, driver) =
                 MultiplexedConnection::new_with_config(&info, stream, config).await?;
             tokio::spawn(driver);
@@ -332,13 +332,13 @@ impl Dialer {
     pub(crate) async fn pubsub(
         &self,
         ep: &Endpoint,
-        role: Role,
+        dial_as: DialAs,
         timeout: Duration,
     ) -> RedisResult<PubSub> {
         let settings = self.settings();
         let opened = async {
             let stream = self.stream(ep, &settings).await?;
-            PubSub::new(&Self::info(ep, role, &settings), stream).await
+            PubSub::new(&Self::info(ep, dial_as, &settings), stream).await
         };
         match tokio::time::timeout(timeout, opened).await {
             Ok(r) => r,
@@ -383,18 +383,18 @@ mod tests {
             ..DialSettings::default()
         };
         let bare = Endpoint::parse("redis://h:1").unwrap();
-        let data = Dialer::info(&bare, Role::Data, &settings);
+        let data = Dialer::info(&bare, DialAs::Data, &settings);
         assert_eq!(
             (data.username(), data.password()),
             (Some("tollgate"), Some("pw"))
         );
-        let sentinel = Dialer::info(&bare, Role::Sentinel, &settings);
+        let sentinel = Dialer::info(&bare, DialAs::Sentinel, &settings);
         assert_eq!(
             (sentinel.username(), sentinel.password()),
             (None, Some("spw"))
         );
         let own = Endpoint::parse("redis://other:secret@h:1").unwrap();
-        let data = Dialer::info(&own, Role::Data, &settings);
+        let data = Dialer::info(&own, DialAs::Data, &settings);
         assert_eq!(
             (data.username(), data.password()),
             (Some("other"), Some("secret"))

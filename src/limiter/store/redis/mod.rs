@@ -42,7 +42,7 @@ use batch::Batcher;
 use cluster::Cluster;
 use dial::{DialSettings, Dialer, Endpoint};
 use futures_util::future::{join_all, Either};
-use node::{Node, NodeSettings, WhenDisconnected};
+use node::{Node, NodeSettings, Role, WhenDisconnected};
 use sentinel::SentinelWatch;
 use stats::{bump, Counts, ShardStats};
 use std::future::Future;
@@ -377,6 +377,11 @@ impl Shard {
         keys: &[&str],
         args: &[u64],
     ) -> Result<Vec<i64>, StoreError> {
+        if !self.primary.writable() {
+            // Nothing could be counted: a replica's (or the demoted primary's) answer
+            // must not admit anyone. `store.on_error` decides.
+            return Err(StoreError::NotWritable(self.primary.label.clone()));
+        }
         if self.read_from == ReadFrom::Replica {
             let replicas = self.replicas.load();
             if !replicas.is_empty() {
@@ -401,16 +406,25 @@ impl Shard {
         self.on_primary(&scripts.apply, keys, args).await
     }
 
+    /// Run `script` on the primary: a write (anything but a `lua/apply.lua` call of
+    /// peeks only) records whether the primary's writes succeed ([`Node::writable`]); a
+    /// peek while they fail is refused as [`StoreError::NotWritable`].
     async fn on_primary(
         &self,
         script: &LuaScript,
         keys: &[&str],
         args: &[u64],
     ) -> Result<Vec<i64>, StoreError> {
-        let result = self
-            .primary
-            .call(script, keys, args, WhenDisconnected::Wait)
-            .await;
+        let writes = !std::ptr::eq(script, &self.scripts.apply) || apply_writes(args);
+        let result = if writes {
+            self.primary.write(script, keys, args).await
+        } else if !self.primary.writable() {
+            Err(StoreError::NotWritable(self.primary.label.clone()))
+        } else {
+            self.primary
+                .call(script, keys, args, WhenDisconnected::Wait)
+                .await
+        };
         if let (Err(e), Some(sentinel)) = (&result, &self.sentinel) {
             if e.suggests_failover() {
                 sentinel.suspect();
@@ -418,6 +432,17 @@ impl Shard {
         }
         result
     }
+}
+
+/// The `lua/apply.lua` arguments of one key: kind, algorithm, quota, window, burst,
+/// align, cost, now, id (see `RedisStore::call_group`).
+const APPLY_ARGS: usize = 9;
+
+/// Whether a `lua/apply.lua` call's arguments ([`APPLY_ARGS`] per key, the operation's
+/// kind first) hold anything but peeks.
+fn apply_writes(args: &[u64]) -> bool {
+    args.chunks(APPLY_ARGS)
+        .any(|a| a.first() != Some(&OpKind::Peek.code()))
 }
 
 enum Topology {
@@ -644,6 +669,7 @@ impl RedisStore {
                 primary_client,
                 self.scripts.clone(),
                 settings.clone(),
+                Role::Primary,
             );
             let replicas: Vec<Arc<Node>> = s
                 .replicas
@@ -654,6 +680,7 @@ impl RedisStore {
                         Some(open(r)?),
                         self.scripts.clone(),
                         settings.clone(),
+                        Role::Replica,
                     ))
                 })
                 .collect();
@@ -682,6 +709,7 @@ impl RedisStore {
                 }
             });
             if let Some(sentinel) = sentinel {
+                shard.primary.follow(&sentinel);
                 sentinel.start(&shard, self.scripts.clone(), settings.clone());
             }
             shards.push(shard);
@@ -907,11 +935,13 @@ impl RedisStore {
                 .map(|(index, m)| ShardReport {
                     index,
                     replica_fallbacks: 0,
+                    writable: true,
                     nodes: vec![NodeReport {
                         role: "primary",
                         label: m.node.label.clone(),
                         addr: m.addr,
                         connected: m.node.is_connected(),
+                        serving: m.node.is_serving(),
                         breaker: m.node.breaker_state(),
                         counts: m.node.stats.counts(),
                         latency: m.node.stats.latency.clone(),
@@ -927,6 +957,7 @@ impl RedisStore {
                         label: n.label.clone(),
                         addr: n.addr(),
                         connected: n.is_connected(),
+                        serving: n.is_serving(),
                         breaker: n.breaker_state(),
                         counts: n.stats.counts(),
                         latency: n.stats.latency.clone(),
@@ -937,6 +968,7 @@ impl RedisStore {
                     ShardReport {
                         index: s.index,
                         replica_fallbacks: s.stats.replica_fallbacks.load(Ordering::Relaxed),
+                        writable: s.primary.writable(),
                         nodes,
                     }
                 })
@@ -962,6 +994,11 @@ pub struct ShardReport {
     pub index: usize,
     /// CHECKs meant for a replica that the primary answered.
     pub replica_fallbacks: u64,
+    /// Whether the primary's writes succeed: false from a failed write (or a primary that
+    /// says it is a replica) until a write succeeds or the primary is reconnected as a
+    /// master. While false, the shard's checks fail and `store.on_error` decides. Always
+    /// true in cluster mode.
+    pub writable: bool,
     /// The primary first, then the replicas.
     pub nodes: Vec<NodeReport>,
 }
@@ -985,6 +1022,9 @@ pub struct NodeReport {
     pub addr: String,
     /// Whether it has a live connection.
     pub connected: bool,
+    /// False while it answers `LOADING` or `MASTERDOWN` (a replica is then skipped for
+    /// reads), until its probe says it serves again.
+    pub serving: bool,
     /// Its circuit breaker.
     pub breaker: BreakerState,
     /// Its counters.
@@ -1068,6 +1108,35 @@ impl Store for RedisStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A shard's primary batch is a write unless every key's operation is a peek: only a
+    /// batch of peeks is refused while the primary's writes fail (and cannot clear it).
+    #[test]
+    fn a_batch_writes_unless_every_operation_is_a_peek() {
+        let key = |kind: OpKind| [kind.code(), 0, 3, 60_000, 0, 0, 1, 1_800_000_000_000, 7];
+        let peeks: Vec<u64> = [key(OpKind::Peek), key(OpKind::Peek)].concat();
+        let mixed: Vec<u64> = [key(OpKind::Peek), key(OpKind::Charge)].concat();
+        assert!(!apply_writes(&peeks));
+        assert!(apply_writes(&mixed));
+        assert!(apply_writes(&key(OpKind::Reserve)));
+        assert!(!apply_writes(&[]));
+    }
+
+    /// LOADING and MASTERDOWN are a live node that does not serve; READONLY and a
+    /// connection error are not.
+    #[test]
+    fn loading_and_masterdown_are_not_serving_readonly_is_not() {
+        let reply = |text: &[u8]| match redis::parse_redis_value(text) {
+            Ok(redis::Value::ServerError(e)) => StoreError::Redis(redis::RedisError::from(e)),
+            other => panic!("{other:?}"),
+        };
+        assert!(reply(b"-LOADING Redis is loading the dataset in memory\r\n").is_not_serving());
+        assert!(reply(b"-MASTERDOWN Link with MASTER is down\r\n").is_not_serving());
+        let readonly = reply(b"-READONLY You can't write against a read only replica.\r\n");
+        assert!(!readonly.is_not_serving());
+        assert!(readonly.suggests_failover());
+        assert!(!StoreError::Timeout(50).is_not_serving());
+    }
 
     /// `lua/apply.lua`'s reply as `struct.pack("<i8i8i8", ...)` writes it: every integer
     /// back, negative ones (a refusal's `-(used + 1)`) and epoch milliseconds included;

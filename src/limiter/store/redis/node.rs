@@ -6,6 +6,21 @@
 //! connection. A call that finds the connection dropped wakes the task to reconnect.
 //! Sentinel may point the node at a new address ([`Node::retarget`]).
 //!
+//! **Roles and failovers.** A shard's primary node ([`Role::Primary`]) publishes a
+//! connection only once the server says it is a master (`ROLE`), and checks it again at
+//! every probe: a primary demoted behind a stable address (a DNS name, a Kubernetes
+//! Service, HAProxy: the address now reaches a replica, or the old primary was made a
+//! replica) is dropped and reconnected — each TCP connect resolves the host name again
+//! (redis-rs calls `tokio::net::lookup_host` per connect; nothing here keeps an
+//! address) — with backoff until a master answers, asking Sentinel again meanwhile. A
+//! write answered `READONLY` does the same and is sent once more on the new connection.
+//! While the primary's writes fail, [`Node::writable`] is false and the shard's checks
+//! follow `store.on_error` (see `Shard::check`). `LOADING` and `MASTERDOWN` answers are
+//! not a dead node ([`StoreError::is_not_serving`]): no reconnect, no breaker failure; a
+//! replica answering them is skipped for reads until its probe says it serves again.
+//! A primary that comes back as another Redis process whose replication history does not
+//! continue the old one's (a restart without persistence) is logged at warn.
+//!
 //! On a `per_core` gateway each worker also opens a connection of its own to the node
 //! ([`WorkerConns`]), on its own runtime, so that the connection's I/O task runs on the
 //! worker's thread: a call a worker sends, and its reply, then wake no other thread.
@@ -13,19 +28,24 @@
 //! connection is up, and are dropped whenever it is replaced (reconnect, failover).
 
 use super::breaker::{Breaker, BreakerState};
-use super::dial::{Dialer, Endpoint, Role};
+use super::dial::{DialAs, Dialer, Endpoint};
 use super::stats::{bump, NodeStats};
 use super::Scripts;
 use crate::limiter::store::StoreError;
 use redis::aio::MultiplexedConnection;
 use redis::AsyncConnectionConfig;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 use tokio::sync::{watch, Notify};
 
-/// How often a connected node is probed with PING when nothing else talks to it.
+/// How often a connected node is probed with `ROLE` (its role, and whether it answers).
 const PROBE_EVERY: Duration = Duration::from_secs(1);
+
+/// The longest wait between two connects while a primary's address reaches a replica:
+/// the address (a DNS name, a Service) may move to the new primary at any moment, and
+/// each wait is time the shard's callers get `store.on_error`.
+const REPLICA_RETRY_MAX: Duration = Duration::from_millis(250);
 
 /// How long a worker waits after its own connection to a node failed to open before it
 /// tries again (meanwhile it uses the node's shared connection).
@@ -33,6 +53,18 @@ const WORKER_RETRY_AFTER: Duration = Duration::from_secs(1);
 
 /// The `CLIENT SETNAME` of a node's shared connection (`CLIENT LIST` shows it).
 const SHARED_NAME: &str = "tollgate";
+
+/// What a node is in its shard.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Role {
+    /// The shard's primary: takes the writes, must say it is a master (`ROLE`).
+    Primary,
+    /// A replica: answers checks while it serves.
+    Replica,
+    /// A Redis Cluster master: the cluster's slot map ([`super::cluster`]) follows its
+    /// failovers (`MOVED`, `READONLY`), so its node publishes whatever `ROLE` says.
+    ClusterMaster,
+}
 
 /// Settings shared by every node of a store.
 #[derive(Debug, Clone)]
@@ -57,6 +89,32 @@ pub(crate) struct Node {
     pub(super) stats: Arc<NodeStats>,
     scripts: Arc<Scripts>,
     settings: NodeSettings,
+    /// Primary or replica (see the module documentation).
+    role: Role,
+    /// False from a `LOADING` or `MASTERDOWN` answer until a probe says the node serves
+    /// again (`ROLE`: a master, or a replica whose link to its master is up): a replica
+    /// is skipped for reads meanwhile.
+    serving: AtomicBool,
+    /// Primary only: false while its writes fail (see [`Node::writable`]).
+    writable: AtomicBool,
+    /// Bumped each time the server confirms it is a writable master (a connection
+    /// published after `ROLE` said master, a probe saying master, a write that
+    /// succeeded): a write that fails only clears `writable` when no confirmation came
+    /// since it started, so a late failure on a replaced connection cannot undo it.
+    confirmed: AtomicU64,
+    /// The last master's identity (`run_id`, `master_replid`), to tell a restart without
+    /// persistence from a failover (primary only).
+    identity: Mutex<Option<Identity>>,
+    /// Sentinel to ask again when the primary says it is a replica.
+    sentinel: OnceLock<Weak<super::sentinel::SentinelWatch>>,
+}
+
+/// Who a primary's server is: `INFO server` and `INFO replication` fields.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Identity {
+    run_id: String,
+    replid: String,
+    replid2: String,
 }
 
 /// What [`Node::call`] should do when the node is not connected at the moment.
@@ -78,6 +136,7 @@ impl Node {
         client: Option<Endpoint>,
         scripts: Arc<Scripts>,
         settings: NodeSettings,
+        role: Role,
     ) -> Arc<Node> {
         let stats = Arc::new(NodeStats::default());
         let breaker = Breaker::new(
@@ -97,6 +156,12 @@ impl Node {
             stats,
             scripts,
             settings,
+            role,
+            serving: AtomicBool::new(true),
+            writable: AtomicBool::new(true),
+            confirmed: AtomicU64::new(0),
+            identity: Mutex::new(None),
+            sentinel: OnceLock::new(),
         });
         tokio::spawn(maintain(Arc::downgrade(&node), node.wake.clone()));
         node
@@ -124,9 +189,95 @@ impl Node {
         self.conn.borrow().is_some()
     }
 
-    /// Whether a call would be tried now (connected and breaker not open).
+    /// Whether a call would be tried now (connected, serving — not answering `LOADING`
+    /// or `MASTERDOWN` — and breaker not open).
     pub(super) fn is_available(&self) -> bool {
-        self.is_connected() && self.breaker.is_available()
+        self.is_connected() && self.serving.load(Ordering::Acquire) && self.breaker.is_available()
+    }
+
+    /// Whether the node serves reads (false from a `LOADING` or `MASTERDOWN` answer
+    /// until its probe says it serves again).
+    pub(super) fn is_serving(&self) -> bool {
+        self.serving.load(Ordering::Acquire)
+    }
+
+    /// Primary: whether its writes succeed. False from a write that failed (any error,
+    /// timeout included) or a `ROLE` that said replica, until a write succeeds or the
+    /// (re)connected server says it is a master. Always true for a replica.
+    pub(super) fn writable(&self) -> bool {
+        self.writable.load(Ordering::Acquire)
+    }
+
+    /// Ask `sentinel` again whenever this primary says it is a replica.
+    pub(super) fn follow(&self, sentinel: &Arc<super::sentinel::SentinelWatch>) {
+        let _ = self.sentinel.set(Arc::downgrade(sentinel));
+    }
+
+    /// Run a writing `script` on this primary ([`Node::call`], waiting for the
+    /// connection) and record whether writes succeed ([`Node::writable`]).
+    pub(super) async fn write(
+        &self,
+        script: &super::LuaScript,
+        keys: &[&str],
+        args: &[u64],
+    ) -> Result<Vec<i64>, StoreError> {
+        let confirmed = self.confirmed.load(Ordering::Acquire);
+        let result = self.call(script, keys, args, WhenDisconnected::Wait).await;
+        match &result {
+            Ok(_) => self.confirm_writable("a write succeeded"),
+            Err(e) => {
+                if self.confirmed.load(Ordering::Acquire) == confirmed {
+                    self.set_unwritable(e);
+                }
+            }
+        }
+        result
+    }
+
+    /// The server has shown it takes writes: clear the failed-writes state.
+    fn confirm_writable(&self, why: &str) {
+        self.confirmed.fetch_add(1, Ordering::AcqRel);
+        if !self.writable.swap(true, Ordering::AcqRel) {
+            tracing::info!(node = %self.label, "redis primary writable again ({why}): the shard's checks are answered again");
+        }
+    }
+
+    /// A write failed (or the server says it is a replica): the shard's checks follow
+    /// `store.on_error` until it is writable again.
+    fn set_unwritable(&self, why: &dyn std::fmt::Display) {
+        if self.role == Role::Primary && self.writable.swap(false, Ordering::AcqRel) {
+            tracing::warn!(node = %self.label, error = %why, "writes to the shard's primary fail: its checks follow store.on_error until a write succeeds or the primary is reconnected as a master");
+        }
+    }
+
+    /// The connection of `generation` failed (or reached a replica): drop it, unless it
+    /// has been replaced already, and let the connection task reconnect.
+    fn drop_connection(&self, generation: u64) {
+        let workers = &self.workers;
+        self.conn.send_if_modified(|conn| {
+            if workers.generation.load(Ordering::Acquire) != generation || conn.is_none() {
+                return false;
+            }
+            workers.generation.fetch_add(1, Ordering::AcqRel);
+            *conn = None;
+            true
+        });
+        self.wake.notify_one();
+    }
+
+    /// The node answered `LOADING` or `MASTERDOWN`: alive, but skipped for reads until
+    /// its probe says it serves again.
+    fn set_not_serving(&self, e: &StoreError) {
+        if self.serving.swap(false, Ordering::AcqRel) {
+            tracing::warn!(node = %self.label, error = %e, "redis node is not serving (loading, or a replica cut off from its primary): reads skip it until it serves again");
+        }
+    }
+
+    /// The node serves again (its probe said so).
+    fn set_serving(&self) {
+        if !self.serving.swap(true, Ordering::AcqRel) {
+            tracing::info!(node = %self.label, "redis node serves again");
+        }
     }
 
     /// The breaker's state.
@@ -136,6 +287,21 @@ impl Node {
 
     /// Run `script` with `keys` and `args`, bounded by `store.timeout` (including the
     /// wait for a connection). NOSCRIPT is handled by loading the script and retrying.
+    ///
+    /// A primary that answers `READONLY` has become a replica: the connection is dropped,
+    /// the connection task reconnects (a new TCP connect, the host name resolved again)
+    /// and publishes a connection only to a server that says it is a master, and the
+    /// call is sent once more on that connection, within the same timeout. That never
+    /// counts twice: a script that fails with `READONLY` applied nothing. Redis 7 runs a
+    /// script without flags (ours have no `#!lua` line) on a replica until its first
+    /// write command, which fails with `-READONLY You can't write against a read only
+    /// replica.` and aborts the script (ours use no `pcall`); every write before it
+    /// would have failed the same way, so none was applied (checked with EVAL on a
+    /// Redis 7.0 replica: `SET` then `SET` answers READONLY and leaves no key). A
+    /// flagged script would be refused before it ran.
+    ///
+    /// `LOADING` and `MASTERDOWN` fail the call but are not a dead node: no reconnect, no
+    /// breaker failure; the node is skipped for reads until its probe says it serves.
     pub(super) async fn call(
         &self,
         script: &super::LuaScript,
@@ -157,55 +323,96 @@ impl Node {
         asking: bool,
     ) -> Result<Vec<i64>, StoreError> {
         let attempt = async {
-            let mut conn = match self.connection(when).await {
+            let (mut conn, generation) = match self.connection(when).await {
                 Some(c) => c,
                 None => return Err(StoreError::NotConnected(self.label.clone())),
             };
-            if asking {
+            let first = if asking {
                 super::invoke_asking(script, keys, args, &mut conn).await
             } else {
                 super::invoke(script, keys, args, &mut conn).await
+            };
+            match first {
+                Err(StoreError::Redis(e))
+                    if self.role == Role::Primary
+                        && e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ReadOnly) =>
+                {
+                    tracing::warn!(node = %self.label, error = %e, "redis primary answered READONLY: it is a replica now; reconnecting to follow the failover");
+                    self.set_unwritable(&e);
+                    self.suspect();
+                    self.drop_connection(generation);
+                    // Sent once more on the next connection (a master's: see `maintain`).
+                    let (mut conn, generation) =
+                        match self.connection(WhenDisconnected::Wait).await {
+                            Some(c) => c,
+                            None => return Err(StoreError::Redis(e)),
+                        };
+                    super::invoke(script, keys, args, &mut conn)
+                        .await
+                        .map_err(|e| (e, generation))
+                }
+                other => other.map_err(|e| (e, generation)),
             }
+            .map_err(|(e, generation)| {
+                if let StoreError::Redis(re) = &e {
+                    if breaks_connection(re) {
+                        // Let the connection task reconnect (and reload the scripts).
+                        self.drop_connection(generation);
+                    }
+                }
+                e
+            })
         };
         let result = self
             .breaker
             .guard(&self.stats, self.settings.timeout, attempt)
             .await;
-        if let Err(StoreError::Redis(e)) = &result {
-            if breaks_connection(e) {
-                // Let the connection task reconnect (and reload the scripts).
-                self.publish(None);
-                self.wake.notify_one();
+        if let Err(e) = &result {
+            if e.is_not_serving() {
+                self.set_not_serving(e);
             }
         }
         result
     }
 
+    /// Ask Sentinel again (a primary that says it is a replica).
+    fn suspect(&self) {
+        if let Some(s) = self.sentinel.get().and_then(Weak::upgrade) {
+            s.suspect();
+        }
+    }
+
     /// Replace the node's shared connection (`None`: disconnected), which drops every
     /// worker's own connection too.
     fn publish(&self, conn: Option<MultiplexedConnection>) {
-        self.workers.generation.fetch_add(1, Ordering::AcqRel);
-        self.conn.send_replace(conn);
+        // Under the channel's lock, so that `drop_connection` sees both change together.
+        self.conn.send_modify(|c| {
+            self.workers.generation.fetch_add(1, Ordering::AcqRel);
+            *c = conn;
+        });
     }
 
     /// The connection a call uses: on a `per_core` worker its own once open, else the
     /// node's shared one.
-    async fn connection(&self, when: WhenDisconnected) -> Option<MultiplexedConnection> {
+    /// With the generation of the node's connection it belongs to (for
+    /// [`Node::drop_connection`]).
+    async fn connection(&self, when: WhenDisconnected) -> Option<(MultiplexedConnection, u64)> {
+        let generation = self.workers.generation.load(Ordering::Acquire);
         let connected = self.conn.borrow().is_some();
         if connected {
             if let Some(c) = self.worker_connection() {
-                return Some(c);
+                return Some((c, generation));
             }
             if let Some(c) = self.conn.borrow().clone() {
-                return Some(c);
+                return Some((c, generation));
             }
         }
         if when == WhenDisconnected::FailFast {
             return None;
         }
         let mut rx = self.conn.subscribe();
-        let c = rx.wait_for(Option::is_some).await.ok()?;
-        c.clone()
+        let c = rx.wait_for(Option::is_some).await.ok()?.clone()?;
+        Some((c, self.workers.generation.load(Ordering::Acquire)))
     }
 
     /// This `per_core` worker's own connection to the node, while the node's shared
@@ -322,10 +529,113 @@ impl Drop for Node {
     }
 }
 
+/// What `ROLE` says about a server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Said {
+    /// A master.
+    Master,
+    /// A replica whose link to its master is up (`connected`): it serves reads.
+    LinkedReplica,
+    /// A replica whose link is down (or syncing).
+    CutOffReplica,
+    /// Alive, but its role is unknown (`ROLE` refused, e.g. by an ACL, or an odd reply).
+    Unknown,
+}
+
+/// Ask `ROLE` (allowed while loading and on a stale replica). `Err`: the node did not
+/// answer (connection or timeout).
+async fn role(conn: &mut MultiplexedConnection, timeout: Duration) -> Result<Said, String> {
+    let cmd = redis::cmd("ROLE");
+    let asked = cmd.query_async::<redis::Value>(conn);
+    match tokio::time::timeout(timeout, asked).await {
+        Err(_) => Err(format!("no answer to ROLE within {timeout:?}")),
+        Ok(Err(e))
+            if e.is_io_error()
+                || e.is_connection_dropped()
+                || e.is_timeout()
+                || e.is_unrecoverable_error() =>
+        {
+            Err(e.to_string())
+        }
+        // An error reply is an answer: the node is alive.
+        Ok(Err(_)) => Ok(Said::Unknown),
+        Ok(Ok(redis::Value::Array(items))) => {
+            let text = |v: Option<&redis::Value>| match v {
+                Some(redis::Value::BulkString(b)) => String::from_utf8_lossy(b).into_owned(),
+                Some(redis::Value::SimpleString(s)) => s.clone(),
+                _ => String::new(),
+            };
+            Ok(match text(items.first()).as_str() {
+                "master" => Said::Master,
+                "slave" if text(items.get(3)) == "connected" => Said::LinkedReplica,
+                "slave" => Said::CutOffReplica,
+                _ => Said::Unknown,
+            })
+        }
+        Ok(Ok(_)) => Ok(Said::Unknown),
+    }
+}
+
+/// One field of an `INFO` text.
+fn info_field(info: &str, field: &str) -> String {
+    info.lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .unwrap_or_default()
+        .trim()
+        .to_string()
+}
+
+/// The identity of the master on `conn` (`INFO server`, `INFO replication`); `None` if
+/// it does not say (e.g. `INFO` refused by an ACL).
+async fn identity(conn: &mut MultiplexedConnection, timeout: Duration) -> Option<Identity> {
+    let asked = async {
+        let server: String = redis::cmd("INFO").arg("server").query_async(conn).await?;
+        let replication: String = redis::cmd("INFO")
+            .arg("replication")
+            .query_async(conn)
+            .await?;
+        Ok::<_, redis::RedisError>(Identity {
+            run_id: info_field(&server, "run_id"),
+            replid: info_field(&replication, "master_replid"),
+            replid2: info_field(&replication, "master_replid2"),
+        })
+    };
+    let id = tokio::time::timeout(timeout, asked).await.ok()?.ok()?;
+    (!id.run_id.is_empty()).then_some(id)
+}
+
+impl Node {
+    /// The primary's server is `now`: log at warn when it is another process whose
+    /// replication history does not continue the last one's (it restarted, and without
+    /// persistence it came back empty and will empty its replicas).
+    fn note_identity(&self, now: Identity) {
+        let mut last = self.identity.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(before) = last.as_ref() {
+            if before.run_id != now.run_id {
+                let continues = !before.replid.is_empty()
+                    && (now.replid == before.replid || now.replid2 == before.replid);
+                if continues {
+                    tracing::info!(node = %self.label, run_id = %now.run_id, "the shard's primary is another redis process that continues the last one's replication history (a failover): windows kept");
+                } else {
+                    tracing::warn!(node = %self.label, old_run_id = %before.run_id, run_id = %now.run_id, "the shard's primary is a new redis process (run_id changed) that does not continue the last one's data: it restarted. Without persistence it restarted empty, and its replicas resync to empty: the shard's windows were lost and callers' counts restart from 0. Configure persistence on shard primaries (see docs/redis.md, Persistence)");
+                }
+            }
+        }
+        *last = Some(now);
+    }
+}
+
 /// Keep `node` connected until it is dropped.
+///
+/// A primary's connection is published only once `ROLE` says master; while it says
+/// replica, the connection is closed and the task tries again with backoff (asking
+/// Sentinel again). A connected node is probed with `ROLE` every [`PROBE_EVERY`]: a
+/// primary that now says replica is dropped and reconnected; a node that does not answer
+/// is reconnected; a `LOADING` or `MASTERDOWN` answer is alive.
 async fn maintain(node: Weak<Node>, wake: Arc<Notify>) {
     let mut backoff = super::backoff::Backoff::new();
     let mut failing_since_logged = false;
+    let mut replica_since_logged = false;
     loop {
         let Some(n) = node.upgrade() else { return };
         let client = n.target.lock().unwrap_or_else(|e| e.into_inner()).clone();
@@ -337,40 +647,101 @@ async fn maintain(node: Weak<Node>, wake: Arc<Notify>) {
         let connect_timeout = n.settings.timeout.max(Duration::from_millis(500));
         let scripts = n.scripts.clone();
         let label = n.label.clone();
+        let node_role = n.role;
         let dialer = n.settings.dialer.clone();
         drop(n);
 
         match connect(&dialer, &client, &scripts, connect_timeout, SHARED_NAME).await {
-            Ok(conn) => {
+            Ok(mut conn) => {
+                let said = match role(&mut conn, connect_timeout).await {
+                    Ok(said) => said,
+                    Err(e) => {
+                        tracing::debug!(node = %label, error = %e, "redis node did not answer ROLE after connecting");
+                        tokio::select! {
+                            _ = tokio::time::sleep(backoff.next_wait()) => {}
+                            _ = wake.notified() => {}
+                        }
+                        continue;
+                    }
+                };
                 let Some(n) = node.upgrade() else { return };
+                if node_role == Role::Primary
+                    && matches!(said, Said::LinkedReplica | Said::CutOffReplica)
+                {
+                    if !replica_since_logged {
+                        tracing::warn!(node = %label, addr = %client.addr(), "the shard's primary address reaches a replica (ROLE says slave): waiting for a master there (retrying with backoff, asking Sentinel again)");
+                        replica_since_logged = true;
+                    }
+                    n.set_unwritable(&"ROLE says slave");
+                    n.suspect();
+                    drop(n);
+                    drop(conn);
+                    tokio::select! {
+                        _ = tokio::time::sleep(backoff.next_wait().min(REPLICA_RETRY_MAX)) => {}
+                        _ = wake.notified() => {}
+                    }
+                    continue;
+                }
                 // A retarget while connecting makes this connection stale: try again.
                 if n.target.lock().unwrap_or_else(|e| e.into_inner()).as_ref() != Some(&client) {
                     continue;
                 }
+                if node_role == Role::Primary {
+                    if let Some(id) = identity(&mut conn, connect_timeout).await {
+                        n.note_identity(id);
+                    }
+                }
                 bump(&n.stats.connects);
                 n.publish(Some(conn.clone()));
+                if said == Said::Master || node_role != Role::Primary {
+                    // The failures the breaker counted were the old connection's; this
+                    // one answered (and a primary said master): calls may go through.
+                    n.breaker.success();
+                }
+                if matches!(said, Said::Master | Said::LinkedReplica) {
+                    n.set_serving();
+                }
+                if said == Said::Master && node_role == Role::Primary {
+                    n.confirm_writable("reconnected to a master");
+                }
                 tracing::info!(node = %label, "redis node connected, scripts loaded");
                 failing_since_logged = false;
+                replica_since_logged = false;
                 backoff.reset();
                 let probe_timeout = n.settings.timeout.max(Duration::from_millis(500));
                 drop(n);
-                // Until a call finds the connection broken (and wakes us), PING it every
-                // PROBE_EVERY, so that readiness follows the node without traffic.
-                let mut conn = conn;
+                // Until a call finds the connection broken (and wakes us), ask ROLE every
+                // PROBE_EVERY, so that readiness and the primary's role follow the node
+                // without traffic.
                 loop {
                     tokio::select! {
                         _ = wake.notified() => break,
                         _ = tokio::time::sleep(PROBE_EVERY) => {}
                     }
-                    let ping = redis::cmd("PING");
-                    let answered =
-                        tokio::time::timeout(probe_timeout, ping.query_async::<String>(&mut conn))
-                            .await;
-                    if !matches!(answered, Ok(Ok(_))) {
-                        let Some(n) = node.upgrade() else { return };
-                        tracing::warn!(node = %label, "redis node does not answer PING; reconnecting");
-                        n.publish(None);
-                        break;
+                    let said = role(&mut conn, probe_timeout).await;
+                    let Some(n) = node.upgrade() else { return };
+                    match said {
+                        Err(e) => {
+                            tracing::warn!(node = %label, error = %e, "redis node does not answer; reconnecting");
+                            n.publish(None);
+                            break;
+                        }
+                        Ok(Said::LinkedReplica | Said::CutOffReplica)
+                            if node_role == Role::Primary =>
+                        {
+                            tracing::warn!(node = %label, "the shard's primary now says it is a replica (ROLE): it was demoted; reconnecting to follow the failover");
+                            n.set_unwritable(&"ROLE says slave");
+                            n.suspect();
+                            n.publish(None);
+                            break;
+                        }
+                        Ok(said @ (Said::Master | Said::LinkedReplica)) => {
+                            n.set_serving();
+                            if said == Said::Master && node_role == Role::Primary {
+                                n.confirm_writable("the primary says it is a master");
+                            }
+                        }
+                        Ok(_) => {}
                     }
                 }
             }
@@ -399,7 +770,9 @@ async fn connect(
     name: &str,
 ) -> redis::RedisResult<MultiplexedConnection> {
     let config = AsyncConnectionConfig::new().set_response_timeout(Some(timeout * 4));
-    let mut conn = dialer.connect(client, Role::Data, config, timeout).await?;
+    let mut conn = dialer
+        .connect(client, DialAs::Data, config, timeout)
+        .await?;
     // Best effort: a server that renames or forbids CLIENT still serves the scripts.
     let _ = redis::cmd("CLIENT")
         .arg("SETNAME")

@@ -4,15 +4,16 @@
 //! `SENTINEL get-master-addr-by-name NAME` and `SENTINEL replicas NAME`, and points the
 //! shard's primary [`Node`] at the answer. It asks again every 10 s, at once when a call
 //! to the primary fails (connection error, timeout, `READONLY`: the shard asks through
-//! [`SentinelWatch::suspect`]), and when any Sentinel publishes `+switch-master` (a
-//! subscription per Sentinel).
+//! [`SentinelWatch::suspect`]; the primary's node asks too when its `ROLE` says it is a
+//! replica), and when any Sentinel publishes `+switch-master` (a subscription per
+//! Sentinel).
 //!
 //! Every connection goes through the store's [`Dialer`]: Sentinels with
 //! `store.sentinel_username` / `store.sentinel_password`, the nodes they announce with
 //! `store.username` / `store.password`. When a shard's Sentinel URLs are `rediss://`,
 //! the Sentinels and the nodes they announce are dialled with TLS.
 
-use super::dial::{Dialer, Endpoint, Role};
+use super::dial::{DialAs, Dialer, Endpoint};
 use super::node::{Node, NodeSettings};
 use super::{Scripts, Shard};
 use futures_util::StreamExt;
@@ -82,7 +83,7 @@ async fn resolve(watch: &SentinelWatch, dialer: &Dialer, timeout: Duration) -> O
         let asked = async {
             let config = redis::AsyncConnectionConfig::new().set_response_timeout(Some(timeout));
             let mut conn = dialer
-                .connect(sentinel, Role::Sentinel, config, timeout)
+                .connect(sentinel, DialAs::Sentinel, config, timeout)
                 .await?;
             let (host, port): (String, u16) = redis::cmd("SENTINEL")
                 .arg("get-master-addr-by-name")
@@ -158,6 +159,7 @@ async fn watch(
                             Some(client_for(addr, watch.tls)?),
                             scripts.clone(),
                             settings.clone(),
+                            super::node::Role::Replica,
                         ))
                     })
                     .collect();
@@ -194,7 +196,7 @@ async fn subscribe(
             return;
         }
         let opened = dialer
-            .pubsub(&sentinel, Role::Sentinel, Duration::from_secs(2))
+            .pubsub(&sentinel, DialAs::Sentinel, Duration::from_secs(2))
             .await;
         if let Ok(mut pubsub) = opened {
             if pubsub.subscribe("+switch-master").await.is_ok() {

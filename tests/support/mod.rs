@@ -4,6 +4,7 @@
 
 pub mod binary;
 pub mod client;
+pub mod lag;
 pub mod raw;
 pub mod redis;
 pub mod topology;

@@ -26,6 +26,7 @@ mod backoff;
 mod batch;
 mod breaker;
 mod cluster;
+mod freshness;
 mod node;
 mod sentinel;
 pub mod stats;
@@ -273,6 +274,9 @@ pub(crate) struct Shard {
     me: Weak<Shard>,
     scripts: Arc<Scripts>,
     timeout: std::time::Duration,
+    /// With reads on replicas: the keys this gateway wrote that a replica may not have
+    /// seen yet, checked on the primary ([`freshness`]).
+    freshness: Option<Arc<freshness::Freshness>>,
 }
 
 impl Shard {
@@ -305,7 +309,13 @@ impl Shard {
                     let keys: Vec<&str> = keys.iter().map(|k| &**k).collect();
                     match kind {
                         Kind::Check => shard.check(&s, &keys, &args).await,
-                        Kind::Charge => shard.on_primary(&s.apply, &keys, &args).await,
+                        Kind::Charge => {
+                            let reply = shard.on_primary(&s.apply, &keys, &args).await;
+                            if let Some(fresh) = &shard.freshness {
+                                fresh.written(&keys, &args, reply.is_ok());
+                            }
+                            reply
+                        }
                     }
                 })
             }),
@@ -328,6 +338,25 @@ impl Shard {
                 self.worker_checks().unwrap_or(&self.checks)
             }
             _ => &self.charges,
+        }
+    }
+
+    /// Where a call of `kind` with `keys` (and their `lua/apply.lua` arguments `args`)
+    /// goes, told to the replica-freshness pins (reads on replicas only): a write pins
+    /// the keys it writes; a check of a pinned key goes to the primary, through the
+    /// writes' FIFO queue ([`Kind::Charge`]), so that it reads this gateway's own
+    /// writes in the order they were handed over ([`freshness`]).
+    fn route(&self, kind: Kind, keys: &[batch::Key], args: &[u64]) -> Kind {
+        let Some(fresh) = &self.freshness else {
+            return kind;
+        };
+        match kind {
+            Kind::Charge => {
+                fresh.wrote(keys, args);
+                Kind::Charge
+            }
+            Kind::Check if fresh.pinned(keys) => Kind::Charge,
+            Kind::Check => Kind::Check,
         }
     }
 
@@ -628,8 +657,13 @@ impl RedisStore {
                     me: weak.clone(),
                     scripts: self.scripts.clone(),
                     timeout: settings.timeout,
+                    freshness: (read_from == ReadFrom::Replica)
+                        .then(|| Arc::new(freshness::Freshness::new(settings.timeout))),
                 }
             });
+            if shard.freshness.is_some() {
+                tokio::spawn(freshness::sample(Arc::downgrade(&shard)));
+            }
             if let Some(sentinel) = sentinel {
                 sentinel.start(&shard, self.scripts.clone(), settings.clone());
             }
@@ -773,7 +807,10 @@ impl RedisStore {
             }
             Topology::Sharded(shards) => match shards.get(group as usize) {
                 None => Either::Right(Box::pin(async { Err(StoreError::NotStarted) }) as Other),
-                Some(shard) => Either::Left(shard.batcher(kind).enqueue(names, flat)),
+                Some(shard) => {
+                    let kind = shard.route(kind, &names, &flat);
+                    Either::Left(shard.batcher(kind).enqueue(names, flat))
+                }
             },
         };
         async move {

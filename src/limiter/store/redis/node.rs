@@ -160,6 +160,24 @@ impl Node {
         result
     }
 
+    /// `INFO replication` on this node (for the replica-freshness sampler,
+    /// [`super::freshness`]): bounded by `store.timeout`, without waiting for a
+    /// connection, and outside the breaker (a failed sample only keeps keys pinned to
+    /// the primary).
+    pub(super) async fn info_replication(&self) -> Result<String, StoreError> {
+        let mut conn = self
+            .connection(WhenDisconnected::FailFast)
+            .await
+            .ok_or_else(|| StoreError::NotConnected(self.label.clone()))?;
+        let mut cmd = redis::cmd("INFO");
+        cmd.arg("replication");
+        let info = cmd.query_async::<String>(&mut conn);
+        match tokio::time::timeout(self.settings.timeout, info).await {
+            Ok(answer) => Ok(answer?),
+            Err(_) => Err(StoreError::Timeout(self.settings.timeout.as_millis() as u64)),
+        }
+    }
+
     /// Replace the node's shared connection (`None`: disconnected), which drops every
     /// worker's own connection too.
     fn publish(&self, conn: Option<MultiplexedConnection>) {

@@ -51,6 +51,21 @@ impl Future for Submitted {
     }
 }
 
+/// What became of a reservation whose call timed out ([`Store::late_reservation`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Late {
+    /// It ran and reserved: its units are counted; `epoch` is what a refund of it
+    /// quotes (as a [`Verdict`]'s).
+    Landed {
+        /// The verdict's epoch.
+        epoch: u64,
+    },
+    /// It did not reserve: it was refused, or never ran.
+    NotLanded,
+    /// Not known within the bound: it may have landed, or may still.
+    Unknown,
+}
+
 /// A fixed window as lease mode sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct WindowState {
@@ -88,6 +103,21 @@ pub enum StoreError {
 }
 
 impl StoreError {
+    /// Whether the operation may still have run in the store although its caller got
+    /// this error: a timeout, or a connection that failed after the call was sent (a
+    /// write answered so may land later). A refused connection, an open breaker, a
+    /// store not started or full, or an error reply from Redis mean it did not run.
+    pub fn may_have_run(&self) -> bool {
+        match self {
+            StoreError::Timeout(_) => true,
+            StoreError::Redis(e) => {
+                (e.is_io_error() || e.is_connection_dropped() || e.is_timeout())
+                    && !e.is_connection_refusal()
+            }
+            _ => false,
+        }
+    }
+
     /// Whether the error is what a failover looks like from the client: the connection
     /// failed or timed out, or the node is now a read-only replica.
     pub fn suggests_failover(&self) -> bool {
@@ -200,6 +230,16 @@ pub trait Store: Send + Sync {
     /// Redis runs `lua/reset.lua` on each shard's primary (one call per shard). Returns
     /// how many of the keys held state.
     fn reset(&self, keys: &[LimitKey]) -> impl Future<Output = Result<u64, StoreError>> + Send;
+
+    /// What became of the reservation (a [`super::algorithm::OpKind::Reserve`] op) with
+    /// op id `id` whose call answered an error that [`StoreError::may_have_run`]: Redis
+    /// finishes such a call in the background and says so once it ends, within
+    /// [`redis::LATE_BOUND_FACTOR`] × `store.timeout` of being sent; the answer is
+    /// given once. The memory store never times out: [`Late::Unknown`].
+    fn late_reservation(&self, id: u64) -> impl Future<Output = Late> + Send {
+        let _ = id;
+        std::future::ready(Late::Unknown)
+    }
 }
 
 /// How a store shows itself to the server, the admin endpoints and the metrics, none of
@@ -316,6 +356,13 @@ impl Store for AnyStore {
         match self {
             AnyStore::Memory(s) => s.reset(keys).await,
             AnyStore::Redis(s) => s.reset(keys).await,
+        }
+    }
+
+    async fn late_reservation(&self, id: u64) -> Late {
+        match self {
+            AnyStore::Memory(s) => s.late_reservation(id).await,
+            AnyStore::Redis(s) => s.late_reservation(id).await,
         }
     }
 }

@@ -27,6 +27,7 @@ mod batch;
 mod breaker;
 mod cluster;
 mod freshness;
+mod late;
 mod node;
 mod sentinel;
 pub mod stats;
@@ -61,6 +62,17 @@ pub static RESET_LUA: &str = include_str!("../../../../lua/reset.lua");
 /// time from the Redis node's `TIME` instead (`store.clock = "redis"`): 0, the Unix epoch
 /// itself, which no gateway clock gives.
 pub const NOW_FROM_REDIS: u64 = 0;
+
+/// A call that carries reservations runs on for up to this many `store.timeout`s after
+/// it was sent, when its caller was answered with a timeout (see [`late`]): past the
+/// connection's own bound on an answer (4 × `store.timeout`).
+pub const LATE_BOUND_FACTOR: u32 = 5;
+
+/// The `op` code of a reservation in `lua/apply.lua`'s arguments.
+const RESERVE_OP: u64 = 2;
+
+/// Integers per key in `lua/apply.lua`'s arguments.
+const ARGS_PER_KEY: usize = 9;
 
 /// Every script the store runs, loaded on each new connection.
 #[derive(Debug)]
@@ -277,6 +289,8 @@ pub(crate) struct Shard {
     /// With reads on replicas: the keys this gateway wrote that a replica may not have
     /// seen yet, checked on the primary ([`freshness`]).
     freshness: Option<Arc<freshness::Freshness>>,
+    /// The late answers of reservations whose calls timed out (shared by the shards).
+    late: Arc<late::LateAnswers>,
 }
 
 impl Shard {
@@ -306,11 +320,17 @@ impl Shard {
                 let (w, s) = (w.clone(), s.clone());
                 Box::pin(async move {
                     let shard = w.upgrade().ok_or(StoreError::NotStarted)?;
-                    let keys: Vec<&str> = keys.iter().map(|k| &**k).collect();
+                    let owned = keys;
+                    let keys: Vec<&str> = owned.iter().map(|k| &**k).collect();
                     match kind {
                         Kind::Check => shard.check(&s, &keys, &args).await,
                         Kind::Charge => {
-                            let reply = shard.on_primary(&s.apply, &keys, &args).await;
+                            let reply = if reserves(&args) {
+                                let (o, a) = (owned.clone(), args.clone());
+                                shard.reserve_on_primary(&s, o, a).await
+                            } else {
+                                shard.on_primary(&s.apply, &keys, &args).await
+                            };
                             if let Some(fresh) = &shard.freshness {
                                 fresh.written(&keys, &args, reply.is_ok());
                             }
@@ -415,13 +435,82 @@ impl Shard {
             .primary
             .call(script, keys, args, WhenDisconnected::Wait)
             .await;
-        if let (Err(e), Some(sentinel)) = (&result, &self.sentinel) {
+        self.after_primary(&result);
+        result
+    }
+
+    /// A failure on the primary that a failover explains: ask Sentinel.
+    fn after_primary<T>(&self, result: &Result<T, StoreError>) {
+        if let (Err(e), Some(sentinel)) = (result, &self.sentinel) {
             if e.suggests_failover() {
                 sentinel.suspect();
             }
         }
+    }
+
+    /// [`Shard::on_primary`] for a `lua/apply.lua` call that carries reservations: when
+    /// it times out, it runs on, and what became of each reservation is kept by its op
+    /// id for the request that was admitted without an answer ([`late`]).
+    async fn reserve_on_primary(
+        &self,
+        scripts: &Arc<Scripts>,
+        keys: Vec<batch::Key>,
+        args: Vec<u64>,
+    ) -> Result<Vec<i64>, StoreError> {
+        let reservations: Vec<(usize, u64)> = args
+            .chunks(ARGS_PER_KEY)
+            .enumerate()
+            .filter(|(_, a)| a.first() == Some(&RESERVE_OP))
+            .map(|(i, a)| (i, a.get(ARGS_PER_KEY - 1).copied().unwrap_or(0)))
+            .collect();
+        let late = self.late.clone();
+        let result = self
+            .primary
+            .call_keeping_late(
+                scripts.clone(),
+                keys,
+                args,
+                self.timeout * LATE_BOUND_FACTOR,
+                move |result| late.publish(late_outcomes(&reservations, &result)),
+            )
+            .await;
+        self.after_primary(&result);
         result
     }
+}
+
+/// Whether a `lua/apply.lua` call with these arguments carries a reservation.
+fn reserves(args: &[u64]) -> bool {
+    args.chunks(ARGS_PER_KEY)
+        .any(|a| a.first() == Some(&RESERVE_OP))
+}
+
+/// What became of each reservation (its index in the call, its op id) of a call that
+/// ended late with `result`.
+fn late_outcomes(
+    reservations: &[(usize, u64)],
+    result: &Result<Vec<i64>, StoreError>,
+) -> Vec<(u64, super::Late)> {
+    use super::Late;
+    reservations
+        .iter()
+        .map(|&(i, id)| {
+            let outcome = match result {
+                Ok(reply) => match reply.get(i * batch::REPLY_WIDTH) {
+                    Some(&used) if used >= 0 => Late::Landed {
+                        epoch: reply
+                            .get(i * batch::REPLY_WIDTH + 2)
+                            .map_or(0, |&e| e.max(0) as u64),
+                    },
+                    Some(_) => Late::NotLanded,
+                    None => Late::Unknown,
+                },
+                Err(e) if e.may_have_run() => Late::Unknown,
+                Err(_) => Late::NotLanded,
+            };
+            (id, outcome)
+        })
+        .collect()
 }
 
 enum Topology {
@@ -435,6 +524,8 @@ pub struct RedisStore {
     cfg: StoreConfig,
     scripts: Arc<Scripts>,
     live: OnceLock<Topology>,
+    /// The late answers of reservations whose calls timed out ([`late`]).
+    late: Arc<late::LateAnswers>,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -533,6 +624,7 @@ impl RedisStore {
             cfg: cfg.clone(),
             scripts: Arc::new(Scripts::new()),
             live: OnceLock::new(),
+            late: Arc::default(),
         })
     }
 
@@ -659,6 +751,7 @@ impl RedisStore {
                     timeout: settings.timeout,
                     freshness: (read_from == ReadFrom::Replica)
                         .then(|| Arc::new(freshness::Freshness::new(settings.timeout))),
+                    late: self.late.clone(),
                 }
             });
             if shard.freshness.is_some() {
@@ -1041,6 +1134,17 @@ impl Store for RedisStore {
 
     async fn reset(&self, keys: &[LimitKey]) -> Result<u64, StoreError> {
         self.reset_keys(keys).await
+    }
+
+    /// Waits up to [`LATE_BOUND_FACTOR`] × `store.timeout` (plus one, for the answer to
+    /// be kept) for the reservation's late call to end (see [`late`]). In cluster mode
+    /// calls are not kept running: [`super::Late::Unknown`] at once.
+    async fn late_reservation(&self, id: u64) -> super::Late {
+        if !matches!(self.live.get(), Some(Topology::Sharded(_))) {
+            return super::Late::Unknown;
+        }
+        let bound = self.cfg.timeout.0 * (LATE_BOUND_FACTOR + 1);
+        self.late.take(id, bound).await
     }
 }
 

@@ -160,6 +160,59 @@ impl Node {
         result
     }
 
+    /// Like [`Node::call`] for `lua/apply.lua` (`scripts.apply`), but the script call is
+    /// not abandoned when its caller is answered with a timeout (`store.timeout`, through
+    /// the breaker as usual): it runs on, as a task of its own, until it ends or `late`
+    /// has passed since it started, and `on_late` gets its outcome when it ends after
+    /// the caller was answered. A call that never got a connection ends as
+    /// [`StoreError::NotConnected`] (it did not run). For calls that carry reservations,
+    /// whose late answers say whether they landed ([`super::late`]).
+    pub(super) async fn call_keeping_late(
+        self: &Arc<Self>,
+        scripts: Arc<Scripts>,
+        keys: Vec<Arc<str>>,
+        args: Vec<u64>,
+        late: Duration,
+        on_late: impl FnOnce(Result<Vec<i64>, StoreError>) + Send + 'static,
+    ) -> Result<Vec<i64>, StoreError> {
+        let node = self.clone();
+        let attempt = async move {
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            tokio::spawn(async move {
+                let deadline = tokio::time::Instant::now() + late;
+                let names: Vec<&str> = keys.iter().map(|k| &**k).collect();
+                let result = match tokio::time::timeout_at(
+                    deadline,
+                    node.connection(WhenDisconnected::Wait),
+                )
+                .await
+                {
+                    Ok(Some(mut conn)) => {
+                        let call = super::invoke(&scripts.apply, &names, &args, &mut conn);
+                        match tokio::time::timeout_at(deadline, call).await {
+                            Ok(answer) => answer,
+                            Err(_) => Err(StoreError::Timeout(late.as_millis() as u64)),
+                        }
+                    }
+                    _ => Err(StoreError::NotConnected(node.label.clone())),
+                };
+                if let Err(StoreError::Redis(e)) = &result {
+                    if e.is_connection_dropped() || e.is_io_error() || e.is_unrecoverable_error() {
+                        node.publish(None);
+                        node.wake.notify_one();
+                    }
+                }
+                if let Err(result) = tx.send(result) {
+                    on_late(result);
+                }
+            });
+            rx.await.unwrap_or(Err(StoreError::NotStarted))
+        };
+        self.breaker
+            .guard(&self.stats, self.settings.timeout, attempt)
+            .await
+    }
+
     /// `INFO replication` on this node (for the replica-freshness sampler,
     /// [`super::freshness`]): bounded by `store.timeout`, without waiting for a
     /// connection, and outside the breaker (a failed sample only keeps keys pinned to

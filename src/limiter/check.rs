@@ -59,9 +59,11 @@ pub struct Admission {
 /// hands its call to the store, and a charge hands its call to the store and takes its
 /// units out of these counts, each under [`InFlightUnits::order`]. Since a store runs
 /// calls in the order they were handed over (the memory store at once; a Redis shard
-/// whose reads go to its primary through one FIFO queue, see [`Store::submit`]), a check
-/// either counts a unit here and finds it missing in the store, or finds it in the
-/// store and not here.
+/// whose reads go to its primary through one FIFO queue, see [`Store::submit`]; on a
+/// shard that reads from replicas, a window this gateway wrote is read through that
+/// queue until every replica has seen the write, and otherwise on a replica that has
+/// seen every write of it), a check either counts a unit here and finds it missing in
+/// the store, or finds it in the store and not here.
 #[derive(Debug, Clone, Default)]
 pub(super) struct InFlightUnits {
     counts: Arc<sharded::ShardedMap<u64>>,

@@ -181,9 +181,12 @@ pub trait Store: Send + Sync {
     /// answered from a stale copy (a replica); the others run on the primary.
     ///
     /// What "now" means is the point of this method: when it returns, the memory store
-    /// has applied the items, and a Redis shard whose reads go to its primary has them
-    /// in its FIFO queue, behind every call submitted before and ahead of every call
-    /// submitted after (the limiter orders its in-flight bookkeeping by it).
+    /// has applied the items, and a Redis shard has them in its primary's FIFO queue,
+    /// behind every call submitted before and ahead of every call submitted after (the
+    /// limiter orders its in-flight bookkeeping by it): every item when its reads go to
+    /// its primary; writes, and peeks of windows this gateway wrote that a replica may
+    /// not have seen yet, when they go to replicas (the other peeks go to a replica that
+    /// has seen every write of this gateway to their windows).
     fn submit(&self, items: &[Item<'_>], now_ms: u64) -> Submitted;
 
     /// [`Store::submit`], awaited.

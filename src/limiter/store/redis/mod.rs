@@ -8,10 +8,16 @@
 //! - **Reads and writes.** CHECKs go to a healthy replica when `store.read_from =
 //!   "replica"` (the default when a shard lists replicas), spread round robin; a replica
 //!   that is down, slow, loading or cut off from its primary is skipped and the primary
-//!   answers. CHARGEs always go to the primary. A stale replica can at worst admit a
-//!   request the primary would have rejected: expiry is judged by the stored `reset_at`
-//!   against "now", never by Redis's TTLs, and a 429 carries the numbers of the read that
-//!   made it.
+//!   answers. CHARGEs always go to the primary. A window this gateway has written is
+//!   checked on the primary, through the writes' queue, until every replica has caught
+//!   up with that write ([`freshness`]): a gateway reads its own writes. A stale replica
+//!   can at worst admit a request the primary would have rejected (of a window only
+//!   other gateways wrote lately): expiry is judged by the stored `reset_at` against
+//!   "now", never by Redis's TTLs, and a 429 carries the numbers of the read that made
+//!   it.
+//! - **Late reservations.** A call that carries reservations and times out is finished
+//!   in the background, and what became of each reservation is kept for its request
+//!   ([`late`]), so that a request let through without an answer is counted once.
 //! - **Clock.** "Now" is the gateway's clock, passed in every call (`store.clock =
 //!   "gateway"`), or, with `store.clock = "redis"`, [`NOW_FROM_REDIS`] in its place: the
 //!   scripts then read `TIME` on the node that runs them, once per call.
@@ -792,7 +798,10 @@ impl RedisStore {
     /// Ordering: when a shard's reads go to its primary, its peeks and writes share one
     /// FIFO queue and one connection, so a call handed over later runs later in Redis
     /// (what [`crate::limiter::Limiter`] relies on to never count a unit both in flight
-    /// and in the store). Replica reads and cluster mode give no such order.
+    /// and in the store). When its reads go to replicas, the peeks of windows this
+    /// gateway wrote and a replica may not have seen yet join that queue too
+    /// ([`freshness`]); the other peeks read windows every replica has seen this
+    /// gateway's writes of. Cluster mode gives no such order.
     fn submit_many(&self, items: &[Item<'_>], now_ms: u64) -> super::Submitted {
         let Some(live) = self.live.get() else {
             let n = items.len();

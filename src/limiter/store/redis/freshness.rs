@@ -293,6 +293,50 @@ pub(super) fn info_integer(info: &str, field: &str) -> Option<u64> {
     })
 }
 
+/// The sampler of one shard (see the module documentation): while some key is pinned,
+/// every [`SAMPLE_EVERY`], the primary's `master_repl_offset`, then each available
+/// replica's `slave_repl_offset`; marks fresh what every replica has caught up with.
+/// Ends when the shard is dropped.
+pub(super) async fn sample(shard: std::sync::Weak<super::Shard>) {
+    let mut samples = Samples::default();
+    loop {
+        let Some(s) = shard.upgrade() else { return };
+        let Some(fresh) = s.freshness.clone() else {
+            return;
+        };
+        if !fresh.sweep() {
+            drop(s);
+            samples = Samples::default();
+            fresh.idle(Duration::from_secs(1)).await;
+            continue;
+        }
+        let asked = fresh.now();
+        if let Some(offset) = s
+            .primary
+            .info_replication()
+            .await
+            .ok()
+            .and_then(|i| info_integer(&i, "master_repl_offset"))
+        {
+            samples.push(asked, offset);
+            let replicas = s.replicas.load();
+            let mut least = Some(u64::MAX);
+            for r in replicas.iter().filter(|r| r.is_available()) {
+                let processed = r.info_replication().await.ok().and_then(|i| {
+                    info_integer(&i, "slave_repl_offset")
+                        .or_else(|| info_integer(&i, "master_repl_offset"))
+                });
+                least = least.zip(processed).map(|(a, b)| a.min(b));
+            }
+            if let Some(tick) = least.and_then(|o| samples.covered(o)) {
+                fresh.caught_up(tick);
+            }
+        }
+        drop(s);
+        tokio::time::sleep(SAMPLE_EVERY).await;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -357,49 +401,5 @@ mod tests {
         assert_eq!(info_integer(info, "slave_repl_offset"), Some(1234));
         assert_eq!(info_integer(info, "master_repl_offset"), Some(1250));
         assert_eq!(info_integer(info, "role"), None);
-    }
-}
-
-/// The sampler of one shard (see the module documentation): while some key is pinned,
-/// every [`SAMPLE_EVERY`], the primary's `master_repl_offset`, then each available
-/// replica's `slave_repl_offset`; marks fresh what every replica has caught up with.
-/// Ends when the shard is dropped.
-pub(super) async fn sample(shard: std::sync::Weak<super::Shard>) {
-    let mut samples = Samples::default();
-    loop {
-        let Some(s) = shard.upgrade() else { return };
-        let Some(fresh) = s.freshness.clone() else {
-            return;
-        };
-        if !fresh.sweep() {
-            drop(s);
-            samples = Samples::default();
-            fresh.idle(Duration::from_secs(1)).await;
-            continue;
-        }
-        let asked = fresh.now();
-        if let Some(offset) = s
-            .primary
-            .info_replication()
-            .await
-            .ok()
-            .and_then(|i| info_integer(&i, "master_repl_offset"))
-        {
-            samples.push(asked, offset);
-            let replicas = s.replicas.load();
-            let mut least = Some(u64::MAX);
-            for r in replicas.iter().filter(|r| r.is_available()) {
-                let processed = r.info_replication().await.ok().and_then(|i| {
-                    info_integer(&i, "slave_repl_offset")
-                        .or_else(|| info_integer(&i, "master_repl_offset"))
-                });
-                least = least.zip(processed).map(|(a, b)| a.min(b));
-            }
-            if let Some(tick) = least.and_then(|o| samples.covered(o)) {
-                fresh.caught_up(tick);
-            }
-        }
-        drop(s);
-        tokio::time::sleep(SAMPLE_EVERY).await;
     }
 }

@@ -530,8 +530,6 @@ pub struct RedisStore {
     cfg: StoreConfig,
     scripts: Arc<Scripts>,
     live: OnceLock<Topology>,
-    /// The late answers of reservations whose calls timed out ([`late`]).
-    late: Arc<late::LateAnswers>,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -630,7 +628,6 @@ impl RedisStore {
             cfg: cfg.clone(),
             scripts: Arc::new(Scripts::new()),
             live: OnceLock::new(),
-            late: Arc::default(),
         })
     }
 
@@ -697,6 +694,9 @@ impl RedisStore {
     fn start_shards(&self) -> Vec<Arc<Shard>> {
         let settings = self.settings();
         let mut shards = Vec::new();
+        // The late answers of reservations whose calls timed out ([`late`]): one table
+        // for every shard.
+        let late = Arc::new(late::LateAnswers::default());
         for (index, s) in self.cfg.shards.iter().enumerate() {
             let read_from =
                 self.cfg
@@ -757,7 +757,7 @@ impl RedisStore {
                     timeout: settings.timeout,
                     freshness: (read_from == ReadFrom::Replica)
                         .then(|| Arc::new(freshness::Freshness::new(settings.timeout))),
-                    late: self.late.clone(),
+                    late: late.clone(),
                 }
             });
             if shard.freshness.is_some() {
@@ -1149,11 +1149,14 @@ impl Store for RedisStore {
     /// be kept) for the reservation's late call to end (see [`late`]). In cluster mode
     /// calls are not kept running: [`super::Late::Unknown`] at once.
     async fn late_reservation(&self, id: u64) -> super::Late {
-        if !matches!(self.live.get(), Some(Topology::Sharded(_))) {
+        let Some(Topology::Sharded(shards)) = self.live.get() else {
             return super::Late::Unknown;
-        }
+        };
+        let Some(late) = shards.first().map(|s| s.late.clone()) else {
+            return super::Late::Unknown;
+        };
         let bound = self.cfg.timeout.0 * (LATE_BOUND_FACTOR + 1);
-        self.late.take(id, bound).await
+        late.take(id, bound).await
     }
 }
 

@@ -37,6 +37,10 @@ const CASES: [Case; 3] = [
 ];
 
 fn config(primary: &RedisServer, upstream: &Upstream, case: &Case) -> String {
+    config_with(primary, upstream, case, "allow")
+}
+
+fn config_with(primary: &RedisServer, upstream: &Upstream, case: &Case, on_error: &str) -> String {
     format!(
         r#"
 [server]
@@ -44,7 +48,7 @@ listen = "127.0.0.1:0"
 
 [store]
 backend = "redis"
-on_error = "allow"
+on_error = "{on_error}"
 timeout = "50ms"
 breaker_failures = 1000
 {extra}
@@ -128,6 +132,71 @@ async fn a_timed_out_reservation_is_never_counted_twice() {
                     stored(&primary, &ip),
                     admitted,
                     "{}: {n} concurrent requests, try {attempt}: Redis counts each admitted request once",
+                    case.name
+                );
+            }
+        }
+    }
+}
+
+/// `n` concurrent requests of caller `ip` to `path` while the primary is paused for
+/// 150 ms: their statuses.
+async fn paused_burst(
+    primary: &RedisServer,
+    gw: &TestGateway,
+    path: &str,
+    ip: &str,
+    n: usize,
+) -> Vec<u16> {
+    primary.cmd::<()>(&["CLIENT", "PAUSE", "150", "WRITE"]);
+    let tasks: Vec<_> = (0..n)
+        .map(|_| {
+            let url = gw.url(path);
+            let ip = ip.to_string();
+            tokio::spawn(async move {
+                get_with(&url, &[("x-forwarded-for", &ip)])
+                    .await
+                    .status
+                    .as_u16()
+            })
+        })
+        .collect();
+    let mut statuses = Vec::new();
+    for t in tasks {
+        statuses.push(t.await.unwrap());
+    }
+    statuses
+}
+
+/// A request whose reservation timed out and that is not charged after all is not
+/// counted either: its reservation, which lands when the pause ends, is refunded.
+/// Requests answered 304 (an uncharged status) with `on_error = "allow"`, and requests
+/// refused 503 with `on_error = "deny"`, for held reservations and
+/// `reserve_in_flight`: Redis then holds 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timed_out_reservation_of_a_request_not_charged_is_refunded() {
+    let primary = RedisServer::start();
+    let upstream = Upstream::start().await;
+    let mut caller = 100;
+    for case in &CASES[..2] {
+        for (on_error, path, status) in [("allow", "/status/304", 304), ("deny", "/", 503)] {
+            let gw = TestGateway::start(&config_with(&primary, &upstream, case, on_error)).await;
+            let warm = get_with(&gw.url("/"), &[("x-forwarded-for", "192.0.2.250")]).await;
+            assert_eq!(warm.status, 200, "{}", case.name);
+            for n in [2usize, 8] {
+                caller += 1;
+                let ip = format!("198.51.100.{caller}");
+                let statuses = paused_burst(&primary, &gw, path, &ip, n).await;
+                assert!(
+                    statuses.iter().all(|&s| s == status),
+                    "{}, on_error = {on_error}: {statuses:?}",
+                    case.name
+                );
+                tokio::time::sleep(Duration::from_millis(400)).await;
+                assert_eq!(
+                    stored(&primary, &ip),
+                    0,
+                    "{}, on_error = {on_error}, {n} requests: nothing counted",
                     case.name
                 );
             }

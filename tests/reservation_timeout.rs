@@ -203,3 +203,41 @@ async fn a_timed_out_reservation_of_a_request_not_charged_is_refunded() {
         }
     }
 }
+
+/// A concurrency slot whose call timed out and that lands when the pause ends is given
+/// back when its response ends, like any slot: with the primary paused, 2 and then 8
+/// concurrent requests are let through (`on_error = "allow"`), and once everything has
+/// settled the caller holds no slot in Redis.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timed_out_concurrency_slot_is_given_back() {
+    let primary = RedisServer::start();
+    let upstream = Upstream::start().await;
+    let toml = config(&primary, &upstream, &CASES[0]).replace(
+        "window = \"1h\"",
+        "algorithm = \"concurrency\"\nwindow = \"1m\"",
+    );
+    let gw = TestGateway::start(&toml).await;
+    let warm = get_with(&gw.url("/"), &[("x-forwarded-for", "192.0.2.250")]).await;
+    assert_eq!(warm.status, 200);
+    for (caller, n) in [(201, 2usize), (202, 8)] {
+        let ip = format!("198.51.100.{caller}");
+        let statuses = paused_burst(&primary, &gw, "/", &ip, n).await;
+        assert!(statuses.iter().all(|&s| s == 200), "{statuses:?}");
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        // The slots' key: the caller's digest in its hash tag, under the limit's name
+        // and algorithm.
+        let digest = KeyScheme::new("tollgate:", None)
+            .key("core", &format!("ip:{ip}"))
+            .key
+            .rsplit_once('{')
+            .map(|(_, tag)| format!("{{{tag}"))
+            .unwrap();
+        let held: u64 = primary
+            .keys()
+            .iter()
+            .filter(|k| k.ends_with(&digest))
+            .map(|k| primary.cmd::<u64>(&["ZCARD", k]))
+            .sum();
+        assert_eq!(held, 0, "{n} requests: every slot given back");
+    }
+}

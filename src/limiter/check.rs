@@ -159,12 +159,13 @@ pub(super) struct Hold {
     pub(super) stage: Stage,
     /// The verdict's epoch, for a reservation or slot that was taken.
     pub(super) epoch: Option<u64>,
-    /// A reservation ([`Stage::Reserve`], [`Stage::Held`]) whose call failed in a way
-    /// that it may still land ([`StoreError::may_have_run`]: a timeout) and was let
-    /// through (`on_error = "allow"`): its op id, by which the store tells later what
-    /// became of it ([`Store::late_reservation`]). Such a request is charged after its
-    /// response only if its reservation did not land, and its reservation is refunded
-    /// if it landed and the request is not charged, in the background
+    /// A reservation ([`Stage::Reserve`], [`Stage::Held`]) or slot ([`Stage::Slot`])
+    /// whose call failed in a way that it may still land ([`StoreError::may_have_run`]:
+    /// a timeout): its op id, by which the store tells later what became of it
+    /// ([`Store::late_reservation`]). A request let through (`on_error = "allow"`) is
+    /// charged after its response only if its reservation did not land, and its
+    /// reservation is refunded if it landed and the request is not charged (a slot that
+    /// landed is given back when the response ends), in the background
     /// (`settle::spawn_late`): counted once either way.
     pub(super) late: Option<u64>,
 }
@@ -430,7 +431,7 @@ impl Limiter {
                     match admission.holds[i].stage {
                         // The reservation may still land: settled once its late answer
                         // is known (see `Hold::late`).
-                        Stage::Reserve | Stage::Held if may_land => {
+                        Stage::Reserve | Stage::Held | Stage::Slot if may_land => {
                             admission.holds[i].late = Some(ids[i]);
                         }
                         // Nothing was reserved: if let through (on_error = "allow"),

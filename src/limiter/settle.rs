@@ -205,12 +205,16 @@ pub struct SlotGuard {
     clock: crate::clock::SharedClock,
     /// The refund of each slot.
     slots: Vec<Refund>,
+    /// Slots whose calls timed out (`check::Hold::late`): given back if they landed.
+    late: Vec<LateHold>,
 }
 
 impl Drop for SlotGuard {
     fn drop(&mut self) {
         let slots = std::mem::take(&mut self.slots);
-        spawn_refunds(&self.store, slots, self.clock.now_ms());
+        let now_ms = self.clock.now_ms();
+        spawn_refunds(&self.store, slots, now_ms);
+        spawn_late(&self.store, std::mem::take(&mut self.late), now_ms);
     }
 }
 
@@ -414,7 +418,7 @@ impl Limiter {
             admission,
             cost,
             |_| Then::Release,
-            |st| matches!(st, Stage::Reserve | Stage::Held) && which(st),
+            |st| matches!(st, Stage::Reserve | Stage::Held | Stage::Slot) && which(st),
         );
         for h in &late {
             self.cache.forget(&h.key);
@@ -465,10 +469,18 @@ impl Limiter {
         clock: crate::clock::SharedClock,
     ) -> Option<SlotGuard> {
         let slots = refunds(applied, admission, 1, |st| st == Stage::Slot);
-        (!slots.is_empty()).then(|| SlotGuard {
+        let late = late_holds(
+            applied,
+            admission,
+            1,
+            |_| Then::Release,
+            |st| st == Stage::Slot,
+        );
+        (!slots.is_empty() || !late.is_empty()).then(|| SlotGuard {
             store: self.store.clone(),
             clock,
             slots,
+            late,
         })
     }
 }

@@ -59,9 +59,11 @@ pub struct Admission {
 /// hands its call to the store, and a charge hands its call to the store and takes its
 /// units out of these counts, each under [`InFlightUnits::order`]. Since a store runs
 /// calls in the order they were handed over (the memory store at once; a Redis shard
-/// whose reads go to its primary through one FIFO queue, see [`Store::submit`]), a check
-/// either counts a unit here and finds it missing in the store, or finds it in the
-/// store and not here.
+/// whose reads go to its primary through one FIFO queue, see [`Store::submit`]; on a
+/// shard that reads from replicas, a window this gateway wrote is read through that
+/// queue until every replica has seen the write, and otherwise on a replica that has
+/// seen every write of it), a check either counts a unit here and finds it missing in
+/// the store, or finds it in the store and not here.
 #[derive(Debug, Clone, Default)]
 pub(super) struct InFlightUnits {
     counts: Arc<sharded::ShardedMap<u64>>,
@@ -157,6 +159,15 @@ pub(super) struct Hold {
     pub(super) stage: Stage,
     /// The verdict's epoch, for a reservation or slot that was taken.
     pub(super) epoch: Option<u64>,
+    /// A reservation ([`Stage::Reserve`], [`Stage::Held`]) or slot ([`Stage::Slot`])
+    /// whose call failed in a way that it may still land ([`StoreError::may_have_run`]:
+    /// a timeout): its op id, by which the store tells later what became of it
+    /// ([`Store::late_reservation`]). A request let through (`on_error = "allow"`) is
+    /// charged after its response only if its reservation did not land, and its
+    /// reservation is refunded if it landed and the request is not charged (a slot that
+    /// landed is given back when the response ends), in the background
+    /// (`settle::spawn_late`): counted once either way.
+    pub(super) late: Option<u64>,
 }
 
 /// The policy a [`Stage::Held`] reservation is judged by while `n` units of the same
@@ -238,6 +249,7 @@ impl Limiter {
                 .map(|a| Hold {
                     stage: a.stage(on_request),
                     epoch: None,
+                    late: None,
                 })
                 .collect(),
             shadowed: Vec::new(),
@@ -291,6 +303,15 @@ impl Limiter {
         }
         admission.in_flight = self.in_flight.guard(counted, cost);
         let in_flight_before = |i: usize| in_flight[i].0;
+        // Per applied limit: the op id of its reservation or slot (0 for the others).
+        let ids: SmallVec<[u64; 2]> = admission
+            .holds
+            .iter()
+            .map(|h| match h.stage {
+                Stage::Peek | Stage::Lease => 0,
+                _ => next_id(),
+            })
+            .collect();
         let items: SmallVec<[Item<'_>; 2]> = applied
             .iter()
             .zip(admission.holds.iter().map(|h| h.stage))
@@ -314,7 +335,7 @@ impl Limiter {
                     op: Op {
                         kind: OpKind::Reserve,
                         cost,
-                        id: next_id(),
+                        id: ids[i],
                     },
                 },
             })
@@ -403,13 +424,20 @@ impl Limiter {
                     admission.usages.push(Some(u));
                 }
                 Err(e) => {
+                    let may_land = e.may_have_run();
                     if let Err(Refusal::StoreDenied(e)) = self.store_failed(e) {
                         denied = Some(e);
                     }
-                    if admission.holds[i].stage == Stage::Held {
+                    match admission.holds[i].stage {
+                        // The reservation may still land: settled once its late answer
+                        // is known (see `Hold::late`).
+                        Stage::Reserve | Stage::Held | Stage::Slot if may_land => {
+                            admission.holds[i].late = Some(ids[i]);
+                        }
                         // Nothing was reserved: if let through (on_error = "allow"),
                         // charge it after the response like a checked limit.
-                        admission.holds[i].stage = Stage::Peek;
+                        Stage::Held => admission.holds[i].stage = Stage::Peek,
+                        _ => {}
                     }
                     admission.usages.push(None);
                 }

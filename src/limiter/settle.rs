@@ -6,7 +6,7 @@
 use super::algorithm::{Op, OpKind, Policy};
 use super::check::{InFlightGuard, InFlightUnits, Stage};
 use super::key::LimitKey;
-use super::store::{AnyStore, Item, Store};
+use super::store::{AnyStore, Item, Late, Store};
 use super::{next_id, Admission, Applied, Limiter, Usage};
 use std::sync::Arc;
 
@@ -30,6 +30,9 @@ pub struct PendingCharge {
     in_flight: Option<InFlightGuard>,
     units: InFlightUnits,
     recent: Arc<super::recent::RecentCharges>,
+    /// Reservations whose calls timed out (see `check::Hold::late`): charged when
+    /// dropped armed only if they did not land.
+    late: Vec<LateHold>,
 }
 
 impl PendingCharge {
@@ -75,10 +78,123 @@ impl Drop for PendingCharge {
         for (key, _, _) in &charges {
             self.recent.forget(key);
         }
-        spawn_refunds(&self.store, charges, self.clock.now_ms());
+        let now_ms = self.clock.now_ms();
+        spawn_refunds(&self.store, charges, now_ms);
         drop(self.in_flight.take());
         drop(order);
+        let late = std::mem::take(&mut self.late);
+        for h in &late {
+            self.recent.forget(&h.key);
+        }
+        spawn_late(&self.store, late, now_ms);
     }
+}
+
+/// What to do with a reservation whose call timed out (`check::Hold::late`) once its
+/// late answer is known ([`Store::late_reservation`]).
+#[derive(Debug, Clone, Copy)]
+enum Then {
+    /// The request is charged: if the reservation landed, only `top_up` more units (the
+    /// upstream said it cost more than was reserved); if it did not, its `cost`.
+    Charge { top_up: u64 },
+    /// The request is not charged (or was refused): if the reservation landed, refund
+    /// it.
+    Release,
+}
+
+/// One reservation that timed out, to settle in the background ([`spawn_late`]).
+#[derive(Debug)]
+struct LateHold {
+    key: LimitKey,
+    policy: Policy,
+    /// The reservation's op id.
+    id: u64,
+    /// The units the request counts (charged if the reservation did not land, refunded
+    /// if it landed and `then` is [`Then::Release`]).
+    cost: u64,
+    then: Then,
+}
+
+/// The reservations of `admission` that timed out (`check::Hold::late`), of the limits
+/// whose stage `which` picks, to settle with `then` (given the stage: only a held
+/// reservation is topped up, as [`Limiter::charge`] does).
+fn late_holds(
+    applied: &[Applied],
+    admission: &Admission,
+    cost: u64,
+    then: impl Fn(Stage) -> Then,
+    which: impl Fn(Stage) -> bool,
+) -> Vec<LateHold> {
+    applied
+        .iter()
+        .zip(&admission.holds)
+        .filter(|(_, h)| which(h.stage))
+        .filter_map(|(a, h)| {
+            Some(LateHold {
+                key: a.key.clone(),
+                policy: a.policy,
+                id: h.late?,
+                cost,
+                then: then(h.stage),
+            })
+        })
+        .collect()
+}
+
+/// Settle `late` in the background: wait for what became of each reservation (bounded
+/// by the store: Redis answers within 6 × `store.timeout`), then charge the request
+/// only if its reservation did not land (and top it up if it landed and cost more), or
+/// refund a reservation that landed for a request that is not charged. When nothing is
+/// known (the late call failed too), nothing is sent: the reservation may have landed,
+/// and a request is never counted twice. Without a runtime nothing is sent.
+fn spawn_late(store: &Arc<AnyStore>, late: Vec<LateHold>, now_ms: u64) {
+    if late.is_empty() {
+        return;
+    }
+    let Ok(rt) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    let store = store.clone();
+    rt.spawn(async move {
+        let outcomes =
+            futures_util::future::join_all(late.iter().map(|h| store.late_reservation(h.id)))
+                .await;
+        let mut ops: Vec<Refund> = Vec::new();
+        for (h, outcome) in late.iter().zip(outcomes) {
+            let op = |kind, cost, id| Op { kind, cost, id };
+            match (outcome, h.then) {
+                (Late::Landed { .. }, Then::Charge { top_up }) if top_up > 0 => ops.push((
+                    h.key.clone(),
+                    h.policy,
+                    op(OpKind::Charge, top_up, next_id()),
+                )),
+                (Late::NotLanded, Then::Charge { .. }) => ops.push((
+                    h.key.clone(),
+                    h.policy,
+                    op(OpKind::Charge, h.cost, next_id()),
+                )),
+                (Late::Landed { epoch }, Then::Release) => ops.push((
+                    h.key.clone(),
+                    h.policy,
+                    op(OpKind::Refund, h.cost, epoch),
+                )),
+                _ => {}
+            }
+            tracing::debug!(id = h.id, ?outcome, then = ?h.then, "reservation that timed out settled");
+        }
+        if ops.is_empty() {
+            return;
+        }
+        let items: Vec<Item<'_>> = ops
+            .iter()
+            .map(|(key, policy, op)| Item {
+                key,
+                policy,
+                op: *op,
+            })
+            .collect();
+        let _ = store.submit(&items, now_ms).await;
+    });
 }
 
 /// Gives back concurrency slots when dropped: when the response body ends, fails, or
@@ -89,12 +205,16 @@ pub struct SlotGuard {
     clock: crate::clock::SharedClock,
     /// The refund of each slot.
     slots: Vec<Refund>,
+    /// Slots whose calls timed out (`check::Hold::late`): given back if they landed.
+    late: Vec<LateHold>,
 }
 
 impl Drop for SlotGuard {
     fn drop(&mut self) {
         let slots = std::mem::take(&mut self.slots);
-        spawn_refunds(&self.store, slots, self.clock.now_ms());
+        let now_ms = self.clock.now_ms();
+        spawn_refunds(&self.store, slots, now_ms);
+        spawn_late(&self.store, std::mem::take(&mut self.late), now_ms);
     }
 }
 
@@ -165,10 +285,26 @@ impl Limiter {
         let charged: Vec<(usize, u64)> = (0..applied.len())
             .filter_map(|i| match admission.holds[i].stage {
                 Stage::Peek => Some((i, cost)),
-                Stage::Held if top_up > 0 => Some((i, top_up)),
+                Stage::Held if top_up > 0 && admission.holds[i].late.is_none() => Some((i, top_up)),
                 _ => None,
             })
             .collect();
+        // Reservations that timed out: charged once their fate is known.
+        let late = late_holds(
+            applied,
+            &admission,
+            cost,
+            |st| Then::Charge {
+                top_up: if st == Stage::Held { top_up } else { 0 },
+            },
+            |st| matches!(st, Stage::Reserve | Stage::Held),
+        );
+        if !late.is_empty() {
+            for h in &late {
+                self.recent.forget(&h.key);
+            }
+            spawn_late(&self.store, late, now_ms);
+        }
         let in_flight = admission.in_flight.take();
         let mut usages = admission.usages;
         if charged.is_empty() || cost == 0 {
@@ -277,6 +413,18 @@ impl Limiter {
             self.recent.forget(key);
         }
         spawn_refunds(&self.store, refunds, now_ms);
+        let late = late_holds(
+            applied,
+            admission,
+            cost,
+            |_| Then::Release,
+            |st| matches!(st, Stage::Reserve | Stage::Held | Stage::Slot) && which(st),
+        );
+        for h in &late {
+            self.cache.forget(&h.key);
+            self.recent.forget(&h.key);
+        }
+        spawn_late(&self.store, late, now_ms);
     }
 
     /// A guard that charges `applied` (`cost` units) if it is dropped before
@@ -299,6 +447,13 @@ impl Limiter {
                 .iter()
                 .map(|h| h.stage == Stage::Peek)
                 .collect(),
+            late: late_holds(
+                &applied,
+                admission,
+                admission.cost,
+                |_| Then::Charge { top_up: 0 },
+                |st| matches!(st, Stage::Reserve | Stage::Held),
+            ),
             applied,
             cost: admission.cost,
             armed: true,
@@ -314,10 +469,18 @@ impl Limiter {
         clock: crate::clock::SharedClock,
     ) -> Option<SlotGuard> {
         let slots = refunds(applied, admission, 1, |st| st == Stage::Slot);
-        (!slots.is_empty()).then(|| SlotGuard {
+        let late = late_holds(
+            applied,
+            admission,
+            1,
+            |_| Then::Release,
+            |st| st == Stage::Slot,
+        );
+        (!slots.is_empty() || !late.is_empty()).then(|| SlotGuard {
             store: self.store.clone(),
             clock,
             slots,
+            late,
         })
     }
 }

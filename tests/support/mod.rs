@@ -6,6 +6,7 @@ pub mod binary;
 pub mod client;
 pub mod cluster_replicas;
 pub mod forwarder;
+pub mod lag;
 pub mod raw;
 pub mod redis;
 pub mod tls_redis;

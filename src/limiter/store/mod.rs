@@ -51,6 +51,21 @@ impl Future for Submitted {
     }
 }
 
+/// What became of a reservation whose call timed out ([`Store::late_reservation`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Late {
+    /// It ran and reserved: its units are counted; `epoch` is what a refund of it
+    /// quotes (as a [`Verdict`]'s).
+    Landed {
+        /// The verdict's epoch.
+        epoch: u64,
+    },
+    /// It did not reserve: it was refused, or never ran.
+    NotLanded,
+    /// Not known within the bound: it may have landed, or may still.
+    Unknown,
+}
+
 /// A fixed window as lease mode sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct WindowState {
@@ -106,6 +121,21 @@ impl StoreError {
                     ::redis::ServerErrorKind::BusyLoading | ::redis::ServerErrorKind::MasterDown
                 )
             ),
+            _ => false,
+        }
+    }
+
+    /// Whether the operation may still have run in the store although its caller got
+    /// this error: a timeout, or a connection that failed after the call was sent (a
+    /// write answered so may land later). A refused connection, an open breaker, a
+    /// store not started or full, or an error reply from Redis mean it did not run.
+    pub fn may_have_run(&self) -> bool {
+        match self {
+            StoreError::Timeout(_) => true,
+            StoreError::Redis(e) => {
+                (e.is_io_error() || e.is_connection_dropped() || e.is_timeout())
+                    && !e.is_connection_refusal()
+            }
             _ => false,
         }
     }
@@ -187,9 +217,12 @@ pub trait Store: Send + Sync {
     /// answered from a stale copy (a replica); the others run on the primary.
     ///
     /// What "now" means is the point of this method: when it returns, the memory store
-    /// has applied the items, and a Redis shard whose reads go to its primary has them
-    /// in its FIFO queue, behind every call submitted before and ahead of every call
-    /// submitted after (the limiter orders its in-flight bookkeeping by it).
+    /// has applied the items, and a Redis shard has them in its primary's FIFO queue,
+    /// behind every call submitted before and ahead of every call submitted after (the
+    /// limiter orders its in-flight bookkeeping by it): every item when its reads go to
+    /// its primary; writes, and peeks of windows this gateway wrote that a replica may
+    /// not have seen yet, when they go to replicas (the other peeks go to a replica that
+    /// has seen every write of this gateway to their windows).
     fn submit(&self, items: &[Item<'_>], now_ms: u64) -> Submitted;
 
     /// [`Store::submit`], awaited.
@@ -236,6 +269,16 @@ pub trait Store: Send + Sync {
     /// Redis runs `lua/reset.lua` on each shard's primary (one call per shard). Returns
     /// how many of the keys held state.
     fn reset(&self, keys: &[LimitKey]) -> impl Future<Output = Result<u64, StoreError>> + Send;
+
+    /// What became of the reservation (a [`super::algorithm::OpKind::Reserve`] op) with
+    /// op id `id` whose call answered an error that [`StoreError::may_have_run`]: Redis
+    /// finishes such a call in the background and says so once it ends, within
+    /// [`redis::LATE_BOUND_FACTOR`] × `store.timeout` of being sent; the answer is
+    /// given once. The memory store never times out: [`Late::Unknown`].
+    fn late_reservation(&self, id: u64) -> impl Future<Output = Late> + Send {
+        let _ = id;
+        std::future::ready(Late::Unknown)
+    }
 }
 
 /// How a store shows itself to the server, the admin endpoints and the metrics, none of
@@ -364,6 +407,13 @@ impl Store for AnyStore {
         match self {
             AnyStore::Memory(s) => s.reset(keys).await,
             AnyStore::Redis(s) => s.reset(keys).await,
+        }
+    }
+
+    async fn late_reservation(&self, id: u64) -> Late {
+        match self {
+            AnyStore::Memory(s) => s.late_reservation(id).await,
+            AnyStore::Redis(s) => s.late_reservation(id).await,
         }
     }
 }

@@ -8,10 +8,16 @@
 //! - **Reads and writes.** CHECKs go to a healthy replica when `store.read_from =
 //!   "replica"` (the default when a shard lists replicas), spread round robin; a replica
 //!   that is down, slow, loading or cut off from its primary is skipped and the primary
-//!   answers. CHARGEs always go to the primary. A stale replica can at worst admit a
-//!   request the primary would have rejected: expiry is judged by the stored `reset_at`
-//!   against "now", never by Redis's TTLs, and a 429 carries the numbers of the read that
-//!   made it.
+//!   answers. CHARGEs always go to the primary. A window this gateway has written is
+//!   checked on the primary, through the writes' queue, until every replica has caught
+//!   up with that write ([`freshness`]): a gateway reads its own writes. A stale replica
+//!   can at worst admit a request the primary would have rejected (of a window only
+//!   other gateways wrote lately): expiry is judged by the stored `reset_at` against
+//!   "now", never by Redis's TTLs, and a 429 carries the numbers of the read that made
+//!   it.
+//! - **Late reservations.** A call that carries reservations and times out is finished
+//!   in the background, and what became of each reservation is kept for its request
+//!   ([`late`]), so that a request let through without an answer is counted once.
 //! - **Clock.** "Now" is the gateway's clock, passed in every call (`store.clock =
 //!   "gateway"`), or, with `store.clock = "redis"`, [`NOW_FROM_REDIS`] in its place: the
 //!   scripts then read `TIME` on the node that runs them, once per call.
@@ -27,6 +33,8 @@ mod batch;
 mod breaker;
 mod cluster;
 mod dial;
+mod freshness;
+mod late;
 mod node;
 mod sentinel;
 pub mod stats;
@@ -62,6 +70,15 @@ pub static RESET_LUA: &str = include_str!("../../../../lua/reset.lua");
 /// time from the Redis node's `TIME` instead (`store.clock = "redis"`): 0, the Unix epoch
 /// itself, which no gateway clock gives.
 pub const NOW_FROM_REDIS: u64 = 0;
+
+/// A call that carries reservations runs on for up to this many `store.timeout`s after
+/// it was sent, when its caller was answered with a timeout (see [`late`]): past the
+/// connection's own bound on an answer (4 × `store.timeout`).
+pub const LATE_BOUND_FACTOR: u32 = 5;
+
+/// Integers per key in `lua/apply.lua`'s arguments: kind, algorithm, quota, window,
+/// burst, align, cost, now, id (see `RedisStore::call_group`).
+const ARGS_PER_KEY: usize = 9;
 
 /// Every script the store runs, loaded on each new connection.
 #[derive(Debug)]
@@ -298,6 +315,11 @@ pub(crate) struct Shard {
     me: Weak<Shard>,
     scripts: Arc<Scripts>,
     timeout: std::time::Duration,
+    /// With reads on replicas: the keys this gateway wrote that a replica may not have
+    /// seen yet, checked on the primary ([`freshness`]).
+    freshness: Option<Arc<freshness::Freshness>>,
+    /// The late answers of reservations whose calls timed out (shared by the shards).
+    late: Arc<late::LateAnswers>,
 }
 
 impl Shard {
@@ -327,10 +349,22 @@ impl Shard {
                 let (w, s) = (w.clone(), s.clone());
                 Box::pin(async move {
                     let shard = w.upgrade().ok_or(StoreError::NotStarted)?;
-                    let keys: Vec<&str> = keys.iter().map(|k| &**k).collect();
+                    let owned = keys;
+                    let keys: Vec<&str> = owned.iter().map(|k| &**k).collect();
                     match kind {
                         Kind::Check => shard.check(&s, &keys, &args).await,
-                        Kind::Charge => shard.on_primary(&s.apply, &keys, &args).await,
+                        Kind::Charge => {
+                            let reply = if reserves(&args) {
+                                let (o, a) = (owned.clone(), args.clone());
+                                shard.reserve_on_primary(&s, o, a).await
+                            } else {
+                                shard.on_primary(&s.apply, &keys, &args).await
+                            };
+                            if let Some(fresh) = &shard.freshness {
+                                fresh.written(&keys, &args, reply.is_ok());
+                            }
+                            reply
+                        }
                     }
                 })
             }),
@@ -353,6 +387,25 @@ impl Shard {
                 self.worker_checks().unwrap_or(&self.checks)
             }
             _ => &self.charges,
+        }
+    }
+
+    /// Where a call of `kind` with `keys` (and their `lua/apply.lua` arguments `args`)
+    /// goes, told to the replica-freshness pins (reads on replicas only): a write pins
+    /// the keys it writes; a check of a pinned key goes to the primary, through the
+    /// writes' FIFO queue ([`Kind::Charge`]), so that it reads this gateway's own
+    /// writes in the order they were handed over ([`freshness`]).
+    fn route(&self, kind: Kind, keys: &[batch::Key], args: &[u64]) -> Kind {
+        let Some(fresh) = &self.freshness else {
+            return kind;
+        };
+        match kind {
+            Kind::Charge => {
+                fresh.wrote(keys, args);
+                Kind::Charge
+            }
+            Kind::Check if fresh.pinned(keys) => Kind::Charge,
+            Kind::Check => Kind::Check,
         }
     }
 
@@ -425,24 +478,91 @@ impl Shard {
                 .call(script, keys, args, WhenDisconnected::Wait)
                 .await
         };
-        if let (Err(e), Some(sentinel)) = (&result, &self.sentinel) {
+        self.after_primary(&result);
+        result
+    }
+
+    /// A failure on the primary that a failover explains: ask Sentinel.
+    fn after_primary<T>(&self, result: &Result<T, StoreError>) {
+        if let (Err(e), Some(sentinel)) = (result, &self.sentinel) {
             if e.suggests_failover() {
                 sentinel.suspect();
             }
         }
+    }
+
+    /// [`Shard::on_primary`] for a `lua/apply.lua` call that carries reservations: when
+    /// it times out, it runs on, and what became of each reservation is kept by its op
+    /// id for the request that was admitted without an answer ([`late`]).
+    async fn reserve_on_primary(
+        &self,
+        scripts: &Arc<Scripts>,
+        keys: Vec<batch::Key>,
+        args: Vec<u64>,
+    ) -> Result<Vec<i64>, StoreError> {
+        let reservations: Vec<(usize, u64)> = args
+            .chunks(ARGS_PER_KEY)
+            .enumerate()
+            .filter(|(_, a)| a.first() == Some(&OpKind::Reserve.code()))
+            .map(|(i, a)| (i, a.get(ARGS_PER_KEY - 1).copied().unwrap_or(0)))
+            .collect();
+        let late = self.late.clone();
+        let confirmed = self.primary.writes_confirmed();
+        let result = self
+            .primary
+            .call_keeping_late(
+                scripts.clone(),
+                keys,
+                args,
+                self.timeout * LATE_BOUND_FACTOR,
+                move |result| late.publish(late_outcomes(&reservations, &result)),
+            )
+            .await;
+        self.primary.record_write(confirmed, &result);
+        self.after_primary(&result);
         result
     }
 }
 
-/// The `lua/apply.lua` arguments of one key: kind, algorithm, quota, window, burst,
-/// align, cost, now, id (see `RedisStore::call_group`).
-const APPLY_ARGS: usize = 9;
-
-/// Whether a `lua/apply.lua` call's arguments ([`APPLY_ARGS`] per key, the operation's
-/// kind first) hold anything but peeks.
+/// Whether a `lua/apply.lua` call's arguments ([`ARGS_PER_KEY`] per key, the
+/// operation's kind first) hold anything but peeks.
 fn apply_writes(args: &[u64]) -> bool {
-    args.chunks(APPLY_ARGS)
+    args.chunks(ARGS_PER_KEY)
         .any(|a| a.first() != Some(&OpKind::Peek.code()))
+}
+
+/// Whether a `lua/apply.lua` call with these arguments carries a reservation.
+fn reserves(args: &[u64]) -> bool {
+    args.chunks(ARGS_PER_KEY)
+        .any(|a| a.first() == Some(&OpKind::Reserve.code()))
+}
+
+/// What became of each reservation (its index in the call, its op id) of a call that
+/// ended late with `result`.
+fn late_outcomes(
+    reservations: &[(usize, u64)],
+    result: &Result<Vec<i64>, StoreError>,
+) -> Vec<(u64, super::Late)> {
+    use super::Late;
+    reservations
+        .iter()
+        .map(|&(i, id)| {
+            let outcome = match result {
+                Ok(reply) => match reply.get(i * batch::REPLY_WIDTH) {
+                    Some(&used) if used >= 0 => Late::Landed {
+                        epoch: reply
+                            .get(i * batch::REPLY_WIDTH + 2)
+                            .map_or(0, |&e| e.max(0) as u64),
+                    },
+                    Some(_) => Late::NotLanded,
+                    None => Late::Unknown,
+                },
+                Err(e) if e.may_have_run() => Late::Unknown,
+                Err(_) => Late::NotLanded,
+            };
+            (id, outcome)
+        })
+        .collect()
 }
 
 enum Topology {
@@ -646,6 +766,9 @@ impl RedisStore {
     fn start_shards(&self) -> Vec<Arc<Shard>> {
         let settings = self.settings();
         let mut shards = Vec::new();
+        // The late answers of reservations whose calls timed out ([`late`]): one table
+        // for every shard.
+        let late = Arc::new(late::LateAnswers::default());
         for (index, s) in self.cfg.shards.iter().enumerate() {
             let read_from =
                 self.cfg
@@ -706,8 +829,14 @@ impl RedisStore {
                     me: weak.clone(),
                     scripts: self.scripts.clone(),
                     timeout: settings.timeout,
+                    freshness: (read_from == ReadFrom::Replica)
+                        .then(|| Arc::new(freshness::Freshness::new(settings.timeout))),
+                    late: late.clone(),
                 }
             });
+            if shard.freshness.is_some() {
+                tokio::spawn(freshness::sample(Arc::downgrade(&shard)));
+            }
             if let Some(sentinel) = sentinel {
                 shard.primary.follow(&sentinel);
                 sentinel.start(&shard, self.scripts.clone(), settings.clone());
@@ -744,7 +873,10 @@ impl RedisStore {
     /// Ordering: when a shard's reads go to its primary, its peeks and writes share one
     /// FIFO queue and one connection, so a call handed over later runs later in Redis
     /// (what [`crate::limiter::Limiter`] relies on to never count a unit both in flight
-    /// and in the store). Replica reads and cluster mode give no such order.
+    /// and in the store). When its reads go to replicas, the peeks of windows this
+    /// gateway wrote and a replica may not have seen yet join that queue too
+    /// ([`freshness`]); the other peeks read windows every replica has seen this
+    /// gateway's writes of. Cluster mode gives no such order.
     fn submit_many(&self, items: &[Item<'_>], now_ms: u64) -> super::Submitted {
         let Some(live) = self.live.get() else {
             let n = items.len();
@@ -852,7 +984,10 @@ impl RedisStore {
             }
             Topology::Sharded(shards) => match shards.get(group as usize) {
                 None => Either::Right(Box::pin(async { Err(StoreError::NotStarted) }) as Other),
-                Some(shard) => Either::Left(shard.batcher(kind).enqueue(names, flat)),
+                Some(shard) => {
+                    let kind = shard.route(kind, &names, &flat);
+                    Either::Left(shard.batcher(kind).enqueue(names, flat))
+                }
             },
         };
         async move {
@@ -1102,6 +1237,20 @@ impl Store for RedisStore {
 
     async fn reset(&self, keys: &[LimitKey]) -> Result<u64, StoreError> {
         self.reset_keys(keys).await
+    }
+
+    /// Waits up to [`LATE_BOUND_FACTOR`] × `store.timeout` (plus one, for the answer to
+    /// be kept) for the reservation's late call to end (see [`late`]). In cluster mode
+    /// calls are not kept running: [`super::Late::Unknown`] at once.
+    async fn late_reservation(&self, id: u64) -> super::Late {
+        let Some(Topology::Sharded(shards)) = self.live.get() else {
+            return super::Late::Unknown;
+        };
+        let Some(late) = shards.first().map(|s| s.late.clone()) else {
+            return super::Late::Unknown;
+        };
+        let bound = self.cfg.timeout.0 * (LATE_BOUND_FACTOR + 1);
+        late.take(id, bound).await
     }
 }
 

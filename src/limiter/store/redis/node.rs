@@ -221,17 +221,30 @@ impl Node {
         keys: &[&str],
         args: &[u64],
     ) -> Result<Vec<i64>, StoreError> {
-        let confirmed = self.confirmed.load(Ordering::Acquire);
+        let confirmed = self.writes_confirmed();
         let result = self.call(script, keys, args, WhenDisconnected::Wait).await;
-        match &result {
+        self.record_write(confirmed, &result);
+        result
+    }
+
+    /// How many times the primary's writes have been confirmed so far: taken before a
+    /// write, for [`Node::record_write`].
+    pub(super) fn writes_confirmed(&self) -> u64 {
+        self.confirmed.load(Ordering::Acquire)
+    }
+
+    /// The outcome of a write sent when [`Node::writes_confirmed`] said `confirmed`: a
+    /// success confirms the primary's writes; a failure marks them failing, unless they
+    /// were confirmed since (by a later write or a reconnect to a master).
+    pub(super) fn record_write<T>(&self, confirmed: u64, result: &Result<T, StoreError>) {
+        match result {
             Ok(_) => self.confirm_writable("a write succeeded"),
             Err(e) => {
-                if self.confirmed.load(Ordering::Acquire) == confirmed {
+                if self.writes_confirmed() == confirmed {
                     self.set_unwritable(e);
                 }
             }
         }
-        result
     }
 
     /// The server has shown it takes writes: clear the failed-writes state.
@@ -322,47 +335,7 @@ impl Node {
         when: WhenDisconnected,
         asking: bool,
     ) -> Result<Vec<i64>, StoreError> {
-        let attempt = async {
-            let (mut conn, generation) = match self.connection(when).await {
-                Some(c) => c,
-                None => return Err(StoreError::NotConnected(self.label.clone())),
-            };
-            let first = if asking {
-                super::invoke_asking(script, keys, args, &mut conn).await
-            } else {
-                super::invoke(script, keys, args, &mut conn).await
-            };
-            match first {
-                Err(StoreError::Redis(e))
-                    if self.role == Role::Primary
-                        && e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ReadOnly) =>
-                {
-                    tracing::warn!(node = %self.label, error = %e, "redis primary answered READONLY: it is a replica now; reconnecting to follow the failover");
-                    self.set_unwritable(&e);
-                    self.suspect();
-                    self.drop_connection(generation);
-                    // Sent once more on the next connection (a master's: see `maintain`).
-                    let (mut conn, generation) =
-                        match self.connection(WhenDisconnected::Wait).await {
-                            Some(c) => c,
-                            None => return Err(StoreError::Redis(e)),
-                        };
-                    super::invoke(script, keys, args, &mut conn)
-                        .await
-                        .map_err(|e| (e, generation))
-                }
-                other => other.map_err(|e| (e, generation)),
-            }
-            .map_err(|(e, generation)| {
-                if let StoreError::Redis(re) = &e {
-                    if breaks_connection(re) {
-                        // Let the connection task reconnect (and reload the scripts).
-                        self.drop_connection(generation);
-                    }
-                }
-                e
-            })
-        };
+        let attempt = self.attempt(script, keys, args, when, asking);
         let result = self
             .breaker
             .guard(&self.stats, self.settings.timeout, attempt)
@@ -375,10 +348,118 @@ impl Node {
         result
     }
 
+    /// One script call, without the breaker or a time bound: on the connection `when`
+    /// allows, `ASKING` first when `asking`; a primary's `READONLY` is followed (see
+    /// [`Node::call`]), and a broken connection is handed to the connection task.
+    async fn attempt(
+        &self,
+        script: &super::LuaScript,
+        keys: &[&str],
+        args: &[u64],
+        when: WhenDisconnected,
+        asking: bool,
+    ) -> Result<Vec<i64>, StoreError> {
+        let (mut conn, generation) = match self.connection(when).await {
+            Some(c) => c,
+            None => return Err(StoreError::NotConnected(self.label.clone())),
+        };
+        let first = if asking {
+            super::invoke_asking(script, keys, args, &mut conn).await
+        } else {
+            super::invoke(script, keys, args, &mut conn).await
+        };
+        match first {
+            Err(StoreError::Redis(e))
+                if self.role == Role::Primary
+                    && e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ReadOnly) =>
+            {
+                tracing::warn!(node = %self.label, error = %e, "redis primary answered READONLY: it is a replica now; reconnecting to follow the failover");
+                self.set_unwritable(&e);
+                self.suspect();
+                self.drop_connection(generation);
+                // Sent once more on the next connection (a master's: see `maintain`).
+                let (mut conn, generation) = match self.connection(WhenDisconnected::Wait).await
+                {
+                    Some(c) => c,
+                    None => return Err(StoreError::Redis(e)),
+                };
+                super::invoke(script, keys, args, &mut conn)
+                    .await
+                    .map_err(|e| (e, generation))
+            }
+            other => other.map_err(|e| (e, generation)),
+        }
+        .map_err(|(e, generation)| {
+            if let StoreError::Redis(re) = &e {
+                if breaks_connection(re) {
+                    // Let the connection task reconnect (and reload the scripts).
+                    self.drop_connection(generation);
+                }
+            }
+            e
+        })
+    }
+
     /// Ask Sentinel again (a primary that says it is a replica).
     fn suspect(&self) {
         if let Some(s) = self.sentinel.get().and_then(Weak::upgrade) {
             s.suspect();
+        }
+    }
+
+    /// Like [`Node::call`] for `lua/apply.lua` (`scripts.apply`), but the script call is
+    /// not abandoned when its caller is answered with a timeout (`store.timeout`, through
+    /// the breaker as usual): it runs on, as a task of its own, until it ends or `late`
+    /// has passed since it started, and `on_late` gets its outcome when it ends after
+    /// the caller was answered. A call that never got a connection ends as
+    /// [`StoreError::NotConnected`] (it did not run). For calls that carry reservations,
+    /// whose late answers say whether they landed ([`super::late`]).
+    pub(super) async fn call_keeping_late(
+        self: &Arc<Self>,
+        scripts: Arc<Scripts>,
+        keys: Vec<Arc<str>>,
+        args: Vec<u64>,
+        late: Duration,
+        on_late: impl FnOnce(Result<Vec<i64>, StoreError>) + Send + 'static,
+    ) -> Result<Vec<i64>, StoreError> {
+        let node = self.clone();
+        let attempt = async move {
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            tokio::spawn(async move {
+                let deadline = tokio::time::Instant::now() + late;
+                let names: Vec<&str> = keys.iter().map(|k| &**k).collect();
+                let call =
+                    node.attempt(&scripts.apply, &names, &args, WhenDisconnected::Wait, false);
+                let result = match tokio::time::timeout_at(deadline, call).await {
+                    Ok(answer) => answer,
+                    Err(_) => Err(StoreError::Timeout(late.as_millis() as u64)),
+                };
+                if let Err(result) = tx.send(result) {
+                    on_late(result);
+                }
+            });
+            rx.await.unwrap_or(Err(StoreError::NotStarted))
+        };
+        self.breaker
+            .guard(&self.stats, self.settings.timeout, attempt)
+            .await
+    }
+
+    /// `INFO replication` on this node (for the replica-freshness sampler,
+    /// [`super::freshness`]): bounded by `store.timeout`, without waiting for a
+    /// connection, and outside the breaker (a failed sample only keeps keys pinned to
+    /// the primary).
+    pub(super) async fn info_replication(&self) -> Result<String, StoreError> {
+        let (mut conn, _) = self
+            .connection(WhenDisconnected::FailFast)
+            .await
+            .ok_or_else(|| StoreError::NotConnected(self.label.clone()))?;
+        let mut cmd = redis::cmd("INFO");
+        cmd.arg("replication");
+        let info = cmd.query_async::<String>(&mut conn);
+        match tokio::time::timeout(self.settings.timeout, info).await {
+            Ok(answer) => Ok(answer?),
+            Err(_) => Err(StoreError::Timeout(self.settings.timeout.as_millis() as u64)),
         }
     }
 

@@ -406,6 +406,26 @@ limits = ["core"]
         );
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
+    // ... and reads go to it once the gateway has it as a serving replica, and the
+    // replica has caught up with the first request's charge (until then this gateway
+    // reads the window it charged on the primary: docs/redis.md, "Reading your own
+    // writes from replicas").
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let serving = match &**gw.gateway.snapshot().limiter.store() {
+            tollgate::limiter::store::AnyStore::Redis(r) => r
+                .report()
+                .iter()
+                .all(|s| s.nodes.len() == 2 && s.nodes.iter().all(|n| n.connected && n.serving)),
+            _ => false,
+        };
+        if serving {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the replica never served");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
     for _ in 0..2 {
         assert_eq!(support::get(&gw.url("/")).await.status, 200);
     }

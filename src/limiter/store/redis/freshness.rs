@@ -362,9 +362,10 @@ mod tests {
         // Caught up past now, but the write has not ended: still pinned.
         f.caught_up(f.now());
         assert!(f.pinned(&["a"]));
+        let before_the_end = f.now();
         f.written(&keys, &args(&[1, 0]), true);
         // Caught up to before the write ended: still pinned.
-        f.caught_up(f.now() - 1);
+        f.caught_up(before_the_end - 1);
         assert!(f.pinned(&["a"]));
         std::thread::sleep(Duration::from_millis(1));
         f.caught_up(f.now());

@@ -4,7 +4,7 @@
 //! Every process is stopped by PID when its owner is dropped.
 
 use super::redis::{free_port, redis_server_bin};
-use super::topology::redis_cli_bin;
+use super::topology::{cluster_node_args, create_cluster, redis_cli_bin};
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, KeyUsagePurpose};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -245,32 +245,15 @@ impl TlsCluster {
     /// `cluster_state:ok` and knows the others.
     pub fn start(ca: &TestCa, server: &CertFiles, password: &str) -> TlsCluster {
         let dir = tempfile::tempdir().expect("tempdir for cluster nodes");
-        let d = dir.path().display().to_string();
         let nodes: Vec<TlsRedis> = (0..3)
             .map(|_| {
-                let conf = format!("{d}/nodes-{}.conf", free_port());
-                let bus = free_port().to_string();
-                TlsRedis::start(
-                    ca,
-                    server,
-                    false,
-                    &[
-                        "--cluster-enabled",
-                        "yes",
-                        "--cluster-config-file",
-                        &conf,
-                        "--cluster-node-timeout",
-                        "2000",
-                        "--cluster-port",
-                        &bus,
-                        "--tls-cluster",
-                        "yes",
-                        "--requirepass",
-                        password,
-                        "--masterauth",
-                        password,
-                    ],
-                )
+                let mut args = cluster_node_args(dir.path(), 2000);
+                for a in ["--tls-cluster", "yes", "--requirepass", password] {
+                    args.push(a.to_string());
+                }
+                args.extend(["--masterauth".to_string(), password.to_string()]);
+                let args: Vec<&str> = args.iter().map(String::as_str).collect();
+                TlsRedis::start(ca, server, false, &args)
             })
             .collect();
         let addrs: Vec<String> = nodes
@@ -278,25 +261,13 @@ impl TlsCluster {
             .map(|n| format!("127.0.0.1:{}", n.port))
             .collect();
         let first = &nodes[0];
-        let out = Command::new(redis_cli_bin())
-            .args(["-a", password, "--no-auth-warning", "--tls", "--insecure"])
+        let mut cli = Command::new(redis_cli_bin());
+        cli.args(["-a", password, "--no-auth-warning", "--tls", "--insecure"])
             .arg("--cert")
             .arg(&first.client.cert)
             .arg("--key")
-            .arg(&first.client.key)
-            .args(["--cluster", "create"])
-            .args(&addrs)
-            .args(["--cluster-replicas", "0", "--cluster-yes"])
-            .stdin(Stdio::null())
-            .output()
-            .expect("run redis-cli --cluster create");
-        assert!(
-            out.status.success(),
-            "redis-cli --tls --cluster create {addrs:?} failed ({}):\n{}\n{}",
-            out.status,
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
+            .arg(&first.client.key);
+        create_cluster(cli, &addrs, 0);
         let deadline = Instant::now() + WAIT;
         for n in &nodes {
             loop {

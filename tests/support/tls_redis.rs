@@ -3,7 +3,7 @@
 //! Redis whose only usable users need a password (ACL), and Sentinels with `requirepass`.
 //! Every process is stopped by PID when its owner is dropped.
 
-use super::redis::{free_port, redis_server_bin};
+use super::redis::{free_port, redis_server_bin, spawn_sentinel, spawn_server, Process};
 use super::topology::{cluster_node_args, create_cluster, redis_cli_bin};
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, KeyUsagePurpose};
 use std::path::{Path, PathBuf};
@@ -72,7 +72,7 @@ const WAIT: Duration = Duration::from_secs(10);
 pub struct TlsRedis {
     /// The TLS port.
     pub port: u16,
-    child: Option<Child>,
+    child: Process,
     /// Certificate and key redis-cli presents (always, so `tls-auth-clients yes` servers
     /// answer too).
     client: CertFiles,
@@ -143,14 +143,14 @@ impl TlsRedis {
             .map(|p| p.to_string());
         let mut me = TlsRedis {
             port,
-            child: Some(child),
+            child: Process::new(child),
             client,
             password,
             _dir: dir,
         };
         let deadline = Instant::now() + WAIT;
         loop {
-            if let Some(Ok(Some(status))) = me.child.as_mut().map(|c| c.try_wait()) {
+            if let Some(status) = me.child.exited() {
                 panic!("redis-server --tls-port {port} exited at startup ({status}): is it built with TLS?");
             }
             let ping = me.try_cli(&["PING"]);
@@ -218,16 +218,7 @@ impl TlsRedis {
 
     /// Kill the process (SIGKILL) and wait for it.
     pub fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-impl Drop for TlsRedis {
-    fn drop(&mut self) {
-        self.kill();
+        self.child.kill();
     }
 }
 
@@ -305,7 +296,7 @@ impl TlsCluster {
 /// authenticate: readiness is probed with `AUTH` first. Killed when dropped.
 pub struct AuthedRedis {
     pub port: u16,
-    child: Option<Child>,
+    child: Process,
     /// `redis://USER:PASSWORD@127.0.0.1:PORT` of a user allowed everything (the test's
     /// own, for assertions).
     pub admin_url: String,
@@ -319,17 +310,7 @@ impl AuthedRedis {
     pub fn start(args: &[&str], admin: (&str, &str)) -> AuthedRedis {
         let dir = tempfile::tempdir().expect("temp dir for redis-server");
         let port = free_port();
-        let child = Command::new(redis_server_bin())
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-            .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
-            .args(["--protected-mode", "no", "--loglevel", "warning"])
-            .arg("--dir")
-            .arg(dir.path())
-            .args(args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| panic!("cannot start {}: {e}", redis_server_bin()));
+        let child = spawn_server(port, dir.path(), args);
         Self::wait(child, port, admin, dir)
     }
 
@@ -339,35 +320,20 @@ impl AuthedRedis {
     pub fn sentinel(body: &str, admin: (&str, &str)) -> AuthedRedis {
         let dir = tempfile::tempdir().expect("temp dir for sentinel");
         let port = free_port();
-        let conf = dir.path().join("sentinel.conf");
-        std::fs::write(
-            &conf,
-            format!(
-                "port {port}\nbind 127.0.0.1\nprotected-mode no\ndaemonize no\nlogfile \"\"\nloglevel warning\ndir \"{}\"\n{body}",
-                dir.path().display()
-            ),
-        )
-        .unwrap();
-        let child = Command::new(redis_server_bin())
-            .arg(&conf)
-            .arg("--sentinel")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| panic!("cannot start {} --sentinel: {e}", redis_server_bin()));
+        let (_, child) = spawn_sentinel(dir.path(), port, body);
         Self::wait(child, port, admin, dir)
     }
 
-    fn wait(child: Child, port: u16, admin: (&str, &str), dir: tempfile::TempDir) -> AuthedRedis {
+    fn wait(child: Process, port: u16, admin: (&str, &str), dir: tempfile::TempDir) -> AuthedRedis {
         let mut me = AuthedRedis {
             port,
-            child: Some(child),
+            child,
             admin_url: format!("redis://{}:{}@127.0.0.1:{port}", admin.0, admin.1),
             _dir: dir,
         };
         let deadline = Instant::now() + WAIT;
         loop {
-            if let Some(Ok(Some(status))) = me.child.as_mut().map(|c| c.try_wait()) {
+            if let Some(status) = me.child.exited() {
                 panic!("redis-server on port {port} exited at startup: {status}");
             }
             if me.try_cmd::<String>(&["PING"]).is_ok() {
@@ -412,15 +378,6 @@ impl AuthedRedis {
 
     /// Kill the process (SIGKILL) and wait for it.
     pub fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-impl Drop for AuthedRedis {
-    fn drop(&mut self) {
-        self.kill();
+        self.child.kill();
     }
 }

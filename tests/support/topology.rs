@@ -3,7 +3,7 @@
 //! stopped by PID when its owner is dropped; every wait is bounded and panics with a
 //! message that says what did not happen.
 
-use super::redis::{find_bin, free_port, redis_server_bin, RedisServer};
+use super::redis::{find_bin, free_port, spawn_sentinel, Process, RedisServer};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -190,7 +190,7 @@ impl ReplicatedShard {
 pub struct SentinelProcess {
     pub port: u16,
     pub conf: PathBuf,
-    child: Option<Child>,
+    child: Process,
 }
 
 impl SentinelProcess {
@@ -198,30 +198,12 @@ impl SentinelProcess {
     /// waits (≤ 10 s) until it answers PING.
     fn start(dir: &Path, body: &str) -> SentinelProcess {
         let port = free_port();
-        let conf = dir.join(format!("sentinel-{port}.conf"));
-        let text = format!(
-            "port {port}\nbind 127.0.0.1\nprotected-mode no\ndaemonize no\nlogfile \"\"\nloglevel warning\ndir \"{}\"\n{body}",
-            dir.display()
-        );
-        std::fs::write(&conf, text).expect("write sentinel conf");
-        let child = Command::new(redis_server_bin())
-            .arg(&conf)
-            .arg("--sentinel")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| {
-                panic!("cannot start {} --sentinel: {e}. These tests need a real redis-server: install it (Debian: apt-get install redis-server redis-tools) or set REDIS_SERVER=/path/to/redis-server", redis_server_bin())
-            });
-        let mut s = SentinelProcess {
-            port,
-            conf,
-            child: Some(child),
-        };
+        let (conf, child) = spawn_sentinel(dir, port, body);
+        let mut s = SentinelProcess { port, conf, child };
         wait_for(
             WAIT,
             || {
-                if let Some(Ok(Some(status))) = s.child.as_mut().map(|c| c.try_wait()) {
+                if let Some(status) = s.child.exited() {
                     panic!("sentinel on port {port} exited at startup: {status}");
                 }
                 try_cmd::<String>(port, &["PING"]).ok().map(|_| ())
@@ -236,7 +218,7 @@ impl SentinelProcess {
     }
 
     pub fn pid(&self) -> Option<u32> {
-        self.child.as_ref().map(|c| c.id())
+        self.child.pid()
     }
 
     /// Run a command on this sentinel; errors come back as `Err`.
@@ -260,16 +242,7 @@ impl SentinelProcess {
 
     /// Kill the process (SIGKILL) and wait for it.
     pub fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-impl Drop for SentinelProcess {
-    fn drop(&mut self) {
-        self.kill();
+        self.child.kill();
     }
 }
 

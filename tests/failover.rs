@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use support::forwarder::Forwarder;
 use support::redis::free_port;
 use support::topology::{cmd_calls, evalsha_calls, info_field, Sentinels};
-use support::{get, Binary, RedisServer, Upstream};
+use support::{get, wait_until, Binary, RedisServer, Upstream};
 use tollgate::limiter::key::KeyScheme;
 
 /// A gateway binary with its admin listener, its config in a temp dir.
@@ -156,18 +156,6 @@ fn count_on(server: &RedisServer) -> u64 {
     server
         .cmd::<Option<u64>>(&["HGET", &core_key(), "count"])
         .unwrap_or(0)
-}
-
-/// Poll `check` every 20 ms until it holds (panics with `what` after `within`).
-async fn wait_until(within: Duration, what: &str, mut check: impl FnMut() -> bool) {
-    let deadline = Instant::now() + within;
-    while !check() {
-        assert!(
-            Instant::now() < deadline,
-            "timed out after {within:?}: {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 /// A primary `a` and its replica `b`, replication up.

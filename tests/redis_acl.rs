@@ -141,16 +141,9 @@ async fn call(gw: &TestGateway, path: &str) -> Reply {
     get_with(&gw.url(path), &[("authorization", "Bearer acme-key")]).await
 }
 
-/// GET `path` until it is not 503 (a connection is still opening), for at most 10 s.
+/// GET `path` as `acme` until it is not 503 (a connection is still opening), ≤ 10 s.
 async fn first_answer(gw: &TestGateway, path: &str) -> Reply {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let r = call(gw, path).await;
-        if r.status != 503 || Instant::now() > deadline {
-            return r;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    support::first_answer(gw, path, &[("authorization", "Bearer acme-key")]).await
 }
 
 /// Redis's `ACL LOG`: every command refused by an ACL since start, as text.
@@ -387,12 +380,7 @@ limits = ["core"]
         up = up.url(),
     );
     let gw = TestGateway::start(&toml).await;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let mut r = support::get(&gw.url("/")).await;
-    while r.status == 503 && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        r = support::get(&gw.url("/")).await;
-    }
+    let r = support::first_answer(&gw, "/", &[]).await;
     assert_eq!(r.status, 200);
     // The replica Sentinel announced is logged into (with store.password_file's).
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -412,13 +400,9 @@ limits = ["core"]
     // writes from replicas").
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        let serving = match &**gw.gateway.snapshot().limiter.store() {
-            tollgate::limiter::store::AnyStore::Redis(r) => r
-                .report()
-                .iter()
-                .all(|s| s.nodes.len() == 2 && s.nodes.iter().all(|n| n.connected && n.serving)),
-            _ => false,
-        };
+        let serving = support::store_report(&gw)
+            .iter()
+            .all(|s| s.nodes.len() == 2 && s.nodes.iter().all(|n| n.connected && n.serving));
         if serving {
             break;
         }
@@ -856,12 +840,8 @@ limits = ["core"]
     for (id, master) in &callers {
         let key = caller_key(id);
         // Check and charge, until the quota of 3 is used; then 429.
-        let deadline = Instant::now() + Duration::from_secs(10);
-        let mut first = as_caller(id).await;
-        while first.status == 503 && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            first = as_caller(id).await;
-        }
+        let auth = format!("Bearer {id}-key");
+        let first = support::first_answer(&gw, "/x", &[("authorization", &auth)]).await;
         assert_eq!(first.status, 200, "{id}: {}", first.text());
         assert_eq!(first.header("x-ratelimit-resource"), "core");
         assert_eq!(first.num("x-ratelimit-limit"), 3);

@@ -81,14 +81,7 @@ async fn assert_count(redis: &TlsRedis, want: &str) {
 /// GET `/` until it is not 503 (the store's connection is still opening), for at most
 /// 10 s; that answer.
 async fn first_answer(gw: &TestGateway) -> support::client::Reply {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let r = get(&gw.url("/")).await;
-        if r.status != 503 || Instant::now() > deadline {
-            return r;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    support::first_answer(gw, "/", &[]).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -7,7 +7,7 @@ use super::redis::{free_port, redis_server_bin, spawn_sentinel, spawn_server, Pr
 use super::topology::{cluster_node_args, create_cluster, redis_cli_bin};
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, KeyUsagePurpose};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// A test CA that issues server and client certificates, written as PEM files.

@@ -5,7 +5,7 @@
 
 use super::redis::{find_bin, free_port, spawn_sentinel, Process, RedisServer};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 use tempfile::TempDir;
 

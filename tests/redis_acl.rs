@@ -709,12 +709,7 @@ fn as_admin<T: redis::FromRedisValue>(port: u16, args: &[&str]) -> T {
     let mut c = redis::Client::open(url)
         .and_then(|c| c.get_connection_with_timeout(Duration::from_secs(1)))
         .unwrap_or_else(|e| panic!("admin on port {port}: {e}"));
-    let mut cmd = redis::cmd(args[0]);
-    for a in &args[1..] {
-        cmd.arg(*a);
-    }
-    cmd.query(&mut c)
-        .unwrap_or_else(|e| panic!("port {port}: {args:?}: {e}"))
+    support::redis::query(&mut c, args).unwrap_or_else(|e| panic!("port {port}: {args:?}: {e}"))
 }
 
 /// Cluster mode as the least-privilege user: the documented rule plus the documented

@@ -35,6 +35,18 @@ pub fn free_port() -> u16 {
         .port()
 }
 
+/// Run the command `args` (name first) on `c`.
+pub fn query<T: redis::FromRedisValue>(
+    c: &mut redis::Connection,
+    args: &[&str],
+) -> redis::RedisResult<T> {
+    let mut cmd = redis::cmd(args[0]);
+    for a in &args[1..] {
+        cmd.arg(*a);
+    }
+    cmd.query(c)
+}
+
 /// `redis-server` on 127.0.0.1:`port` with the tests' settings (no persistence, no
 /// daemon, quiet, working directory `dir`), then `extra`.
 pub fn spawn_server(
@@ -178,12 +190,7 @@ impl RedisServer {
     /// Run a command and return its reply.
     pub fn cmd<T: redis::FromRedisValue>(&self, args: &[&str]) -> T {
         let mut c = self.conn().expect("connect to test redis");
-        let mut cmd = redis::cmd(args[0]);
-        for a in &args[1..] {
-            cmd.arg(*a);
-        }
-        cmd.query(&mut c)
-            .unwrap_or_else(|e| panic!("{args:?}: {e}"))
+        query(&mut c, args).unwrap_or_else(|e| panic!("{args:?}: {e}"))
     }
 
     /// Every key, via SCAN.

@@ -3,7 +3,7 @@
 //! Redis whose only usable users need a password (ACL), and Sentinels with `requirepass`.
 //! Every process is stopped by PID when its owner is dropped.
 
-use super::redis::{free_port, redis_server_bin, spawn_sentinel, spawn_server, Process};
+use super::redis::{free_port, query, redis_server_bin, spawn_sentinel, spawn_server, Process};
 use super::topology::{cluster_node_args, create_cluster, redis_cli_bin};
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, KeyUsagePurpose};
 use std::path::{Path, PathBuf};
@@ -356,11 +356,7 @@ impl AuthedRedis {
     pub fn try_cmd<T: redis::FromRedisValue>(&self, args: &[&str]) -> redis::RedisResult<T> {
         let client = redis::Client::open(self.admin_url.as_str())?;
         let mut c = client.get_connection_with_timeout(Duration::from_secs(1))?;
-        let mut cmd = redis::cmd(args[0]);
-        for a in &args[1..] {
-            cmd.arg(*a);
-        }
-        cmd.query(&mut c)
+        query(&mut c, args)
     }
 
     /// Run a command as the admin user and return its reply (panics on error).

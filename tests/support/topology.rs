@@ -31,12 +31,7 @@ fn conn_port(port: u16) -> redis::RedisResult<redis::Connection> {
 
 /// Run a command on a port; errors (refused, loading, ...) come back as `Err`.
 pub fn try_cmd<T: redis::FromRedisValue>(port: u16, args: &[&str]) -> redis::RedisResult<T> {
-    let mut c = conn_port(port)?;
-    let mut cmd = redis::cmd(args[0]);
-    for a in &args[1..] {
-        cmd.arg(*a);
-    }
-    cmd.query(&mut c)
+    super::redis::query(&mut conn_port(port)?, args)
 }
 
 /// Poll `check` until it returns `Some`, or panic with `what()` after `timeout`.

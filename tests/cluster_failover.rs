@@ -11,10 +11,9 @@ mod support;
 
 use std::time::{Duration, Instant};
 use support::cluster_replicas::{ReplicatedCluster, NODE_TIMEOUT_MS};
-use support::{get_with, TestGateway, Upstream};
+use support::{as_ip, store_report, TestGateway, Upstream};
 use tollgate::limiter::key::KeyScheme;
-use tollgate::limiter::store::redis::{BreakerState, ShardReport};
-use tollgate::limiter::store::AnyStore;
+use tollgate::limiter::store::redis::BreakerState;
 
 /// The gateway config around a cluster: `core` (route `/`) is 1h with 3 for an
 /// anonymous caller; `bulk` (route `/bulk`) is 1h with 1000.
@@ -84,22 +83,11 @@ fn ips_on(cluster: &ReplicatedCluster, limit: &str, master: usize, count: usize)
     ips
 }
 
-async fn as_ip(gw: &TestGateway, path: &str, ip: &str) -> support::client::Reply {
-    get_with(&gw.url(path), &[("x-forwarded-for", ip)]).await
-}
-
-fn report(gw: &TestGateway) -> Vec<ShardReport> {
-    match &**gw.gateway.snapshot().limiter.store() {
-        AnyStore::Redis(r) => r.report(),
-        other => panic!("not a redis store: {other:?}"),
-    }
-}
-
 /// Wait until the gateway's slot map lists `masters` masters, every one connected.
 async fn wait_masters(gw: &TestGateway, masters: usize) {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        let r = report(gw);
+        let r = store_report(gw);
         if r.len() == masters && r.iter().all(|s| s.primary().connected) {
             return;
         }
@@ -177,7 +165,7 @@ async fn a_dead_master_fails_open_only_the_callers_whose_slots_it_holds() {
     for (m, ips) in &healthy_ips {
         limited_exactly(ips[..2].to_vec(), *m).await;
     }
-    let rep = report(&gw);
+    let rep = store_report(&gw);
     let dead = rep
         .iter()
         .find(|s| s.primary().addr == victim_addr)
@@ -340,7 +328,7 @@ async fn killed_master_is_followed_to_its_promoted_replica() {
         9,
         "exact on the new master"
     );
-    let rep = report(&gw);
+    let rep = store_report(&gw);
     let new_addr = format!("127.0.0.1:{}", cluster.nodes[successor].port);
     assert!(
         rep.iter()

@@ -12,8 +12,8 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 use support::forwarder::Forwarder;
 use support::redis::free_port;
-use support::topology::{cmd_calls, evalsha_calls, info_field, Sentinels};
-use support::{get, Binary, RedisServer, Upstream};
+use support::topology::{cmd_calls, evalsha_calls, info_field, try_cmd, Sentinels};
+use support::{get, wait_until, Binary, RedisServer, Upstream};
 use tollgate::limiter::key::KeyScheme;
 
 /// A gateway binary with its admin listener, its config in a temp dir.
@@ -158,18 +158,6 @@ fn count_on(server: &RedisServer) -> u64 {
         .unwrap_or(0)
 }
 
-/// Poll `check` every 20 ms until it holds (panics with `what` after `within`).
-async fn wait_until(within: Duration, what: &str, mut check: impl FnMut() -> bool) {
-    let deadline = Instant::now() + within;
-    while !check() {
-        assert!(
-            Instant::now() < deadline,
-            "timed out after {within:?}: {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 /// A primary `a` and its replica `b`, replication up.
 fn primary_and_replica() -> (RedisServer, RedisServer) {
     let a = RedisServer::start();
@@ -187,6 +175,13 @@ fn primary_and_replica() -> (RedisServer, RedisServer) {
 fn promote(a: &RedisServer, b: &RedisServer) {
     let _: () = b.cmd(&["REPLICAOF", "NO", "ONE"]);
     let _: () = a.cmd(&["REPLICAOF", "127.0.0.1", &b.port.to_string()]);
+}
+
+/// [`promote`] by port (`new` promoted, `old` made its replica), errors ignored: for a
+/// thread that holds no server.
+fn promote_ports(old: u16, new: u16) {
+    let _ = try_cmd::<()>(new, &["REPLICAOF", "NO", "ONE"]);
+    let _ = try_cmd::<()>(old, &["REPLICAOF", "127.0.0.1", &new.to_string()]);
 }
 
 /// Issue's case: the stable address moves to B and the old primary A is made a replica
@@ -568,22 +563,7 @@ async fn what_a_failover_costs() {
         let got = drive_through(&deny, &allow, Duration::from_secs(4), move || {
             std::thread::sleep(Duration::from_millis(500));
             f.switch(bp, false);
-            let _ = redis::Client::open(format!("redis://127.0.0.1:{bp}"))
-                .and_then(|c| c.get_connection())
-                .and_then(|mut c| {
-                    redis::cmd("REPLICAOF")
-                        .arg("NO")
-                        .arg("ONE")
-                        .query::<()>(&mut c)
-                });
-            let _ = redis::Client::open(format!("redis://127.0.0.1:{ap}"))
-                .and_then(|c| c.get_connection())
-                .and_then(|mut c| {
-                    redis::cmd("REPLICAOF")
-                        .arg("127.0.0.1")
-                        .arg(bp)
-                        .query::<()>(&mut c)
-                });
+            promote_ports(ap, bp);
         })
         .await;
         report("primary_demoted_behind_stable_address", got);
@@ -609,22 +589,7 @@ async fn what_a_failover_costs() {
         let (ap, bp, f) = (a.port, b.port, fwd.clone());
         let got = drive_through(&deny, &allow, Duration::from_secs(4), move || {
             std::thread::sleep(Duration::from_millis(500));
-            let _ = redis::Client::open(format!("redis://127.0.0.1:{bp}"))
-                .and_then(|c| c.get_connection())
-                .and_then(|mut c| {
-                    redis::cmd("REPLICAOF")
-                        .arg("NO")
-                        .arg("ONE")
-                        .query::<()>(&mut c)
-                });
-            let _ = redis::Client::open(format!("redis://127.0.0.1:{ap}"))
-                .and_then(|c| c.get_connection())
-                .and_then(|mut c| {
-                    redis::cmd("REPLICAOF")
-                        .arg("127.0.0.1")
-                        .arg(bp)
-                        .query::<()>(&mut c)
-                });
+            promote_ports(ap, bp);
             std::thread::sleep(Duration::from_millis(1000));
             f.switch(bp, true);
         })

@@ -141,16 +141,9 @@ async fn call(gw: &TestGateway, path: &str) -> Reply {
     get_with(&gw.url(path), &[("authorization", "Bearer acme-key")]).await
 }
 
-/// GET `path` until it is not 503 (a connection is still opening), for at most 10 s.
+/// GET `path` as `acme` until it is not 503 (a connection is still opening), ≤ 10 s.
 async fn first_answer(gw: &TestGateway, path: &str) -> Reply {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let r = call(gw, path).await;
-        if r.status != 503 || Instant::now() > deadline {
-            return r;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    support::first_answer(gw, path, &[("authorization", "Bearer acme-key")]).await
 }
 
 /// Redis's `ACL LOG`: every command refused by an ACL since start, as text.
@@ -387,12 +380,7 @@ limits = ["core"]
         up = up.url(),
     );
     let gw = TestGateway::start(&toml).await;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let mut r = support::get(&gw.url("/")).await;
-    while r.status == 503 && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        r = support::get(&gw.url("/")).await;
-    }
+    let r = support::first_answer(&gw, "/", &[]).await;
     assert_eq!(r.status, 200);
     // The replica Sentinel announced is logged into (with store.password_file's).
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -412,13 +400,9 @@ limits = ["core"]
     // writes from replicas").
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        let serving = match &**gw.gateway.snapshot().limiter.store() {
-            tollgate::limiter::store::AnyStore::Redis(r) => r
-                .report()
-                .iter()
-                .all(|s| s.nodes.len() == 2 && s.nodes.iter().all(|n| n.connected && n.serving)),
-            _ => false,
-        };
+        let serving = support::store_report(&gw)
+            .iter()
+            .all(|s| s.nodes.len() == 2 && s.nodes.iter().all(|n| n.connected && n.serving));
         if serving {
             break;
         }
@@ -702,4 +686,273 @@ limits = ["core"]
     }
     assert_eq!(count(&key_with("first-secret-key")), Some(2));
     assert_eq!(count(&key_with("second-secret-key")), Some(1));
+}
+
+/// The extra permissions docs/redis.md gives for cluster mode: the backticked rule
+/// just before "in cluster mode", split into arguments.
+fn documented_cluster_extras() -> Vec<String> {
+    let docs = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/redis.md"))
+        .unwrap();
+    let at = docs
+        .find("` in cluster mode")
+        .expect("docs/redis.md gives the cluster-mode ACL extras");
+    let start = docs[..at].rfind('`').expect("a backticked rule") + 1;
+    docs[start..at]
+        .split_whitespace()
+        .map(str::to_string)
+        .collect()
+}
+
+/// Run a command on cluster node `port` as the test's `admin` user.
+fn as_admin<T: redis::FromRedisValue>(port: u16, args: &[&str]) -> T {
+    let url = format!("redis://{}:{}@127.0.0.1:{port}", ADMIN.0, ADMIN.1);
+    let mut c = redis::Client::open(url)
+        .and_then(|c| c.get_connection_with_timeout(Duration::from_secs(1)))
+        .unwrap_or_else(|e| panic!("admin on port {port}: {e}"));
+    support::redis::query(&mut c, args).unwrap_or_else(|e| panic!("port {port}: {args:?}: {e}"))
+}
+
+/// Cluster mode as the least-privilege user: the documented rule plus the documented
+/// cluster extras on every node, the default user off. Callers on two different
+/// masters are checked, charged, refused and reset; a caller whose slot is being
+/// migrated is answered through `ASK` (`ASKING`); Redis refuses nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_least_privilege_user_runs_the_request_path_on_a_cluster() {
+    let cluster = support::cluster_replicas::ReplicatedCluster::start(3, 0);
+    let caller_key = |id: &str| {
+        KeyScheme::new("tollgate:", None)
+            .key("core", &format!("client:{id}"))
+            .key
+            .to_string()
+    };
+    // Two callers on different masters (asked while the default user still works).
+    let ids: Vec<String> = (0..24).map(|i| format!("c{i}")).collect();
+    let mut callers: Vec<(String, usize)> = Vec::new();
+    for id in &ids {
+        let master = cluster.master_for_key(&caller_key(id));
+        if callers.iter().all(|(_, m)| *m != master) {
+            callers.push((id.clone(), master));
+        }
+    }
+    assert!(callers.len() >= 2, "all callers on one master: {callers:?}");
+    callers.truncate(2);
+
+    let mut rule = documented_acl("tollgate-cluster-pw");
+    rule.extend(documented_cluster_extras());
+    let rule: Vec<&str> = rule.iter().map(String::as_str).collect();
+    for n in &cluster.nodes {
+        let ok: String = n.cmd(&[
+            "ACL",
+            "SETUSER",
+            ADMIN.0,
+            "on",
+            ">admin-password",
+            "~*",
+            "&*",
+            "+@all",
+        ]);
+        assert_eq!(ok, "OK");
+        let ok: String = n.cmd(&rule);
+        assert_eq!(ok, "OK");
+        let ok: String = n.cmd(&["ACL", "SETUSER", "default", "off"]);
+        assert_eq!(ok, "OK");
+        let anonymous = n
+            .conn()
+            .and_then(|mut c| redis::cmd("PING").query::<String>(&mut c));
+        assert!(anonymous.is_err(), "{anonymous:?}");
+    }
+
+    let dir = tempfile::tempdir().unwrap();
+    let pw = dir.path().join("redis-password");
+    std::fs::write(&pw, "tollgate-cluster-pw\n").unwrap();
+    let up = Upstream::start().await;
+    let nodes: Vec<String> = cluster.urls().iter().map(|u| format!("\"{u}\"")).collect();
+    let clients: String = ids
+        .iter()
+        .map(|id| {
+            format!(
+                "[[identity.clients]]\nid = \"{id}\"\nkey_sha256 = \"{}\"\ntier = \"gold\"\n\n",
+                sha256_hex(&format!("{id}-key"))
+            )
+        })
+        .collect();
+    let toml = format!(
+        r#"
+[server]
+listen = "127.0.0.1:0"
+admin_listen = "127.0.0.1:0"
+admin_token_sha256 = "{token}"
+
+[store]
+backend = "redis"
+mode = "cluster"
+nodes = [{nodes}]
+timeout = "2s"
+on_error = "deny"
+username = "tollgate"
+password_file = "{pw}"
+
+{clients}
+[[upstreams]]
+name = "api"
+targets = ["{up}"]
+
+[[limits]]
+name = "core"
+window = "1h"
+quota = {{ gold = 3 }}
+
+[[routes]]
+path_prefix = "/"
+upstream = "api"
+limits = ["core"]
+"#,
+        token = sha256_hex(TOKEN),
+        nodes = nodes.join(", "),
+        pw = pw.display(),
+        up = up.url(),
+    );
+    let gw = TestGateway::start(&toml).await;
+    let as_caller = |id: &str| {
+        let url = gw.url("/x");
+        let auth = format!("Bearer {id}-key");
+        async move { get_with(&url, &[("authorization", &auth)]).await }
+    };
+    let port_of = |i: usize| cluster.nodes[i].port;
+    let slot_of = |key: &str| as_admin::<u16>(port_of(0), &["CLUSTER", "KEYSLOT", key]).to_string();
+    let count_on =
+        |i: usize, key: &str| -> Option<u64> { as_admin(port_of(i), &["HGET", key, "count"]) };
+    // The charge is sent after the response: wait (≤ 5 s) for `want`.
+    let settled = |i: usize, key: String, want: u64| async move {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while count_on(i, &key) != Some(want) && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(count_on(i, &key), Some(want), "{key} on node {i}");
+    };
+
+    let admin = gw.gateway.admin_addr().unwrap();
+    for (id, master) in &callers {
+        let key = caller_key(id);
+        // Check and charge, until the quota of 3 is used; then 429.
+        let auth = format!("Bearer {id}-key");
+        let first = support::first_answer(&gw, "/x", &[("authorization", &auth)]).await;
+        assert_eq!(first.status, 200, "{id}: {}", first.text());
+        assert_eq!(first.header("x-ratelimit-resource"), "core");
+        assert_eq!(first.num("x-ratelimit-limit"), 3);
+        assert_eq!(first.num("x-ratelimit-remaining"), 2);
+        settled(*master, key.clone(), 1).await;
+        for remaining in [1, 0] {
+            let r = as_caller(id).await;
+            assert_eq!(r.status, 200);
+            assert_eq!(r.num("x-ratelimit-remaining"), remaining);
+        }
+        settled(*master, key.clone(), 3).await;
+        let refused = as_caller(id).await;
+        assert_eq!(refused.status, 429);
+        assert_eq!(refused.header("x-ratelimit-resource"), "core");
+        assert_eq!(refused.num("x-ratelimit-remaining"), 0);
+        assert_eq!(count_on(*master, &key), Some(3));
+        // The window lives on its slot's master only.
+        let slot = slot_of(&key);
+        for i in 0..cluster.nodes.len() {
+            let held: u64 = as_admin(port_of(i), &["CLUSTER", "COUNTKEYSINSLOT", &slot]);
+            assert_eq!(held, u64::from(i == *master), "slot {slot} on node {i}");
+        }
+
+        // The admin reset deletes the caller's window on its master.
+        let reset = send(
+            Method::POST,
+            &format!("http://{admin}/callers/{id}/reset"),
+            &[("authorization", &format!("Bearer {TOKEN}"))],
+        )
+        .await;
+        assert_eq!(reset.status, 200, "{}", reset.text());
+        assert_eq!(reset.json()["windows_deleted"], 1);
+        let exists: u64 = as_admin(port_of(*master), &["EXISTS", &key]);
+        assert_eq!(exists, 0);
+        let again = as_caller(id).await;
+        assert_eq!(again.status, 200);
+        assert_eq!(again.num("x-ratelimit-remaining"), 2);
+        settled(*master, key.clone(), 1).await;
+    }
+
+    // The second caller's slot is being migrated to the first caller's master, its
+    // window already moved: its old master answers `ASK`, and the gateway sends
+    // `ASKING` and the call to the importing master.
+    let (id, from) = (&callers[1].0, callers[1].1);
+    let to = callers[0].1;
+    let key = caller_key(id);
+    let slot = slot_of(&key);
+    let from_id: String = as_admin(port_of(from), &["CLUSTER", "MYID"]);
+    let to_id: String = as_admin(port_of(to), &["CLUSTER", "MYID"]);
+    let ok: String = as_admin(
+        port_of(to),
+        &["CLUSTER", "SETSLOT", &slot, "IMPORTING", &from_id],
+    );
+    assert_eq!(ok, "OK");
+    let ok: String = as_admin(
+        port_of(from),
+        &["CLUSTER", "SETSLOT", &slot, "MIGRATING", &to_id],
+    );
+    assert_eq!(ok, "OK");
+    let to_port = port_of(to).to_string();
+    let ok: String = as_admin(
+        port_of(from),
+        &[
+            "MIGRATE",
+            "127.0.0.1",
+            &to_port,
+            "",
+            "0",
+            "5000",
+            "AUTH2",
+            ADMIN.0,
+            ADMIN.1,
+            "KEYS",
+            &key,
+        ],
+    );
+    assert_eq!(ok, "OK");
+    let asked = as_caller(id).await;
+    assert_eq!(asked.status, 200, "{}", asked.text());
+    assert_eq!(asked.num("x-ratelimit-remaining"), 1);
+    // (The importing master answers for the slot after `ASKING` only.)
+    let asked_count = || -> Option<u64> {
+        let url = format!("redis://{}:{}@127.0.0.1:{}", ADMIN.0, ADMIN.1, port_of(to));
+        let mut c = redis::Client::open(url).unwrap().get_connection().unwrap();
+        let (count,): (Option<u64>,) = redis::pipe()
+            .cmd("ASKING")
+            .ignore()
+            .cmd("HGET")
+            .arg(&key)
+            .arg("count")
+            .query(&mut c)
+            .unwrap();
+        count
+    };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while asked_count() != Some(2) && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(asked_count(), Some(2));
+    let left: u64 = as_admin(port_of(from), &["CLUSTER", "COUNTKEYSINSLOT", &slot]);
+    assert_eq!(left, 0);
+    let asking: String = as_admin(port_of(to), &["INFO", "commandstats"]);
+    assert!(asking.contains("cmdstat_asking:calls="), "{asking}");
+
+    // Redis refused nothing tollgate sent, on any node, and tollgate's connections
+    // are the least-privilege user's.
+    for i in 0..cluster.nodes.len() {
+        let log: Vec<redis::Value> = as_admin(port_of(i), &["ACL", "LOG"]);
+        assert!(log.is_empty(), "ACL LOG of node {i}: {log:?}");
+        let clients: String = as_admin(port_of(i), &["CLIENT", "LIST"]);
+        assert!(
+            clients
+                .lines()
+                .filter(|l| l.contains("name=tollgate"))
+                .all(|l| l.contains("user=tollgate")),
+            "{clients}"
+        );
+    }
 }

@@ -7,7 +7,7 @@ mod support;
 
 use std::path::Path;
 use std::time::{Duration, Instant};
-use support::tls_redis::{TestCa, TlsCluster, TlsRedis};
+use support::tls_redis::{CertFiles, TestCa, TlsCluster, TlsRedis};
 use support::{check, get, TestGateway, Upstream};
 use tollgate::limiter::key::KeyScheme;
 
@@ -81,14 +81,7 @@ async fn assert_count(redis: &TlsRedis, want: &str) {
 /// GET `/` until it is not 503 (the store's connection is still opening), for at most
 /// 10 s; that answer.
 async fn first_answer(gw: &TestGateway) -> support::client::Reply {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let r = get(&gw.url("/")).await;
-        if r.status != 503 || Instant::now() > deadline {
-            return r;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    support::first_answer(gw, "/", &[]).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -258,16 +251,14 @@ fn check_accepts_rediss_and_names_a_missing_ca_file() {
     assert!(err.contains("store.tls.client_key: is required"), "{err}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn checks_go_to_a_replica_over_tls() {
-    let dir = tempfile::tempdir().unwrap();
-    let ca = TestCa::new(dir.path(), "redis");
-    let cert = ca.issue("server", "redis", &["127.0.0.1"]);
-    let primary = TlsRedis::start(&ca, &cert, false, &["--repl-diskless-sync-delay", "0"]);
+/// A TLS primary and a TLS replica of it (`--tls-replication yes`), both with `cert`,
+/// linked (`master_link_status:up`, waited for ≤ 10 s) when this returns.
+async fn tls_primary_and_replica(ca: &TestCa, cert: &CertFiles) -> (TlsRedis, TlsRedis) {
+    let primary = TlsRedis::start(ca, cert, false, &["--repl-diskless-sync-delay", "0"]);
     let port = primary.port.to_string();
     let replica = TlsRedis::start(
-        &ca,
-        &cert,
+        ca,
+        cert,
         false,
         &[
             "--tls-replication",
@@ -285,6 +276,15 @@ async fn checks_go_to_a_replica_over_tls() {
         assert!(Instant::now() < deadline, "the TLS replica never linked up");
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
+    (primary, replica)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn checks_go_to_a_replica_over_tls() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = TestCa::new(dir.path(), "redis");
+    let cert = ca.issue("server", "redis", &["127.0.0.1"]);
+    let (primary, replica) = tls_primary_and_replica(&ca, &cert).await;
     let up = Upstream::start().await;
     let toml = config(
         &primary.url(),
@@ -410,28 +410,8 @@ async fn sentinels_and_the_nodes_they_announce_over_tls() {
     let dir = tempfile::tempdir().unwrap();
     let ca = TestCa::new(dir.path(), "redis");
     let cert = ca.issue("server", "redis", &["127.0.0.1"]);
-    let primary = TlsRedis::start(&ca, &cert, false, &["--repl-diskless-sync-delay", "0"]);
+    let (primary, replica) = tls_primary_and_replica(&ca, &cert).await;
     let port = primary.port.to_string();
-    let replica = TlsRedis::start(
-        &ca,
-        &cert,
-        false,
-        &[
-            "--tls-replication",
-            "yes",
-            "--replicaof",
-            "127.0.0.1",
-            &port,
-        ],
-    );
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !replica
-        .cli(&["INFO", "replication"])
-        .contains("master_link_status:up")
-    {
-        assert!(Instant::now() < deadline, "the TLS replica never linked up");
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
     let sentinel = TlsRedis::sentinel(
         &ca,
         &cert,

@@ -9,9 +9,8 @@ mod support;
 use std::time::Duration;
 use support::lag::LaggingShard;
 use support::topology::evalsha_calls;
-use support::{get_with, TestGateway, Upstream};
+use support::{get_with, wait_connected, TestGateway, Upstream};
 use tollgate::limiter::key::KeyScheme;
-use tollgate::limiter::store::AnyStore;
 
 /// How long the forwarder holds the replication stream.
 const LAG: Duration = Duration::from_millis(60);
@@ -53,25 +52,6 @@ limits = ["core"]
 "#,
         up = upstream.url()
     )
-}
-
-/// Wait (≤ 10 s) until every node of the gateway's store is connected.
-async fn wait_connected(gw: &TestGateway) {
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let report = match &**gw.gateway.snapshot().limiter.store() {
-            AnyStore::Redis(r) => r.report(),
-            other => panic!("not a redis store: {other:?}"),
-        };
-        if !report.is_empty() && report.iter().all(|s| s.nodes.iter().all(|n| n.connected)) {
-            return;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "store nodes did not connect: {report:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 /// The window key of the anonymous caller `ip` in limit `core`.

@@ -8,9 +8,7 @@ mod support;
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use support::topology::{evalsha_calls, ReplicatedShard};
-use support::{check, get, RedisServer, TestGateway, Upstream};
-use tollgate::limiter::store::redis::ShardReport;
-use tollgate::limiter::store::AnyStore;
+use support::{check, get, store_report, wait_connected, RedisServer, TestGateway, Upstream};
 
 const HOUR_S: u64 = 3_600;
 const TEN_DAYS: Duration = Duration::from_secs(10 * 24 * HOUR_S);
@@ -107,30 +105,6 @@ limits = ["other"]
 "#,
         up = upstream.url()
     )
-}
-
-fn report(gw: &TestGateway) -> Vec<ShardReport> {
-    match &**gw.gateway.snapshot().limiter.store() {
-        AnyStore::Redis(r) => r.report(),
-        other => panic!("not a redis store: {other:?}"),
-    }
-}
-
-/// Wait (≤ 10 s) until the gateway's store is started and every node has a connection.
-async fn wait_connected(gw: &TestGateway) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let r = report(gw);
-        if !r.is_empty() && r.iter().all(|s| s.nodes.iter().all(|n| n.connected)) {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "store nodes did not connect: {:?}",
-            report(gw)
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 /// A gateway whose clock is `ahead` of real time.
@@ -274,7 +248,7 @@ async fn peeks_on_a_replica_read_redis_time_too() {
         1,
         "one charge on the primary"
     );
-    assert_eq!(report(&gw)[0].replica_fallbacks, 0);
+    assert_eq!(store_report(&gw)[0].replica_fallbacks, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -7,10 +7,12 @@ mod support;
 
 use std::time::{Duration, Instant};
 use support::topology::{cmd_calls, evalsha_calls, Cluster, ReplicatedShard, Sentinels};
-use support::{get, get_with, sha256_hex, RedisServer, TestGateway, Upstream};
+use support::{
+    as_ip, get, get_with, sha256_hex, store_report, wait_connected, RedisServer, TestGateway,
+    Upstream,
+};
 use tollgate::limiter::key::{jump_consistent_hash, KeyScheme};
-use tollgate::limiter::store::redis::{BreakerState, ShardReport};
-use tollgate::limiter::store::AnyStore;
+use tollgate::limiter::store::redis::BreakerState;
 
 const KEY: &str = "acme-secret-key";
 
@@ -81,29 +83,6 @@ fn plain_shard(r: &RedisServer) -> String {
     format!("[[store.shards]]\nprimary = \"{}\"\n", r.url())
 }
 
-fn report(gw: &TestGateway) -> Vec<ShardReport> {
-    match &**gw.gateway.snapshot().limiter.store() {
-        AnyStore::Redis(r) => r.report(),
-        other => panic!("not a redis store: {other:?}"),
-    }
-}
-
-/// Wait until every node of the gateway's store has a connection.
-async fn wait_connected(gw: &TestGateway) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !report(gw)
-        .iter()
-        .all(|s| s.nodes.iter().all(|n| n.connected))
-    {
-        assert!(
-            Instant::now() < deadline,
-            "store nodes did not connect: {:?}",
-            report(gw)
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 /// An anonymous caller (by X-Forwarded-For from the trusted test client) on `shard` of `n`.
 fn ips_on_shard(shard: u32, n: u32, count: usize) -> Vec<String> {
     let scheme = KeyScheme::new("tollgate:", None);
@@ -124,10 +103,6 @@ async fn caught_up(shards: &[ReplicatedShard]) {
         s.wait_replicated();
     }
     tokio::time::sleep(Duration::from_millis(200)).await;
-}
-
-async fn as_ip(gw: &TestGateway, path: &str, ip: &str) -> support::client::Reply {
-    get_with(&gw.url(path), &[("x-forwarded-for", ip)]).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -166,7 +141,7 @@ async fn checks_are_served_by_replicas_and_charges_by_primaries() {
             "shard {i}: one charge per request on the primary"
         );
     }
-    assert!(report(&gw).iter().all(|s| s.replica_fallbacks == 0));
+    assert!(store_report(&gw).iter().all(|s| s.replica_fallbacks == 0));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -195,7 +170,7 @@ async fn a_dead_replica_falls_back_to_the_primary_with_exact_answers() {
         "fallback took {:?}",
         started.elapsed()
     );
-    assert!(report(&gw)[0].replica_fallbacks >= 1);
+    assert!(store_report(&gw)[0].replica_fallbacks >= 1);
 }
 
 /// GitHub's bugs, on a replica that has lost its primary: it keeps serving an old window.
@@ -287,7 +262,7 @@ async fn a_dead_primary_affects_only_its_own_shard() {
         }
         assert_eq!(as_ip(&gw, "/", ip).await.status, 429);
     }
-    assert_eq!(report(&gw)[0].primary().breaker, BreakerState::Open);
+    assert_eq!(store_report(&gw)[0].primary().breaker, BreakerState::Open);
 
     // The shard comes back (empty): limiting resumes for its callers.
     primaries[0].restart();
@@ -301,7 +276,7 @@ async fn a_dead_primary_affects_only_its_own_shard() {
         assert!(Instant::now() < deadline, "shard did not come back");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert_eq!(report(&gw)[0].primary().breaker, BreakerState::Closed);
+    assert_eq!(store_report(&gw)[0].primary().breaker, BreakerState::Closed);
 }
 
 /// A frozen primary (SIGSTOP): calls time out until the breaker opens, then fail fast;
@@ -337,7 +312,7 @@ async fn the_breaker_opens_on_timeouts_fails_fast_and_closes_after_recovery() {
         took[2..].iter().all(|t| *t < Duration::from_millis(150)),
         "breaker open: fail fast {took:?}"
     );
-    let r = report(&gw);
+    let r = store_report(&gw);
     assert_eq!(r[0].primary().breaker, BreakerState::Open);
     assert!(r[0].primary().counts.timeouts >= 2 && r[0].primary().counts.rejected_by_breaker >= 3);
 
@@ -345,7 +320,7 @@ async fn the_breaker_opens_on_timeouts_fails_fast_and_closes_after_recovery() {
     tokio::time::sleep(Duration::from_millis(600)).await;
     let r = get(&gw.url("/")).await;
     assert_eq!(r.status, 200);
-    assert_eq!(report(&gw)[0].primary().breaker, BreakerState::Closed);
+    assert_eq!(store_report(&gw)[0].primary().breaker, BreakerState::Closed);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -473,7 +448,10 @@ async fn sentinel_failover_moves_charges_to_the_new_primary_and_counts_carry_ove
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert!(report(&gw)[0].primary().addr.ends_with(&format!(":{new}")));
+    assert!(store_report(&gw)[0]
+        .primary()
+        .addr
+        .ends_with(&format!(":{new}")));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -544,5 +522,5 @@ async fn a_replica_answering_masterdown_is_skipped() {
     assert_eq!(get(&gw.url("/")).await.status, 429);
     // The first check was meant for the replica; the window it then charged is read on
     // the primary directly (the replica never catches up with that charge).
-    assert!(report(&gw)[0].replica_fallbacks >= 1);
+    assert!(store_report(&gw)[0].replica_fallbacks >= 1);
 }

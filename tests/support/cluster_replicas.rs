@@ -5,9 +5,8 @@
 //! slots while another master is down. Processes are stopped by PID when dropped;
 //! every wait is bounded and panics with what did not happen.
 
-use super::redis::{free_port, RedisServer};
-use super::topology::{owns_slot, parse_info_field, redis_cli_bin, try_cmd, wait_for};
-use std::process::{Command, Stdio};
+use super::redis::RedisServer;
+use super::topology::{owns_slot, parse_info_field, start_cluster, try_cmd, wait_for};
 use std::time::Duration;
 use tempfile::TempDir;
 
@@ -33,83 +32,28 @@ impl ReplicatedCluster {
         assert!(masters >= 3, "a Redis Cluster needs at least 3 masters");
         let total = masters * (1 + replicas_per_master);
         let dir = tempfile::tempdir().expect("tempdir for cluster nodes");
-        let d = dir.path().display().to_string();
-        let timeout = NODE_TIMEOUT_MS.to_string();
-        let nodes: Vec<RedisServer> = (0..total)
-            .map(|_| {
-                let conf = format!("{d}/nodes-{}.conf", free_port());
-                let bus = free_port().to_string();
-                RedisServer::start_with(&[
-                    "--cluster-enabled",
-                    "yes",
-                    "--cluster-config-file",
-                    &conf,
-                    "--cluster-node-timeout",
-                    &timeout,
-                    "--cluster-require-full-coverage",
-                    "no",
-                    "--cluster-port",
-                    &bus,
-                    "--repl-diskless-sync-delay",
-                    "0",
-                    "--dir",
-                    &d,
-                ])
-            })
-            .collect();
-        let addrs: Vec<String> = nodes
-            .iter()
-            .map(|n| format!("127.0.0.1:{}", n.port))
-            .collect();
-        let out = Command::new(redis_cli_bin())
-            .arg("--cluster")
-            .arg("create")
-            .args(&addrs)
-            .args([
-                "--cluster-replicas",
-                &replicas_per_master.to_string(),
-                "--cluster-yes",
-            ])
-            .stdin(Stdio::null())
-            .output()
-            .expect("run redis-cli --cluster create");
-        assert!(
-            out.status.success(),
-            "redis-cli --cluster create {addrs:?} failed ({}):\n{}\n{}",
-            out.status,
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
+        let info = |n: &RedisServer, field: &str| {
+            let info = try_cmd::<String>(n.port, &["INFO", "replication"]).ok()?;
+            parse_info_field(&info, field)
+        };
+        let nodes = start_cluster(
+            dir.path(),
+            total,
+            replicas_per_master,
+            NODE_TIMEOUT_MS,
+            &[
+                "--cluster-require-full-coverage",
+                "no",
+                "--repl-diskless-sync-delay",
+                "0",
+            ],
+            WAIT,
+            |n| {
+                info(n, "role").as_deref() == Some("master")
+                    || info(n, "master_link_status").as_deref() == Some("up")
+            },
         );
-        let me = ReplicatedCluster { nodes, _dir: dir };
-        for n in &me.nodes {
-            let info = || try_cmd::<String>(n.port, &["CLUSTER", "INFO"]).ok();
-            wait_for(
-                WAIT,
-                || {
-                    let info = info()?;
-                    let ok = parse_info_field(&info, "cluster_state")? == "ok";
-                    let known: usize = parse_info_field(&info, "cluster_known_nodes")?
-                        .parse()
-                        .ok()?;
-                    let role = me.role(me.index_of(n.port))?;
-                    let linked = role == "master"
-                        || me
-                            .info(me.index_of(n.port), "master_link_status")
-                            .as_deref()
-                            == Some("up");
-                    (ok && known == total && linked).then_some(())
-                },
-                || format!("cluster node on port {} not ready:\n{:?}", n.port, info()),
-            );
-        }
-        me
-    }
-
-    fn index_of(&self, port: u16) -> usize {
-        self.nodes
-            .iter()
-            .position(|n| n.port == port)
-            .unwrap_or_else(|| panic!("no node on port {port}"))
+        ReplicatedCluster { nodes, _dir: dir }
     }
 
     /// Every node's URL, in start order.

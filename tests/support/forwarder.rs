@@ -2,11 +2,16 @@
 //! name, a Kubernetes Service or HAProxy is to a client, a stable address in front of a
 //! Redis that may change. It runs on a thread with its own Tokio runtime, so a test's
 //! gateway and the forwarder never share fate. Stopped when dropped.
+//!
+//! With a delay ([`Forwarder::with_delay`]) it holds every byte from the target for
+//! that long (what the client sends goes through at once): between a replica and its
+//! primary, a replica that lags.
 
 use std::net::TcpListener as StdListener;
 use std::sync::atomic::{AtomicBool, AtomicU16, Ordering};
 use std::sync::Arc;
-use tokio::io::AsyncWriteExt;
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
@@ -27,6 +32,12 @@ pub struct Forwarder {
 impl Forwarder {
     /// Forward 127.0.0.1:`self.port` to 127.0.0.1:`target`.
     pub fn start(target: u16) -> Forwarder {
+        Self::with_delay(target, Duration::ZERO)
+    }
+
+    /// Forward as [`Forwarder::start`], holding the bytes from the target for `delay`
+    /// (each chunk is written to the client `delay` after it was read).
+    pub fn with_delay(target: u16, delay: Duration) -> Forwarder {
         let listener = StdListener::bind("127.0.0.1:0").expect("bind the forwarder");
         listener.set_nonblocking(true).unwrap();
         let port = listener.local_addr().unwrap().port();
@@ -48,7 +59,7 @@ impl Forwarder {
                             continue;
                         };
                         let to = t.load(Ordering::SeqCst);
-                        tokio::spawn(pipe(client, to, reset_rx.clone(), b.clone()));
+                        tokio::spawn(pipe(client, to, delay, reset_rx.clone(), b.clone()));
                     }
                 };
                 tokio::select! {
@@ -91,47 +102,69 @@ impl Forwarder {
 }
 
 /// Copy both ways between `client` and 127.0.0.1:`to` until either side closes or the
-/// forwarder resets its connections; while blackholed, hold the bytes.
+/// forwarder resets its connections; bytes from `to` are held for `delay`; while
+/// blackholed, hold the bytes.
 async fn pipe(
-    mut client: TcpStream,
+    client: TcpStream,
     to: u16,
+    delay: Duration,
     mut reset: watch::Receiver<u64>,
     blackholed: Arc<AtomicBool>,
 ) {
     reset.borrow_and_update();
-    let Ok(mut server) = TcpStream::connect(("127.0.0.1", to)).await else {
+    let Ok(server) = TcpStream::connect(("127.0.0.1", to)).await else {
+        let mut client = client;
         let _ = client.shutdown().await;
         return;
     };
-    let (mut cr, mut cw) = client.split();
-    let (mut sr, mut sw) = server.split();
+    let _ = client.set_nodelay(true);
+    let _ = server.set_nodelay(true);
+    let (cr, cw) = client.into_split();
+    let (sr, sw) = server.into_split();
     tokio::select! {
-        _ = one_way(&mut cr, &mut sw, &blackholed) => {}
-        _ = one_way(&mut sr, &mut cw, &blackholed) => {}
+        _ = one_way(cr, sw, Duration::ZERO, &blackholed) => {}
+        _ = one_way(sr, cw, delay, &blackholed) => {}
         _ = reset.changed() => {}
     }
 }
 
-/// Copy from `r` to `w` until `r` ends or a write fails, holding bytes while blackholed.
+/// Copy from `r` to `w` until `r` ends or a write fails, each chunk written `delay`
+/// after it was read (reading goes on meanwhile), holding bytes while blackholed.
 async fn one_way(
-    r: &mut tokio::net::tcp::ReadHalf<'_>,
-    w: &mut tokio::net::tcp::WriteHalf<'_>,
+    mut r: tokio::net::tcp::OwnedReadHalf,
+    mut w: tokio::net::tcp::OwnedWriteHalf,
+    delay: Duration,
     blackholed: &AtomicBool,
 ) {
-    use tokio::io::AsyncReadExt;
-    let mut buf = vec![0u8; 16 * 1024];
-    loop {
-        let n = match r.read(&mut buf).await {
-            Ok(0) | Err(_) => return,
-            Ok(n) => n,
-        };
-        while blackholed.load(Ordering::SeqCst) {
-            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(Instant, Vec<u8>)>();
+    let read = async move {
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            match r.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => {
+                    if tx
+                        .send((Instant::now() + delay, buf[..n].to_vec()))
+                        .is_err()
+                    {
+                        return;
+                    }
+                }
+            }
         }
-        if w.write_all(&buf[..n]).await.is_err() {
-            return;
+    };
+    let write = async move {
+        while let Some((at, bytes)) = rx.recv().await {
+            tokio::time::sleep_until(at.into()).await;
+            while blackholed.load(Ordering::SeqCst) {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            if w.write_all(&bytes).await.is_err() {
+                return;
+            }
         }
-    }
+    };
+    tokio::join!(read, write);
 }
 
 impl Drop for Forwarder {

@@ -70,6 +70,62 @@ impl TestGateway {
     }
 }
 
+/// The gateway's Redis store report, one entry a shard (a cluster master); panics for
+/// another store.
+pub fn store_report(gw: &TestGateway) -> Vec<tollgate::limiter::store::redis::ShardReport> {
+    match &**gw.gateway.snapshot().limiter.store() {
+        tollgate::limiter::store::AnyStore::Redis(r) => r.report(),
+        other => panic!("not a redis store: {other:?}"),
+    }
+}
+
+/// Wait (≤ 10 s) until the gateway's Redis store has started and every node has a
+/// connection.
+pub async fn wait_connected(gw: &TestGateway) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let r = store_report(gw);
+        if !r.is_empty() && r.iter().all(|s| s.nodes.iter().all(|n| n.connected)) {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "store nodes did not connect: {r:?}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
+/// Poll `check` every 20 ms until it holds (panics with `what` after `within`).
+pub async fn wait_until(within: std::time::Duration, what: &str, mut check: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + within;
+    while !check() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out after {within:?}: {what}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
+/// GET `path` as the anonymous caller `ip` (`X-Forwarded-For`, from a trusted proxy).
+pub async fn as_ip(gw: &TestGateway, path: &str, ip: &str) -> client::Reply {
+    get_with(&gw.url(path), &[("x-forwarded-for", ip)]).await
+}
+
+/// GET `path` with `headers` until the answer is not 503 (a store connection is still
+/// opening), for at most 10 s; that answer.
+pub async fn first_answer(gw: &TestGateway, path: &str, headers: &[(&str, &str)]) -> client::Reply {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let r = get_with(&gw.url(path), headers).await;
+        if r.status != 503 || std::time::Instant::now() > deadline {
+            return r;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
+
 /// `toml` with `server.runtime` set to `$TOLLGATE_TEST_RUNTIME` (`per_core` or
 /// `multi_thread`) when that is set and the text names no runtime itself: run a test
 /// file under the other runtime shape with e.g.

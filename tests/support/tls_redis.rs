@@ -3,11 +3,11 @@
 //! Redis whose only usable users need a password (ACL), and Sentinels with `requirepass`.
 //! Every process is stopped by PID when its owner is dropped.
 
-use super::redis::{free_port, redis_server_bin};
-use super::topology::redis_cli_bin;
+use super::redis::{free_port, query, redis_server_bin, spawn_sentinel, spawn_server, Process};
+use super::topology::{cluster_node_args, create_cluster, redis_cli_bin};
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, KeyUsagePurpose};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// A test CA that issues server and client certificates, written as PEM files.
@@ -72,7 +72,7 @@ const WAIT: Duration = Duration::from_secs(10);
 pub struct TlsRedis {
     /// The TLS port.
     pub port: u16,
-    child: Option<Child>,
+    child: Process,
     /// Certificate and key redis-cli presents (always, so `tls-auth-clients yes` servers
     /// answer too).
     client: CertFiles,
@@ -143,14 +143,14 @@ impl TlsRedis {
             .map(|p| p.to_string());
         let mut me = TlsRedis {
             port,
-            child: Some(child),
+            child: Process::new(child),
             client,
             password,
             _dir: dir,
         };
         let deadline = Instant::now() + WAIT;
         loop {
-            if let Some(Ok(Some(status))) = me.child.as_mut().map(|c| c.try_wait()) {
+            if let Some(status) = me.child.exited() {
                 panic!("redis-server --tls-port {port} exited at startup ({status}): is it built with TLS?");
             }
             let ping = me.try_cli(&["PING"]);
@@ -218,16 +218,7 @@ impl TlsRedis {
 
     /// Kill the process (SIGKILL) and wait for it.
     pub fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-impl Drop for TlsRedis {
-    fn drop(&mut self) {
-        self.kill();
+        self.child.kill();
     }
 }
 
@@ -245,32 +236,15 @@ impl TlsCluster {
     /// `cluster_state:ok` and knows the others.
     pub fn start(ca: &TestCa, server: &CertFiles, password: &str) -> TlsCluster {
         let dir = tempfile::tempdir().expect("tempdir for cluster nodes");
-        let d = dir.path().display().to_string();
         let nodes: Vec<TlsRedis> = (0..3)
             .map(|_| {
-                let conf = format!("{d}/nodes-{}.conf", free_port());
-                let bus = free_port().to_string();
-                TlsRedis::start(
-                    ca,
-                    server,
-                    false,
-                    &[
-                        "--cluster-enabled",
-                        "yes",
-                        "--cluster-config-file",
-                        &conf,
-                        "--cluster-node-timeout",
-                        "2000",
-                        "--cluster-port",
-                        &bus,
-                        "--tls-cluster",
-                        "yes",
-                        "--requirepass",
-                        password,
-                        "--masterauth",
-                        password,
-                    ],
-                )
+                let mut args = cluster_node_args(dir.path(), 2000);
+                for a in ["--tls-cluster", "yes", "--requirepass", password] {
+                    args.push(a.to_string());
+                }
+                args.extend(["--masterauth".to_string(), password.to_string()]);
+                let args: Vec<&str> = args.iter().map(String::as_str).collect();
+                TlsRedis::start(ca, server, false, &args)
             })
             .collect();
         let addrs: Vec<String> = nodes
@@ -278,25 +252,13 @@ impl TlsCluster {
             .map(|n| format!("127.0.0.1:{}", n.port))
             .collect();
         let first = &nodes[0];
-        let out = Command::new(redis_cli_bin())
-            .args(["-a", password, "--no-auth-warning", "--tls", "--insecure"])
+        let mut cli = Command::new(redis_cli_bin());
+        cli.args(["-a", password, "--no-auth-warning", "--tls", "--insecure"])
             .arg("--cert")
             .arg(&first.client.cert)
             .arg("--key")
-            .arg(&first.client.key)
-            .args(["--cluster", "create"])
-            .args(&addrs)
-            .args(["--cluster-replicas", "0", "--cluster-yes"])
-            .stdin(Stdio::null())
-            .output()
-            .expect("run redis-cli --cluster create");
-        assert!(
-            out.status.success(),
-            "redis-cli --tls --cluster create {addrs:?} failed ({}):\n{}\n{}",
-            out.status,
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
+            .arg(&first.client.key);
+        create_cluster(cli, &addrs, 0);
         let deadline = Instant::now() + WAIT;
         for n in &nodes {
             loop {
@@ -334,7 +296,7 @@ impl TlsCluster {
 /// authenticate: readiness is probed with `AUTH` first. Killed when dropped.
 pub struct AuthedRedis {
     pub port: u16,
-    child: Option<Child>,
+    child: Process,
     /// `redis://USER:PASSWORD@127.0.0.1:PORT` of a user allowed everything (the test's
     /// own, for assertions).
     pub admin_url: String,
@@ -348,17 +310,7 @@ impl AuthedRedis {
     pub fn start(args: &[&str], admin: (&str, &str)) -> AuthedRedis {
         let dir = tempfile::tempdir().expect("temp dir for redis-server");
         let port = free_port();
-        let child = Command::new(redis_server_bin())
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-            .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
-            .args(["--protected-mode", "no", "--loglevel", "warning"])
-            .arg("--dir")
-            .arg(dir.path())
-            .args(args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| panic!("cannot start {}: {e}", redis_server_bin()));
+        let child = spawn_server(port, dir.path(), args);
         Self::wait(child, port, admin, dir)
     }
 
@@ -368,35 +320,20 @@ impl AuthedRedis {
     pub fn sentinel(body: &str, admin: (&str, &str)) -> AuthedRedis {
         let dir = tempfile::tempdir().expect("temp dir for sentinel");
         let port = free_port();
-        let conf = dir.path().join("sentinel.conf");
-        std::fs::write(
-            &conf,
-            format!(
-                "port {port}\nbind 127.0.0.1\nprotected-mode no\ndaemonize no\nlogfile \"\"\nloglevel warning\ndir \"{}\"\n{body}",
-                dir.path().display()
-            ),
-        )
-        .unwrap();
-        let child = Command::new(redis_server_bin())
-            .arg(&conf)
-            .arg("--sentinel")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| panic!("cannot start {} --sentinel: {e}", redis_server_bin()));
+        let (_, child) = spawn_sentinel(dir.path(), port, body);
         Self::wait(child, port, admin, dir)
     }
 
-    fn wait(child: Child, port: u16, admin: (&str, &str), dir: tempfile::TempDir) -> AuthedRedis {
+    fn wait(child: Process, port: u16, admin: (&str, &str), dir: tempfile::TempDir) -> AuthedRedis {
         let mut me = AuthedRedis {
             port,
-            child: Some(child),
+            child,
             admin_url: format!("redis://{}:{}@127.0.0.1:{port}", admin.0, admin.1),
             _dir: dir,
         };
         let deadline = Instant::now() + WAIT;
         loop {
-            if let Some(Ok(Some(status))) = me.child.as_mut().map(|c| c.try_wait()) {
+            if let Some(status) = me.child.exited() {
                 panic!("redis-server on port {port} exited at startup: {status}");
             }
             if me.try_cmd::<String>(&["PING"]).is_ok() {
@@ -419,11 +356,7 @@ impl AuthedRedis {
     pub fn try_cmd<T: redis::FromRedisValue>(&self, args: &[&str]) -> redis::RedisResult<T> {
         let client = redis::Client::open(self.admin_url.as_str())?;
         let mut c = client.get_connection_with_timeout(Duration::from_secs(1))?;
-        let mut cmd = redis::cmd(args[0]);
-        for a in &args[1..] {
-            cmd.arg(*a);
-        }
-        cmd.query(&mut c)
+        query(&mut c, args)
     }
 
     /// Run a command as the admin user and return its reply (panics on error).
@@ -441,15 +374,6 @@ impl AuthedRedis {
 
     /// Kill the process (SIGKILL) and wait for it.
     pub fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-impl Drop for AuthedRedis {
-    fn drop(&mut self) {
-        self.kill();
+        self.child.kill();
     }
 }

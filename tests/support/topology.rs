@@ -3,9 +3,9 @@
 //! stopped by PID when its owner is dropped; every wait is bounded and panics with a
 //! message that says what did not happen.
 
-use super::redis::{find_bin, free_port, redis_server_bin, RedisServer};
+use super::redis::{find_bin, free_port, spawn_sentinel, Process, RedisServer};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 use tempfile::TempDir;
 
@@ -31,12 +31,7 @@ fn conn_port(port: u16) -> redis::RedisResult<redis::Connection> {
 
 /// Run a command on a port; errors (refused, loading, ...) come back as `Err`.
 pub fn try_cmd<T: redis::FromRedisValue>(port: u16, args: &[&str]) -> redis::RedisResult<T> {
-    let mut c = conn_port(port)?;
-    let mut cmd = redis::cmd(args[0]);
-    for a in &args[1..] {
-        cmd.arg(*a);
-    }
-    cmd.query(&mut c)
+    super::redis::query(&mut conn_port(port)?, args)
 }
 
 /// Poll `check` until it returns `Some`, or panic with `what()` after `timeout`.
@@ -190,7 +185,7 @@ impl ReplicatedShard {
 pub struct SentinelProcess {
     pub port: u16,
     pub conf: PathBuf,
-    child: Option<Child>,
+    child: Process,
 }
 
 impl SentinelProcess {
@@ -198,30 +193,12 @@ impl SentinelProcess {
     /// waits (≤ 10 s) until it answers PING.
     fn start(dir: &Path, body: &str) -> SentinelProcess {
         let port = free_port();
-        let conf = dir.join(format!("sentinel-{port}.conf"));
-        let text = format!(
-            "port {port}\nbind 127.0.0.1\nprotected-mode no\ndaemonize no\nlogfile \"\"\nloglevel warning\ndir \"{}\"\n{body}",
-            dir.display()
-        );
-        std::fs::write(&conf, text).expect("write sentinel conf");
-        let child = Command::new(redis_server_bin())
-            .arg(&conf)
-            .arg("--sentinel")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| {
-                panic!("cannot start {} --sentinel: {e}. These tests need a real redis-server: install it (Debian: apt-get install redis-server redis-tools) or set REDIS_SERVER=/path/to/redis-server", redis_server_bin())
-            });
-        let mut s = SentinelProcess {
-            port,
-            conf,
-            child: Some(child),
-        };
+        let (conf, child) = spawn_sentinel(dir, port, body);
+        let mut s = SentinelProcess { port, conf, child };
         wait_for(
             WAIT,
             || {
-                if let Some(Ok(Some(status))) = s.child.as_mut().map(|c| c.try_wait()) {
+                if let Some(status) = s.child.exited() {
                     panic!("sentinel on port {port} exited at startup: {status}");
                 }
                 try_cmd::<String>(port, &["PING"]).ok().map(|_| ())
@@ -236,7 +213,7 @@ impl SentinelProcess {
     }
 
     pub fn pid(&self) -> Option<u32> {
-        self.child.as_ref().map(|c| c.id())
+        self.child.pid()
     }
 
     /// Run a command on this sentinel; errors come back as `Err`.
@@ -260,16 +237,7 @@ impl SentinelProcess {
 
     /// Kill the process (SIGKILL) and wait for it.
     pub fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-impl Drop for SentinelProcess {
-    fn drop(&mut self) {
-        self.kill();
+        self.child.kill();
     }
 }
 
@@ -410,73 +378,16 @@ pub struct Cluster {
 impl Cluster {
     /// Start `n_primaries` (≥ 3, as `redis-cli --cluster create` requires)
     /// cluster-enabled servers, join them with `redis-cli --cluster create`, and wait
-    /// (≤ 10 s) until every node reports `cluster_state:ok` and knows every other.
-    ///
-    /// Each node gets an explicit `--cluster-port` from `free_port()`: the default
-    /// bus port is PORT+10000, which is out of range for ephemeral ports above 55535.
+    /// (≤ 10 s) until every node reports `cluster_state:ok` and knows every other
+    /// ([`start_cluster`]).
     pub fn start(n_primaries: usize) -> Cluster {
         assert!(
             n_primaries >= 3,
             "a Redis Cluster needs at least 3 primaries"
         );
         let dir = tempfile::tempdir().expect("tempdir for cluster nodes");
-        let d = dir.path().display().to_string();
-        let nodes: Vec<RedisServer> = (0..n_primaries)
-            .map(|_| {
-                // The config file is named after a fresh free port, not the node's
-                // (RedisServer picks its port itself); it only has to be unique.
-                let conf = format!("{d}/nodes-{}.conf", free_port());
-                let bus = free_port().to_string();
-                RedisServer::start_with(&[
-                    "--cluster-enabled",
-                    "yes",
-                    "--cluster-config-file",
-                    &conf,
-                    "--cluster-node-timeout",
-                    "2000",
-                    "--cluster-port",
-                    &bus,
-                    "--dir",
-                    &d,
-                ])
-            })
-            .collect();
-        let addrs: Vec<String> = nodes
-            .iter()
-            .map(|n| format!("127.0.0.1:{}", n.port))
-            .collect();
-        let out = Command::new(redis_cli_bin())
-            .arg("--cluster")
-            .arg("create")
-            .args(&addrs)
-            .args(["--cluster-replicas", "0", "--cluster-yes"])
-            .stdin(Stdio::null())
-            .output()
-            .expect("run redis-cli --cluster create");
-        assert!(
-            out.status.success(),
-            "redis-cli --cluster create {addrs:?} failed ({}):\n{}\n{}",
-            out.status,
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let me = Cluster { nodes, _dir: dir };
-        for n in &me.nodes {
-            let info = || try_cmd::<String>(n.port, &["CLUSTER", "INFO"]).ok();
-            wait_for(
-                WAIT,
-                || {
-                    let info = info()?;
-                    let ok = parse_info_field(&info, "cluster_state")? == "ok";
-                    let known: usize = parse_info_field(&info, "cluster_known_nodes")?
-                        .parse()
-                        .ok()?;
-                    (ok && known == n_primaries).then_some(())
-                },
-                || format!("cluster node on port {} not ready:\n{:?}", n.port, info()),
-            );
-        }
-        me
+        let nodes = start_cluster(dir.path(), n_primaries, 0, 2000, &[], WAIT, |_| true);
+        Cluster { nodes, _dir: dir }
     }
 
     /// Every node's URL, in start order.
@@ -515,6 +426,95 @@ impl Cluster {
         keys.sort();
         keys
     }
+}
+
+/// The arguments that make a `redis-server` a cluster node keeping its state in `dir`
+/// (`cluster-enabled`, a unique `cluster-config-file`, `cluster-node-timeout` in ms, and
+/// an explicit `cluster-port` from `free_port()`: the default bus port is PORT+10000,
+/// which is out of range for ephemeral ports above 55535).
+pub fn cluster_node_args(dir: &Path, node_timeout_ms: u64) -> Vec<String> {
+    // The config file is named after a fresh free port, not the node's (RedisServer
+    // picks its port itself); it only has to be unique.
+    let conf = dir.join(format!("nodes-{}.conf", free_port()));
+    vec![
+        "--cluster-enabled".into(),
+        "yes".into(),
+        "--cluster-config-file".into(),
+        conf.display().to_string(),
+        "--cluster-node-timeout".into(),
+        node_timeout_ms.to_string(),
+        "--cluster-port".into(),
+        free_port().to_string(),
+    ]
+}
+
+/// Run `cli` (a `redis-cli` command with its connection options) as `--cluster create
+/// ADDRS --cluster-replicas N --cluster-yes`; panics with its output if it fails.
+pub fn create_cluster(mut cli: Command, addrs: &[String], replicas_per_master: usize) {
+    let out = cli
+        .args(["--cluster", "create"])
+        .args(addrs)
+        .args([
+            "--cluster-replicas",
+            &replicas_per_master.to_string(),
+            "--cluster-yes",
+        ])
+        .stdin(Stdio::null())
+        .output()
+        .expect("run redis-cli --cluster create");
+    assert!(
+        out.status.success(),
+        "redis-cli --cluster create {addrs:?} failed ({}):\n{}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Start `total` cluster nodes in `dir` ([`cluster_node_args`] with `node_timeout_ms`,
+/// then `node_args`), join them with `redis-cli --cluster create` with
+/// `replicas_per_master`, and wait (≤ `wait` for each) until every node reports
+/// `cluster_state:ok`, knows every other, and passes `ready`.
+pub fn start_cluster(
+    dir: &Path,
+    total: usize,
+    replicas_per_master: usize,
+    node_timeout_ms: u64,
+    node_args: &[&str],
+    wait: Duration,
+    ready: impl Fn(&RedisServer) -> bool,
+) -> Vec<RedisServer> {
+    let d = dir.display().to_string();
+    let nodes: Vec<RedisServer> = (0..total)
+        .map(|_| {
+            let cluster = cluster_node_args(dir, node_timeout_ms);
+            let mut args: Vec<&str> = cluster.iter().map(String::as_str).collect();
+            args.extend_from_slice(node_args);
+            args.extend_from_slice(&["--dir", &d]);
+            RedisServer::start_with(&args)
+        })
+        .collect();
+    let addrs: Vec<String> = nodes
+        .iter()
+        .map(|n| format!("127.0.0.1:{}", n.port))
+        .collect();
+    create_cluster(Command::new(redis_cli_bin()), &addrs, replicas_per_master);
+    for n in &nodes {
+        let info = || try_cmd::<String>(n.port, &["CLUSTER", "INFO"]).ok();
+        wait_for(
+            wait,
+            || {
+                let info = info()?;
+                let ok = parse_info_field(&info, "cluster_state")? == "ok";
+                let known: usize = parse_info_field(&info, "cluster_known_nodes")?
+                    .parse()
+                    .ok()?;
+                (ok && known == total && ready(n)).then_some(())
+            },
+            || format!("cluster node on port {} not ready:\n{:?}", n.port, info()),
+        );
+    }
+    nodes
 }
 
 /// Whether a `CLUSTER NODES` line lists `slot` among its ranges (fields 9 and on:

@@ -212,6 +212,20 @@ impl Breaker {
 mod tests {
     use super::*;
 
+    /// A breaker of node `n` that opens after `threshold` failures and probes after
+    /// `cooloff`, with its stats.
+    fn breaker(threshold: u32, cooloff: Duration) -> (Breaker, Arc<NodeStats>) {
+        let stats = Arc::new(NodeStats::default());
+        let b = Breaker::new(
+            "n".into(),
+            threshold,
+            cooloff,
+            Duration::from_secs(1),
+            stats.clone(),
+        );
+        (b, stats)
+    }
+
     /// A cluster redirection is an answer from a live node: it never opens the
     /// breaker nor counts as an error; a `CLUSTERDOWN` reply does count.
     #[tokio::test]
@@ -220,14 +234,7 @@ mod tests {
             let v = redis::parse_redis_value(format!("-{line}\r\n").as_bytes()).unwrap();
             StoreError::Redis(v.extract_error().unwrap_err())
         };
-        let stats = Arc::new(NodeStats::default());
-        let b = Breaker::new(
-            "n".into(),
-            2,
-            Duration::from_secs(60),
-            Duration::from_secs(1),
-            stats.clone(),
-        );
+        let (b, stats) = breaker(2, Duration::from_secs(60));
         let t = Duration::from_secs(1);
         for line in ["MOVED 1 127.0.0.1:7001", "ASK 1 127.0.0.1:7001"].repeat(3) {
             let e = reply(line);
@@ -249,14 +256,7 @@ mod tests {
     /// never open the breaker.
     #[tokio::test]
     async fn loading_and_masterdown_answers_do_not_open_the_breaker() {
-        let stats = Arc::new(NodeStats::default());
-        let b = Breaker::new(
-            "n".into(),
-            2,
-            Duration::from_secs(60),
-            Duration::from_secs(1),
-            stats.clone(),
-        );
+        let (b, stats) = breaker(2, Duration::from_secs(60));
         let masterdown = || match ::redis::parse_redis_value(b"-MASTERDOWN link down\r\n") {
             Ok(::redis::Value::ServerError(e)) => StoreError::Redis(e.into()),
             other => panic!("{other:?}"),
@@ -281,14 +281,7 @@ mod tests {
 
     #[test]
     fn opens_after_threshold_probes_after_cooloff_and_closes() {
-        let stats = Arc::new(NodeStats::default());
-        let b = Breaker::new(
-            "n".into(),
-            3,
-            Duration::from_millis(50),
-            Duration::from_secs(1),
-            stats.clone(),
-        );
+        let (b, stats) = breaker(3, Duration::from_millis(50));
         assert!(b.allow());
         b.failure();
         b.failure();

@@ -68,15 +68,10 @@ impl Endpoint {
         };
         let settings = info.redis_settings();
         Ok(Endpoint {
-            host: host
-                .trim_start_matches('[')
-                .trim_end_matches(']')
-                .to_string(),
-            port,
-            tls,
             db: settings.db(),
             username: settings.username().map(str::to_string),
             password: settings.password().map(str::to_string),
+            ..Endpoint::announced(&host, port, tls)
         })
     }
 

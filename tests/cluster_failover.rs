@@ -411,3 +411,67 @@ fn rejected_evalsha(cluster: &ReplicatedCluster, i: usize) -> u64 {
         })
         .sum()
 }
+
+/// A master that answers reads but refuses writes (`min-replicas-to-write 1` and no
+/// replica: every write `NOREPLICAS`): its callers' first charge fails, and from then on
+/// their checks fail too, so with `on_error = "deny"` they get 503 rather than uncounted
+/// 200s (the master still says master, so each `ROLE` probe, every second, lets about
+/// one check through to find out); callers on the other masters are counted exactly
+/// throughout; once the master takes writes again, its callers are counted again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_master_that_refuses_writes_fails_only_its_callers_closed() {
+    let cluster = ReplicatedCluster::start(3, 0);
+    let upstream = Upstream::start().await;
+    let gw = TestGateway::start(&config("deny", "300ms", &cluster, &upstream)).await;
+    wait_masters(&gw, 3).await;
+    let sick = 0;
+    let sick_ip = ips_on(&cluster, "core", sick, 1).remove(0);
+    let healthy_ips = ips_on(&cluster, "core", 1, 2);
+
+    let _: () = cluster.nodes[sick].cmd(&["CONFIG", "SET", "min-replicas-to-write", "1"]);
+    let started = Instant::now();
+    let mut statuses = Vec::new();
+    while started.elapsed() < Duration::from_millis(2500) {
+        statuses.push(as_ip(&gw, "/", &sick_ip).await.status.as_u16());
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    let admitted = statuses.iter().filter(|&&s| s == 200).count();
+    assert!(
+        statuses.iter().all(|&s| s == 200 || s == 503),
+        "{statuses:?}"
+    );
+    assert!(
+        admitted <= 4,
+        "at most about one uncounted request a second: {admitted} of {}",
+        statuses.len()
+    );
+    assert_eq!(count_on(&cluster, sick, &key_of("core", &sick_ip)), 0);
+    let sick_report = store_report(&gw)
+        .into_iter()
+        .find(|s| s.primary().addr == format!("127.0.0.1:{}", cluster.nodes[sick].port))
+        .expect("the sick master is in the report");
+    assert!(!sick_report.writable, "{sick_report:?}");
+    // Callers on another master are counted exactly meanwhile.
+    for ip in &healthy_ips {
+        for remaining in [2, 1, 0] {
+            let r = as_ip(&gw, "/", ip).await;
+            assert_eq!(
+                (r.status.as_u16(), r.num("x-ratelimit-remaining")),
+                (200, remaining),
+                "{ip}"
+            );
+        }
+        assert_eq!(as_ip(&gw, "/", ip).await.status, 429, "{ip}");
+        assert_eq!(count_on(&cluster, 1, &key_of("core", ip)), 3, "{ip}");
+    }
+
+    let _: () = cluster.nodes[sick].cmd(&["CONFIG", "SET", "min-replicas-to-write", "0"]);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while count_on(&cluster, sick, &key_of("core", &sick_ip)) < 3 {
+        assert!(Instant::now() < deadline, "counting did not resume");
+        as_ip(&gw, "/", &sick_ip).await;
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!(as_ip(&gw, "/", &sick_ip).await.status, 429);
+    assert_eq!(count_on(&cluster, sick, &key_of("core", &sick_ip)), 3);
+}

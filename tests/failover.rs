@@ -312,6 +312,63 @@ async fn while_a_demoted_primary_refuses_writes_checks_fail_open_and_counting_re
     );
 }
 
+/// A primary that answers reads but refuses writes without being a replica
+/// (`min-replicas-to-write 1` with no replica: every write is answered `NOREPLICAS`,
+/// and a script that only reads still runs): the first charge fails, and from then on
+/// the shard's checks fail too, so with `on_error = "deny"` callers get 503, not an
+/// uncounted 200. The primary still says master, so each `ROLE` probe (every second)
+/// lets one check through to find out; at most about one request a second goes
+/// uncounted. Once writes succeed again, counting is exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_primary_that_refuses_writes_fails_its_checks_closed() {
+    let a = RedisServer::start();
+    let upstream = Upstream::start().await;
+    let shard = format!("[[store.shards]]\nprimary = \"{}\"\n", a.url());
+    let gw = Gw::start(&store("deny", "", &shard), &upstream);
+    gw.wait_ready(Duration::from_secs(10)).await;
+    assert_eq!(gw.status("/bulk").await, 200);
+
+    let _: () = a.cmd(&["CONFIG", "SET", "min-replicas-to-write", "1"]);
+    let started = Instant::now();
+    let mut statuses = Vec::new();
+    while started.elapsed() < Duration::from_millis(2500) {
+        statuses.push(gw.status("/").await);
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    let admitted = statuses.iter().filter(|&&s| s == 200).count();
+    let denied = statuses.iter().filter(|&&s| s == 503).count();
+    assert_eq!(admitted + denied, statuses.len(), "{statuses:?}");
+    assert!(
+        admitted <= 4,
+        "at most about one uncounted request a second: {admitted} of {}: {statuses:?}",
+        statuses.len()
+    );
+    assert!(denied >= statuses.len() - 4, "{statuses:?}");
+    assert_eq!(count_on(&a), 0, "nothing could be counted");
+    let logs = gw.bin.logs();
+    assert!(
+        logs.contains("writes to the shard's primary fail"),
+        "{logs}"
+    );
+
+    let _: () = a.cmd(&["CONFIG", "SET", "min-replicas-to-write", "0"]);
+    // The next ROLE probe (within a second) lets a check through; its charge succeeds.
+    let mut after = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while count_on(&a) < 3 {
+        assert!(
+            Instant::now() < deadline,
+            "counting did not resume: {after:?}"
+        );
+        after.push(gw.status("/").await);
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    for _ in 0..3 {
+        assert_eq!(gw.status("/").await, 429, "exact again: {after:?}");
+    }
+    assert_eq!(count_on(&a), 3);
+}
+
 /// The reservation variant (`store.reserve_in_flight`: every check writes): after
 /// the stable address moves and A is demoted, the 503s stop within a few seconds,
 /// `/readyz` is 200 again and B has the gateway's connection; the quota is admitted

@@ -4,7 +4,7 @@
 //! `CLUSTER SLOTS` from the seeds or any known master, refreshed every
 //! [`REFRESH_EVERY`] and at once after a redirection, a `READONLY` or a failure that
 //! looks like a failover. Each master is a [`Node`] of its own: its multiplexed
-//! connection (scripts preloaded on each connect), its PING probe, its circuit breaker
+//! connection (scripts preloaded on each connect), its `ROLE` probe, its circuit breaker
 //! and its counters. A call is sent to the master of its key's slot (CRC16 of the hash
 //! tag, modulo 16384: every tollgate key carries one), so a dead master costs only the
 //! callers whose slots it holds; the other masters' breakers never see its failures.
@@ -203,6 +203,7 @@ impl Cluster {
         args: &[u64],
     ) -> Result<Vec<i64>, StoreError> {
         let slot = keys.first().map_or(0, |k| slot_of(k.as_bytes()));
+        let writes = !std::ptr::eq(script, &self.scripts.apply) || super::apply_writes(args);
         let mut redirect: Option<(Arc<Node>, bool)> = None;
         let mut resends = 0;
         loop {
@@ -210,10 +211,24 @@ impl Cluster {
                 Some(to) => to,
                 None => (self.owner(slot).await?, false),
             };
+            // A master whose writes fail (one that answers reads but refuses writes:
+            // out of memory, `min-replicas-to-write`, ...) fails its checks too, so that
+            // `store.on_error` decides them rather than a count nothing is added to.
+            if !writes && !node.writable() {
+                return Err(StoreError::NotWritable(node.label.clone()));
+            }
             let started = Instant::now();
+            let confirmed = node.writes_confirmed();
             let result = node
                 .call_with(script, keys, args, WhenDisconnected::Wait, asking)
                 .await;
+            let redirected = result.as_ref().err().is_some_and(|e| {
+                e.is_redirect()
+                    || matches!(e, StoreError::Redis(r) if r.kind() == redis::ErrorKind::Server(ServerErrorKind::ReadOnly))
+            });
+            if writes && !redirected {
+                node.record_write(confirmed, &result);
+            }
             let e = match &result {
                 Ok(_) => return result,
                 Err(StoreError::Redis(e)) => e,

@@ -1070,7 +1070,7 @@ impl RedisStore {
                 .map(|(index, m)| ShardReport {
                     index,
                     replica_fallbacks: 0,
-                    writable: true,
+                    writable: m.node.writable(),
                     nodes: vec![NodeReport {
                         role: "primary",
                         label: m.node.label.clone(),

@@ -62,7 +62,8 @@ pub(super) enum Role {
     /// A replica: answers checks while it serves.
     Replica,
     /// A Redis Cluster master: the cluster's slot map ([`super::cluster`]) follows its
-    /// failovers (`MOVED`, `READONLY`), so its node publishes whatever `ROLE` says.
+    /// failovers (`MOVED`, `READONLY`), so its node publishes whatever `ROLE` says; its
+    /// failed writes fail its checks as a shard primary's do ([`Node::writable`]).
     ClusterMaster,
 }
 
@@ -258,7 +259,7 @@ impl Node {
     /// A write failed (or the server says it is a replica): the shard's checks follow
     /// `store.on_error` until it is writable again.
     fn set_unwritable(&self, why: &dyn std::fmt::Display) {
-        if self.role == Role::Primary && self.writable.swap(false, Ordering::AcqRel) {
+        if self.role != Role::Replica && self.writable.swap(false, Ordering::AcqRel) {
             tracing::warn!(node = %self.label, error = %why, "writes to the shard's primary fail: its checks follow store.on_error until a write succeeds or the primary is reconnected as a master");
         }
     }
@@ -782,7 +783,7 @@ async fn maintain(node: Weak<Node>, wake: Arc<Notify>) {
                 if matches!(said, Said::Master | Said::LinkedReplica) {
                     n.set_serving();
                 }
-                if said == Said::Master && node_role == Role::Primary {
+                if said == Said::Master && node_role != Role::Replica {
                     n.confirm_writable("reconnected to a master");
                 }
                 tracing::info!(node = %label, "redis node connected, scripts loaded");
@@ -818,7 +819,7 @@ async fn maintain(node: Weak<Node>, wake: Arc<Notify>) {
                         }
                         Ok(said @ (Said::Master | Said::LinkedReplica)) => {
                             n.set_serving();
-                            if said == Said::Master && node_role == Role::Primary {
+                            if said == Said::Master && node_role != Role::Replica {
                                 n.confirm_writable("the primary says it is a master");
                             }
                         }

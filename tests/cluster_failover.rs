@@ -358,7 +358,13 @@ async fn a_demoted_master_has_every_charge_land_once_on_its_successor() {
     let mut used = 0;
     let mut charge = |r: support::client::Reply| {
         used += 1;
-        assert_eq!(r.status, 200);
+        assert_eq!(
+            r.status,
+            200,
+            "request {used}: {:?} {}",
+            r.headers,
+            r.text()
+        );
         assert!(counted(&r), "request {used} was not counted (failed open)");
         assert_eq!(r.num("x-ratelimit-used"), used, "counted once each");
     };

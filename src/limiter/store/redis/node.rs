@@ -429,8 +429,20 @@ impl Node {
             tokio::spawn(async move {
                 let deadline = tokio::time::Instant::now() + late;
                 let names: Vec<&str> = keys.iter().map(|k| &**k).collect();
-                let call =
-                    node.attempt(&scripts.apply, &names, &args, WhenDisconnected::Wait, false);
+                // A connection is waited for within the caller's own bound only: a call
+                // that had none by then did not run, and is never sent later (its
+                // request was answered already; a reservation landing seconds later
+                // would fill the caller's window until its refund).
+                let connected = tokio::time::timeout(
+                    node.settings.timeout,
+                    node.connection(WhenDisconnected::Wait),
+                )
+                .await;
+                let when = match connected {
+                    Ok(Some(_)) => WhenDisconnected::Wait,
+                    _ => WhenDisconnected::FailFast,
+                };
+                let call = node.attempt(&scripts.apply, &names, &args, when, false);
                 let result = match tokio::time::timeout_at(deadline, call).await {
                     Ok(answer) => answer,
                     Err(_) => Err(StoreError::Timeout(late.as_millis() as u64)),

@@ -8,7 +8,12 @@
 //! to one, keeps its descriptor counted until the socket is closed. Tunnels are also
 //! counted on their own, up to `server.max_tunnels` ([`Budget::tunnel`]). Client
 //! connections are also counted per client address, up to
-//! `server.max_connections_per_ip`, so that one client cannot take every connection.
+//! `server.max_connections_per_ip`, so that one client cannot take every connection, and
+//! one client address may hold at most `server.descriptor_share_per_ip` percent of the
+//! descriptor budget with its connections and its requests in flight (each HTTP/1.1
+//! request or HTTP/2 stream stands for the upstream socket it may hold), so that one
+//! client's stalled uploads cannot take every descriptor ([`Budget::share`]). Sockets to
+//! the auth service (`[identity.auth_request]`) are counted too ([`Budget::sockets`]).
 
 use crate::metrics::{Metrics, RefusalLabels};
 use prometheus_client::metrics::counter::Counter;
@@ -39,7 +44,8 @@ pub struct Budget {
     /// Client connections (`server.max_connections`, as lowered to fit the fd limit).
     connections: Arc<Semaphore>,
     max_connections: usize,
-    /// Client connections per client address (`server.max_connections_per_ip`).
+    /// Client connections per client address (`server.max_connections_per_ip`), and
+    /// what each address holds of the descriptor budget (`server.descriptor_share_per_ip`).
     per_address: Arc<PerAddress>,
     /// Descriptors for client connections and upstream sockets.
     descriptors: Arc<Semaphore>,
@@ -53,6 +59,7 @@ pub struct Budget {
     refusing: Arc<Semaphore>,
     open_connections: Gauge,
     upstream_connections: Gauge,
+    auth_connections: Gauge,
     open_tunnels: Gauge,
     refusals: Family<RefusalLabels, Counter>,
 }
@@ -65,6 +72,9 @@ pub struct BudgetLimits {
     /// Client connections at once from one client address (as keyed by the caller of
     /// [`Budget::client`]).
     pub max_connections_per_ip: usize,
+    /// `server.descriptor_share_per_ip`: the percentage (1 to 100) of the descriptors one
+    /// client address may hold with its connections and requests in flight.
+    pub descriptor_share_per_ip: u8,
     /// Descriptors for client connections and upstream sockets together; `None`: the
     /// open-file limit is unknown or unlimited, so only `max_connections` bounds clients.
     pub descriptors: Option<usize>,
@@ -84,6 +94,9 @@ pub enum Refused {
     MaxConnectionsPerIp,
     /// The descriptor budget is spent (by client connections and upstream sockets).
     Descriptors,
+    /// The client address holds its share of the descriptor budget
+    /// (`server.descriptor_share_per_ip`).
+    DescriptorShare,
 }
 
 impl Refused {
@@ -93,6 +106,7 @@ impl Refused {
             Refused::MaxConnections => "max_connections",
             Refused::MaxConnectionsPerIp => "max_connections_per_ip",
             Refused::Descriptors => "descriptors",
+            Refused::DescriptorShare => "descriptor_share_per_ip",
         }
     }
 }
@@ -102,11 +116,19 @@ impl Budget {
     pub fn new(limits: BudgetLimits, metrics: &Metrics) -> Arc<Self> {
         let max = Semaphore::MAX_PERMITS;
         let descriptors = limits.descriptors.unwrap_or(max).clamp(1, max);
+        let percent = usize::from(limits.descriptor_share_per_ip.clamp(1, 100));
+        let share = if percent == 100 {
+            descriptors
+        } else {
+            // At least a connection and its request.
+            (descriptors / 100 * percent + descriptors % 100 * percent / 100).max(2)
+        };
         Arc::new(Self {
             connections: Arc::new(Semaphore::new(limits.max_connections.clamp(1, max))),
             max_connections: limits.max_connections,
             per_address: Arc::new(PerAddress {
                 max: limits.max_connections_per_ip.max(1),
+                share,
                 open: Mutex::default(),
             }),
             descriptors: Arc::new(Semaphore::new(descriptors)),
@@ -117,6 +139,7 @@ impl Budget {
             refusing: Arc::new(Semaphore::new(MAX_REFUSING)),
             open_connections: metrics.open_connections.clone(),
             upstream_connections: metrics.upstream_connections.clone(),
+            auth_connections: metrics.auth_connections.clone(),
             open_tunnels: metrics.open_tunnels.clone(),
             refusals: metrics.overload_refusals.clone(),
         })
@@ -130,6 +153,12 @@ impl Budget {
     /// `server.max_connections_per_ip` (connections from one client address).
     pub fn max_connections_per_ip(&self) -> usize {
         self.per_address.max
+    }
+
+    /// The descriptors one client address may hold with its connections and requests in
+    /// flight (`server.descriptor_share_per_ip` of [`Budget::descriptors`]).
+    pub fn descriptor_share_per_ip(&self) -> usize {
+        self.per_address.share
     }
 
     /// The descriptors client connections and upstream sockets may hold together.
@@ -149,8 +178,9 @@ impl Budget {
     /// A descriptor for a client connection just accepted from `address` (the key of its
     /// client address, see [`crate::identity::Identities::ip_key`]; `None`: not counted
     /// per address, e.g. a trusted proxy): one of `server.max_connections_per_ip` for
-    /// that address, one of `server.max_connections` and one of the descriptor budget.
-    /// Counted in `tollgate_open_connections` until dropped.
+    /// that address, one of its share of the descriptor budget
+    /// (`server.descriptor_share_per_ip`), one of `server.max_connections` and one of
+    /// the descriptor budget. Counted in `tollgate_open_connections` until dropped.
     ///
     /// Errors: [`Refused`] when any is spent (the connection gets 503).
     pub fn client(&self, address: Option<IpAddr>) -> Result<Descriptor, Refused> {
@@ -158,19 +188,17 @@ impl Budget {
             self.refused(why.label());
             why
         };
-        let per_address = match address {
-            Some(address) => Some(
-                self.per_address
-                    .take(address)
-                    .ok_or_else(|| refuse(Refused::MaxConnectionsPerIp))?,
-            ),
-            None => None,
-        };
+        // `max_connections` first: an address that holds every connection the listener
+        // takes is told so, not that it holds its share.
         let connection = self
             .connections
             .clone()
             .try_acquire_owned()
             .map_err(|_| refuse(Refused::MaxConnections))?;
+        let per_address = match address {
+            Some(address) => Some(self.per_address.take(address, true).map_err(refuse)?),
+            None => None,
+        };
         let fd = self
             .descriptors
             .clone()
@@ -202,6 +230,33 @@ impl Budget {
         })
     }
 
+    /// A place for one request (an HTTP/1.1 request or an HTTP/2 stream) from the client
+    /// address `address` (as keyed for [`Budget::client`]) among its share of the
+    /// descriptor budget (`server.descriptor_share_per_ip`), which its connections hold
+    /// too: the request stands for the upstream socket it may hold until its response
+    /// ends. Held until dropped; `None` when the address holds its share (the request
+    /// gets 429), counted in `tollgate_overload_refusals_total{limit="descriptor_share_per_ip"}`.
+    pub fn share(&self, address: IpAddr) -> Option<ShareSlot> {
+        match self.per_address.take(address, false) {
+            Ok(slot) => Some(ShareSlot(slot)),
+            Err(why) => {
+                self.refused(why.label());
+                None
+            }
+        }
+    }
+
+    /// The descriptor budget as a handle of its own (owned, for a connector that lives
+    /// outside the request path) for sockets to `[identity.auth_request]`'s service,
+    /// counted in `tollgate_auth_request_connections`.
+    pub fn sockets(&self) -> Sockets {
+        Sockets {
+            descriptors: self.descriptors.clone(),
+            gauge: self.auth_connections.clone(),
+            refusals: self.refusals.clone(),
+        }
+    }
+
     /// A place for one more tunnel (taken before the upgrade is forwarded); `None` when
     /// `server.max_tunnels` are open (the upgrade gets 503).
     pub fn tunnel(&self) -> Option<TunnelSlot> {
@@ -224,56 +279,125 @@ impl Budget {
     }
 }
 
-/// Client connections open per client address, each at most `max`.
-#[derive(Debug)]
-struct PerAddress {
-    max: usize,
-    /// Addresses with at least one connection open (so the map holds at most
-    /// `server.max_connections` entries); SipHash with a random key, as the addresses
-    /// are the clients' choice.
-    open: Mutex<HashMap<IpAddr, usize>>,
+/// An owned handle on the descriptor budget for sockets counted under a gauge of their
+/// own (see [`Budget::sockets`]).
+#[derive(Debug, Clone)]
+pub struct Sockets {
+    descriptors: Arc<Semaphore>,
+    gauge: Gauge,
+    refusals: Family<RefusalLabels, Counter>,
 }
 
-impl PerAddress {
-    fn open(&self) -> std::sync::MutexGuard<'_, HashMap<IpAddr, usize>> {
-        // A panic while the lock is held leaves consistent counts (one `+= 1` or `-= 1`).
-        self.open.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// One more connection from `address`; `None` when it has `max` open.
-    fn take(self: &Arc<Self>, address: IpAddr) -> Option<AddressSlot> {
-        let mut open = self.open();
-        let count = open.entry(address).or_insert(0);
-        if *count >= self.max {
+impl Sockets {
+    /// A descriptor for one new socket, counted in the gauge until dropped; `None` when
+    /// the budget is spent (counted in
+    /// `tollgate_overload_refusals_total{limit="descriptors"}`).
+    pub fn take(&self) -> Option<Descriptor> {
+        let Ok(fd) = self.descriptors.clone().try_acquire_owned() else {
+            self.refusals
+                .get_or_create(&RefusalLabels {
+                    limit: "descriptors",
+                })
+                .inc();
             return None;
-        }
-        *count += 1;
-        Some(AddressSlot {
-            table: self.clone(),
-            address,
+        };
+        self.gauge.inc();
+        Some(Descriptor {
+            _fd: fd,
+            _connection: None,
+            _per_address: None,
+            gauge: self.gauge.clone(),
         })
     }
 }
 
-/// A client connection's place among `server.max_connections_per_ip` for its address;
-/// given back when dropped.
+/// What one client address holds: its connections (at most `max`) and its
+/// connections plus requests in flight (at most `share`).
+#[derive(Debug)]
+struct PerAddress {
+    max: usize,
+    share: usize,
+    /// Addresses with at least one connection or request (so the map holds at most
+    /// `server.max_connections` entries plus one per request in flight); SipHash with a
+    /// random key, as the addresses are the clients' choice.
+    open: Mutex<HashMap<IpAddr, Held>>,
+}
+
+/// What one address holds (see [`PerAddress`]).
+#[derive(Debug, Default)]
+struct Held {
+    connections: usize,
+    /// Connections and requests in flight.
+    descriptors: usize,
+}
+
+impl PerAddress {
+    fn open(&self) -> std::sync::MutexGuard<'_, HashMap<IpAddr, Held>> {
+        // A panic while the lock is held leaves consistent counts (one `+= 1` or `-= 1`).
+        self.open.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// One more connection (`connection`) or request from `address`.
+    ///
+    /// Errors: [`Refused::MaxConnectionsPerIp`] when a connection would be one past
+    /// `max`, [`Refused::DescriptorShare`] when the address holds `share`.
+    fn take(self: &Arc<Self>, address: IpAddr, connection: bool) -> Result<AddressSlot, Refused> {
+        let mut open = self.open();
+        let held = open.entry(address).or_default();
+        let refused = if connection && held.connections >= self.max {
+            Some(Refused::MaxConnectionsPerIp)
+        } else if held.descriptors >= self.share {
+            Some(Refused::DescriptorShare)
+        } else {
+            None
+        };
+        if let Some(why) = refused {
+            if held.descriptors == 0 {
+                open.remove(&address);
+            }
+            return Err(why);
+        }
+        held.descriptors += 1;
+        if connection {
+            held.connections += 1;
+        }
+        Ok(AddressSlot {
+            table: self.clone(),
+            address,
+            connection,
+        })
+    }
+}
+
+/// A client connection's place among `server.max_connections_per_ip` for its address,
+/// or a request's, and either's in the address's share of the descriptor budget; given
+/// back when dropped.
 #[derive(Debug)]
 struct AddressSlot {
     table: Arc<PerAddress>,
     address: IpAddr,
+    connection: bool,
 }
 
 impl Drop for AddressSlot {
     fn drop(&mut self) {
         let mut open = self.table.open();
-        if let Some(count) = open.get_mut(&self.address) {
-            *count = count.saturating_sub(1);
-            if *count == 0 {
+        if let Some(held) = open.get_mut(&self.address) {
+            held.descriptors = held.descriptors.saturating_sub(1);
+            if self.connection {
+                held.connections = held.connections.saturating_sub(1);
+            }
+            if held.descriptors == 0 {
                 open.remove(&self.address);
             }
         }
     }
 }
+
+/// A request's place in its client address's share of the descriptor budget
+/// ([`Budget::share`]); given back when dropped.
+#[derive(Debug)]
+pub struct ShareSlot(#[allow(dead_code)] AddressSlot);
 
 /// One counted socket: a client connection (and its place among
 /// `server.max_connections` and `server.max_connections_per_ip`) or an upstream
@@ -392,6 +516,7 @@ mod tests {
             BudgetLimits {
                 max_connections,
                 max_connections_per_ip: 2,
+                descriptor_share_per_ip: 50,
                 descriptors: Some(descriptors),
                 max_tunnels,
                 tunnel_idle_timeout: Duration::from_secs(1),
@@ -437,6 +562,23 @@ mod tests {
             b.per_address.open().is_empty(),
             "no entry for an address with none open"
         );
+    }
+
+    #[test]
+    fn one_address_holds_at_most_its_share_of_the_descriptors() {
+        // 10 descriptors, 50 %: 5 per address, connections and requests together.
+        let b = budget(10, 10, 1);
+        let (one, two): (IpAddr, IpAddr) =
+            ("192.0.2.1".parse().unwrap(), "192.0.2.2".parse().unwrap());
+        let conn = b.client(Some(one)).unwrap();
+        let requests: Vec<_> = (0..4).map(|_| b.share(one).unwrap()).collect();
+        assert!(b.share(one).is_none(), "5 held");
+        assert_eq!(b.client(Some(one)).unwrap_err(), Refused::DescriptorShare);
+        assert!(b.share(two).is_some(), "another address");
+        drop(requests);
+        assert!(b.share(one).is_some());
+        drop(conn);
+        assert!(b.per_address.open().is_empty());
     }
 
     #[test]

@@ -75,7 +75,9 @@ pub struct RefusalLabels {
     /// `max_connections_per_ip` (a client connection from an address that has
     /// `server.max_connections_per_ip` open: 503),
     /// `descriptors` (a client connection or an upstream socket that did not fit the
-    /// descriptor budget: 503) or `max_tunnels` (an upgrade answered 503).
+    /// descriptor budget: 503), `max_tunnels` (an upgrade answered 503) or
+    /// `descriptor_share_per_ip` (a client connection, 503, or a request, 429, from an
+    /// address that holds its share of the descriptor budget).
     pub limit: &'static str,
 }
 
@@ -273,6 +275,13 @@ pub struct Metrics {
     pub upstream_connections: Gauge,
     /// Open tunnels (WebSockets), at most `server.max_tunnels`.
     pub open_tunnels: Gauge,
+    /// `tollgate_auth_request_connections`: open sockets to `[identity.auth_request]`'s
+    /// service (carrying a callout or idle for the next), counted in the descriptor budget.
+    pub auth_connections: Gauge,
+    /// `tollgate_auth_request_callouts`: callouts to `[identity.auth_request]` under way
+    /// (abandoned ones included until they end), at most
+    /// `identity.auth_request.max_concurrent`.
+    pub auth_callouts: Gauge,
     /// Connections, upstream sockets and upgrades refused with 503 because a budget was
     /// spent, by what was spent.
     pub overload_refusals: Family<RefusalLabels, Counter>,
@@ -373,6 +382,18 @@ impl Metrics {
             "Open upstream sockets: in use, idle in a pool, or one end of a tunnel",
             upstream_connections.clone(),
         );
+        let auth_connections = Gauge::default();
+        registry.register(
+            "auth_request_connections",
+            "Open sockets to the auth service of identity.auth_request, in the descriptor budget",
+            auth_connections.clone(),
+        );
+        let auth_callouts = Gauge::default();
+        registry.register(
+            "auth_request_callouts",
+            "Callouts to the auth service of identity.auth_request under way",
+            auth_callouts.clone(),
+        );
         let open_tunnels = Gauge::default();
         registry.register(
             "open_tunnels",
@@ -387,6 +408,7 @@ impl Metrics {
             "max_connections_per_ip",
             "descriptors",
             "max_tunnels",
+            "descriptor_share_per_ip",
         ] {
             let _ = overload_refusals.get_or_create(&RefusalLabels { limit });
         }
@@ -437,6 +459,8 @@ impl Metrics {
             delays_refused,
             upstream_connections,
             open_tunnels,
+            auth_connections,
+            auth_callouts,
             overload_refusals,
             worker_connections,
             tls_cert_not_after,

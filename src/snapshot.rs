@@ -129,6 +129,12 @@ impl Snapshot {
                 "must be at least 1 (to not cap one address below the whole listener, set it to server.max_connections)",
             );
         }
+        if !(1..=100).contains(&cfg.server.descriptor_share_per_ip) {
+            problems.error(
+                "server.descriptor_share_per_ip",
+                "must be between 1 and 100 (a percentage of the descriptor budget; 100 caps no address below the whole budget)",
+            );
+        }
         if cfg.server.send_timeout.0.is_zero() {
             problems.error("server.send_timeout", "must be more than 0");
         }

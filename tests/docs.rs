@@ -17,6 +17,7 @@ fn full_config() -> Config {
             send_timeout: Dur::from_secs(60),
             max_connections: 10_000,
             max_connections_per_ip: 256,
+            descriptor_share_per_ip: 50,
             max_header_bytes: 32 * 1024,
             http2_max_streams: 100,
             max_delayed: 1_000,

@@ -485,7 +485,8 @@ async fn streams_and_tunnels_meet_one_descriptor_budget_under_a_low_open_file_li
     let text = tunnel_config(
         &ws_url,
         &api.url(),
-        "body_timeout = \"4s\"\nmax_tunnels = 8\ntunnel_idle_timeout = \"2s\"",
+        // One address (the test's) takes the whole budget here: no share per address.
+        "body_timeout = \"4s\"\nmax_tunnels = 8\ntunnel_idle_timeout = \"2s\"\ndescriptor_share_per_ip = 100",
     )
     .replace(
         "listen = \"127.0.0.1:0\"",

@@ -101,6 +101,12 @@ pub struct ServerConfig {
     /// `identity.trusted_proxies` are not counted); more are answered like
     /// `max_connections`. At least 1. Default 256.
     pub max_connections_per_ip: usize,
+    /// Percentage (1 to 100) of the descriptor budget one client address may hold with
+    /// its connections and its requests in flight (each HTTP/1.1 request or HTTP/2 stream
+    /// counts one, for the upstream socket it may hold); past it a new connection gets
+    /// 503 and a new request 429. Peers in `identity.trusted_proxies` are not counted.
+    /// Default 50. Read at start only.
+    pub descriptor_share_per_ip: u8,
     /// Largest request head (request line and headers), in bytes; larger ones get 431.
     /// Default 32768 (at least 8192).
     pub max_header_bytes: usize,
@@ -175,6 +181,7 @@ impl Default for ServerConfig {
             send_timeout: Dur::from_secs(60),
             max_connections: 10_000,
             max_connections_per_ip: 256,
+            descriptor_share_per_ip: 50,
             max_header_bytes: 32 * 1024,
             http2_max_streams: 100,
             max_delayed: 1_000,
@@ -719,6 +726,14 @@ pub struct AuthRequestConfig {
     pub breaker_failures: u32,
     /// How long an open breaker skips the service before trying it again. Default 5 s.
     pub breaker_cooloff: Dur,
+    /// Callouts under way at once (a callout whose client went away runs to its end, at
+    /// most `timeout`, and counts until then); a request that needs one more gets 503
+    /// without a callout. At least 1. Default 256.
+    pub max_concurrent: usize,
+    /// Callouts under way at once for requests from one client address (keyed like
+    /// `identity.failed_auth_limit`); a request that needs one more gets 429 without a
+    /// callout. At least 1. Default 32.
+    pub max_concurrent_per_ip: usize,
 }
 
 impl Default for AuthRequestConfig {
@@ -739,6 +754,8 @@ impl Default for AuthRequestConfig {
             on_error: AuthOnError::Deny,
             breaker_failures: 5,
             breaker_cooloff: Dur::from_secs(5),
+            max_concurrent: 256,
+            max_concurrent_per_ip: 32,
         }
     }
 }

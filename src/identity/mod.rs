@@ -137,6 +137,14 @@ pub enum IdentityError {
     /// its `on_error = "deny"` (HTTP 503).
     #[error("authentication service unavailable")]
     AuthUnavailable(&'static str),
+    /// A callout to `[identity.auth_request]` was needed and none was made:
+    /// `identity.auth_request.max_concurrent` are under way (HTTP 503), or
+    /// `max_concurrent_per_ip` for the request's client address (`per_address`: HTTP 429).
+    #[error("too many auth callouts under way")]
+    AuthBusy {
+        /// Whether the client address's own bound was the one reached.
+        per_address: bool,
+    },
 }
 
 /// The identity part of a config snapshot.
@@ -362,13 +370,17 @@ impl Identities {
     /// there is none, the request has no key, or the key is a local one (disabled or
     /// expired keys stay refused). The answer: the caller it names; its 401/403
     /// ([`IdentityError::Refused`]); or, when the service fails, what `on_error` says
-    /// ([`IdentityError::AuthUnavailable`] or an anonymous caller).
+    /// ([`IdentityError::AuthUnavailable`] or an anonymous caller); past
+    /// `max_concurrent` or `max_concurrent_per_ip` (keyed by the client IP, as
+    /// `failed_auth_limit`), [`IdentityError::AuthBusy`] without a callout. Sockets to
+    /// the service are counted in `budget`.
     pub async fn ask_auth_service(
         &self,
         headers: &HeaderMap,
         peer: IpAddr,
         method: &http::Method,
         uri: &http::Uri,
+        budget: &crate::budget::Budget,
         metrics: &crate::metrics::Metrics,
     ) -> Option<Result<Caller, IdentityError>> {
         let auth = self.auth_request.as_ref()?;
@@ -377,8 +389,17 @@ impl Identities {
         if self.keys.load().find(&digest, || 0).is_some() {
             return None;
         }
-        let answer = auth.ask(digest, headers, method, uri, metrics).await;
         let ip = client_ip(headers, peer, &self.trusted_proxies);
+        let answer = auth
+            .ask(
+                digest,
+                headers,
+                method,
+                uri,
+                (self.ip_key(ip), budget),
+                metrics,
+            )
+            .await;
         let caller = |client: Option<Arc<Client>>| Caller {
             tier: client
                 .as_ref()
@@ -400,6 +421,9 @@ impl Identities {
                 content_type,
                 body,
             }),
+            auth_request::Answer::Busy { per_address } => {
+                Err(IdentityError::AuthBusy { per_address })
+            }
             auth_request::Answer::Failed(why) => match auth.on_error() {
                 crate::config::AuthOnError::Deny => Err(IdentityError::AuthUnavailable(why)),
                 crate::config::AuthOnError::Anonymous => Ok(caller(None)),

@@ -60,6 +60,11 @@ pub enum ProxyError {
     /// `server.max_tunnels` (what ran out is said): 503 with `Retry-After: 1`.
     #[error("{0}")]
     Overloaded(&'static str),
+    /// The client (its address) holds its share of a bound shared with others (what is
+    /// said): `server.descriptor_share_per_ip`, or
+    /// `identity.auth_request.max_concurrent_per_ip`: 429 with `Retry-After: 1`.
+    #[error("{0}")]
+    Busy(&'static str),
 }
 
 impl ProxyError {
@@ -68,7 +73,7 @@ impl ProxyError {
         match self {
             ProxyError::BadCredentials | ProxyError::InvalidToken(_) => StatusCode::UNAUTHORIZED,
             ProxyError::NoRoute => StatusCode::NOT_FOUND,
-            ProxyError::OverLimit { .. } => StatusCode::TOO_MANY_REQUESTS,
+            ProxyError::OverLimit { .. } | ProxyError::Busy(_) => StatusCode::TOO_MANY_REQUESTS,
             ProxyError::StoreUnavailable | ProxyError::AuthUnavailable => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
@@ -118,7 +123,7 @@ impl ProxyError {
                     .headers_mut()
                     .insert(header::RETRY_AFTER, super::headers::number(*retry_after_s));
             }
-            ProxyError::Overloaded(_) => {
+            ProxyError::Overloaded(_) | ProxyError::Busy(_) => {
                 response
                     .headers_mut()
                     .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));

@@ -95,6 +95,10 @@ pub struct Context<'a> {
     pub delayed: &'a crate::limiter::delayed::DelayBudget,
     /// The descriptor budget new upstream sockets and tunnels are counted in.
     pub budget: &'a crate::budget::Budget,
+    /// The key of the client connection's address, whose share of the descriptor budget
+    /// the request takes until its response ends (`server.descriptor_share_per_ip`:
+    /// past it, 429); `None`: not counted (a peer in `identity.trusted_proxies`).
+    pub address: Option<std::net::IpAddr>,
     /// `server.body_timeout`: how long a request body may stop arriving.
     pub body_timeout: std::time::Duration,
     /// Where an HTTP/1.1 request's 1xx responses go (its connection's socket); `None`
@@ -122,9 +126,19 @@ pub fn handle<'a>(
         let in_flight = access::InFlight::new(&ctx.metrics.in_flight);
         let mut log = AccessLog::start(&mut req, ctx.metrics);
         let grpc = grpc::is_grpc(req.headers());
+        // One address holds at most its share of the descriptor budget: a request past
+        // it gets 429 before anything else (other addresses are still served).
+        let share = ctx.address.map(|a| ctx.budget.share(a));
         // Not boxed here: the server boxes the whole request's future once, in place
         // (see `server::Connection::serve`).
-        let mut response = serve(snap, ctx, req, peer, &mut log).await;
+        let mut response = match &share {
+            Some(None) => {
+                log.decision = Decision::Rejected;
+                ProxyError::Busy("this client address holds its share of the gateway's connections")
+                    .into_response()
+            }
+            _ => serve(snap, ctx, req, peer, &mut log).await,
+        };
         let line = log.finish(&mut response);
         if grpc {
             // Logged and counted with its HTTP status; a gRPC client reads grpc-status.
@@ -135,6 +149,7 @@ pub fn handle<'a>(
             Finished {
                 _in_flight: in_flight,
                 _line: line.map(Box::new),
+                _share: share.flatten(),
             },
         )
     }
@@ -151,6 +166,8 @@ pub fn handle<'a>(
 pub struct Finished {
     _in_flight: access::InFlight,
     _line: Option<Box<access::AccessLine>>,
+    /// The request's place in its address's share of the descriptor budget.
+    _share: Option<crate::budget::ShareSlot>,
 }
 
 /// The six steps of the request path.
@@ -214,6 +231,7 @@ pub fn serve<'a>(
                     peer.ip(),
                     req.method(),
                     req.uri(),
+                    ctx.budget,
                     ctx.metrics,
                 )
                 .await
@@ -236,6 +254,17 @@ pub fn serve<'a>(
                 );
                 log.decision = Decision::Unauthenticated;
                 return ProxyError::AuthUnavailable.into_response();
+            }
+            // Too many callouts under way (in all, or for this address): answered at once,
+            // without a callout; not a failed authentication.
+            Err(IdentityError::AuthBusy { per_address }) => {
+                log.decision = Decision::Unauthenticated;
+                return if per_address {
+                    ProxyError::Busy("too many auth callouts under way for this client address")
+                } else {
+                    ProxyError::Overloaded("too many auth callouts under way")
+                }
+                .into_response();
             }
             Err(failure) => {
                 // Guessing keys is limited per client IP (identity.failed_auth_limit), an
@@ -268,9 +297,9 @@ pub fn serve<'a>(
                         content_type,
                         body,
                     } => return crate::response::passed_on(status, content_type, body),
-                    IdentityError::BadCredentials | IdentityError::AuthUnavailable(_) => {
-                        ProxyError::BadCredentials
-                    }
+                    IdentityError::BadCredentials
+                    | IdentityError::AuthUnavailable(_)
+                    | IdentityError::AuthBusy { .. } => ProxyError::BadCredentials,
                     IdentityError::InvalidToken(reason) => ProxyError::InvalidToken(reason),
                     e @ IdentityError::Malformed(_) => ProxyError::BadRequest(e.to_string()),
                 }

@@ -313,6 +313,9 @@ struct Connection {
     header_read_timeout: Duration,
     shared: Arc<Shared>,
     peer: SocketAddr,
+    /// The key of the peer's address whose share of the descriptor budget each request
+    /// takes (`server.descriptor_share_per_ip`); `None` for a trusted proxy.
+    address: Option<std::net::IpAddr>,
     /// Held until the connection ends: the accept loop waits for every one at shutdown.
     /// (`server.max_connections`, `server.max_connections_per_ip` and the descriptor
     /// budget count the socket itself, a
@@ -344,6 +347,7 @@ impl ConnLimits {
             budget: BudgetLimits {
                 max_connections: limits::effective_max_connections(cfg.max_connections),
                 max_connections_per_ip: cfg.max_connections_per_ip,
+                descriptor_share_per_ip: cfg.descriptor_share_per_ip,
                 descriptors: limits::descriptor_budget(),
                 max_tunnels: cfg.max_tunnels,
                 tunnel_idle_timeout: cfg.tunnel_idle_timeout.unwrap_or(cfg.idle_timeout).0,
@@ -383,6 +387,7 @@ impl Connection {
             header_read_timeout,
             shared,
             peer,
+            address,
             _held,
         } = self;
         let conn_peer = Arc::new(proxy::forward::Peer::new(peer));
@@ -415,6 +420,7 @@ impl Connection {
                     metrics: &shared.metrics,
                     delayed: &shared.delayed,
                     budget: &shared.budget,
+                    address,
                     body_timeout: shared.body_timeout,
                     informational: informational.as_ref(),
                 };
@@ -633,6 +639,7 @@ async fn accept_loop(
                                 Refused::MaxConnections => tracing::warn!(%peer, max_connections = shared.budget.max_connections(), suppressed, "connection refused: server.max_connections open"),
                                 Refused::MaxConnectionsPerIp => tracing::warn!(%peer, max_connections_per_ip = shared.budget.max_connections_per_ip(), suppressed, "connection refused: server.max_connections_per_ip open from this client address"),
                                 Refused::Descriptors => tracing::warn!(%peer, descriptors = shared.budget.descriptors(), suppressed, "connection refused: the descriptor budget (open-file limit) is spent by client connections and upstream sockets"),
+                                Refused::DescriptorShare => tracing::warn!(%peer, descriptor_share_per_ip = shared.budget.descriptor_share_per_ip(), suppressed, "connection refused: this client address holds its share of the descriptor budget (server.descriptor_share_per_ip)"),
                             }
                         }
                         refuse(stream, &shared.budget, tls_listener);
@@ -651,6 +658,7 @@ async fn accept_loop(
                     header_read_timeout: limits.header_read_timeout,
                     shared: shared.clone(),
                     peer,
+                    address,
                     _held: drained_tx.clone(),
                 };
                 tokio::spawn(async move {

@@ -118,7 +118,8 @@ impl Budget {
         let descriptors = limits.descriptors.unwrap_or(max).clamp(1, max);
         let percent = usize::from(limits.descriptor_share_per_ip.clamp(1, 100));
         let share = if percent == 100 {
-            descriptors
+            // No share: the budget itself answers (503).
+            usize::MAX
         } else {
             // At least a connection and its request.
             (descriptors / 100 * percent + descriptors % 100 * percent / 100).max(2)

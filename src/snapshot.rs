@@ -132,7 +132,7 @@ impl Snapshot {
         if !(1..=100).contains(&cfg.server.descriptor_share_per_ip) {
             problems.error(
                 "server.descriptor_share_per_ip",
-                "must be between 1 and 100 (a percentage of the descriptor budget; 100 caps no address below the whole budget)",
+                "must be between 1 and 100 (a percentage of the descriptor budget; 100 turns the share off)",
             );
         }
         if cfg.server.send_timeout.0.is_zero() {

@@ -65,7 +65,10 @@ mod tests {
         text.extend_from_slice(b"\nshort\nlast");
         let mut r = std::io::BufReader::with_capacity(4096, &text[..]);
         let mut buf = Vec::new();
-        assert_eq!(read_capped(&mut r, &mut buf, 1000).unwrap(), Capped::TooLong(100_001));
+        assert_eq!(
+            read_capped(&mut r, &mut buf, 1000).unwrap(),
+            Capped::TooLong(100_001)
+        );
         assert_eq!(buf.len(), 1000);
         assert!(buf.capacity() < 10_000, "{}", buf.capacity());
         assert_eq!(read_capped(&mut r, &mut buf, 1000).unwrap(), Capped::Line);

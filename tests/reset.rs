@@ -593,7 +593,13 @@ async fn reset_refuses_control_and_format_characters_and_logs_nothing_of_them() 
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     // U+202E RIGHT-TO-LEFT OVERRIDE, U+200B ZERO WIDTH SPACE, U+FEFF, U+2066, U+0085.
-    for id in ["acme%E2%80%AEtxt.exe", "ac%E2%80%8Bme", "%EF%BB%BFacme", "a%E2%81%A6b", "a%C2%85b"] {
+    for id in [
+        "acme%E2%80%AEtxt.exe",
+        "ac%E2%80%8Bme",
+        "%EF%BB%BFacme",
+        "a%E2%81%A6b",
+        "a%C2%85b",
+    ] {
         for token in [Some(TOKEN), None, Some("wrong")] {
             let r = reset(&admin, &format!("/callers/{id}/reset"), token).await;
             assert_eq!(r.status, 400, "{id} {token:?}: {}", r.text());
@@ -608,7 +614,12 @@ async fn reset_refuses_control_and_format_characters_and_logs_nothing_of_them() 
             );
         }
     }
-    let r = reset(&admin, "/callers/acme/reset?limit=core%E2%80%AE", Some(TOKEN)).await;
+    let r = reset(
+        &admin,
+        "/callers/acme/reset?limit=core%E2%80%AE",
+        Some(TOKEN),
+    )
+    .await;
     assert_eq!(r.status, 400, "{}", r.text());
     // A good id is still reset, and logged; the refused ones are not.
     let r = reset(&admin, "/callers/caf%C3%A9/reset", Some(TOKEN)).await;

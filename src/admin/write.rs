@@ -246,7 +246,14 @@ mod tests {
 
     #[test]
     fn control_and_format_characters_are_found() {
-        for bad in ["a\u{202e}b", "\u{200b}", "x\u{feff}", "\u{7}", "a\nb", "\u{2066}"] {
+        for bad in [
+            "a\u{202e}b",
+            "\u{200b}",
+            "x\u{feff}",
+            "\u{7}",
+            "a\nb",
+            "\u{2066}",
+        ] {
             assert!(has_control_or_format(bad), "{bad:?}");
         }
         for good in ["acme", "café", "東京", "a b", "ip:192.0.2.7"] {

@@ -33,10 +33,10 @@
 use super::records::Records;
 use super::Client;
 use crate::config::{ClientConfig, Config, IdentityConfig, MAX_REPORTED};
+use crate::lines::Capped;
 use serde::Deserialize;
 use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use crate::lines::Capped;
 use std::io::BufRead;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -682,7 +682,9 @@ impl<'s> Builder<'s> {
             if let Some(len) = too_long {
                 self.errors.file(
                     n as usize,
-                    format!("the line is {len} bytes, more than the {MAX_LINE} a key line may have"),
+                    format!(
+                        "the line is {len} bytes, more than the {MAX_LINE} a key line may have"
+                    ),
                 );
                 continue;
             }

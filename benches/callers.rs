@@ -61,6 +61,7 @@ fn lookup(c: &mut Criterion) {
         limits: None,
         tiers: None,
         by_id: false,
+        max_bytes: u64::MAX,
     };
     let set = source.build(None).unwrap();
     let digests: Vec<[u8; 32]> = (0..1024)

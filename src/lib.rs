@@ -16,6 +16,7 @@ pub mod config;
 pub mod http;
 pub mod identity;
 pub mod limiter;
+pub mod lines;
 pub mod logging;
 pub mod metrics;
 pub mod proxy;

@@ -11,6 +11,7 @@
 
 use crate::clock::SharedClock;
 use crate::config::{ConfigFile, ConfigReport};
+use crate::identity::KeysReload;
 use crate::metrics::{Metrics, ReloadLabels};
 use crate::snapshot::Snapshot;
 use arc_swap::ArcSwap;
@@ -137,7 +138,7 @@ pub fn watch_file(reloader: Reloader, path: PathBuf) -> notify::Result<notify::R
 
 /// Watch the directory of the running config's `identity.clients_file` and reload the
 /// keys (only them) when the file changes and settles: its size and modification time
-/// stay the same for [`SETTLE`] with no new event. The new set is built on a blocking
+/// stay the same for `identity.clients_file_settle` with no new event. The new set is built on a blocking
 /// thread and swapped in whole; a broken file is logged (`PATH:LINE: what is wrong`)
 /// and the running keys stay. `None` when the config has no keys file. The returned
 /// watcher must be kept alive.
@@ -174,7 +175,15 @@ fn watch_keys_file(
         while rx.recv().await.is_some() {
             tokio::time::sleep(DEBOUNCE).await;
             while rx.try_recv().is_ok() {}
-            if !settled_metadata(&path, &mut rx).await {
+            let settle = reloader
+                .0
+                .snapshot
+                .load()
+                .config
+                .identity
+                .clients_file_settle
+                .0;
+            if !settled_metadata(&path, &mut rx, settle).await {
                 continue;
             }
             let reloader = reloader.clone();
@@ -184,10 +193,15 @@ fn watch_keys_file(
     Ok(watcher)
 }
 
-/// Whether the file's size and modification time stayed the same over [`SETTLE`] with
-/// no file event in between (false when it kept changing for [`SETTLE_LIMIT`]). Unlike
-/// [`settled`], the content is not read: a keys file may be hundreds of megabytes.
-async fn settled_metadata(path: &Path, events: &mut mpsc::UnboundedReceiver<()>) -> bool {
+/// Whether the file's size and modification time stayed the same over `settle` with
+/// no file event in between (false when it kept changing for [`SETTLE_LIMIT`], or for
+/// three times `settle` when that is longer). Unlike [`settled`], the content is not
+/// read: a keys file may be hundreds of megabytes.
+async fn settled_metadata(
+    path: &Path,
+    events: &mut mpsc::UnboundedReceiver<()>,
+    settle: Duration,
+) -> bool {
     let look = |path: &Path| {
         std::fs::metadata(path)
             .ok()
@@ -195,8 +209,8 @@ async fn settled_metadata(path: &Path, events: &mut mpsc::UnboundedReceiver<()>)
     };
     let started = tokio::time::Instant::now();
     let mut before = look(path);
-    while started.elapsed() < SETTLE_LIMIT {
-        tokio::time::sleep(SETTLE).await;
+    while started.elapsed() < SETTLE_LIMIT.max(settle * 3) {
+        tokio::time::sleep(settle.max(Duration::from_millis(10))).await;
         let mut quiet = true;
         while events.try_recv().is_ok() {
             quiet = false;
@@ -342,21 +356,39 @@ impl Reloader {
 
     /// Read the running config's `identity.clients_file` again and swap the new key set
     /// in (validated as a whole; a broken file is logged as `PATH:LINE: what is wrong`
-    /// lines, capped, and the running keys stay). With `skip_unchanged` (watchers), a
-    /// file whose size and modification time are those already loaded is left alone.
-    /// Returns whether a new set is in use.
-    pub fn reload_keys(&self, skip_unchanged: bool) -> bool {
+    /// lines, capped, and the running keys stay). With `watched` (the file watcher), a
+    /// file whose size and modification time are those already loaded is left alone,
+    /// and a set that would remove more than `identity.clients_file_max_removed_percent`
+    /// of the keys is held (logged at warn) until a reload without `watched` (SIGHUP)
+    /// confirms it. Returns whether a new set is in use.
+    pub fn reload_keys(&self, watched: bool) -> bool {
         let _serial = self.0.reload_lock.lock().unwrap_or_else(|e| e.into_inner());
         let snap = self.0.snapshot.load_full();
         let Some(path) = snap.identities.clients_file() else {
             return false;
         };
-        if skip_unchanged && snap.identities.keys().same_file(path) {
+        if watched && snap.identities.keys().same_file(path) {
             return false;
         }
         let started = std::time::Instant::now();
-        match snap.identities.reload_keys() {
-            Ok((clients, keys)) => {
+        let hold = watched.then_some(snap.config.identity.clients_file_max_removed_percent);
+        match snap.identities.reload_keys(hold) {
+            Ok(KeysReload::Held {
+                removed,
+                running,
+                keys,
+            }) => {
+                tracing::warn!(
+                    file = %path.display(),
+                    removed,
+                    running,
+                    keys,
+                    "keys file held: it would remove {removed} of the {running} keys in use (more than identity.clients_file_max_removed_percent = {}%, or every key of the file); the running keys stay until SIGHUP confirms it (write a new file and rename it over the old one to replace it at once)",
+                    snap.config.identity.clients_file_max_removed_percent
+                );
+                false
+            }
+            Ok(KeysReload::Applied { clients, keys }) => {
                 tracing::info!(
                     file = %path.display(),
                     clients,

@@ -100,6 +100,9 @@ fn full_config() -> Config {
                 tier: "default".into(),
             }],
             clients_file: Some("keys.jsonl".into()),
+            clients_file_max_bytes: 256 << 20,
+            clients_file_settle: Dur::from_secs(1),
+            clients_file_max_removed_percent: 10,
             failed_auth_limit: tollgate::config::FailedAuthLimit::default(),
             client_cert_subject_as_caller: true,
             jwt: Some(JwtConfig {

@@ -375,3 +375,212 @@ async fn the_running_gateway_follows_the_keys_file_and_sighup() {
     .await;
     assert_eq!(call(&url, "a").await.status, 401);
 }
+
+/// Waits until the gateway's log contains `what` (within 5 s).
+fn logged(bin: &Binary, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !bin.logs().contains(what) {
+        assert!(
+            Instant::now() < deadline,
+            "not logged: {what}\n{}",
+            bin.logs()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A keys file of clients `c{i}` with keys `k{i}` for `i` in `range`.
+fn numbered(range: std::ops::Range<usize>) -> String {
+    range
+        .map(|i| line(&format!("c{i}"), &format!("k{i}"), json!({})))
+        .collect()
+}
+
+/// Issue 45 item 8: a writer truncates the keys file, writes half of it, pauses 1.5 s
+/// and writes the rest. The half-written file (and the empty one) would remove most
+/// keys: they are held, so a key that is in the file before and after never gets 401;
+/// the finished file is applied.
+#[tokio::test]
+async fn a_keys_file_written_in_place_with_a_pause_is_never_applied_half_written() {
+    use std::io::Write;
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys.jsonl");
+    std::fs::write(&keys, numbered(0..2000)).unwrap();
+    let port = free_port();
+    let cfg = dir.path().join("tollgate.toml");
+    let listen = format!("127.0.0.1:{port}");
+    std::fs::write(&cfg, config(&listen, &up.url(), &keys, "", "")).unwrap();
+    let bin = Binary::spawn(&cfg, port, &[]);
+    logged(&bin, "watching the keys file for changes");
+    let url = format!("http://{listen}/x");
+    assert_eq!(call(&url, "k1500").await.status, 200);
+
+    let mut f = std::fs::File::create(&keys).unwrap(); // truncates
+    f.write_all(numbered(0..1000).as_bytes()).unwrap();
+    f.flush().unwrap();
+    // During the pause (and after), keys of the second half stay in use: each probe
+    // uses another key, so that no window fills up.
+    let mut probe = 1000;
+    let mut check_second_half = async |until: Instant| {
+        while Instant::now() < until {
+            let key = format!("k{probe}");
+            let r = call(&url, &key).await;
+            assert_eq!(r.status, 200, "{key}: {}\n{}", r.text(), bin.logs());
+            probe += 1;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    check_second_half(Instant::now() + Duration::from_millis(1500)).await;
+    f.write_all(numbered(1000..2000).as_bytes()).unwrap();
+    f.write_all(line("new", "k-new", json!({})).as_bytes())
+        .unwrap();
+    f.flush().unwrap();
+    drop(f);
+    logged(&bin, "keys file held");
+    // The whole file is applied once it settles.
+    eventually_within(4, "the finished file is applied", async || {
+        call(&url, "k-new").await.status == 200
+    })
+    .await;
+    check_second_half(Instant::now() + Duration::from_millis(300)).await;
+    assert!(bin.logs().contains("clients=2001"), "{}", bin.logs());
+    assert!(!bin.logs().contains("clients=1000"), "{}", bin.logs());
+}
+
+async fn eventually_within(secs: u64, what: &str, mut ok: impl AsyncFnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    loop {
+        if ok().await {
+            return;
+        }
+        assert!(Instant::now() < deadline, "not within {secs} s: {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Issue 45 item 8: a change that removes more than
+/// `identity.clients_file_max_removed_percent` of the keys is held (logged at warn)
+/// until SIGHUP confirms it; a change that removes few keys applies on its own.
+#[tokio::test]
+async fn a_change_that_removes_many_keys_waits_for_sighup() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys.jsonl");
+    std::fs::write(&keys, numbered(0..100)).unwrap();
+    let port = free_port();
+    let cfg = dir.path().join("tollgate.toml");
+    let listen = format!("127.0.0.1:{port}");
+    // The defaults: identity.clients_file_max_removed_percent = 10.
+    std::fs::write(&cfg, config(&listen, &up.url(), &keys, "", "")).unwrap();
+    let bin = Binary::spawn(&cfg, port, &[]);
+    logged(&bin, "watching the keys file for changes");
+    let url = format!("http://{listen}/x");
+
+    // 8 of 100 keys go (not more than 10 %): applied on its own.
+    let next = dir.path().join("keys.next");
+    std::fs::write(&next, numbered(8..100)).unwrap();
+    std::fs::rename(&next, &keys).unwrap();
+    logged(&bin, "keys file reloaded");
+    assert!(bin.logs().contains("clients=92 keys=92"), "{}", bin.logs());
+    assert_eq!(call(&url, "k0").await.status, 401);
+
+    // 30 of 92 go, and one comes: held, nothing of it is in use.
+    std::fs::write(
+        &next,
+        [numbered(38..100), line("new", "k-new", json!({}))].concat(),
+    )
+    .unwrap();
+    std::fs::rename(&next, &keys).unwrap();
+    logged(
+        &bin,
+        "keys file held: it would remove 30 of the 92 keys in use",
+    );
+    let held = bin.logs();
+    let held = held.lines().find(|l| l.contains("keys file held")).unwrap();
+    assert!(held.contains("WARN"), "{held}");
+    assert_eq!(call(&url, "k20").await.status, 200);
+    assert_eq!(call(&url, "k-new").await.status, 401);
+
+    // SIGHUP confirms it.
+    bin.signal("-HUP");
+    eventually_within(4, "SIGHUP applies the held file", async || {
+        call(&url, "k-new").await.status == 200
+    })
+    .await;
+    assert_eq!(call(&url, "k21").await.status, 401);
+    assert_eq!(call(&url, "k50").await.status, 200);
+    assert!(bin.logs().contains("clients=63 keys=63"), "{}", bin.logs());
+}
+
+/// Issue 45 item 9: a sparse keys file of 300 GiB is refused before it is read, with a
+/// message naming `identity.clients_file_max_bytes`: `tollgate check` exits 1, and the
+/// running gateway logs the error and keeps serving the keys it has.
+#[tokio::test]
+async fn a_keys_file_over_the_size_cap_is_refused_and_the_running_keys_stay() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys.jsonl");
+    std::fs::write(&keys, numbered(0..10)).unwrap();
+    let port = free_port();
+    let cfg = dir.path().join("tollgate.toml");
+    let listen = format!("127.0.0.1:{port}");
+    std::fs::write(&cfg, config(&listen, &up.url(), &keys, "", "")).unwrap();
+    let bin = Binary::spawn(&cfg, port, &[]);
+    logged(&bin, "watching the keys file for changes");
+    let url = format!("http://{listen}/x");
+    assert_eq!(call(&url, "k3").await.status, 200);
+
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&keys)
+        .unwrap()
+        .set_len(300 << 30)
+        .unwrap();
+    logged(&bin, "keys file rejected");
+    let logs = bin.logs();
+    assert!(
+        logs.contains(
+            "322122547200 bytes, more than identity.clients_file_max_bytes = 268435456 bytes"
+        ),
+        "{logs}"
+    );
+    assert_eq!(call(&url, "k4").await.status, 200, "{}", bin.logs());
+    assert!(bin.logs().contains("keys file rejected"));
+
+    let (code, _, err) = check(&cfg);
+    assert_eq!(code, 1, "{err}");
+    let p = keys.display().to_string();
+    assert!(
+        err.contains(&format!(
+            "{p}: the keys file is 322122547200 bytes, more than identity.clients_file_max_bytes = 268435456 bytes"
+        )),
+        "{err}"
+    );
+}
+
+/// Issue 45 item 9: a line longer than the 64 KiB a key line may have is an error of
+/// that line (it is never held whole).
+#[test]
+fn check_refuses_a_line_longer_than_the_cap() {
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys.jsonl");
+    let long = format!("{{\"id\": \"{}\"}}\n", "x".repeat(10 << 20));
+    std::fs::write(&keys, [numbered(0..2), long, numbered(2..3)].concat()).unwrap();
+    let cfg = dir.path().join("tollgate.toml");
+    std::fs::write(
+        &cfg,
+        config("127.0.0.1:8080", "http://127.0.0.1:9", &keys, "", ""),
+    )
+    .unwrap();
+    let (code, _, err) = check(&cfg);
+    assert_eq!(code, 1, "{err}");
+    let p = keys.display().to_string();
+    assert!(
+        err.contains(&format!(
+            "{p}:3: the line is 10485771 bytes, more than the 65536 a key line may have"
+        )),
+        "{err}"
+    );
+    assert_eq!(err.lines().filter(|l| l.contains(&p)).count(), 1, "{err}");
+}

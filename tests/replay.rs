@@ -643,3 +643,78 @@ uncharged_statuses = [404]
         );
     }
 }
+
+/// Issue 45 item 11: a line longer than 64 KiB (here an access line whose path is
+/// 100,000 bytes, and a 1 MB line of junk) is counted as unparsed, with the reason,
+/// and the lines around it are read as usual.
+#[test]
+fn a_line_longer_than_the_cap_is_counted_as_unparsed() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut lines: Vec<String> = (0..20)
+        .map(|i| text_line(T0 + i * 10, 1, "/v1/x", 200, "acme"))
+        .collect();
+    let long_path = format!("/v1/{}", "a".repeat(100_000));
+    lines.insert(5, text_line(T0 + 45, 1, &long_path, 200, "acme"));
+    lines.insert(9, "x".repeat(1 << 20));
+    let log = write_lines(dir.path(), "access.log", &lines);
+    let cfg = config(
+        dir.path(),
+        "f.toml",
+        &limit("core", "fixed_window", "1m", 10),
+        "\"core\"",
+    );
+    let doc = replay_json(&cfg, &[], &[&log]);
+    assert_eq!(doc["unparsed_lines"], 2, "{doc:#}");
+    assert_eq!(doc["requests"], 20);
+    assert_eq!(entry(&doc, "core", "default")["refused"], 10);
+    assert_eq!(doc["unparsed"][0]["line"], 6);
+    assert_eq!(doc["unparsed"][1]["line"], 10);
+    for u in doc["unparsed"].as_array().unwrap() {
+        assert!(
+            u["reason"]
+                .as_str()
+                .unwrap()
+                .starts_with("longer than 65536 bytes"),
+            "{u}"
+        );
+        assert!(u["text"].as_str().unwrap().chars().count() <= 200);
+    }
+}
+
+/// Issue 45 item 11: the windows of callers seen once are dropped once they have
+/// passed, so the states held follow the windows open at once (about 1,000 here), not
+/// the 20,000 callers of the log; decisions are unchanged (each caller's second
+/// request in its minute is refused, its request a minute later is not).
+#[test]
+fn expired_windows_are_dropped_as_the_log_moves_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut lines = Vec::new();
+    // 20 minutes, 1,000 new callers a minute, two requests each in their minute; the
+    // callers of the first minute come back once in the third.
+    for m in 0..20u64 {
+        for c in 0..1000u64 {
+            let start = T0 + m * 60_000 + c * 50;
+            let caller = format!("c{}", m * 1000 + c);
+            lines.push(text_line(start, 1, "/v1/x", 200, &caller));
+            lines.push(text_line(start + 10, 1, "/v1/x", 200, &caller));
+            if m == 2 && c < 100 {
+                lines.push(text_line(start + 20, 1, "/v1/x", 200, &format!("c{c}")));
+            }
+        }
+    }
+    let log = write_lines(dir.path(), "access.log", &lines);
+    let cfg = config(
+        dir.path(),
+        "f.toml",
+        &limit("core", "fixed_window", "1m", 1),
+        "\"core\"",
+    );
+    let doc = replay_json(&cfg, &[], &[&log]);
+    assert_eq!(doc["requests"], 40_100, "{doc:#}");
+    let core = entry(&doc, "core", "anonymous");
+    assert_eq!(core["refused"], 20_000, "{core:#}");
+    let peak = doc["windows"]["peak"].as_u64().unwrap();
+    let dropped = doc["windows"]["dropped"].as_u64().unwrap();
+    assert!(peak <= 5_000, "peak {peak}: {:#}", doc["windows"]);
+    assert!(dropped >= 15_000, "dropped {dropped}: {:#}", doc["windows"]);
+}

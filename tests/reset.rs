@@ -563,3 +563,110 @@ async fn each_reset_is_logged_with_who_asked() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// Issue 45 item 10: a caller id (or limit name) with a control or format character
+/// (Unicode Cc, Cf: a bidi override U+202E, a zero-width space, a BOM) gets 400 with a
+/// JSON message, with or without a good token, and nothing of it is logged.
+#[tokio::test]
+async fn reset_refuses_control_and_format_characters_and_logs_nothing_of_them() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (port, admin_port) = (free_port(), free_port());
+    let listen = format!("127.0.0.1:{port}");
+    let admin = format!("127.0.0.1:{admin_port}");
+    let path = dir.path().join("tollgate.toml");
+    std::fs::write(
+        &path,
+        config(
+            &listen,
+            &admin,
+            "[store]\nbackend = \"memory\"",
+            &up,
+            Some(TOKEN),
+        ),
+    )
+    .unwrap();
+    let bin = Binary::spawn(&path, port, &[]);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(&admin).is_err() {
+        assert!(Instant::now() < deadline, "admin listener did not start");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // U+202E RIGHT-TO-LEFT OVERRIDE, U+200B ZERO WIDTH SPACE, U+FEFF, U+2066, U+0085.
+    for id in [
+        "acme%E2%80%AEtxt.exe",
+        "ac%E2%80%8Bme",
+        "%EF%BB%BFacme",
+        "a%E2%81%A6b",
+        "a%C2%85b",
+    ] {
+        for token in [Some(TOKEN), None, Some("wrong")] {
+            let r = reset(&admin, &format!("/callers/{id}/reset"), token).await;
+            assert_eq!(r.status, 400, "{id} {token:?}: {}", r.text());
+            assert_eq!(r.header("content-type"), "application/json");
+            assert!(
+                r.json()["message"]
+                    .as_str()
+                    .unwrap()
+                    .contains("control or format characters"),
+                "{}",
+                r.text()
+            );
+        }
+    }
+    let r = reset(
+        &admin,
+        "/callers/acme/reset?limit=core%E2%80%AE",
+        Some(TOKEN),
+    )
+    .await;
+    assert_eq!(r.status, 400, "{}", r.text());
+    // A good id is still reset, and logged; the refused ones are not.
+    let r = reset(&admin, "/callers/caf%C3%A9/reset", Some(TOKEN)).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !bin.logs().contains("caller reset") {
+        assert!(Instant::now() < deadline, "{}", bin.logs());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let logs = bin.logs();
+    for c in ['\u{202e}', '\u{200b}', '\u{feff}', '\u{2066}', '\u{85}'] {
+        assert!(!logs.contains(c), "{c:?} logged:\n{logs}");
+    }
+    assert!(!logs.contains("txt.exe"), "{logs}");
+    assert!(!logs.contains("admin write refused"), "{logs}");
+}
+
+/// Issue 45 item 10: `GET /config` shows no query value and no user info of any URL
+/// (a token in `identity.auth_request.url`'s query, a token as the URL's user), and
+/// still shows where the URL goes.
+#[tokio::test]
+async fn get_config_redacts_every_query_value_and_user_info_of_urls() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (port, admin_port) = (free_port(), free_port());
+    let listen = format!("127.0.0.1:{port}");
+    let admin = format!("127.0.0.1:{admin_port}");
+    let path = dir.path().join("tollgate.toml");
+    let toml = config(&listen, &admin, "", &up, None).replace(
+        "[[upstreams]]",
+        "[identity.auth_request]\nurl = \"http://userinfo-token@127.0.0.1:9/auth?token=s3cret-query-token&v=2\"\n\n[[upstreams]]",
+    );
+    std::fs::write(&path, toml).unwrap();
+    let _bin = Binary::spawn(&path, port, &[]);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(&admin).is_err() {
+        assert!(Instant::now() < deadline, "admin listener did not start");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let r = get(&format!("http://{admin}/config")).await;
+    assert_eq!(r.status, 200);
+    let text = r.text();
+    for secret in ["s3cret-query-token", "userinfo-token", "v=2"] {
+        assert!(!text.contains(secret), "{secret} in {text}");
+    }
+    assert_eq!(
+        r.json()["config"]["identity"]["auth_request"]["url"],
+        "http://<redacted>@127.0.0.1:9/auth?token=<redacted>&v=<redacted>"
+    );
+}

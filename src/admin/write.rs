@@ -43,10 +43,10 @@ pub(super) async fn handle(
             &json!({ "message": "not found; try POST /callers/{id}/reset[?limit=NAME]" }),
         );
     };
-    if id.chars().any(char::is_control) {
+    if has_control_or_format(&id) {
         return json_response(
             StatusCode::BAD_REQUEST,
-            &json!({ "message": "a caller id has no control characters" }),
+            &json!({ "message": "a caller id has no control or format characters (Unicode Cc, Cf, such as U+202E)" }),
         );
     }
     if method != Method::POST {
@@ -71,6 +71,12 @@ pub(super) async fn handle(
             return json_response(
                 StatusCode::BAD_REQUEST,
                 &json!({ "message": "bad query: the only parameter is limit=NAME" }),
+            )
+        }
+        Some(Ok(Some(name))) if has_control_or_format(&name) => {
+            return json_response(
+                StatusCode::BAD_REQUEST,
+                &json!({ "message": "a limit name has no control or format characters (Unicode Cc, Cf, such as U+202E)" }),
             )
         }
         Some(Ok(only)) => only,
@@ -180,6 +186,19 @@ fn authorize(headers: &HeaderMap, snap: &Snapshot) -> Result<String, Denied> {
     }
 }
 
+/// Whether `s` has a control (Unicode general category Cc) or format (Cf) character:
+/// such characters (a bidi override such as U+202E, a zero-width space) can make a log
+/// line or a terminal show something other than what is there.
+fn has_control_or_format(s: &str) -> bool {
+    use unicode_properties::{GeneralCategory, UnicodeGeneralCategory};
+    s.chars().any(|c| {
+        matches!(
+            c.general_category(),
+            GeneralCategory::Control | GeneralCategory::Format
+        )
+    })
+}
+
 /// `limit=NAME` (decoded) from a query string; `Err` for any other parameter.
 fn limit_param(query: &str) -> Result<Option<String>, ()> {
     let mut only = None;
@@ -223,5 +242,22 @@ mod tests {
         assert_eq!(limit_param(""), Ok(None));
         assert_eq!(limit_param("limit=a&limit=b"), Err(()));
         assert_eq!(limit_param("n=3"), Err(()));
+    }
+
+    #[test]
+    fn control_and_format_characters_are_found() {
+        for bad in [
+            "a\u{202e}b",
+            "\u{200b}",
+            "x\u{feff}",
+            "\u{7}",
+            "a\nb",
+            "\u{2066}",
+        ] {
+            assert!(has_control_or_format(bad), "{bad:?}");
+        }
+        for good in ["acme", "café", "東京", "a b", "ip:192.0.2.7"] {
+            assert!(!has_control_or_format(good), "{good:?}");
+        }
     }
 }

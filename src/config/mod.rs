@@ -171,11 +171,15 @@ impl fmt::Display for ConfigReport {
 
 impl std::error::Error for ConfigReport {}
 
-/// A URL fit for logs: `redis://user:secret@host` → `redis://user:<redacted>@host`, also
-/// when the password itself holds `@` (the last `@` ends the userinfo), and the value of
-/// a `password`, `pass` or `passwd` query parameter → `<redacted>`. Strings without a
-/// password come back unchanged.
+/// A URL fit for logs and `GET /config`: the user info's password (or the whole user
+/// info when it has no `:`, which is then a token) and the value of every query
+/// parameter are replaced by `<redacted>`: `redis://user:secret@host` →
+/// `redis://user:<redacted>@host` (also when the password itself holds `@`: the last
+/// `@` ends the user info), `http://TOKEN@host/` → `http://<redacted>@host/`,
+/// `http://host/auth?token=t&v=2` → `http://host/auth?token=<redacted>&v=<redacted>`.
+/// Strings without user info or a query come back unchanged.
 pub fn redact_url(url: &str) -> String {
+    const HIDDEN: &str = "<redacted>";
     let Some((scheme, rest)) = url.split_once("://") else {
         return url.to_string();
     };
@@ -184,24 +188,20 @@ pub fn redact_url(url: &str) -> String {
         None => (rest, None),
     };
     let mut out = match rest.rsplit_once('@') {
-        Some((userinfo, host)) => {
-            let user = userinfo.split(':').next().unwrap_or("");
-            format!("{scheme}://{user}:<redacted>@{host}")
-        }
+        Some((userinfo, host)) => match userinfo.split_once(':') {
+            Some((user, _)) => format!("{scheme}://{user}:{HIDDEN}@{host}"),
+            None => format!("{scheme}://{HIDDEN}@{host}"),
+        },
         None => format!("{scheme}://{rest}"),
     };
     if let Some(query) = query {
         let params: Vec<String> = query
             .split('&')
             .map(|p| match p.split_once('=') {
-                Some((k, _))
-                    if ["password", "pass", "passwd"]
-                        .iter()
-                        .any(|s| k.eq_ignore_ascii_case(s)) =>
-                {
-                    format!("{k}=<redacted>")
-                }
-                _ => p.to_string(),
+                Some((k, _)) => format!("{k}={HIDDEN}"),
+                // A bare word may be a token too.
+                None if !p.is_empty() => HIDDEN.to_string(),
+                None => String::new(),
             })
             .collect();
         out.push('?');
@@ -552,7 +552,15 @@ mod redact_tests {
         );
         assert_eq!(
             redact_url("redis://h:1/0?password=s3cret&db=2"),
-            "redis://h:1/0?password=<redacted>&db=2"
+            "redis://h:1/0?password=<redacted>&db=<redacted>"
+        );
+        assert_eq!(
+            redact_url("http://127.0.0.1:9100/auth?token=t0k&v=2&bare"),
+            "http://127.0.0.1:9100/auth?token=<redacted>&v=<redacted>&<redacted>"
+        );
+        assert_eq!(
+            redact_url("http://t0k3n@127.0.0.1:9100/auth"),
+            "http://<redacted>@127.0.0.1:9100/auth"
         );
         assert_eq!(
             redact_url("redis://h:1?pass=x"),

@@ -573,6 +573,20 @@ pub struct IdentityConfig {
     /// Default: none.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub clients_file: Option<String>,
+    /// The largest `clients_file` read, in bytes: a bigger file is refused before a byte
+    /// of it is read (at start and by `tollgate check`: an error naming this key; on a
+    /// reload: logged, and the running keys stay). Default 268435456 (256 MiB, about 2.5
+    /// million keys).
+    pub clients_file_max_bytes: u64,
+    /// How long a changed `clients_file` must keep the same size and modification time
+    /// (with no new file event) before the watcher applies it. Default 1 s.
+    pub clients_file_settle: Dur,
+    /// A change of `clients_file` seen by the watcher that would remove more than this
+    /// percent of the keys in use (and more than 10 keys), or that leaves the file with
+    /// no key while some were in use, is held (logged at warn) until SIGHUP confirms it or
+    /// the file changes again. 0 to 100; 100 holds only a file left with no key. Default
+    /// 10.
+    pub clients_file_max_removed_percent: u32,
     /// Failed authentications (unknown API keys) allowed per client IP and window, in
     /// the same store as the limits; past it, 429 instead of 401. Default 30 a minute.
     pub failed_auth_limit: FailedAuthLimit,
@@ -675,6 +689,9 @@ impl Default for IdentityConfig {
             anonymous_tier: "anonymous".into(),
             clients: Vec::new(),
             clients_file: None,
+            clients_file_max_bytes: 256 << 20,
+            clients_file_settle: Dur::from_secs(1),
+            clients_file_max_removed_percent: 10,
             failed_auth_limit: FailedAuthLimit::default(),
             client_cert_subject_as_caller: false,
             jwt: None,

@@ -33,6 +33,7 @@
 use super::records::Records;
 use super::Client;
 use crate::config::{ClientConfig, Config, IdentityConfig, MAX_REPORTED};
+use crate::lines::Capped;
 use serde::Deserialize;
 use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -40,6 +41,10 @@ use std::io::BufRead;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use subtle::ConstantTimeEq;
+
+/// The longest line of the keys file, in bytes (a key line is about 100): a longer one
+/// is an error, and is never held in memory whole.
+pub const MAX_LINE: usize = 64 * 1024;
 
 /// A client's own quotas: (limit name, cost units per window).
 pub(super) type Quotas = Box<[(Arc<str>, u64)]>;
@@ -113,6 +118,8 @@ pub struct KeySet {
     tiers: BTreeSet<Arc<str>>,
     /// The keys file's size and modification time when it was read.
     fingerprint: Option<(u64, Option<std::time::SystemTime>)>,
+    /// How many of the keys the keys file gave (the others are inline).
+    file_keys: usize,
 }
 
 impl KeySet {
@@ -189,6 +196,24 @@ impl KeySet {
         &self.clients
     }
 
+    /// How many of the keys the keys file gave.
+    pub fn file_keys(&self) -> usize {
+        self.file_keys
+    }
+
+    /// How many of this set's keys `new` does not have (the keys a swap to `new`
+    /// would remove).
+    pub fn removed_by(&self, new: &KeySet) -> usize {
+        (0..self.entries.len())
+            .filter(|&i| {
+                let e = self.entries.get(i);
+                let mut digest = [0u8; 32];
+                digest.copy_from_slice(&e[..32]);
+                new.find(&digest, || 0).is_none()
+            })
+            .count()
+    }
+
     /// How many clients (distinct ids).
     pub fn clients(&self) -> usize {
         self.clients.len()
@@ -199,6 +224,23 @@ impl KeySet {
     pub fn same_file(&self, path: &Path) -> bool {
         self.fingerprint.is_some() && self.fingerprint == fingerprint(path)
     }
+}
+
+/// Removals of at most this many keys are never held (see [`held`]).
+pub const ALWAYS_REMOVABLE: usize = 10;
+
+/// Whether a watched change from `running` to `new` is held until SIGHUP, and how many
+/// keys it would remove: it removes more than `max_removed_percent` percent of the keys
+/// in use and more than [`ALWAYS_REMOVABLE`], or it leaves the keys file with no key
+/// while `running` had some of it (a file being written in place, caught half-way).
+pub fn held(running: &KeySet, new: &KeySet, max_removed_percent: u32) -> Option<usize> {
+    if running.file_keys() == 0 {
+        return None;
+    }
+    let removed = running.removed_by(new);
+    let share = removed as u128 * 100 > u128::from(max_removed_percent) * running.keys() as u128;
+    let emptied = removed > 0 && new.file_keys() == 0;
+    ((share && removed > ALWAYS_REMOVABLE) || emptied).then_some(removed)
 }
 
 fn fingerprint(path: &Path) -> Option<(u64, Option<std::time::SystemTime>)> {
@@ -227,6 +269,8 @@ pub struct KeySource {
     pub tiers: Option<BTreeSet<String>>,
     /// Keep clients by id (`identity.client_cert_subject_as_caller`).
     pub by_id: bool,
+    /// The largest keys file read, in bytes (`identity.clients_file_max_bytes`).
+    pub max_bytes: u64,
 }
 
 impl KeySource {
@@ -238,6 +282,7 @@ impl KeySource {
             limits: None,
             tiers: None,
             by_id: cfg.client_cert_subject_as_caller,
+            max_bytes: cfg.clients_file_max_bytes,
         }
     }
 
@@ -286,13 +331,24 @@ impl KeySource {
         for (i, c) in self.inline.iter().enumerate() {
             b.inline(i, c);
         }
+        let inline_keys = b.set.entries.len();
         if let Some(path) = &self.file {
             b.set.fingerprint = fingerprint(path);
+            let len = b.set.fingerprint.map_or(0, |(len, _)| len);
+            if len > self.max_bytes {
+                b.errors.file(
+                    0,
+                    format!(
+                        "the keys file is {len} bytes, more than identity.clients_file_max_bytes = {} bytes: not read (raise the cap, or check the file)",
+                        self.max_bytes
+                    ),
+                );
+                return b.finish();
+            }
             // A line is at least 84 bytes: make room for the most lines the file can
-            // have, so that the vectors never grow by copying. Pages never written are
-            // not resident.
-            let most =
-                b.set.fingerprint.map_or(0, |(len, _)| len / 84) as usize + b.set.entries.len();
+            // have (within the cap), so that the vectors never grow by copying. Pages
+            // never written are not resident.
+            let most = (len.min(self.max_bytes) / 84) as usize + b.set.entries.len();
             let mut entries = Records::with_capacity(most);
             let mut origins = Records::with_capacity(if track { most } else { 0 });
             for i in 0..b.set.entries.len() {
@@ -308,10 +364,26 @@ impl KeySource {
             (b.set.entries, b.origins, b.set.extras) = (entries, origins, extras);
             b.set.clients.reserve(most);
             match std::fs::File::open(path) {
-                Ok(f) => b.read(std::io::BufReader::with_capacity(1 << 20, f)),
+                // A file that grew past the cap since its size was looked at is read
+                // up to the cap and one byte more: the error below.
+                Ok(f) => {
+                    let capped = std::io::Read::take(f, self.max_bytes.saturating_add(1));
+                    let mut r = std::io::BufReader::with_capacity(1 << 20, capped);
+                    b.read(&mut r);
+                    if r.into_inner().limit() == 0 {
+                        b.errors.file(
+                            0,
+                            format!(
+                                "the keys file grew past identity.clients_file_max_bytes = {} bytes while it was read",
+                                self.max_bytes
+                            ),
+                        );
+                    }
+                }
                 Err(e) => b.errors.file(0, format!("cannot read the keys file: {e}")),
             }
         }
+        b.set.file_keys = b.set.entries.len() - inline_keys;
         b.finish()
     }
 }
@@ -588,24 +660,33 @@ impl<'s> Builder<'s> {
         }
     }
 
-    fn read(&mut self, mut r: impl BufRead) {
+    fn read(&mut self, r: &mut impl BufRead) {
         let mut buf = Vec::with_capacity(256);
         let mut n = 0u32;
         while !self.errors.untracked {
-            buf.clear();
-            match r.read_until(b'\n', &mut buf) {
-                Ok(0) => return,
-                Ok(_) => {}
+            let too_long = match crate::lines::read_capped(r, &mut buf, MAX_LINE) {
+                Ok(Capped::End) => return,
+                Ok(Capped::Line) => None,
+                Ok(Capped::TooLong(len)) => Some(len),
                 Err(e) => {
                     self.errors
                         .file(n as usize + 1, format!("cannot read the keys file: {e}"));
                     return;
                 }
-            }
+            };
             n += 1;
             if n >= CONFIG {
                 self.errors.file(n as usize, "too many lines".into());
                 return;
+            }
+            if let Some(len) = too_long {
+                self.errors.file(
+                    n as usize,
+                    format!(
+                        "the line is {len} bytes, more than the {MAX_LINE} a key line may have"
+                    ),
+                );
+                continue;
             }
             let text = buf.trim_ascii();
             if text.is_empty() || text[0] == b'#' {
@@ -1039,6 +1120,7 @@ mod tests {
             limits: None,
             tiers: None,
             by_id: false,
+            max_bytes: u64::MAX,
         }
     }
 
@@ -1153,6 +1235,7 @@ mod tests {
             limits: None,
             tiers: None,
             by_id: false,
+            max_bytes: u64::MAX,
         };
         let set = source.build(None).unwrap();
         // Built again over itself: every client is shared.

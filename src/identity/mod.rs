@@ -147,6 +147,27 @@ pub enum IdentityError {
     },
 }
 
+/// What a reload of the keys file did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeysReload {
+    /// The new set is in use.
+    Applied {
+        /// Clients (distinct ids) of the new set.
+        clients: usize,
+        /// Keys of the new set.
+        keys: usize,
+    },
+    /// The new set would remove too many keys: the running set stays until SIGHUP.
+    Held {
+        /// Keys in use that the new set does not have.
+        removed: usize,
+        /// Keys in use.
+        running: usize,
+        /// Keys of the new set.
+        keys: usize,
+    },
+}
+
 /// The identity part of a config snapshot.
 #[derive(Debug)]
 pub struct Identities {
@@ -242,6 +263,15 @@ impl Identities {
             );
         }
         let ipv6_prefix_len = cfg.ipv6_prefix_len.clamp(1, 128) as u8;
+        if cfg.clients_file_max_removed_percent > 100 {
+            problems.error(
+                "identity.clients_file_max_removed_percent",
+                format!(
+                    "{} is not a percentage: must be between 0 and 100",
+                    cfg.clients_file_max_removed_percent
+                ),
+            );
+        }
 
         let kept = previous.filter(|p| *p.key_source == source);
         let keys = match kept {
@@ -358,9 +388,24 @@ impl Identities {
     ///
     /// Errors: every problem of the file ([`KeyErrors::lines`]); the running set
     /// stays.
-    pub fn reload_keys(&self) -> Result<(usize, usize), KeyErrors> {
-        let set = self.key_source.build(Some(&self.keys.load()))?;
-        let counts = (set.clients(), set.keys());
+    ///
+    /// With `max_removed_percent` (a watcher's reload), a new set that [`keys::held`]
+    /// holds is not swapped in: [`KeysReload::Held`].
+    pub fn reload_keys(&self, max_removed_percent: Option<u32>) -> Result<KeysReload, KeyErrors> {
+        let running = self.keys.load_full();
+        let set = self.key_source.build(Some(&running))?;
+        if let Some(removed) = max_removed_percent.and_then(|p| keys::held(&running, &set, p)) {
+            return Ok(KeysReload::Held {
+                removed,
+                running: running.keys(),
+                keys: set.keys(),
+            });
+        }
+        drop(running);
+        let counts = KeysReload::Applied {
+            clients: set.clients(),
+            keys: set.keys(),
+        };
         self.keys.store(Arc::new(set));
         Ok(counts)
     }

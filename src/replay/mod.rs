@@ -12,7 +12,10 @@
 //! began: requests are decided in order of their start, through a buffer that holds
 //! each one until the log has moved [`REORDER_MS`] past it. Memory grows with the
 //! number of distinct callers (their limit states and refusal counts) and with the
-//! requests in that buffer, not with the length of the logs.
+//! requests in that buffer, not with the length of the logs. Limit states whose window
+//! has passed are dropped as the log moves on, so that they follow the windows open at
+//! once rather than every caller ever seen. A line longer than [`MAX_LINE`] is counted
+//! as unparsed.
 
 pub mod model;
 pub mod parse;
@@ -32,6 +35,10 @@ use std::sync::Arc;
 /// in ms: the longest duration seen so far, up to this. A request that took longer is
 /// decided late (with the clock it is decided at, never earlier than a decided request).
 pub const REORDER_MS: u64 = 10_000;
+
+/// The longest log line read, in bytes: a longer one is counted as unparsed (and read
+/// past without being held whole).
+pub const MAX_LINE: usize = 64 * 1024;
 
 /// Unparsed lines shown (all are counted).
 pub const SHOWN_UNPARSED: usize = 10;
@@ -314,19 +321,27 @@ fn replay(models: Vec<Model>, opts: &Options, names: Option<Interner>) -> Result
         let mut buf = Vec::with_capacity(1024);
         let mut n = 0u64;
         loop {
-            buf.clear();
-            match reader.read_until(b'\n', &mut buf) {
-                Ok(0) => break,
-                Ok(_) => {}
+            let too_long = match crate::lines::read_capped(&mut reader, &mut buf, MAX_LINE) {
+                Ok(crate::lines::Capped::End) => break,
+                Ok(crate::lines::Capped::Line) => None,
+                Ok(crate::lines::Capped::TooLong(len)) => Some(len),
                 Err(e) => {
                     pass.reading
                         .read_errors
                         .push(format!("{name}: read error after line {n}: {e}"));
                     break;
                 }
-            }
+            };
             n += 1;
-            pass.line(&name, n, &buf);
+            match too_long {
+                None => pass.line(&name, n, &buf),
+                Some(len) => pass.unparsed(
+                    &name,
+                    n,
+                    &format!("longer than {MAX_LINE} bytes ({len})"),
+                    &buf,
+                ),
+            }
         }
     }
     pass.drain(true);
@@ -347,18 +362,21 @@ impl Pass {
             Ok(Parsed::Request(line)) => self.request(&line),
             Ok(Parsed::HeldBack(k)) => self.reading.held_back += k,
             Ok(Parsed::Other) => self.reading.other_lines += 1,
-            Err(reason) => {
-                self.reading.unparsed_lines += 1;
-                if self.reading.unparsed.len() < SHOWN_UNPARSED {
-                    let text = String::from_utf8_lossy(bytes);
-                    self.reading.unparsed.push(Unparsed {
-                        file: file.to_string(),
-                        line: n,
-                        reason: reason.to_string(),
-                        text: text.trim_end().chars().take(200).collect(),
-                    });
-                }
-            }
+            Err(reason) => self.unparsed(file, n, reason, bytes),
+        }
+    }
+
+    /// Count line `n` of `file` as unparsed, for `reason`; `bytes` is (its start).
+    fn unparsed(&mut self, file: &str, n: u64, reason: &str, bytes: &[u8]) {
+        self.reading.unparsed_lines += 1;
+        if self.reading.unparsed.len() < SHOWN_UNPARSED {
+            let text = String::from_utf8_lossy(&bytes[..bytes.len().min(800)]);
+            self.reading.unparsed.push(Unparsed {
+                file: file.to_string(),
+                line: n,
+                reason: reason.to_string(),
+                text: text.trim_end().chars().take(200).collect(),
+            });
         }
     }
 

@@ -119,8 +119,15 @@ pub struct Model {
     known: Vec<Known>,
     /// Per interned tier name: whether it is the anonymous tier's.
     anonymous_tier: Arc<str>,
-    /// Limit states by [`subject_key`].
+    /// Limit states by [`subject_key`]; those whose window has passed are dropped (see
+    /// [`Model::sweep`]).
     states: HashMap<u64, State, Fast>,
+    /// How many states there may be before the next sweep.
+    sweep_at: usize,
+    /// States dropped because their window had passed.
+    pub windows_dropped: u64,
+    /// The most states held at once.
+    pub peak_windows: usize,
     /// Per (tier id × limit index); `None` where no request was seen.
     stats: Vec<Option<LimitStats>>,
     /// Over every request.
@@ -158,6 +165,9 @@ impl Model {
             known: Vec::new(),
             anonymous_tier,
             states: HashMap::default(),
+            sweep_at: MIN_SWEEP,
+            windows_dropped: 0,
+            peak_windows: 0,
             stats: Vec::new(),
             totals: Totals::default(),
             series: None,
@@ -370,6 +380,9 @@ impl Model {
                 cost: units,
                 id: req.seq + 1,
             };
+            if self.states.len() >= self.sweep_at {
+                self.sweep(now);
+            }
             let state = self.states.entry(step.key).or_insert(State::Empty);
             let v = algorithm::apply(&step.policy, state, op, now);
             let stats = slot(&mut self.stats, nl, step.limit, tier);
@@ -388,6 +401,34 @@ impl Model {
         Outcome::Admitted
     }
 
+    /// How many limit states (windows) are held now.
+    pub fn windows(&self) -> usize {
+        self.states.len()
+    }
+
+    /// Drop the states whose window has passed at `now` (ms since the epoch): a state
+    /// past [`State::expires_at`] decides as no state does. The next sweep comes when
+    /// the states left have doubled (at least [`MIN_SWEEP`]), so that sweeping costs a
+    /// constant time per state, and memory follows the windows that are open, not
+    /// every caller the logs have named.
+    fn sweep(&mut self, now: u64) {
+        self.peak_windows = self.peak_windows.max(self.states.len());
+        let limits = &self.snap.limits;
+        let before = self.states.len();
+        self.states.retain(|key, state| {
+            let window_ms = limits
+                .get((key >> 48) as usize)
+                .map_or(u64::MAX / 4, |l| l.window_ms);
+            state.expires_at(window_ms) > now
+        });
+        self.windows_dropped += (before - self.states.len()) as u64;
+        self.sweep_at = (self.states.len() * 2).max(MIN_SWEEP);
+        // The table's memory follows: a table far bigger than what is left shrinks.
+        if self.states.capacity() > 4 * self.sweep_at {
+            self.states.shrink_to(self.sweep_at);
+        }
+    }
+
     /// Whether the request's response is charged under this config: its status is not
     /// one of the route's `uncharged_statuses`, and (tollgate logs) the gateway did not
     /// find its upstream failing (admitted, nothing charged, 502-504). A request the log
@@ -399,6 +440,9 @@ impl Model {
         (req.refused_in_log || route.charges(status)) && !upstream_failed
     }
 }
+
+/// The fewest states a sweep of expired windows waits for.
+const MIN_SWEEP: usize = 4096;
 
 /// Not looked up yet (in `Model::quotas`).
 const UNKNOWN: u64 = u64::MAX;

@@ -37,6 +37,8 @@ pub struct Report {
     pub read_errors: Vec<String>,
     /// Counts over every request.
     pub totals: Totals,
+    /// The limit states (windows) the replay held: memory follows `peak`.
+    pub windows: Windows,
     /// Per limit (config order) and tier.
     pub limits: Vec<LimitReport>,
     /// What a reader should know about the numbers (e.g. lines the gateway held back).
@@ -45,6 +47,15 @@ pub struct Report {
     /// change.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub compare: Option<Compare>,
+}
+
+/// The limit states (one per limit and caller with an open window) of a replay.
+#[derive(Debug, Serialize, Clone, Copy)]
+pub struct Windows {
+    /// The most held at once.
+    pub peak: usize,
+    /// Those dropped because their window had passed.
+    pub dropped: u64,
 }
 
 /// One limit for one tier.
@@ -251,6 +262,10 @@ impl Report {
             unparsed: reading.unparsed.clone(),
             read_errors: reading.read_errors.clone(),
             totals: main.totals.clone(),
+            windows: Windows {
+                peak: main.peak_windows.max(main.windows()),
+                dropped: main.windows_dropped,
+            },
             limits,
             notes,
             compare,

@@ -2,9 +2,9 @@
 //! 1xx responses of an HTTP/2 upstream (`103 Early Hints`, ...) reach clients:
 //! hyper's HTTP/2 client skips them (its `on_informational` is HTTP/1.1 only).
 //!
-//! What hyper's client did is done here the same way: its connection settings (2 MiB
-//! stream and 5 MiB connection windows, 16 KiB frames, 1 MiB send buffer, no server
-//! push), with the header-list limit set to `upstreams.max_response_header_bytes`; the
+//! What hyper's client did is done here the same way: its connection settings (16 KiB
+//! frames, 1 MiB send buffer, no server push), with the header-list limit set to
+//! `upstreams.max_response_header_bytes`; the
 //! request head stripped of connection-specific fields, with `Content-Length` set from
 //! a body of known length; the request body piped on its own task within the stream's
 //! flow-control window (data, then trailers or an empty end-of-stream frame), reset
@@ -15,6 +15,22 @@
 //! One thing is better than hyper's: when the request body fails while being sent (too
 //! large, stopped arriving, unreadable), the response's error is that body error, so
 //! that the client gets 413, 408 or 400 as with an HTTP/1.1 upstream, not 502.
+//!
+//! One stream cannot stall the others (issue 45): a response body's stream window
+//! ([`STREAM_WINDOW`], 1 MiB) is what a client that stops reading can hold, and the
+//! connection's window is that times the streams one connection carries at most
+//! ([`MAX_STREAMS`]), so that however many of its streams are not read, the connection
+//! still has window for the others. A connection with no stream left to open is not
+//! given more requests: the pool opens another ([`Connection::claim`]). A stream whose
+//! client stopped reading ends with its client's connection (`server.send_timeout`):
+//! its response body is dropped, which resets the stream (`CANCEL`) and gives its
+//! window back.
+//!
+//! A request the upstream did not process is given back to be sent again on another
+//! connection ([`SendFailure::unprocessed`]): one on a stream above the last stream id
+//! of a graceful `GOAWAY` (`NO_ERROR`, RFC 9113 §6.8), one refused with
+//! `REFUSED_STREAM` (§8.7), and one the connection could not open a stream for. Only a
+//! request without a body can be sent again: a body is streamed as it comes, not kept.
 
 use super::body::{BodyError, RequestBody};
 use super::interim::Informational;
@@ -25,15 +41,21 @@ use http::{Method, Request, Response};
 use http_body::{Body as HttpBody, Frame, SizeHint};
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{ready, Context, Poll};
 use tokio::sync::oneshot;
 
-/// hyper's HTTP/2 client defaults, kept: stream window, bytes.
-const STREAM_WINDOW: u32 = 2 * 1024 * 1024;
-/// Connection window, bytes.
-const CONN_WINDOW: u32 = 5 * 1024 * 1024;
+/// Stream window, bytes: what one response's stream may have buffered unread (hyper's
+/// default is 2 MiB).
+pub const STREAM_WINDOW: u32 = 1024 * 1024;
+/// Streams one connection carries at most (fewer when the upstream's
+/// `SETTINGS_MAX_CONCURRENT_STREAMS` says so); the pool opens another connection for
+/// more.
+pub const MAX_STREAMS: usize = 100;
+/// Connection window, bytes: every stream's window, so that streams whose responses are
+/// not read cannot take the window of the others (100 MiB).
+const CONN_WINDOW: u32 = STREAM_WINDOW * MAX_STREAMS as u32;
 /// Largest frame accepted, bytes.
 const MAX_FRAME: u32 = 16 * 1024;
 /// Request body bytes buffered per stream beyond what flow control lets go, bytes.
@@ -49,6 +71,30 @@ pub struct Connection {
     tx: h2::client::SendRequest<Bytes>,
     /// Set when the connection's task has ended.
     closed: Arc<AtomicBool>,
+    /// Streams claimed on it and not yet ended ([`Connection::claim`]).
+    streams: Arc<AtomicUsize>,
+}
+
+/// One stream's place on a [`Connection`], from [`Connection::claim`] until its response
+/// body and request body are both done with (then the place is free again).
+#[derive(Debug)]
+pub struct Claim(Arc<AtomicUsize>);
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// A failed [`Connection::send`].
+#[derive(Debug)]
+pub struct SendFailure {
+    /// What went wrong.
+    pub error: PoolError,
+    /// The request, when the upstream did not process it (a stream above a graceful
+    /// `GOAWAY`'s last stream id, one refused with `REFUSED_STREAM`, or none opened) and
+    /// it has no body: it may be sent again on another connection.
+    pub unprocessed: Option<Request<RequestBody>>,
 }
 
 impl Connection {
@@ -80,7 +126,25 @@ impl Connection {
             }
             ended.store(true, Ordering::Release);
         });
-        Ok(Self { tx, closed })
+        Ok(Self {
+            tx,
+            closed,
+            streams: Arc::new(AtomicUsize::new(0)),
+        })
+    }
+
+    /// A place for one more stream, when the connection is open and has one: fewer
+    /// streams claimed than [`MAX_STREAMS`] and than the upstream's
+    /// `SETTINGS_MAX_CONCURRENT_STREAMS`. With `force`, a place even past those (on a
+    /// new connection: the stream waits in [`Connection::ready`] for one).
+    pub fn claim(&self, force: bool) -> Option<Claim> {
+        if self.is_closed() {
+            return None;
+        }
+        let most = MAX_STREAMS.min(self.tx.current_max_send_streams()).max(1);
+        let claimed = self.streams.fetch_add(1, Ordering::AcqRel);
+        let claim = Claim(self.streams.clone());
+        (force || claimed < most).then_some(claim)
     }
 
     /// Whether the connection has ended (no request can go on it).
@@ -102,17 +166,20 @@ impl Connection {
     }
 
     /// Send `req` (absolute URI: scheme and authority become `:scheme` and
-    /// `:authority`) once [`Connection::ready`]; the response once its head has come,
-    /// its body streaming. 1xx responses that come before it go to `informational`
-    /// (dropped without one).
+    /// `:authority`) once [`Connection::ready`], on the stream `claim` holds a place
+    /// for; the response once its head has come, its body streaming. 1xx responses that
+    /// come before it go to `informational` (dropped without one).
     ///
     /// Errors: [`PoolError::H2`] when the stream could not be opened or was reset, or
-    /// the connection failed; [`PoolError::Body`] when the request body failed first.
+    /// the connection failed; [`PoolError::Body`] when the request body failed first;
+    /// with the request back when the upstream did not process it (see
+    /// [`SendFailure`]).
     pub async fn send(
         &mut self,
         req: Request<RequestBody>,
         informational: Option<Informational>,
-    ) -> Result<Response<ResponseBody>, PoolError> {
+        claim: Claim,
+    ) -> Result<Response<ResponseBody>, SendFailure> {
         let (mut head, body) = req.into_parts();
         strip_connection_headers(&mut head.headers);
         if let Some(len) = body.size_hint().exact() {
@@ -124,12 +191,26 @@ impl Connection {
             }
         }
         let eos = body.is_end_stream();
-        let (mut response, stream) = self
-            .tx
-            .send_request(Request::from_parts(head, ()), eos)
-            .map_err(PoolError::H2)?;
+        // Kept to send the request again if the upstream does not process it.
+        let again = head.clone();
+        let (mut response, stream) = match self.tx.send_request(Request::from_parts(head, ()), eos)
+        {
+            Ok(sent) => sent,
+            // No stream was opened: nothing of the request went out.
+            Err(e) => {
+                return Err(SendFailure {
+                    error: PoolError::H2(e),
+                    unprocessed: Some(Request::from_parts(again, body)),
+                })
+            }
+        };
+        let claim = Arc::new(claim);
         let mut pipe = None;
-        if !eos {
+        // A request without a body can be sent again as it is.
+        let mut replay = None;
+        if eos {
+            replay = Some(Request::from_parts(again, body));
+        } else {
             let failure = Arc::new(Mutex::new(None));
             let (cancel, cancelled) = oneshot::channel();
             tokio::spawn(Pipe {
@@ -138,6 +219,7 @@ impl Connection {
                 buffered: None,
                 failure: failure.clone(),
                 cancelled: Some(cancelled),
+                _claim: claim.clone(),
             });
             pipe = Some((cancel, failure));
         }
@@ -159,7 +241,7 @@ impl Connection {
                     let _ = cancel.send(());
                 }
                 let (parts, recv) = response.into_parts();
-                let body = ResponseBody::new(recv, &parts.headers);
+                let body = ResponseBody::new(recv, &parts.headers, claim);
                 Ok(Response::from_parts(parts, body))
             }
             Err(e) => {
@@ -167,12 +249,28 @@ impl Connection {
                     failure.lock().unwrap_or_else(|p| p.into_inner()).take()
                 });
                 Err(match failed {
-                    Some(body_error) => PoolError::Body(body_error),
-                    None => PoolError::H2(e),
+                    Some(body_error) => SendFailure {
+                        error: PoolError::Body(body_error),
+                        unprocessed: None,
+                    },
+                    None => SendFailure {
+                        unprocessed: replay.filter(|_| not_processed(&e)),
+                        error: PoolError::H2(e),
+                    },
                 })
             }
         }
     }
+}
+
+/// Whether a stream's error says that the upstream did not process its request: the
+/// stream was above the last stream id of a graceful `GOAWAY` (RFC 9113 §6.8: h2 gives
+/// those streams the `GOAWAY`'s own error, and only those when its code is `NO_ERROR`),
+/// or the upstream refused it with `REFUSED_STREAM` (§8.7).
+fn not_processed(e: &h2::Error) -> bool {
+    e.is_remote()
+        && ((e.is_go_away() && e.reason() == Some(h2::Reason::NO_ERROR))
+            || (e.is_reset() && e.reason() == Some(h2::Reason::REFUSED_STREAM)))
 }
 
 /// Whether a request with this method has a body by definition (hyper's rule for
@@ -205,6 +303,8 @@ struct Pipe {
     /// Resolves `Ok` when the response has come (the body goes on being sent), `Err`
     /// when the request was given up before (the stream is reset).
     cancelled: Option<oneshot::Receiver<()>>,
+    /// The stream's place on its connection, held while the body is sent.
+    _claim: Arc<Claim>,
 }
 
 impl Pipe {
@@ -307,12 +407,14 @@ pub struct ResponseBody {
     data_done: bool,
     /// What `Content-Length` says is left, in bytes (`None`: not given).
     left: Option<u64>,
+    /// The stream's place on its connection, held while the body is read.
+    _claim: Arc<Claim>,
 }
 
 impl ResponseBody {
     /// The body of a response with these `headers` (its `Content-Length`, if any, is
     /// the size hint).
-    fn new(recv: h2::RecvStream, headers: &HeaderMap) -> Self {
+    fn new(recv: h2::RecvStream, headers: &HeaderMap, claim: Arc<Claim>) -> Self {
         let length = headers
             .get(header::CONTENT_LENGTH)
             .and_then(|v| v.to_str().ok())
@@ -321,6 +423,7 @@ impl ResponseBody {
             left: length.or(recv.is_end_stream().then_some(0)),
             recv,
             data_done: false,
+            _claim: claim,
         }
     }
 }

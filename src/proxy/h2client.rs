@@ -29,8 +29,11 @@
 //! A request the upstream did not process is given back to be sent again on another
 //! connection ([`SendFailure::unprocessed`]): one on a stream above the last stream id
 //! of a graceful `GOAWAY` (`NO_ERROR`, RFC 9113 §6.8), one refused with
-//! `REFUSED_STREAM` (§8.7), and one the connection could not open a stream for. Only a
-//! request without a body can be sent again: a body is streamed as it comes, not kept.
+//! `REFUSED_STREAM` (§8.7), and one the connection could not open a stream for. A
+//! request body is streamed as it comes; a copy of it is kept while it is at most
+//! [`REPLAY_BYTES`], so that a request can be sent again once its whole body has been
+//! sent (and when no stream was opened at all); a larger body, or one still being sent
+//! when the upstream refused the request, is not (the request's error stands: 502).
 
 use super::body::{BodyError, RequestBody};
 use super::interim::Informational;
@@ -60,6 +63,9 @@ const CONN_WINDOW: u32 = STREAM_WINDOW * MAX_STREAMS as u32;
 const MAX_FRAME: u32 = 16 * 1024;
 /// Request body bytes buffered per stream beyond what flow control lets go, bytes.
 const MAX_SEND_BUF: usize = 1024 * 1024;
+/// The largest request body kept while it is sent, to send again if the upstream does
+/// not process the request (64 KiB): a larger one is not sent again.
+pub const REPLAY_BYTES: usize = 64 * 1024;
 /// Streams the client may open before the server's SETTINGS arrive.
 const INITIAL_MAX_SEND_STREAMS: usize = 100;
 /// Streams reset for a local error before the connection is given up (hyper's default).
@@ -92,8 +98,9 @@ pub struct SendFailure {
     /// What went wrong.
     pub error: PoolError,
     /// The request, when the upstream did not process it (a stream above a graceful
-    /// `GOAWAY`'s last stream id, one refused with `REFUSED_STREAM`, or none opened) and
-    /// it has no body: it may be sent again on another connection.
+    /// `GOAWAY`'s last stream id, one refused with `REFUSED_STREAM`, or none opened)
+    /// and its body can be sent again (none, or one sent whole and kept: see
+    /// [`REPLAY_BYTES`]): it may be sent again on another connection.
     pub unprocessed: Option<Request<RequestBody>>,
 }
 
@@ -206,22 +213,26 @@ impl Connection {
         };
         let claim = Arc::new(claim);
         let mut pipe = None;
-        // A request without a body can be sent again as it is.
-        let mut replay = None;
+        // A request without a body can be sent again as it is; one with a body, once
+        // the pipe has sent all of it (see `Pipe::kept`).
+        let mut bodiless = None;
         if eos {
-            replay = Some(Request::from_parts(again, body));
+            bodiless = Some(body);
         } else {
             let failure = Arc::new(Mutex::new(None));
             let (cancel, cancelled) = oneshot::channel();
+            let (sent, whole) = oneshot::channel();
             tokio::spawn(Pipe {
                 body,
                 tx: stream,
                 buffered: None,
                 failure: failure.clone(),
                 cancelled: Some(cancelled),
+                kept: Some((Vec::new(), 0)),
+                sent: Some(sent),
                 _claim: claim.clone(),
             });
-            pipe = Some((cancel, failure));
+            pipe = Some((cancel, failure, whole));
         }
         let got = std::future::poll_fn(|cx| {
             if let Some(client) = &informational {
@@ -236,7 +247,7 @@ impl Connection {
         .await;
         match got {
             Ok(response) => {
-                if let Some((cancel, _)) = pipe {
+                if let Some((cancel, _, _)) = pipe {
                     // Answered: the rest of the request body goes on being sent.
                     let _ = cancel.send(());
                 }
@@ -245,18 +256,32 @@ impl Connection {
                 Ok(Response::from_parts(parts, body))
             }
             Err(e) => {
-                let failed = pipe.and_then(|(_, failure)| {
-                    failure.lock().unwrap_or_else(|p| p.into_inner()).take()
-                });
-                Err(match failed {
-                    Some(body_error) => SendFailure {
+                let Some((cancel, failure, whole)) = pipe else {
+                    return Err(SendFailure {
+                        unprocessed: bodiless
+                            .filter(|_| not_processed(&e))
+                            .map(|body| Request::from_parts(again, body)),
+                        error: PoolError::H2(e),
+                    });
+                };
+                if let Some(body_error) = failure.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                    return Err(SendFailure {
                         error: PoolError::Body(body_error),
                         unprocessed: None,
-                    },
-                    None => SendFailure {
-                        unprocessed: replay.filter(|_| not_processed(&e)),
-                        error: PoolError::H2(e),
-                    },
+                    });
+                }
+                // The pipe stops (at once, unless it has ended); it gives back the
+                // whole body it sent, if it did and kept it.
+                drop(cancel);
+                let mut unprocessed = None;
+                if not_processed(&e) {
+                    if let Ok(frames) = whole.await {
+                        unprocessed = Some(Request::from_parts(again, RequestBody::replay(frames)));
+                    }
+                }
+                Err(SendFailure {
+                    unprocessed,
+                    error: PoolError::H2(e),
                 })
             }
         }
@@ -303,11 +328,45 @@ struct Pipe {
     /// Resolves `Ok` when the response has come (the body goes on being sent), `Err`
     /// when the request was given up before (the stream is reset).
     cancelled: Option<oneshot::Receiver<()>>,
+    /// The frames taken from `body` and their data's size in bytes, while that is at
+    /// most [`REPLAY_BYTES`] (`None` past it): a body sent whole is given to `sent`, to
+    /// be sent again if the upstream did not process the request.
+    kept: Option<(Vec<Frame<Bytes>>, usize)>,
+    /// Where the whole body goes once sent (see `kept`).
+    sent: Option<oneshot::Sender<Vec<Frame<Bytes>>>>,
     /// The stream's place on its connection, held while the body is sent.
     _claim: Arc<Claim>,
 }
 
 impl Pipe {
+    /// Keep a copy of `frame`, taken from the body, while the body is small enough.
+    fn keep(&mut self, frame: &Frame<Bytes>) {
+        let Some((frames, bytes)) = &mut self.kept else {
+            return;
+        };
+        let size = frame.data_ref().map_or(0, Bytes::len);
+        if *bytes + size > REPLAY_BYTES {
+            self.kept = None;
+            return;
+        }
+        *bytes += size;
+        let copy = match frame.data_ref() {
+            Some(data) => Frame::data(data.clone()),
+            None => match frame.trailers_ref() {
+                Some(trailers) => Frame::trailers(trailers.clone()),
+                None => return,
+            },
+        };
+        frames.push(copy);
+    }
+
+    /// The whole body was sent: give what was kept of it to whoever may send it again.
+    fn sent_whole(&mut self) {
+        if let (Some((frames, _)), Some(sent)) = (self.kept.take(), self.sent.take()) {
+            let _ = sent.send(frames);
+        }
+    }
+
     /// Reset the stream after a failure of the request body, kept for the response.
     fn body_failed(&mut self, error: BodyError) {
         tracing::debug!(error = %error, "request body failed while sent to an HTTP/2 upstream");
@@ -347,41 +406,48 @@ impl Pipe {
                 }
                 self.tx.send_data(data, eos)?;
                 if eos {
+                    self.sent_whole();
                     return Poll::Ready(Ok(()));
                 }
                 continue;
             }
             match ready!(Pin::new(&mut self.body).poll_frame(cx)) {
-                Some(Ok(frame)) => match frame.into_data() {
-                    Ok(data) => {
-                        let eos = self.body.is_end_stream();
-                        if data.is_empty() {
-                            self.tx.send_data(data, eos)?;
-                            if eos {
+                Some(Ok(frame)) => {
+                    self.keep(&frame);
+                    match frame.into_data() {
+                        Ok(data) => {
+                            let eos = self.body.is_end_stream();
+                            if data.is_empty() {
+                                self.tx.send_data(data, eos)?;
+                                if eos {
+                                    self.sent_whole();
+                                    return Poll::Ready(Ok(()));
+                                }
+                            } else {
+                                // A minimal claim: h2 raises it to what is buffered (as
+                                // hyper does, so that no window is pinned by a body that
+                                // sends nothing).
+                                self.tx.reserve_capacity(1);
+                                self.buffered = Some((data, eos));
+                            }
+                        }
+                        Err(frame) => {
+                            if let Ok(trailers) = frame.into_trailers() {
+                                self.tx.reserve_capacity(0);
+                                self.tx.send_trailers(trailers)?;
+                                self.sent_whole();
                                 return Poll::Ready(Ok(()));
                             }
-                        } else {
-                            // A minimal claim: h2 raises it to what is buffered (as
-                            // hyper does, so that no window is pinned by a body that
-                            // sends nothing).
-                            self.tx.reserve_capacity(1);
-                            self.buffered = Some((data, eos));
                         }
                     }
-                    Err(frame) => {
-                        if let Ok(trailers) = frame.into_trailers() {
-                            self.tx.reserve_capacity(0);
-                            self.tx.send_trailers(trailers)?;
-                            return Poll::Ready(Ok(()));
-                        }
-                    }
-                },
+                }
                 Some(Err(e)) => {
                     self.body_failed(e);
                     return Poll::Ready(Ok(()));
                 }
                 None => {
                     self.tx.send_data(Bytes::new(), true)?;
+                    self.sent_whole();
                     return Poll::Ready(Ok(()));
                 }
             }

@@ -32,7 +32,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 /// The gateway's config file in `dir`: one HTTP/2 upstream at `target`, a route with a
-/// quota nobody reaches; its proxy port.
+/// quota nobody reaches, `server.send_timeout = "8s"`; its proxy port.
 fn gateway_config(dir: &std::path::Path, target: &str) -> (std::path::PathBuf, u16) {
     let port = support::redis::free_port();
     let path = dir.join("tollgate.toml");
@@ -41,6 +41,7 @@ fn gateway_config(dir: &std::path::Path, target: &str) -> (std::path::PathBuf, u
 [server]
 listen = "127.0.0.1:{port}"
 watch_config = false
+send_timeout = "8s"
 
 [[upstreams]]
 name = "h2"
@@ -75,6 +76,8 @@ const SMALL: usize = 1024 * 1024;
 struct Sent {
     bigs: AtomicUsize,
     bytes: AtomicUsize,
+    /// Bodies dropped before their end (their stream was reset).
+    cut: AtomicUsize,
 }
 
 /// A body of `len` bytes in 64 KiB chunks, counted into `sent` as hyper takes them.
@@ -113,6 +116,14 @@ impl http_body::Body for Counted {
 
     fn size_hint(&self) -> http_body::SizeHint {
         http_body::SizeHint::with_exact(self.left as u64)
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        if self.left > 0 {
+            self.sent.cut.fetch_add(1, Ordering::SeqCst);
+        }
     }
 }
 
@@ -180,7 +191,8 @@ async fn read_response(s: &mut TcpStream) -> (u16, usize) {
 /// HTTP/2 upstream and never read; another client's 1 MB body still comes within 1 s
 /// (2 s allowed for a slow CI). Before the fix (2 MiB stream windows in a 5 MiB
 /// connection window, one connection per target) it got its headers and 0 body bytes
-/// until the readers left.
+/// until the readers left. Then the non-readers' upstream streams are reset once their
+/// clients are cut off by `server.send_timeout` (8 s here).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn clients_that_do_not_read_do_not_stall_others_on_an_http2_upstream() {
     let (target, sent) = start_bodies_upstream().await;
@@ -235,6 +247,17 @@ async fn clients_that_do_not_read_do_not_stall_others_on_an_http2_upstream() {
         );
         eprintln!("round {round}: 1 MB in {:?}", started.elapsed());
     }
+    assert_eq!(
+        sent.cut.load(Ordering::SeqCst),
+        0,
+        "no stream reset before send_timeout"
+    );
+    support::wait_until(
+        Duration::from_secs(30),
+        "the 40 unread streams reset after send_timeout",
+        || sent.cut.load(Ordering::SeqCst) == 40,
+    )
+    .await;
     drop(stalled);
 }
 

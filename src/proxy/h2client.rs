@@ -31,9 +31,10 @@
 //! of a graceful `GOAWAY` (`NO_ERROR`, RFC 9113 §6.8), one refused with
 //! `REFUSED_STREAM` (§8.7), and one the connection could not open a stream for. A
 //! request body is streamed as it comes; a copy of it is kept while it is at most
-//! [`REPLAY_BYTES`], so that a request can be sent again once its whole body has been
-//! sent (and when no stream was opened at all); a larger body, or one still being sent
-//! when the upstream refused the request, is not (the request's error stands: 502).
+//! [`REPLAY_BYTES`] (the rest of it read from the client, when it was still arriving
+//! as the upstream refused the request), so that the request can be sent again with
+//! it; a larger body cannot be, nor one that fails or stops arriving for
+//! `server.body_timeout` (the request's error stands: 502).
 
 use super::body::{BodyError, RequestBody};
 use super::interim::Informational;
@@ -99,7 +100,7 @@ pub struct SendFailure {
     pub error: PoolError,
     /// The request, when the upstream did not process it (a stream above a graceful
     /// `GOAWAY`'s last stream id, one refused with `REFUSED_STREAM`, or none opened)
-    /// and its body can be sent again (none, or one sent whole and kept: see
+    /// and its body can be sent again (none, or one read whole and kept: see
     /// [`REPLAY_BYTES`]): it may be sent again on another connection.
     pub unprocessed: Option<Request<RequestBody>>,
 }
@@ -213,8 +214,8 @@ impl Connection {
         };
         let claim = Arc::new(claim);
         let mut pipe = None;
-        // A request without a body can be sent again as it is; one with a body, once
-        // the pipe has sent all of it (see `Pipe::kept`).
+        // A request without a body can be sent again as it is; one with a body, when
+        // the pipe has read all of it (see `Pipe::kept`).
         let mut bodiless = None;
         if eos {
             bodiless = Some(body);
@@ -230,6 +231,7 @@ impl Connection {
                 cancelled: Some(cancelled),
                 kept: Some((Vec::new(), 0)),
                 sent: Some(sent),
+                piped: false,
                 _claim: claim.clone(),
             });
             pipe = Some((cancel, failure, whole));
@@ -271,7 +273,7 @@ impl Connection {
                     });
                 }
                 // The pipe stops (at once, unless it has ended); it gives back the
-                // whole body it sent, if it did and kept it.
+                // whole body, if it read and kept it.
                 drop(cancel);
                 let mut unprocessed = None;
                 if not_processed(&e) {
@@ -329,11 +331,14 @@ struct Pipe {
     /// when the request was given up before (the stream is reset).
     cancelled: Option<oneshot::Receiver<()>>,
     /// The frames taken from `body` and their data's size in bytes, while that is at
-    /// most [`REPLAY_BYTES`] (`None` past it): a body sent whole is given to `sent`, to
-    /// be sent again if the upstream did not process the request.
+    /// most [`REPLAY_BYTES`] (`None` past it): a body read whole is given to `sent` when
+    /// the pipe ends (see [`Pipe::poll_collect`]), to be sent again if the upstream did
+    /// not process the request.
     kept: Option<(Vec<Frame<Bytes>>, usize)>,
-    /// Where the whole body goes once sent (see `kept`).
+    /// Where the whole body goes when the pipe ends (see `kept`).
     sent: Option<oneshot::Sender<Vec<Frame<Bytes>>>>,
+    /// Whether the pipe has ended ([`Pipe::poll_collect`] then runs).
+    piped: bool,
     /// The stream's place on its connection, held while the body is sent.
     _claim: Arc<Claim>,
 }
@@ -360,10 +365,30 @@ impl Pipe {
         frames.push(copy);
     }
 
-    /// The whole body was sent: give what was kept of it to whoever may send it again.
-    fn sent_whole(&mut self) {
-        if let (Some((frames, _)), Some(sent)) = (self.kept.take(), self.sent.take()) {
-            let _ = sent.send(frames);
+    /// Once the pipe has ended (the body sent, or the stream given up): the rest of a
+    /// body small enough to keep is read from the client, while the request's sender
+    /// waits for it (it does when the upstream did not process the request), and the
+    /// whole body is given to it to send again. Bounded by [`REPLAY_BYTES`] and the
+    /// body's own `server.body_timeout`.
+    fn poll_collect(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        loop {
+            let Some(sent) = &mut self.sent else {
+                return Poll::Ready(());
+            };
+            if self.kept.is_none() || sent.poll_closed(cx).is_ready() {
+                return Poll::Ready(());
+            }
+            if self.body.is_end_stream() {
+                if let (Some((frames, _)), Some(sent)) = (self.kept.take(), self.sent.take()) {
+                    let _ = sent.send(frames);
+                }
+                return Poll::Ready(());
+            }
+            match ready!(Pin::new(&mut self.body).poll_frame(cx)) {
+                Some(Ok(frame)) => self.keep(&frame),
+                Some(Err(_)) => return Poll::Ready(()),
+                None => {}
+            }
         }
     }
 
@@ -406,7 +431,6 @@ impl Pipe {
                 }
                 self.tx.send_data(data, eos)?;
                 if eos {
-                    self.sent_whole();
                     return Poll::Ready(Ok(()));
                 }
                 continue;
@@ -420,7 +444,6 @@ impl Pipe {
                             if data.is_empty() {
                                 self.tx.send_data(data, eos)?;
                                 if eos {
-                                    self.sent_whole();
                                     return Poll::Ready(Ok(()));
                                 }
                             } else {
@@ -435,7 +458,6 @@ impl Pipe {
                             if let Ok(trailers) = frame.into_trailers() {
                                 self.tx.reserve_capacity(0);
                                 self.tx.send_trailers(trailers)?;
-                                self.sent_whole();
                                 return Poll::Ready(Ok(()));
                             }
                         }
@@ -447,7 +469,6 @@ impl Pipe {
                 }
                 None => {
                     self.tx.send_data(Bytes::new(), true)?;
-                    self.sent_whole();
                     return Poll::Ready(Ok(()));
                 }
             }
@@ -459,10 +480,14 @@ impl Future for Pipe {
     type Output = ();
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
-        if let Err(e) = ready!(self.get_mut().poll_pipe(cx)) {
-            tracing::debug!(error = %e, "request body to an HTTP/2 upstream not sent in full");
+        let this = self.get_mut();
+        if !this.piped {
+            if let Err(e) = ready!(this.poll_pipe(cx)) {
+                tracing::debug!(error = %e, "request body to an HTTP/2 upstream not sent in full");
+            }
+            this.piped = true;
         }
-        Poll::Ready(())
+        this.poll_collect(cx)
     }
 }
 

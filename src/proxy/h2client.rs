@@ -165,6 +165,11 @@ impl Connection {
         Arc::ptr_eq(&self.closed, &other.closed)
     }
 
+    /// Streams claimed on it and not yet ended ([`Connection::claim`]).
+    pub fn in_flight(&self) -> usize {
+        self.streams.load(Ordering::Acquire)
+    }
+
     /// Wait until a stream may be opened.
     ///
     /// Errors: the connection has failed or been closed by the upstream (GOAWAY): no

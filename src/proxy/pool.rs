@@ -144,8 +144,8 @@ impl std::fmt::Debug for Connector {
     }
 }
 
-/// Connections to one target: a keep-alive stack (HTTP/1.1) or one shared multiplexed
-/// connection (HTTP/2), per worker (see the module documentation).
+/// Connections to one target: a keep-alive stack (HTTP/1.1) or shared multiplexed
+/// connections (HTTP/2), per worker (see the module documentation).
 #[derive(Debug)]
 pub struct Pool {
     connector: Connector,
@@ -519,11 +519,15 @@ impl Pool {
 }
 
 impl Part {
-    /// The first shared HTTP/2 connection with a stream to spare, and a place on it
-    /// (closed connections are dropped on the way).
+    /// The first shared HTTP/2 connection with a stream to spare, and a place on it.
+    /// Closed connections are dropped on the way, and so are idle ones (no stream in
+    /// flight) but the first: a burst's extra connections close when it is over.
     fn claim_h2(&self) -> Option<(h2client::Connection, h2client::Claim)> {
         let mut shared = self.shared.lock().unwrap_or_else(|e| e.into_inner());
-        shared.retain(|conn| !conn.is_closed());
+        let mut idle_kept = false;
+        shared.retain(|conn| {
+            !conn.is_closed() && (conn.in_flight() > 0 || !std::mem::replace(&mut idle_kept, true))
+        });
         shared
             .iter()
             .find_map(|conn| conn.claim(false).map(|claim| (conn.clone(), claim)))

@@ -402,6 +402,10 @@ impl Pipe {
         tracing::debug!(error = %error, "request body failed while sent to an HTTP/2 upstream");
         *self.failure.lock().unwrap_or_else(|p| p.into_inner()) = Some(error);
         self.tx.send_reset(h2::Reason::INTERNAL_ERROR);
+        // Nothing to send again; and the pipe ends now, dropping the stream, which
+        // wakes the response's waiter with the reset.
+        self.sent = None;
+        self.kept = None;
     }
 
     fn poll_pipe(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), h2::Error>> {

@@ -33,6 +33,9 @@ pub struct RequestBody {
     /// Whether `timer` runs for the current wait (no frame since it was set).
     waiting: bool,
     state: Arc<BodyState>,
+    /// Frames of a body sent once already, to send again (see [`RequestBody::replay`]),
+    /// in order, before anything of `inner`.
+    again: std::collections::VecDeque<Frame<Bytes>>,
 }
 
 /// What the upstream connection's pool knows of a [`RequestBody`]: whether it was sent
@@ -74,6 +77,24 @@ impl RequestBody {
             timer: None,
             waiting: false,
             state,
+            again: Default::default(),
+        }
+    }
+
+    /// A body that is `frames` (all of a body, read whole and sent once), to send
+    /// again: for a request an HTTP/2 upstream did not process.
+    pub fn replay(frames: Vec<Frame<Bytes>>) -> Self {
+        let state = Arc::new(BodyState::default());
+        state.done.store(true, Ordering::Release);
+        Self {
+            inner: None,
+            left: None,
+            limit: u64::MAX,
+            timeout: Duration::ZERO,
+            timer: None,
+            waiting: false,
+            state,
+            again: frames.into(),
         }
     }
 
@@ -134,6 +155,9 @@ impl HttpBody for RequestBody {
         if self.state.cut.load(Ordering::Acquire) {
             return Poll::Ready(Some(Err(Box::new(CutOff))));
         }
+        if let Some(frame) = self.again.pop_front() {
+            return Poll::Ready(Some(Ok(frame)));
+        }
         let Some(inner) = self.inner.as_mut() else {
             return Poll::Ready(None);
         };
@@ -172,13 +196,27 @@ impl HttpBody for RequestBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.as_ref().is_none_or(Incoming::is_end_stream)
+        self.again.is_empty() && self.inner.as_ref().is_none_or(Incoming::is_end_stream)
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.inner
+        let mut hint = self
+            .inner
             .as_ref()
-            .map_or_else(|| SizeHint::with_exact(0), Incoming::size_hint)
+            .map_or_else(|| SizeHint::with_exact(0), Incoming::size_hint);
+        let again: u64 = self
+            .again
+            .iter()
+            .filter_map(|f| f.data_ref().map(|d| d.len() as u64))
+            .sum();
+        if again > 0 {
+            // The upper bound first: the lower may never pass it.
+            if let Some(upper) = hint.upper() {
+                hint.set_upper(upper.saturating_add(again));
+            }
+            hint.set_lower(hint.lower().saturating_add(again));
+        }
+        hint
     }
 }
 

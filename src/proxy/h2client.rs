@@ -2,9 +2,9 @@
 //! 1xx responses of an HTTP/2 upstream (`103 Early Hints`, ...) reach clients:
 //! hyper's HTTP/2 client skips them (its `on_informational` is HTTP/1.1 only).
 //!
-//! What hyper's client did is done here the same way: its connection settings (2 MiB
-//! stream and 5 MiB connection windows, 16 KiB frames, 1 MiB send buffer, no server
-//! push), with the header-list limit set to `upstreams.max_response_header_bytes`; the
+//! What hyper's client did is done here the same way: its connection settings (16 KiB
+//! frames, 1 MiB send buffer, no server push), with the header-list limit set to
+//! `upstreams.max_response_header_bytes`; the
 //! request head stripped of connection-specific fields, with `Content-Length` set from
 //! a body of known length; the request body piped on its own task within the stream's
 //! flow-control window (data, then trailers or an empty end-of-stream frame), reset
@@ -15,6 +15,26 @@
 //! One thing is better than hyper's: when the request body fails while being sent (too
 //! large, stopped arriving, unreadable), the response's error is that body error, so
 //! that the client gets 413, 408 or 400 as with an HTTP/1.1 upstream, not 502.
+//!
+//! One stream cannot stall the others (issue 45): a response body's stream window
+//! ([`STREAM_WINDOW`], 1 MiB) is what a client that stops reading can hold, and the
+//! connection's window is that times the streams one connection carries at most
+//! ([`MAX_STREAMS`]), so that however many of its streams are not read, the connection
+//! still has window for the others. A connection with no stream left to open is not
+//! given more requests: the pool opens another ([`Connection::claim`]). A stream whose
+//! client stopped reading ends with its client's connection (`server.send_timeout`):
+//! its response body is dropped, which resets the stream (`CANCEL`) and gives its
+//! window back.
+//!
+//! A request the upstream did not process is given back to be sent again on another
+//! connection ([`SendFailure::unprocessed`]): one on a stream above the last stream id
+//! of a graceful `GOAWAY` (`NO_ERROR`, RFC 9113 §6.8), one refused with
+//! `REFUSED_STREAM` (§8.7), and one the connection could not open a stream for. A
+//! request body is streamed as it comes; a copy of it is kept while it is at most
+//! [`REPLAY_BYTES`] (the rest of it read from the client, when it was still arriving
+//! as the upstream refused the request), so that the request can be sent again with
+//! it; a larger body cannot be, nor one that fails or stops arriving for
+//! `server.body_timeout` (the request's error stands: 502).
 
 use super::body::{BodyError, RequestBody};
 use super::interim::Informational;
@@ -25,19 +45,28 @@ use http::{Method, Request, Response};
 use http_body::{Body as HttpBody, Frame, SizeHint};
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{ready, Context, Poll};
 use tokio::sync::oneshot;
 
-/// hyper's HTTP/2 client defaults, kept: stream window, bytes.
-const STREAM_WINDOW: u32 = 2 * 1024 * 1024;
-/// Connection window, bytes.
-const CONN_WINDOW: u32 = 5 * 1024 * 1024;
+/// Stream window, bytes: what one response's stream may have buffered unread (hyper's
+/// default is 2 MiB).
+pub const STREAM_WINDOW: u32 = 1024 * 1024;
+/// Streams one connection carries at most (fewer when the upstream's
+/// `SETTINGS_MAX_CONCURRENT_STREAMS` says so); the pool opens another connection for
+/// more.
+pub const MAX_STREAMS: usize = 100;
+/// Connection window, bytes: every stream's window, so that streams whose responses are
+/// not read cannot take the window of the others (100 MiB).
+const CONN_WINDOW: u32 = STREAM_WINDOW * MAX_STREAMS as u32;
 /// Largest frame accepted, bytes.
 const MAX_FRAME: u32 = 16 * 1024;
 /// Request body bytes buffered per stream beyond what flow control lets go, bytes.
 const MAX_SEND_BUF: usize = 1024 * 1024;
+/// The largest request body kept while it is sent, to send again if the upstream does
+/// not process the request (64 KiB): a larger one is not sent again.
+pub const REPLAY_BYTES: usize = 64 * 1024;
 /// Streams the client may open before the server's SETTINGS arrive.
 const INITIAL_MAX_SEND_STREAMS: usize = 100;
 /// Streams reset for a local error before the connection is given up (hyper's default).
@@ -49,6 +78,31 @@ pub struct Connection {
     tx: h2::client::SendRequest<Bytes>,
     /// Set when the connection's task has ended.
     closed: Arc<AtomicBool>,
+    /// Streams claimed on it and not yet ended ([`Connection::claim`]).
+    streams: Arc<AtomicUsize>,
+}
+
+/// One stream's place on a [`Connection`], from [`Connection::claim`] until its response
+/// body and request body are both done with (then the place is free again).
+#[derive(Debug)]
+pub struct Claim(Arc<AtomicUsize>);
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// A failed [`Connection::send`].
+#[derive(Debug)]
+pub struct SendFailure {
+    /// What went wrong.
+    pub error: PoolError,
+    /// The request, when the upstream did not process it (a stream above a graceful
+    /// `GOAWAY`'s last stream id, one refused with `REFUSED_STREAM`, or none opened)
+    /// and its body can be sent again (none, or one read whole and kept: see
+    /// [`REPLAY_BYTES`]): it may be sent again on another connection.
+    pub unprocessed: Option<Request<RequestBody>>,
 }
 
 impl Connection {
@@ -80,7 +134,25 @@ impl Connection {
             }
             ended.store(true, Ordering::Release);
         });
-        Ok(Self { tx, closed })
+        Ok(Self {
+            tx,
+            closed,
+            streams: Arc::new(AtomicUsize::new(0)),
+        })
+    }
+
+    /// A place for one more stream, when the connection is open and has one: fewer
+    /// streams claimed than [`MAX_STREAMS`] and than the upstream's
+    /// `SETTINGS_MAX_CONCURRENT_STREAMS`. With `force`, a place even past those (on a
+    /// new connection: the stream waits in [`Connection::ready`] for one).
+    pub fn claim(&self, force: bool) -> Option<Claim> {
+        if self.is_closed() {
+            return None;
+        }
+        let most = MAX_STREAMS.min(self.tx.current_max_send_streams()).max(1);
+        let claimed = self.streams.fetch_add(1, Ordering::AcqRel);
+        let claim = Claim(self.streams.clone());
+        (force || claimed < most).then_some(claim)
     }
 
     /// Whether the connection has ended (no request can go on it).
@@ -93,6 +165,11 @@ impl Connection {
         Arc::ptr_eq(&self.closed, &other.closed)
     }
 
+    /// Streams claimed on it and not yet ended ([`Connection::claim`]).
+    pub fn in_flight(&self) -> usize {
+        self.streams.load(Ordering::Acquire)
+    }
+
     /// Wait until a stream may be opened.
     ///
     /// Errors: the connection has failed or been closed by the upstream (GOAWAY): no
@@ -102,17 +179,20 @@ impl Connection {
     }
 
     /// Send `req` (absolute URI: scheme and authority become `:scheme` and
-    /// `:authority`) once [`Connection::ready`]; the response once its head has come,
-    /// its body streaming. 1xx responses that come before it go to `informational`
-    /// (dropped without one).
+    /// `:authority`) once [`Connection::ready`], on the stream `claim` holds a place
+    /// for; the response once its head has come, its body streaming. 1xx responses that
+    /// come before it go to `informational` (dropped without one).
     ///
     /// Errors: [`PoolError::H2`] when the stream could not be opened or was reset, or
-    /// the connection failed; [`PoolError::Body`] when the request body failed first.
+    /// the connection failed; [`PoolError::Body`] when the request body failed first;
+    /// with the request back when the upstream did not process it (see
+    /// [`SendFailure`]).
     pub async fn send(
         &mut self,
         req: Request<RequestBody>,
         informational: Option<Informational>,
-    ) -> Result<Response<ResponseBody>, PoolError> {
+        claim: Claim,
+    ) -> Result<Response<ResponseBody>, SendFailure> {
         let (mut head, body) = req.into_parts();
         strip_connection_headers(&mut head.headers);
         if let Some(len) = body.size_hint().exact() {
@@ -124,22 +204,42 @@ impl Connection {
             }
         }
         let eos = body.is_end_stream();
-        let (mut response, stream) = self
-            .tx
-            .send_request(Request::from_parts(head, ()), eos)
-            .map_err(PoolError::H2)?;
+        // Kept to send the request again if the upstream does not process it.
+        let again = head.clone();
+        let (mut response, stream) = match self.tx.send_request(Request::from_parts(head, ()), eos)
+        {
+            Ok(sent) => sent,
+            // No stream was opened: nothing of the request went out.
+            Err(e) => {
+                return Err(SendFailure {
+                    error: PoolError::H2(e),
+                    unprocessed: Some(Request::from_parts(again, body)),
+                })
+            }
+        };
+        let claim = Arc::new(claim);
         let mut pipe = None;
-        if !eos {
+        // A request without a body can be sent again as it is; one with a body, when
+        // the pipe has read all of it (see `Pipe::kept`).
+        let mut bodiless = None;
+        if eos {
+            bodiless = Some(body);
+        } else {
             let failure = Arc::new(Mutex::new(None));
             let (cancel, cancelled) = oneshot::channel();
+            let (sent, whole) = oneshot::channel();
             tokio::spawn(Pipe {
                 body,
                 tx: stream,
                 buffered: None,
                 failure: failure.clone(),
                 cancelled: Some(cancelled),
+                kept: Some((Vec::new(), 0)),
+                sent: Some(sent),
+                piped: false,
+                _claim: claim.clone(),
             });
-            pipe = Some((cancel, failure));
+            pipe = Some((cancel, failure, whole));
         }
         let got = std::future::poll_fn(|cx| {
             if let Some(client) = &informational {
@@ -154,25 +254,55 @@ impl Connection {
         .await;
         match got {
             Ok(response) => {
-                if let Some((cancel, _)) = pipe {
+                if let Some((cancel, _, _)) = pipe {
                     // Answered: the rest of the request body goes on being sent.
                     let _ = cancel.send(());
                 }
                 let (parts, recv) = response.into_parts();
-                let body = ResponseBody::new(recv, &parts.headers);
+                let body = ResponseBody::new(recv, &parts.headers, claim);
                 Ok(Response::from_parts(parts, body))
             }
             Err(e) => {
-                let failed = pipe.and_then(|(_, failure)| {
-                    failure.lock().unwrap_or_else(|p| p.into_inner()).take()
-                });
-                Err(match failed {
-                    Some(body_error) => PoolError::Body(body_error),
-                    None => PoolError::H2(e),
+                let Some((cancel, failure, whole)) = pipe else {
+                    return Err(SendFailure {
+                        unprocessed: bodiless
+                            .filter(|_| not_processed(&e))
+                            .map(|body| Request::from_parts(again, body)),
+                        error: PoolError::H2(e),
+                    });
+                };
+                if let Some(body_error) = failure.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                    return Err(SendFailure {
+                        error: PoolError::Body(body_error),
+                        unprocessed: None,
+                    });
+                }
+                // The pipe stops (at once, unless it has ended); it gives back the
+                // whole body, if it read and kept it.
+                drop(cancel);
+                let mut unprocessed = None;
+                if not_processed(&e) {
+                    if let Ok(frames) = whole.await {
+                        unprocessed = Some(Request::from_parts(again, RequestBody::replay(frames)));
+                    }
+                }
+                Err(SendFailure {
+                    unprocessed,
+                    error: PoolError::H2(e),
                 })
             }
         }
     }
+}
+
+/// Whether a stream's error says that the upstream did not process its request: the
+/// stream was above the last stream id of a graceful `GOAWAY` (RFC 9113 §6.8: h2 gives
+/// those streams the `GOAWAY`'s own error, and only those when its code is `NO_ERROR`),
+/// or the upstream refused it with `REFUSED_STREAM` (§8.7).
+fn not_processed(e: &h2::Error) -> bool {
+    e.is_remote()
+        && ((e.is_go_away() && e.reason() == Some(h2::Reason::NO_ERROR))
+            || (e.is_reset() && e.reason() == Some(h2::Reason::REFUSED_STREAM)))
 }
 
 /// Whether a request with this method has a body by definition (hyper's rule for
@@ -205,14 +335,77 @@ struct Pipe {
     /// Resolves `Ok` when the response has come (the body goes on being sent), `Err`
     /// when the request was given up before (the stream is reset).
     cancelled: Option<oneshot::Receiver<()>>,
+    /// The frames taken from `body` and their data's size in bytes, while that is at
+    /// most [`REPLAY_BYTES`] (`None` past it): a body read whole is given to `sent` when
+    /// the pipe ends (see [`Pipe::poll_collect`]), to be sent again if the upstream did
+    /// not process the request.
+    kept: Option<(Vec<Frame<Bytes>>, usize)>,
+    /// Where the whole body goes when the pipe ends (see `kept`).
+    sent: Option<oneshot::Sender<Vec<Frame<Bytes>>>>,
+    /// Whether the pipe has ended ([`Pipe::poll_collect`] then runs).
+    piped: bool,
+    /// The stream's place on its connection, held while the body is sent.
+    _claim: Arc<Claim>,
 }
 
 impl Pipe {
+    /// Keep a copy of `frame`, taken from the body, while the body is small enough.
+    fn keep(&mut self, frame: &Frame<Bytes>) {
+        let Some((frames, bytes)) = &mut self.kept else {
+            return;
+        };
+        let size = frame.data_ref().map_or(0, Bytes::len);
+        if *bytes + size > REPLAY_BYTES {
+            self.kept = None;
+            return;
+        }
+        *bytes += size;
+        let copy = match frame.data_ref() {
+            Some(data) => Frame::data(data.clone()),
+            None => match frame.trailers_ref() {
+                Some(trailers) => Frame::trailers(trailers.clone()),
+                None => return,
+            },
+        };
+        frames.push(copy);
+    }
+
+    /// Once the pipe has ended (the body sent, or the stream given up): the rest of a
+    /// body small enough to keep is read from the client, while the request's sender
+    /// waits for it (it does when the upstream did not process the request), and the
+    /// whole body is given to it to send again. Bounded by [`REPLAY_BYTES`] and the
+    /// body's own `server.body_timeout`.
+    fn poll_collect(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        loop {
+            let Some(sent) = &mut self.sent else {
+                return Poll::Ready(());
+            };
+            if self.kept.is_none() || sent.poll_closed(cx).is_ready() {
+                return Poll::Ready(());
+            }
+            if self.body.is_end_stream() {
+                if let (Some((frames, _)), Some(sent)) = (self.kept.take(), self.sent.take()) {
+                    let _ = sent.send(frames);
+                }
+                return Poll::Ready(());
+            }
+            match ready!(Pin::new(&mut self.body).poll_frame(cx)) {
+                Some(Ok(frame)) => self.keep(&frame),
+                Some(Err(_)) => return Poll::Ready(()),
+                None => {}
+            }
+        }
+    }
+
     /// Reset the stream after a failure of the request body, kept for the response.
     fn body_failed(&mut self, error: BodyError) {
         tracing::debug!(error = %error, "request body failed while sent to an HTTP/2 upstream");
         *self.failure.lock().unwrap_or_else(|p| p.into_inner()) = Some(error);
         self.tx.send_reset(h2::Reason::INTERNAL_ERROR);
+        // Nothing to send again; and the pipe ends now, dropping the stream, which
+        // wakes the response's waiter with the reset.
+        self.sent = None;
+        self.kept = None;
     }
 
     fn poll_pipe(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), h2::Error>> {
@@ -252,30 +445,33 @@ impl Pipe {
                 continue;
             }
             match ready!(Pin::new(&mut self.body).poll_frame(cx)) {
-                Some(Ok(frame)) => match frame.into_data() {
-                    Ok(data) => {
-                        let eos = self.body.is_end_stream();
-                        if data.is_empty() {
-                            self.tx.send_data(data, eos)?;
-                            if eos {
+                Some(Ok(frame)) => {
+                    self.keep(&frame);
+                    match frame.into_data() {
+                        Ok(data) => {
+                            let eos = self.body.is_end_stream();
+                            if data.is_empty() {
+                                self.tx.send_data(data, eos)?;
+                                if eos {
+                                    return Poll::Ready(Ok(()));
+                                }
+                            } else {
+                                // A minimal claim: h2 raises it to what is buffered (as
+                                // hyper does, so that no window is pinned by a body that
+                                // sends nothing).
+                                self.tx.reserve_capacity(1);
+                                self.buffered = Some((data, eos));
+                            }
+                        }
+                        Err(frame) => {
+                            if let Ok(trailers) = frame.into_trailers() {
+                                self.tx.reserve_capacity(0);
+                                self.tx.send_trailers(trailers)?;
                                 return Poll::Ready(Ok(()));
                             }
-                        } else {
-                            // A minimal claim: h2 raises it to what is buffered (as
-                            // hyper does, so that no window is pinned by a body that
-                            // sends nothing).
-                            self.tx.reserve_capacity(1);
-                            self.buffered = Some((data, eos));
                         }
                     }
-                    Err(frame) => {
-                        if let Ok(trailers) = frame.into_trailers() {
-                            self.tx.reserve_capacity(0);
-                            self.tx.send_trailers(trailers)?;
-                            return Poll::Ready(Ok(()));
-                        }
-                    }
-                },
+                }
                 Some(Err(e)) => {
                     self.body_failed(e);
                     return Poll::Ready(Ok(()));
@@ -293,10 +489,14 @@ impl Future for Pipe {
     type Output = ();
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
-        if let Err(e) = ready!(self.get_mut().poll_pipe(cx)) {
-            tracing::debug!(error = %e, "request body to an HTTP/2 upstream not sent in full");
+        let this = self.get_mut();
+        if !this.piped {
+            if let Err(e) = ready!(this.poll_pipe(cx)) {
+                tracing::debug!(error = %e, "request body to an HTTP/2 upstream not sent in full");
+            }
+            this.piped = true;
         }
-        Poll::Ready(())
+        this.poll_collect(cx)
     }
 }
 
@@ -307,12 +507,14 @@ pub struct ResponseBody {
     data_done: bool,
     /// What `Content-Length` says is left, in bytes (`None`: not given).
     left: Option<u64>,
+    /// The stream's place on its connection, held while the body is read.
+    _claim: Arc<Claim>,
 }
 
 impl ResponseBody {
     /// The body of a response with these `headers` (its `Content-Length`, if any, is
     /// the size hint).
-    fn new(recv: h2::RecvStream, headers: &HeaderMap) -> Self {
+    fn new(recv: h2::RecvStream, headers: &HeaderMap, claim: Arc<Claim>) -> Self {
         let length = headers
             .get(header::CONTENT_LENGTH)
             .and_then(|v| v.to_str().ok())
@@ -321,6 +523,7 @@ impl ResponseBody {
             left: length.or(recv.is_end_stream().then_some(0)),
             recv,
             data_done: false,
+            _claim: claim,
         }
     }
 }

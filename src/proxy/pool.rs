@@ -1,5 +1,8 @@
 //! Connections to one upstream target, plain TCP or TLS: keep-alive HTTP/1.1
-//! connections reused most-recently-used first, or one multiplexed HTTP/2 connection.
+//! connections reused most-recently-used first, or multiplexed HTTP/2 connections: as
+//! few as carry the requests in flight, each at most [`h2client::MAX_STREAMS`] of them
+//! (or fewer, as the upstream's `SETTINGS_MAX_CONCURRENT_STREAMS` says), so that
+//! streams whose clients stopped reading never leave the others waiting for a stream.
 //!
 //! A lean pool over hyper's `client::conn::http1`: checking a connection out is a lock,
 //! a pop and a readiness test; it goes back when the response body has been read to its
@@ -141,8 +144,8 @@ impl std::fmt::Debug for Connector {
     }
 }
 
-/// Connections to one target: a keep-alive stack (HTTP/1.1) or one shared multiplexed
-/// connection (HTTP/2), per worker (see the module documentation).
+/// Connections to one target: a keep-alive stack (HTTP/1.1) or shared multiplexed
+/// connections (HTTP/2), per worker (see the module documentation).
 #[derive(Debug)]
 pub struct Pool {
     connector: Connector,
@@ -157,9 +160,9 @@ pub struct Pool {
 #[derive(Debug, Default)]
 struct Part {
     idle: Mutex<Vec<Idle>>,
-    /// HTTP/2: the shared connection, cloned per request.
-    shared: Mutex<Option<h2client::Connection>>,
-    /// HTTP/2: held while (re)connecting, so that one connection is made, not many.
+    /// HTTP/2: the shared connections, oldest first, cloned per request.
+    shared: Mutex<Vec<h2client::Connection>>,
+    /// HTTP/2: held while connecting, so that one connection is made at a time.
     connecting: tokio::sync::Mutex<()>,
 }
 
@@ -169,6 +172,10 @@ struct Idle {
     /// When it became idle (the coarse clock: its idle timeout is seconds long).
     since: Coarse,
 }
+
+/// How many times [`Pool::send`] sends an HTTP/2 request that the upstream did not
+/// process (see [`Pool::send_h2`]), each time on another connection.
+const H2_ATTEMPTS: usize = 5;
 
 /// How long a connection whose exchange has ended may take to be ready for the next
 /// request (the end of its request body still being written) before it is given up.
@@ -274,6 +281,13 @@ impl Pool {
         }
     }
 
+    /// [`Pool::send`] on HTTP/2: on a shared connection with a stream to spare, else a
+    /// new one. A request the upstream did not process (its connection closed or went
+    /// away before a stream was opened, a graceful `GOAWAY` whose last stream id is
+    /// below its stream, `REFUSED_STREAM`) goes again (after a `GOAWAY`, on another
+    /// connection), up to
+    /// [`H2_ATTEMPTS`] times in all; then, or when it had a body that was already being
+    /// sent, its error is the request's.
     async fn send_h2(
         self: &Arc<Self>,
         mut req: Request<RequestBody>,
@@ -283,46 +297,87 @@ impl Pool {
         let informational = req
             .extensions_mut()
             .remove::<super::interim::Informational>();
-        // At most two rounds: the shared connection, then a fresh one if it had closed.
-        for _ in 0..2 {
-            let (mut conn, back) = unsent_on_error(self.h2_sender(budget).await, req)?;
+        let mut attempt = 1;
+        loop {
+            let ((mut conn, claim), back) = unsent_on_error(self.h2_sender(budget).await, req)?;
             req = back;
-            if conn.ready().await.is_err() {
+            let error = match conn.ready().await {
+                Err(e) => PoolError::H2(e),
+                Ok(()) => match conn.send(req, informational.clone(), claim).await {
+                    Ok(response) => return Ok(self.wrap_h2(response)),
+                    Err(h2client::SendFailure {
+                        error,
+                        unprocessed: Some(again),
+                    }) => {
+                        req = again;
+                        error
+                    }
+                    Err(h2client::SendFailure {
+                        error,
+                        unprocessed: None,
+                    }) => return Err(error.into()),
+                },
+            };
+            // A refused stream leaves its connection as it was; any other failure
+            // (closed, going away) leaves it with no stream to open.
+            if !matches!(&error, PoolError::H2(e) if e.reason() == Some(h2::Reason::REFUSED_STREAM) && e.is_reset())
+            {
                 self.forget_h2(&conn);
-                continue;
             }
-            let response = conn.send(req, informational).await?;
-            return Ok(self.wrap_h2(response));
+            if attempt >= H2_ATTEMPTS {
+                return Err(SendError {
+                    error,
+                    unsent: Some(req),
+                });
+            }
+            tracing::debug!(
+                addr = %self.connector.authority,
+                error = %error,
+                attempt,
+                "HTTP/2 upstream did not process the request; sending it again on another connection"
+            );
+            attempt += 1;
         }
-        let (mut conn, req) = unsent_on_error(self.h2_sender(budget).await, req)?;
-        conn.ready().await.map_err(PoolError::H2)?;
-        let response = conn.send(req, informational).await?;
-        Ok(self.wrap_h2(response))
     }
 
-    /// The shared HTTP/2 connection, made if there is none or it has closed.
-    async fn h2_sender(&self, budget: &Budget) -> Result<h2client::Connection, PoolError> {
+    /// A shared HTTP/2 connection with a stream to spare and a place on it, or a new
+    /// connection when none has one.
+    async fn h2_sender(
+        &self,
+        budget: &Budget,
+    ) -> Result<(h2client::Connection, h2client::Claim), PoolError> {
         let (_, part) = self.part();
-        if let Some(conn) = part.live_h2() {
-            return Ok(conn);
+        if let Some(claimed) = part.claim_h2() {
+            return Ok(claimed);
         }
         let _connecting = part.connecting.lock().await;
-        if let Some(conn) = part.live_h2() {
-            return Ok(conn);
+        if let Some(claimed) = part.claim_h2() {
+            return Ok(claimed);
         }
         let conn = self.connect_h2(budget).await?;
-        *part.shared.lock().unwrap_or_else(|e| e.into_inner()) = Some(conn.clone());
-        Ok(conn)
+        let claim = conn.claim(true).ok_or_else(|| {
+            PoolError::Connect(
+                self.connector.authority.clone(),
+                std::io::Error::new(
+                    std::io::ErrorKind::ConnectionAborted,
+                    "HTTP/2 connection closed at once",
+                ),
+            )
+        })?;
+        part.shared
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(conn.clone());
+        Ok((conn, claim))
     }
 
-    /// Drop this worker's shared HTTP/2 connection if it is still `conn` (which failed,
-    /// or which the upstream closed): the next request makes a new one.
+    /// Drop `conn` (which failed, or which the upstream closed or is closing) from this
+    /// worker's shared HTTP/2 connections: no new request goes on it. Its requests in
+    /// flight finish on it.
     fn forget_h2(&self, conn: &h2client::Connection) {
         let (_, part) = self.part();
         let mut shared = part.shared.lock().unwrap_or_else(|e| e.into_inner());
-        if shared.as_ref().is_some_and(|s| s.same(conn)) {
-            *shared = None;
-        }
+        shared.retain(|s| !s.same(conn));
     }
 
     fn checkout(&self, part: usize) -> Option<http1::SendRequest<RequestBody>> {
@@ -464,9 +519,18 @@ impl Pool {
 }
 
 impl Part {
-    fn live_h2(&self) -> Option<h2client::Connection> {
-        let shared = self.shared.lock().unwrap_or_else(|e| e.into_inner());
-        shared.as_ref().filter(|conn| !conn.is_closed()).cloned()
+    /// The first shared HTTP/2 connection with a stream to spare, and a place on it.
+    /// Closed connections are dropped on the way, and so are idle ones (no stream in
+    /// flight) but the first: a burst's extra connections close when it is over.
+    fn claim_h2(&self) -> Option<(h2client::Connection, h2client::Claim)> {
+        let mut shared = self.shared.lock().unwrap_or_else(|e| e.into_inner());
+        let mut idle_kept = false;
+        shared.retain(|conn| {
+            !conn.is_closed() && (conn.in_flight() > 0 || !std::mem::replace(&mut idle_kept, true))
+        });
+        shared
+            .iter()
+            .find_map(|conn| conn.claim(false).map(|claim| (conn.clone(), claim)))
     }
 }
 

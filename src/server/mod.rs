@@ -7,6 +7,7 @@ mod alpn;
 mod guards;
 mod h2;
 mod limits;
+mod linger;
 pub mod runtime;
 
 use crate::admin;

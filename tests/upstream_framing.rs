@@ -395,3 +395,49 @@ async fn a_transfer_coding_on_an_http10_response_is_a_502_that_says_invalid_fram
     assert_eq!(got.status, 502);
     assert_eq!(got.message(), "upstream \"origin\" unreachable");
 }
+
+// ---- item 16: a later HTTP/1 minor version is served as HTTP/1.1 ----
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http_1_2_request_line_is_served_as_http_1_1() {
+    let upstream = support::raw::Recorder::start().await;
+    let gw = TestGateway::start(&config(&upstream.url(), "")).await;
+    let mut s = TcpStream::connect(gw.addr).await.unwrap();
+    // Three on one connection, the second with a body that looks like a request line.
+    let a = support::raw::exchange(&mut s, b"GET /a HTTP/1.2\r\nhost: x\r\n\r\n").await;
+    assert_eq!(a.status, 200, "{}", a.head);
+    assert!(a.head.starts_with("http/1.1 200"), "{}", a.head);
+    assert_eq!(a.body, "ok");
+    let b = support::raw::exchange(
+        &mut s,
+        b"POST /b HTTP/1.9\r\nhost: x\r\ncontent-length: 16\r\n\r\nGET / HTTP/1.2\r\n",
+    )
+    .await;
+    assert_eq!(b.status, 200, "{}", b.head);
+    let c = support::raw::exchange(&mut s, b"GET /c HTTP/1.2\r\nhost: x\r\n\r\n").await;
+    assert_eq!(c.status, 200, "{}", c.head);
+    support::raw::requests_reach(&upstream, 3).await;
+    let heads = upstream.heads();
+    assert_eq!(heads.len(), 3, "{heads:?}");
+    assert!(heads[0].starts_with("GET /a HTTP/1.1\r\n"), "{heads:?}");
+    assert!(heads[1].starts_with("POST /b HTTP/1.1\r\n"), "{heads:?}");
+    assert!(heads[2].starts_with("GET /c HTTP/1.1\r\n"), "{heads:?}");
+    // The body went on as it came.
+    assert!(
+        upstream.text().contains("\r\n\r\nGET / HTTP/1.2\r\n"),
+        "{}",
+        upstream.text()
+    );
+    // HTTP/2.0 on a request line is not a minor version: still 400 (hyper's answer).
+    let mut s = TcpStream::connect(gw.addr).await.unwrap();
+    s.write_all(b"GET /d HTTP/2.0\r\nhost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut got = Vec::new();
+    let _ = tokio::time::timeout(PATIENCE, s.read_to_end(&mut got)).await;
+    assert!(
+        String::from_utf8_lossy(&got).starts_with("HTTP/1.1 4"),
+        "{:?}",
+        String::from_utf8_lossy(&got)
+    );
+}

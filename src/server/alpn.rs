@@ -10,6 +10,7 @@
 
 use super::h2;
 use super::linger::Linger;
+use super::minor_version::MinorVersion;
 use crate::http::incoming::Incoming;
 use hyper::server::conn::http1;
 use hyper_util::rt::TokioIo;
@@ -68,7 +69,8 @@ pub(super) struct Builders {
     http2: h2::Settings,
 }
 
-type Http1Conn<T, H> = http1::UpgradeableConnection<TokioIo<Linger<Prefixed<T>>>, Http1Service<H>>;
+type Http1Conn<T, H> =
+    http1::UpgradeableConnection<TokioIo<Linger<MinorVersion<Prefixed<T>>>>, Http1Service<H>>;
 
 impl Builders {
     pub(super) fn new(http1: http1::Builder, http2: h2::Settings) -> Self {
@@ -82,8 +84,12 @@ impl Builders {
     {
         let conn = self
             .http1
-            // Its close lingers: see `super::linger`.
-            .serve_connection(TokioIo::new(Linger::new(io)), Http1Service(handler))
+            // Its close lingers (`super::linger`); an `HTTP/1.2` request line reads as
+            // 1.1 (`super::minor_version`).
+            .serve_connection(
+                TokioIo::new(Linger::new(MinorVersion::new(io))),
+                Http1Service(handler),
+            )
             .with_upgrades();
         Serving::Http1(Box::pin(conn))
     }

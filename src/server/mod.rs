@@ -8,6 +8,7 @@ mod guards;
 mod h2;
 mod limits;
 mod linger;
+mod minor_version;
 pub mod runtime;
 
 use crate::admin;

@@ -114,10 +114,9 @@ impl BadResponse {
                 }
             }
             if let Some(e) = cause.downcast_ref::<h2::Error>() {
-                if e.is_reset() && e.is_library() {
-                    if e.reason() == Some(h2::Reason::PROTOCOL_ERROR) {
-                        return Some(BadResponse::TooLargeOrMalformed);
-                    }
+                if e.is_reset() && e.is_library() && e.reason() == Some(h2::Reason::PROTOCOL_ERROR)
+                {
+                    return Some(BadResponse::TooLargeOrMalformed);
                 }
             }
         }

@@ -45,7 +45,8 @@ pub fn settle(
         // None (nothing to do), or several fields: folded below.
         return fold(headers);
     };
-    if first.as_bytes().iter().all(u8::is_ascii_digit) && !first.is_empty() {
+    let digits = !first.is_empty() && first.as_bytes().iter().all(u8::is_ascii_digit);
+    if digits && first.to_str().is_ok_and(|v| v.parse::<u64>().is_ok()) {
         // The usual case: one field holding one number.
         return Ok(());
     }

@@ -36,6 +36,11 @@ pub enum ProxyError {
     /// The upstream refused, reset or could not be reached: 502.
     #[error("upstream {0:?} unreachable")]
     UpstreamUnreachable(String, String),
+    /// The upstream (named) answered with a response head that cannot be passed on
+    /// (what was wrong with it is said): 502 `{"message": "invalid response framing
+    /// from upstream \"api\""}` and the like.
+    #[error("{1} from upstream {0:?}")]
+    UpstreamBadResponse(String, BadResponse),
     /// The upstream took too long to connect or to send response headers: 504.
     #[error("upstream {0:?} timed out")]
     UpstreamTimeout(String),
@@ -67,6 +72,63 @@ pub enum ProxyError {
     Busy(&'static str),
 }
 
+/// What was wrong with an upstream's response head that made it a 502
+/// ([`ProxyError::UpstreamBadResponse`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum BadResponse {
+    /// Its length cannot be known: `Content-Length` values that disagree or are no
+    /// number, a transfer coding that is not `chunked`, and the like.
+    #[error("invalid response framing")]
+    Framing,
+    /// Its head is past `upstreams.max_response_header_bytes` (or hyper's buffer).
+    #[error("response headers too large")]
+    HeadersTooLarge,
+    /// Its head is malformed otherwise (a bad status line, header name or value).
+    #[error("malformed response head")]
+    Malformed,
+    /// An HTTP/2 upstream's head that the h2 crate refused, which it does alike (a
+    /// stream reset with `PROTOCOL_ERROR`) for a header list past the limit and for a
+    /// malformed one (a `Content-Length` that is no number, a connection header).
+    #[error("response headers too large or malformed")]
+    TooLargeOrMalformed,
+}
+
+impl BadResponse {
+    /// What `error` (a failed exchange with an upstream, with its sources) says was wrong
+    /// with the response head, if it was the response head: hyper's HTTP/1.1 parse
+    /// errors, and the h2 crate's own reset of a response stream (`PROTOCOL_ERROR`, for a
+    /// header list past the limit or a malformed head). `None` for everything else
+    /// (refused, reset by the upstream, closed early).
+    pub fn of(error: &(dyn Error + 'static)) -> Option<BadResponse> {
+        for cause in causes(error) {
+            if let Some(e) = cause.downcast_ref::<hyper::Error>() {
+                if e.is_parse_too_large() {
+                    return Some(BadResponse::HeadersTooLarge);
+                }
+                if e.is_parse() || e.is_parse_status() {
+                    // hyper names the header in its message ("invalid content-length
+                    // parsed", "unexpected transfer-encoding parsed"); no predicate does.
+                    let text = e.to_string();
+                    let framing =
+                        text.contains("content-length") || text.contains("transfer-encoding");
+                    return Some(if framing {
+                        BadResponse::Framing
+                    } else {
+                        BadResponse::Malformed
+                    });
+                }
+            }
+            if let Some(e) = cause.downcast_ref::<h2::Error>() {
+                if e.is_reset() && e.is_library() && e.reason() == Some(h2::Reason::PROTOCOL_ERROR)
+                {
+                    return Some(BadResponse::TooLargeOrMalformed);
+                }
+            }
+        }
+        None
+    }
+}
+
 impl ProxyError {
     /// The HTTP status the caller sees.
     pub fn status(&self) -> StatusCode {
@@ -77,7 +139,9 @@ impl ProxyError {
             ProxyError::StoreUnavailable | ProxyError::AuthUnavailable => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
-            ProxyError::UpstreamUnreachable(..) => StatusCode::BAD_GATEWAY,
+            ProxyError::UpstreamUnreachable(..) | ProxyError::UpstreamBadResponse(..) => {
+                StatusCode::BAD_GATEWAY
+            }
             ProxyError::UpstreamTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
             ProxyError::BadRequest(_) => StatusCode::BAD_REQUEST,
             ProxyError::BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,

@@ -1,7 +1,7 @@
 //! Step 4 of the request path: forward to an upstream target, streaming both bodies.
 
 use super::body::RequestBody;
-use super::error::{causes, ProxyError};
+use super::error::{causes, BadResponse, ProxyError};
 use super::pool::{Connector, Pool, PoolError, PooledBody, SendError};
 use super::Body;
 use crate::config::{Problems, UpstreamConfig, UpstreamProtocol};
@@ -590,9 +590,9 @@ pub fn forward<'a>(
                             "sent a response head past upstreams.max_response_header_bytes",
                             format!("{head} bytes, limit {}", upstream.max_response_header_bytes),
                         );
-                        return Err(ProxyError::UpstreamUnreachable(
+                        return Err(ProxyError::UpstreamBadResponse(
                             upstream.name.to_string(),
-                            "the response headers are too large".into(),
+                            BadResponse::HeadersTooLarge,
                         ));
                     }
                     if response.status() == StatusCode::SWITCHING_PROTOCOLS {
@@ -625,14 +625,21 @@ pub fn forward<'a>(
                         ));
                         if h2_websocket {
                             // Over HTTP/2 the handshake is answered 200 (RFC 8441).
-                            let mut response = respond(response, downstream_version, down.via);
+                            let mut response =
+                                respond_switched(response, downstream_version, down.via);
                             *response.status_mut() = StatusCode::OK;
                             response.headers_mut().remove(header::SEC_WEBSOCKET_ACCEPT);
                             return Ok(response);
                         }
                         return Ok(respond_upgraded(response, downstream_version, down.via));
                     }
-                    return Ok(respond(response, downstream_version, down.via));
+                    return respond(response, downstream_version, down.via).map_err(|e| {
+                        failed("sent a response of unknown length", e.to_string());
+                        ProxyError::UpstreamBadResponse(
+                            upstream.name.to_string(),
+                            BadResponse::Framing,
+                        )
+                    });
                 }
                 None => {
                     failed(
@@ -709,6 +716,14 @@ pub fn forward<'a>(
                 return Err(ProxyError::UpstreamTimeout(upstream.name.to_string()));
             }
             let detail = error_chain(&error);
+            if let Some(bad) = BadResponse::of(&error) {
+                // The upstream answered, with a head that cannot be passed on: say so.
+                failed("sent a bad response", detail);
+                return Err(ProxyError::UpstreamBadResponse(
+                    upstream.name.to_string(),
+                    bad,
+                ));
+            }
             failed("failed", detail.clone());
             return Err(ProxyError::UpstreamUnreachable(
                 upstream.name.to_string(),
@@ -883,7 +898,7 @@ fn respond_upgraded(
     via: Option<&crate::http::via::Via>,
 ) -> Response<Body> {
     let upgrade = response.headers().get(header::UPGRADE).cloned();
-    let mut response = respond(response, downstream_version, via);
+    let mut response = respond_switched(response, downstream_version, via);
     let h = response.headers_mut();
     h.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
     if let Some(upgrade) = upgrade {
@@ -893,14 +908,39 @@ fn respond_upgraded(
 }
 
 /// The upstream's response for the client: in the client's HTTP version, whatever the
-/// upstream spoke, without hop-by-hop headers, with tollgate's `Via` entry for the
-/// version it came in (`via`).
+/// upstream spoke, without hop-by-hop headers, with its framing headers settled for the
+/// client ([`super::framing`]), with tollgate's `Via` entry for the version it came in
+/// (`via`). [`super::framing::InvalidLength`] when its `Content-Length` values disagree.
 fn respond(
+    response: Response<PooledBody>,
+    downstream_version: Version,
+    via: Option<&crate::http::via::Via>,
+) -> Result<Response<Body>, super::framing::InvalidLength> {
+    let (mut parts, body) = response.into_parts();
+    let chunked = parts.headers.contains_key(header::TRANSFER_ENCODING);
+    super::framing::settle(&mut parts.headers, parts.status, chunked)?;
+    Ok(relay(parts, body, downstream_version, via))
+}
+
+/// A `101` for the client ([`respond`] for a response that has no body to frame: no
+/// `Content-Length`).
+fn respond_switched(
     response: Response<PooledBody>,
     downstream_version: Version,
     via: Option<&crate::http::via::Via>,
 ) -> Response<Body> {
     let (mut parts, body) = response.into_parts();
+    parts.headers.remove(header::CONTENT_LENGTH);
+    relay(parts, body, downstream_version, via)
+}
+
+/// The rest of [`respond`]: hop-by-hop headers out, `Via` in, the client's version.
+fn relay(
+    mut parts: http::response::Parts,
+    body: PooledBody,
+    downstream_version: Version,
+    via: Option<&crate::http::via::Via>,
+) -> Response<Body> {
     strip_hop_by_hop(&mut parts.headers);
     // Room for what the gateway adds (Via, the rate-limit headers, the request id) in
     // one growth of the map, instead of one or two as they are inserted.

@@ -110,6 +110,8 @@ impl Informational {
         }
         let mut headers = headers.clone();
         crate::http::strip_hop_by_hop(&mut headers);
+        // No length on a 1xx (RFC 9110 §8.6; HTTP/2 clients reject one).
+        headers.remove(http::header::CONTENT_LENGTH);
         let shared = match &self.0 {
             Sink::Http1(shared) => shared,
             Sink::Http2(respond) => {

@@ -20,6 +20,7 @@ pub mod body;
 pub mod deadline;
 pub mod error;
 pub mod forward;
+pub mod framing;
 pub mod grpc;
 pub mod h2client;
 pub mod headers;

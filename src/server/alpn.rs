@@ -9,6 +9,8 @@
 //! body as [`Incoming`].
 
 use super::h2;
+use super::linger::Linger;
+use super::minor_version::MinorVersion;
 use crate::http::incoming::Incoming;
 use hyper::server::conn::http1;
 use hyper_util::rt::TokioIo;
@@ -67,7 +69,8 @@ pub(super) struct Builders {
     http2: h2::Settings,
 }
 
-type Http1Conn<T, H> = http1::UpgradeableConnection<TokioIo<Prefixed<T>>, Http1Service<H>>;
+type Http1Conn<T, H> =
+    http1::UpgradeableConnection<TokioIo<Linger<MinorVersion<Prefixed<T>>>>, Http1Service<H>>;
 
 impl Builders {
     pub(super) fn new(http1: http1::Builder, http2: h2::Settings) -> Self {
@@ -81,7 +84,12 @@ impl Builders {
     {
         let conn = self
             .http1
-            .serve_connection(TokioIo::new(io), Http1Service(handler))
+            // Its close lingers (`super::linger`); an `HTTP/1.2` request line reads as
+            // 1.1 (`super::minor_version`).
+            .serve_connection(
+                TokioIo::new(Linger::new(MinorVersion::new(io))),
+                Http1Service(handler),
+            )
             .with_upgrades();
         Serving::Http1(Box::pin(conn))
     }

@@ -7,6 +7,8 @@ mod alpn;
 mod guards;
 mod h2;
 mod limits;
+mod linger;
+mod minor_version;
 pub mod runtime;
 
 use crate::admin;

@@ -1,14 +1,19 @@
 //! `[identity.auth_request]`: for a credential no local key matches, ask an auth service.
 //!
 //! The callout is an HTTP request to `url` carrying the request's credential header (and
-//! `X-Original-Method` / `X-Original-URI`, and the configured `forward_headers`). A 2xx
-//! answer names the caller (`caller_header`), its tier (`tier_header`) and its own
-//! quotas (`quota_header_prefix` + limit name); a 401 or 403 is passed to the client with
-//! its body; anything else, a timeout or a refused connection is a failure, handled by
-//! `on_error`. Answers are cached per credential hash (`cache_ttl`, `negative_ttl`,
-//! at most `cache_size` entries); concurrent requests with one uncached credential share
-//! one callout; consecutive failures open a breaker for `breaker_cooloff`.
+//! `X-Original-Method` / `X-Original-URI`, and the configured `forward_headers`), each
+//! bounded (`max_uri_bytes`, `max_header_bytes`: a larger request gets 414 / 431 without
+//! a callout). A 2xx answer names the caller (`caller_header`), its tier (`tier_header`)
+//! and its own quotas (`quota_header_prefix` + limit name); a 401 or 403 is passed to the
+//! client with its body (at most [`MAX_REFUSAL_BODY`] bytes); another 4xx answers that
+//! request only; anything else, a timeout or a refused connection is a failure, handled by
+//! `on_error`. Answers are cached per credential and forwarded header values
+//! ([`AuthRequest::cache_key`]; `cache_ttl`, `negative_ttl`, at most `cache_size` entries
+//! and `cache_max_bytes` bytes); concurrent requests with one uncached key share one
+//! callout; consecutive failures of the service itself (no connection, a timeout, a
+//! 5xx) open a breaker for `breaker_cooloff`.
 
+use super::auth_cache::AnswerCache;
 use super::Client;
 use crate::config::{AuthOnError, AuthRequestConfig, Problems};
 use crate::metrics::{AuthLabels, Metrics};
@@ -17,12 +22,26 @@ use futures_util::future::{BoxFuture, FutureExt, Shared};
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Uri};
 use http_body_util::{BodyExt, Empty, Limited};
 use hyper_util::client::legacy::{connect::HttpConnector, Client as HttpClient};
+use prometheus_client::metrics::gauge::Gauge;
+use sha2::{Digest, Sha256};
 use std::collections::{BTreeSet, HashMap};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
-/// Largest body of a 401/403 answer passed on to the client, in bytes.
+/// Largest body of an answer read, in bytes (the rest is not read).
 const MAX_BODY: usize = 64 * 1024;
+
+/// Largest body of a 401/403 answer passed on to the client (and cached), in bytes. A
+/// longer body (or one whose `Content-Type` is longer than 256 bytes) is replaced by the
+/// gateway's own JSON refusal: `{"message":"Bad credentials"}` for a 401,
+/// `{"message":"Forbidden"}` for a 403.
+pub const MAX_REFUSAL_BODY: usize = 4 * 1024;
+
+/// Largest `Content-Type` of a refusal passed on, in bytes.
+const MAX_CONTENT_TYPE: usize = 256;
+
+/// How often expired answers are dropped from the cache (their memory given back).
+const SWEEP_EVERY: Duration = Duration::from_secs(1);
 
 /// What the auth service said about one credential.
 #[derive(Debug, Clone)]
@@ -35,11 +54,27 @@ pub enum Answer {
         status: u16,
         /// Its `Content-Type`, if any.
         content_type: Option<HeaderValue>,
-        /// Its body (at most 64 KB).
+        /// Its body (at most [`MAX_REFUSAL_BODY`] bytes).
         body: Bytes,
     },
+    /// Another 4xx (its status): the service could not judge this request (e.g. 431 for
+    /// a long `X-Original-URI`). Answers this request only: not cached, and not a
+    /// failure of the service (the breaker does not count it).
+    Rejected(u16),
     /// No usable answer (`on_error` decides): why, for the logs and the metric.
     Failed(&'static str),
+}
+
+/// What the callout would forward is larger than its bound: the request gets this
+/// status without a callout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Oversize {
+    /// The URI (sent as `X-Original-URI`) is longer than `max_uri_bytes` (the bound,
+    /// bytes): 414.
+    Uri(usize),
+    /// The credential and forwarded headers (names and values) are larger than
+    /// `max_header_bytes` (the bound, bytes): 431.
+    Headers(usize),
 }
 
 /// The callout of one config; its cache, breaker and connections are kept across
@@ -63,7 +98,9 @@ pub struct AuthRequest {
 
 struct State {
     client: HttpClient<HttpConnector, Empty<Bytes>>,
-    cache: Mutex<HashMap<[u8; 32], (Instant, Answer)>>,
+    cache: Mutex<AnswerCache>,
+    /// `tollgate_auth_cache_bytes`, once a request has asked (the sweep sets it too).
+    cache_bytes: OnceLock<Gauge>,
     inflight: Mutex<HashMap<[u8; 32], Shared<BoxFuture<'static, Answer>>>>,
     /// Consecutive failures, and until when the breaker is open.
     breaker: Mutex<(u32, Option<Instant>)>,
@@ -147,6 +184,15 @@ impl AuthRequest {
         if cfg.breaker_failures == 0 {
             problems.error(format!("{at}.breaker_failures"), "must be at least 1");
         }
+        if cfg.max_uri_bytes == 0 {
+            problems.error(format!("{at}.max_uri_bytes"), "must be at least 1");
+        }
+        if cfg.max_header_bytes == 0 {
+            problems.error(format!("{at}.max_header_bytes"), "must be at least 1");
+        }
+        if cfg.cache_max_bytes == 0 {
+            problems.error(format!("{at}.cache_max_bytes"), "must be at least 1");
+        }
         let (url, method, caller_header, tier_header) =
             (url?, method?, caller_header?, tier_header?);
         let state = match previous {
@@ -155,14 +201,21 @@ impl AuthRequest {
                 let mut connector = HttpConnector::new();
                 connector.set_connect_timeout(Some(cfg.timeout.0));
                 connector.set_nodelay(true);
-                Arc::new(State {
+                let state = Arc::new(State {
                     client: HttpClient::builder(hyper_util::rt::TokioExecutor::new())
                         .pool_idle_timeout(Duration::from_secs(30))
                         .build(connector),
-                    cache: Mutex::new(HashMap::new()),
+                    cache: Mutex::new(AnswerCache::default()),
+                    cache_bytes: OnceLock::new(),
                     inflight: Mutex::new(HashMap::new()),
                     breaker: Mutex::new((0, None)),
-                })
+                });
+                // Expired answers are dropped once a second while the callout is in use
+                // (not in `tollgate check`, which has no runtime to run it).
+                if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                    runtime.spawn(sweep(Arc::downgrade(&state)));
+                }
+                state
             }
         };
         Some(Arc::new(AuthRequest {
@@ -193,31 +246,88 @@ impl AuthRequest {
         self.cfg.on_error
     }
 
-    /// The answer for the credential whose SHA-256 is `digest`: from the cache, from a
-    /// callout in flight for it, or from a new callout with `headers` (the request's),
-    /// `method` and `uri`. Counted in `tollgate_auth_requests_total{result}` (callouts
-    /// only) and `tollgate_auth_request_duration_seconds`.
+    /// Whether what a callout for this request would send fits its bounds: the URI
+    /// (when `send_request_line`) within `max_uri_bytes`, the credential and forwarded
+    /// headers (names and values summed) within `max_header_bytes`. Checked before the
+    /// cache too, so that the answer does not depend on what is cached.
+    ///
+    /// Errors: the bound exceeded ([`Oversize`]).
+    pub fn fits(&self, headers: &HeaderMap, uri: &Uri) -> Result<(), Oversize> {
+        if self.cfg.send_request_line && original_uri_len(uri) > self.cfg.max_uri_bytes {
+            return Err(Oversize::Uri(self.cfg.max_uri_bytes));
+        }
+        let mut total = 0usize;
+        for name in self.sent_headers() {
+            for v in headers.get_all(name) {
+                total = total.saturating_add(name.as_str().len() + v.len());
+            }
+        }
+        if total > self.cfg.max_header_bytes {
+            return Err(Oversize::Headers(self.cfg.max_header_bytes));
+        }
+        Ok(())
+    }
+
+    /// The cache key of a request: the SHA-256 of every header value the callout sends
+    /// that can change its answer: the credential header as sent and each of
+    /// `forward_headers` (each value, in order, and how many there are, so that an
+    /// absent header differs from an empty one). `X-Original-Method` and
+    /// `X-Original-URI` are not part of it: they change with nearly every request, and
+    /// keying on them would make nearly every request a callout (a service that decides
+    /// by path needs `cache_ttl` and `negative_ttl` of `"0s"`).
+    pub fn cache_key(&self, headers: &HeaderMap) -> [u8; 32] {
+        let mut h = Sha256::new();
+        for name in self.sent_headers() {
+            let values = headers.get_all(name);
+            h.update((name.as_str().len() as u64).to_le_bytes());
+            h.update(name.as_str());
+            h.update((values.iter().count() as u64).to_le_bytes());
+            for v in values {
+                h.update((v.len() as u64).to_le_bytes());
+                h.update(v.as_bytes());
+            }
+        }
+        h.finalize().into()
+    }
+
+    /// The request headers a callout copies: the credential header, then
+    /// `forward_headers`.
+    fn sent_headers(&self) -> impl Iterator<Item = &HeaderName> {
+        std::iter::once(&self.credential).chain(&self.forward)
+    }
+
+    /// The answer for the request whose cache key is `key` ([`AuthRequest::cache_key`]):
+    /// from the cache, from a callout in flight for it, or from a new callout with
+    /// `headers` (the request's), `method` and `uri`. Counted in
+    /// `tollgate_auth_requests_total{result}` (callouts only) and
+    /// `tollgate_auth_request_duration_seconds`.
     pub async fn ask(
         &self,
-        digest: [u8; 32],
+        key: [u8; 32],
         headers: &HeaderMap,
         method: &Method,
         uri: &Uri,
         metrics: &Metrics,
     ) -> Answer {
         let now = Instant::now();
-        if let Some((until, answer)) = lock(&self.state.cache).get(&digest) {
-            if *until > now {
-                return answer.clone();
-            }
+        let (cached, bytes) = {
+            let mut cache = lock(&self.state.cache);
+            (cache.get(&key, now), cache.bytes())
+        };
+        self.state
+            .cache_bytes
+            .get_or_init(|| metrics.auth_cache_bytes.clone())
+            .set(bytes as i64);
+        if let Some(answer) = cached {
+            return answer;
         }
         let (shared, leader) = {
             let mut inflight = lock(&self.state.inflight);
-            match inflight.get(&digest) {
+            match inflight.get(&key) {
                 Some(f) => (f.clone(), false),
                 None => {
-                    let f = self.callout(digest, headers, method, uri).boxed().shared();
-                    inflight.insert(digest, f.clone());
+                    let f = self.callout(key, headers, method, uri).boxed().shared();
+                    inflight.insert(key, f.clone());
                     (f, true)
                 }
             }
@@ -228,12 +338,16 @@ impl AuthRequest {
             let result = match &answer {
                 Answer::Caller(_) => "allowed",
                 Answer::Refused { .. } => "refused",
+                Answer::Rejected(_) => "rejected",
                 Answer::Failed(why) => why,
             };
             metrics
                 .auth_requests
                 .get_or_create(&AuthLabels { result })
                 .inc();
+            metrics
+                .auth_cache_bytes
+                .set(lock(&self.state.cache).bytes() as i64);
             if result != "breaker_open" {
                 metrics.auth_latency.observe(now.elapsed().as_secs_f64());
             }
@@ -245,7 +359,7 @@ impl AuthRequest {
     /// leaves the in-flight map itself, so that it does so once for every waiter.
     fn callout(
         &self,
-        digest: [u8; 32],
+        key: [u8; 32],
         headers: &HeaderMap,
         method: &Method,
         uri: &Uri,
@@ -253,7 +367,7 @@ impl AuthRequest {
         let mut req = http::Request::builder()
             .method(self.method.clone())
             .uri(self.url.clone());
-        for name in std::iter::once(&self.credential).chain(&self.forward) {
+        for name in self.sent_headers() {
             for v in headers.get_all(name) {
                 req = req.header(name, v);
             }
@@ -280,24 +394,30 @@ impl AuthRequest {
         let state = self.state.clone();
         let cfg = self.cfg.clone();
         async move {
-            let answer = match (open, req) {
-                (true, _) => Answer::Failed("breaker_open"),
-                (false, Err(_)) => Answer::Failed("error"),
+            // Whether the answer says the service itself is unavailable (no connection,
+            // a timeout, a 5xx): only that counts toward the breaker.
+            let (answer, unavailable) = match (open, req) {
+                (true, _) => (Answer::Failed("breaker_open"), false),
+                (false, Err(_)) => (Answer::Failed("error"), false),
                 (false, Ok(req)) => {
                     let call = async {
                         let resp = state.client.request(req).await.map_err(|_| "error")?;
                         let (parts, body) = resp.into_parts();
-                        let body = Limited::new(body, MAX_BODY)
-                            .collect()
-                            .await
-                            .map_err(|_| "error")?
-                            .to_bytes();
+                        let body = match Limited::new(body, MAX_BODY).collect().await {
+                            Ok(body) => Some(body.to_bytes()),
+                            // Longer than we read: not a failure of the service.
+                            Err(e) if e.is::<http_body_util::LengthLimitError>() => None,
+                            Err(_) => return Err("error"),
+                        };
                         Ok::<_, &'static str>((parts, body))
                     };
                     match tokio::time::timeout(cfg.timeout.0, call).await {
-                        Err(_) => Answer::Failed("timeout"),
-                        Ok(Err(why)) => Answer::Failed(why),
-                        Ok(Ok((parts, body))) => this.answer(parts, body),
+                        Err(_) => (Answer::Failed("timeout"), true),
+                        Ok(Err(why)) => (Answer::Failed(why), true),
+                        Ok(Ok((parts, body))) => {
+                            let unavailable = parts.status.is_server_error();
+                            (this.answer(parts, body), unavailable)
+                        }
                     }
                 }
             };
@@ -305,7 +425,7 @@ impl AuthRequest {
                 let mut breaker = lock(&state.breaker);
                 match &answer {
                     Answer::Failed("breaker_open") => {}
-                    Answer::Failed(_) => {
+                    _ if unavailable => {
                         breaker.0 += 1;
                         // A failure right after a cool-off opens it again at once.
                         if breaker.0 >= cfg.breaker_failures || breaker.1.is_some() {
@@ -313,31 +433,25 @@ impl AuthRequest {
                             breaker.0 = 0;
                         }
                     }
+                    // The service answered: it is up, whatever it said.
                     _ => *breaker = (0, None),
                 }
             }
             let ttl = match &answer {
                 Answer::Caller(_) => Some(cfg.cache_ttl.0),
                 Answer::Refused { .. } => Some(cfg.negative_ttl.0),
-                Answer::Failed(_) => None,
+                Answer::Rejected(_) | Answer::Failed(_) => None,
             };
             if let Some(ttl) = ttl.filter(|t| !t.is_zero()) {
-                let mut cache = lock(&state.cache);
-                if cache.len() >= cfg.cache_size {
-                    let now = Instant::now();
-                    cache.retain(|_, (until, _)| *until > now);
-                    if cache.len() >= cfg.cache_size {
-                        // Still full of live answers: drop an eighth, arbitrarily.
-                        let drop: Vec<[u8; 32]> =
-                            cache.keys().take(cfg.cache_size / 8 + 1).copied().collect();
-                        for k in drop {
-                            cache.remove(&k);
-                        }
-                    }
-                }
-                cache.insert(digest, (Instant::now() + ttl, answer.clone()));
+                lock(&state.cache).insert(
+                    key,
+                    answer.clone(),
+                    Instant::now() + ttl,
+                    cfg.cache_size,
+                    cfg.cache_max_bytes,
+                );
             }
-            lock(&state.inflight).remove(&digest);
+            lock(&state.inflight).remove(&key);
             answer
         }
     }
@@ -354,14 +468,14 @@ struct Parsed {
 }
 
 impl Parsed {
-    fn answer(&self, parts: http::response::Parts, body: Bytes) -> Answer {
+    /// The answer of `parts` and `body` (`None`: longer than was read).
+    fn answer(&self, parts: http::response::Parts, body: Option<Bytes>) -> Answer {
         let status = parts.status.as_u16();
         if status == 401 || status == 403 {
-            return Answer::Refused {
-                status,
-                content_type: parts.headers.get(http::header::CONTENT_TYPE).cloned(),
-                body,
-            };
+            return refusal(status, parts.headers.get(http::header::CONTENT_TYPE), body);
+        }
+        if parts.status.is_client_error() {
+            return Answer::Rejected(status);
         }
         if !parts.status.is_success() {
             return Answer::Failed("error");
@@ -409,6 +523,61 @@ impl Parsed {
             client.quotas = Some(Box::new(quotas.into_boxed_slice()));
         }
         Answer::Caller(Arc::new(client))
+    }
+}
+
+/// A 401/403 answer as kept and passed on: its body and `Content-Type` when they fit
+/// their bounds (copied, so that the read buffer is not kept), else the gateway's own
+/// JSON refusal.
+fn refusal(status: u16, content_type: Option<&HeaderValue>, body: Option<Bytes>) -> Answer {
+    match body {
+        Some(body)
+            if body.len() <= MAX_REFUSAL_BODY
+                && content_type.is_none_or(|c| c.len() <= MAX_CONTENT_TYPE) =>
+        {
+            Answer::Refused {
+                status,
+                content_type: content_type.cloned(),
+                body: Bytes::copy_from_slice(&body),
+            }
+        }
+        _ => Answer::Refused {
+            status,
+            content_type: Some(HeaderValue::from_static("application/json")),
+            body: Bytes::from_static(if status == 403 {
+                b"{\"message\":\"Forbidden\"}"
+            } else {
+                b"{\"message\":\"Bad credentials\"}"
+            }),
+        },
+    }
+}
+
+/// The length of `uri` as `X-Original-URI` carries it, bytes.
+fn original_uri_len(uri: &Uri) -> usize {
+    let path = uri.path_and_query().map_or(0, |p| p.as_str().len());
+    match (uri.scheme_str(), uri.authority()) {
+        (Some(scheme), Some(authority)) => scheme.len() + 3 + authority.as_str().len() + path,
+        _ => path,
+    }
+}
+
+/// Drop expired answers from the cache of `state` every [`SWEEP_EVERY`], until the
+/// state is dropped (its config replaced).
+async fn sweep(state: Weak<State>) {
+    loop {
+        tokio::time::sleep(SWEEP_EVERY).await;
+        let Some(state) = state.upgrade() else {
+            return;
+        };
+        let bytes = {
+            let mut cache = lock(&state.cache);
+            cache.sweep(Instant::now());
+            cache.bytes()
+        };
+        if let Some(gauge) = state.cache_bytes.get() {
+            gauge.set(bytes as i64);
+        }
     }
 }
 

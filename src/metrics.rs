@@ -63,8 +63,9 @@ pub struct ReloadLabels {
 /// Labels of `tollgate_auth_requests_total`.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct AuthLabels {
-    /// `allowed` (a 2xx naming a caller), `refused` (401/403), `error` (another status,
-    /// an unusable answer, or no connection), `timeout`, or `breaker_open` (not called).
+    /// `allowed` (a 2xx naming a caller), `refused` (401/403), `rejected` (another 4xx:
+    /// this request could not be judged), `error` (another status, an unusable answer,
+    /// or no connection), `timeout`, or `breaker_open` (not called).
     pub result: &'static str,
 }
 
@@ -254,6 +255,10 @@ pub struct Metrics {
     /// `tollgate_auth_request_duration_seconds`: how long callouts took (as the request
     /// that made one waited), seconds.
     pub auth_latency: Histogram,
+    /// `tollgate_auth_cache_bytes`: what the answers cached by `[identity.auth_request]`
+    /// are counted as (`identity.auth_request.cache_max_bytes`), bytes; set as callouts
+    /// are asked.
+    pub auth_cache_bytes: Gauge,
     /// 429s by limit and tier.
     pub rejections: RejectionCounts,
     /// `tollgate_shadow_rejections_total{limit, tier}`: requests a limit in shadow mode
@@ -342,6 +347,12 @@ impl Metrics {
             "auth_request_duration_seconds",
             "How long callouts to identity.auth_request took",
             auth_latency.clone(),
+        );
+        let auth_cache_bytes = Gauge::default();
+        registry.register(
+            "auth_cache_bytes",
+            "Bytes of the answers cached by identity.auth_request",
+            auth_cache_bytes.clone(),
         );
         let config_generation = Gauge::default();
         registry.register(
@@ -447,6 +458,7 @@ impl Metrics {
             reloads,
             auth_requests,
             auth_latency,
+            auth_cache_bytes,
             rejections: RejectionCounts {
                 id,
                 family: rejections,

@@ -390,6 +390,11 @@ impl Snapshot {
                     previous
                         .map(|p| p.limiter.top().clone())
                         .unwrap_or_default(),
+                )
+                .with_blocked(
+                    previous
+                        .map(|p| p.limiter.blocked().clone())
+                        .unwrap_or_default(),
                 ),
             listen,
             admin_listen,

@@ -718,6 +718,12 @@ pub struct AuthRequestConfig {
     /// Send the request's method and path as `X-Original-Method` and `X-Original-URI`.
     /// Default true.
     pub send_request_line: bool,
+    /// Longest URI sent as `X-Original-URI`, bytes: a request with a longer one (when
+    /// `send_request_line`) gets 414 without a callout. Default 8192.
+    pub max_uri_bytes: usize,
+    /// Largest credential and forwarded headers sent (names and values summed), bytes:
+    /// a request with larger ones gets 431 without a callout. Default 4096.
+    pub max_header_bytes: usize,
     /// Response header of a 2xx answer naming the caller id. Default `"x-caller-id"`.
     pub caller_header: String,
     /// Response header naming the caller's tier. Default `"x-caller-tier"`; absent:
@@ -734,6 +740,9 @@ pub struct AuthRequestConfig {
     pub negative_ttl: Dur,
     /// Most credentials cached at once. Default 100000.
     pub cache_size: usize,
+    /// Most bytes the cached answers may take (bodies of refusals and caller ids
+    /// included). Default 64 MiB.
+    pub cache_max_bytes: usize,
     /// Budget for one callout (connect, answer and body). Default 500 ms.
     pub timeout: Dur,
     /// What a request gets when the service fails, is slow or its breaker is open:
@@ -760,6 +769,8 @@ impl Default for AuthRequestConfig {
             method: "GET".into(),
             forward_headers: Vec::new(),
             send_request_line: true,
+            max_uri_bytes: 8192,
+            max_header_bytes: 4096,
             caller_header: "x-caller-id".into(),
             tier_header: "x-caller-tier".into(),
             default_tier: "default".into(),
@@ -767,6 +778,7 @@ impl Default for AuthRequestConfig {
             cache_ttl: Dur::from_secs(60),
             negative_ttl: Dur::from_secs(10),
             cache_size: 100_000,
+            cache_max_bytes: 64 * 1024 * 1024,
             timeout: Dur::from_millis(500),
             on_error: AuthOnError::Deny,
             breaker_failures: 5,

@@ -1,13 +1,17 @@
 //! `[identity.auth_request]`: for a credential no local key matches, ask an auth service.
 //!
 //! The callout is an HTTP request to `url` carrying the request's credential header (and
-//! `X-Original-Method` / `X-Original-URI`, and the configured `forward_headers`). A 2xx
-//! answer names the caller (`caller_header`), its tier (`tier_header`) and its own
-//! quotas (`quota_header_prefix` + limit name); a 401 or 403 is passed to the client with
-//! its body; anything else, a timeout or a refused connection is a failure, handled by
-//! `on_error`. Answers are cached per credential hash (`cache_ttl`, `negative_ttl`,
-//! at most `cache_size` entries); concurrent requests with one uncached credential share
-//! one callout; consecutive failures open a breaker for `breaker_cooloff`.
+//! `X-Original-Method` / `X-Original-URI`, and the configured `forward_headers`), each
+//! bounded (`max_uri_bytes`, `max_header_bytes`: a larger request gets 414 / 431 without
+//! a callout). A 2xx answer names the caller (`caller_header`), its tier (`tier_header`)
+//! and its own quotas (`quota_header_prefix` + limit name); a 401 or 403 is passed to the
+//! client with its body (at most [`MAX_REFUSAL_BODY`] bytes); another 4xx answers that
+//! request only; anything else, a timeout or a refused connection is a failure, handled by
+//! `on_error`. Answers are cached per credential and forwarded header values
+//! ([`AuthRequest::cache_key`]; `cache_ttl`, `negative_ttl`, at most `cache_size` entries
+//! and `cache_max_bytes` bytes); concurrent requests with one uncached key share one
+//! callout; consecutive failures of the service itself (no connection, a timeout, a
+//! 5xx) open a breaker for `breaker_cooloff`.
 //!
 //! A callout runs in a task of its own, to its end (at most `timeout`) even when every
 //! request waiting for it went away, so that its answer is cached and its connection goes
@@ -18,6 +22,7 @@
 //! descriptor budget ([`crate::budget::Budget::sockets`],
 //! `tollgate_auth_request_connections`).
 
+use super::auth_cache::AnswerCache;
 use super::Client;
 use crate::budget::{Budget, Descriptor, Sockets};
 use crate::config::{AuthOnError, AuthRequestConfig, Problems};
@@ -29,10 +34,12 @@ use http_body_util::{BodyExt, Empty, Limited};
 use hyper_util::client::legacy::connect::{Connected, Connection, HttpConnector};
 use hyper_util::client::legacy::Client as HttpClient;
 use hyper_util::rt::TokioIo;
+use prometheus_client::metrics::gauge::Gauge;
+use sha2::{Digest, Sha256};
 use std::collections::{BTreeSet, HashMap};
 use std::net::IpAddr;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 use tokio::net::TcpStream;
@@ -45,8 +52,20 @@ pub const MAX_IDLE: usize = 16;
 /// How long an idle connection to the auth service is kept.
 pub const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// Largest body of a 401/403 answer passed on to the client, in bytes.
+/// Largest body of an answer read, in bytes (the rest is not read).
 const MAX_BODY: usize = 64 * 1024;
+
+/// Largest body of a 401/403 answer passed on to the client (and cached), in bytes. A
+/// longer body (or one whose `Content-Type` is longer than 256 bytes) is replaced by the
+/// gateway's own JSON refusal: `{"message":"Bad credentials"}` for a 401,
+/// `{"message":"Forbidden"}` for a 403.
+pub const MAX_REFUSAL_BODY: usize = 4 * 1024;
+
+/// Largest `Content-Type` of a refusal passed on, in bytes.
+const MAX_CONTENT_TYPE: usize = 256;
+
+/// How often expired answers are dropped from the cache (their memory given back).
+const SWEEP_EVERY: Duration = Duration::from_secs(1);
 
 /// What the auth service said about one credential.
 #[derive(Debug, Clone)]
@@ -59,9 +78,13 @@ pub enum Answer {
         status: u16,
         /// Its `Content-Type`, if any.
         content_type: Option<HeaderValue>,
-        /// Its body (at most 64 KB).
+        /// Its body (at most [`MAX_REFUSAL_BODY`] bytes).
         body: Bytes,
     },
+    /// Another 4xx (its status): the service could not judge this request (e.g. 431 for
+    /// a long `X-Original-URI`). Answers this request only: not cached, and not a
+    /// failure of the service (the breaker does not count it).
+    Rejected(u16),
     /// No usable answer (`on_error` decides): why, for the logs and the metric.
     Failed(&'static str),
     /// No callout was made: `max_concurrent` callouts are under way, or
@@ -70,6 +93,18 @@ pub enum Answer {
         /// Whether the client address's own bound was the one reached.
         per_address: bool,
     },
+}
+
+/// What the callout would forward is larger than its bound: the request gets this
+/// status without a callout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Oversize {
+    /// The URI (sent as `X-Original-URI`) is longer than `max_uri_bytes` (the bound,
+    /// bytes): 414.
+    Uri(usize),
+    /// The credential and forwarded headers (names and values) are larger than
+    /// `max_header_bytes` (the bound, bytes): 431.
+    Headers(usize),
 }
 
 /// The callout of one config; its cache, breaker and connections are kept across
@@ -101,7 +136,9 @@ struct State {
     /// Callouts under way per client address (`max_concurrent_per_ip`); addresses with
     /// none under way have no entry.
     per_address: Arc<Mutex<HashMap<IpAddr, usize>>>,
-    cache: Mutex<HashMap<[u8; 32], (Instant, Answer)>>,
+    cache: Mutex<AnswerCache>,
+    /// `tollgate_auth_cache_bytes`, once a request has asked (the sweep sets it too).
+    cache_bytes: OnceLock<Gauge>,
     inflight: Mutex<HashMap<[u8; 32], Shared<BoxFuture<'static, Answer>>>>,
     /// Consecutive failures, and until when the breaker is open.
     breaker: Mutex<(u32, Option<Instant>)>,
@@ -191,6 +228,15 @@ impl AuthRequest {
         if cfg.max_concurrent_per_ip == 0 {
             problems.error(format!("{at}.max_concurrent_per_ip"), "must be at least 1");
         }
+        if cfg.max_uri_bytes == 0 {
+            problems.error(format!("{at}.max_uri_bytes"), "must be at least 1");
+        }
+        if cfg.max_header_bytes == 0 {
+            problems.error(format!("{at}.max_header_bytes"), "must be at least 1");
+        }
+        if cfg.cache_max_bytes == 0 {
+            problems.error(format!("{at}.cache_max_bytes"), "must be at least 1");
+        }
         let (url, method, caller_header, tier_header) =
             (url?, method?, caller_header?, tier_header?);
         let state = match previous {
@@ -204,7 +250,7 @@ impl AuthRequest {
                     http,
                     sockets: sockets.clone(),
                 };
-                Arc::new(State {
+                let state = Arc::new(State {
                     client: HttpClient::builder(hyper_util::rt::TokioExecutor::new())
                         .pool_idle_timeout(IDLE_TIMEOUT)
                         .pool_max_idle_per_host(MAX_IDLE)
@@ -214,10 +260,17 @@ impl AuthRequest {
                         cfg.max_concurrent.clamp(1, Semaphore::MAX_PERMITS),
                     )),
                     per_address: Arc::default(),
-                    cache: Mutex::new(HashMap::new()),
+                    cache: Mutex::new(AnswerCache::default()),
+                    cache_bytes: OnceLock::new(),
                     inflight: Mutex::new(HashMap::new()),
                     breaker: Mutex::new((0, None)),
-                })
+                });
+                // Expired answers are dropped once a second while the callout is in use
+                // (not in `tollgate check`, which has no runtime to run it).
+                if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                    runtime.spawn(sweep(Arc::downgrade(&state)));
+                }
+                state
             }
         };
         Some(Arc::new(AuthRequest {
@@ -248,16 +301,67 @@ impl AuthRequest {
         self.cfg.on_error
     }
 
-    /// The answer for the credential whose SHA-256 is `digest`: from the cache, from a
-    /// callout in flight for it, or from a new callout with `headers` (the request's),
-    /// `method` and `uri`, made for the client address `client.0` (its key), whose
-    /// sockets count in the descriptor budget `client.1`. A new callout past
-    /// `max_concurrent` (or `max_concurrent_per_ip` for that address) is not made:
-    /// [`Answer::Busy`]. Counted in `tollgate_auth_requests_total{result}` (callouts,
-    /// and requests answered `Busy`) and `tollgate_auth_request_duration_seconds`.
+    /// Whether what a callout for this request would send fits its bounds: the URI
+    /// (when `send_request_line`) within `max_uri_bytes`, the credential and forwarded
+    /// headers (names and values summed) within `max_header_bytes`. Checked before the
+    /// cache too, so that the answer does not depend on what is cached.
+    ///
+    /// Errors: the bound exceeded ([`Oversize`]).
+    pub fn fits(&self, headers: &HeaderMap, uri: &Uri) -> Result<(), Oversize> {
+        if self.cfg.send_request_line && original_uri_len(uri) > self.cfg.max_uri_bytes {
+            return Err(Oversize::Uri(self.cfg.max_uri_bytes));
+        }
+        let mut total = 0usize;
+        for name in self.sent_headers() {
+            for v in headers.get_all(name) {
+                total = total.saturating_add(name.as_str().len() + v.len());
+            }
+        }
+        if total > self.cfg.max_header_bytes {
+            return Err(Oversize::Headers(self.cfg.max_header_bytes));
+        }
+        Ok(())
+    }
+
+    /// The cache key of a request: the SHA-256 of every header value the callout sends
+    /// that can change its answer: the credential header as sent and each of
+    /// `forward_headers` (each value, in order, and how many there are, so that an
+    /// absent header differs from an empty one). `X-Original-Method` and
+    /// `X-Original-URI` are not part of it: they change with nearly every request, and
+    /// keying on them would make nearly every request a callout (a service that decides
+    /// by path needs `cache_ttl` and `negative_ttl` of `"0s"`).
+    pub fn cache_key(&self, headers: &HeaderMap) -> [u8; 32] {
+        let mut h = Sha256::new();
+        for name in self.sent_headers() {
+            let values = headers.get_all(name);
+            h.update((name.as_str().len() as u64).to_le_bytes());
+            h.update(name.as_str());
+            h.update((values.iter().count() as u64).to_le_bytes());
+            for v in values {
+                h.update((v.len() as u64).to_le_bytes());
+                h.update(v.as_bytes());
+            }
+        }
+        h.finalize().into()
+    }
+
+    /// The request headers a callout copies: the credential header, then
+    /// `forward_headers`.
+    fn sent_headers(&self) -> impl Iterator<Item = &HeaderName> {
+        std::iter::once(&self.credential).chain(&self.forward)
+    }
+
+    /// The answer for the request whose cache key is `key` ([`AuthRequest::cache_key`]):
+    /// from the cache, from a callout in flight for it, or from a new callout with
+    /// `headers` (the request's), `method` and `uri`, made for the client address
+    /// `client.0` (its key), whose sockets count in the descriptor budget `client.1`. A
+    /// new callout past `max_concurrent` (or `max_concurrent_per_ip` for that address) is
+    /// not made: [`Answer::Busy`]. Counted in `tollgate_auth_requests_total{result}`
+    /// (callouts, and requests answered `Busy`) and
+    /// `tollgate_auth_request_duration_seconds`.
     pub async fn ask(
         &self,
-        digest: [u8; 32],
+        key: [u8; 32],
         headers: &HeaderMap,
         method: &Method,
         uri: &Uri,
@@ -265,16 +369,22 @@ impl AuthRequest {
         metrics: &Metrics,
     ) -> Answer {
         let now = Instant::now();
-        if let Some((until, answer)) = lock(&self.state.cache).get(&digest) {
-            if *until > now {
-                return answer.clone();
-            }
+        let (cached, bytes) = {
+            let mut cache = lock(&self.state.cache);
+            (cache.get(&key, now), cache.bytes())
+        };
+        self.state
+            .cache_bytes
+            .get_or_init(|| metrics.auth_cache_bytes.clone())
+            .set(bytes as i64);
+        if let Some(answer) = cached {
+            return answer;
         }
         let (address, budget) = client;
         self.state.sockets.get_or_init(|| budget.sockets());
         let (shared, leader) = {
             let mut inflight = lock(&self.state.inflight);
-            match inflight.get(&digest) {
+            match inflight.get(&key) {
                 Some(f) => (f.clone(), false),
                 None => match self.slot(address, metrics) {
                     Err(busy) => {
@@ -293,7 +403,7 @@ impl AuthRequest {
                         // In a task of its own: it ends (caches its answer, leaves the
                         // in-flight map, gives its connection back or closes it) whether
                         // or not anyone still waits for it.
-                        let callout = self.callout(digest, headers, method, uri);
+                        let callout = self.callout(key, headers, method, uri);
                         let task = tokio::spawn(async move {
                             let answer = callout.await;
                             drop(slot);
@@ -303,7 +413,7 @@ impl AuthRequest {
                             .map(|joined| joined.unwrap_or(Answer::Failed("error")))
                             .boxed()
                             .shared();
-                        inflight.insert(digest, f.clone());
+                        inflight.insert(key, f.clone());
                         (f, true)
                     }
                 },
@@ -315,6 +425,7 @@ impl AuthRequest {
             let result = match &answer {
                 Answer::Caller(_) => "allowed",
                 Answer::Refused { .. } => "refused",
+                Answer::Rejected(_) => "rejected",
                 Answer::Failed(why) => why,
                 Answer::Busy { .. } => "max_concurrent",
             };
@@ -322,6 +433,9 @@ impl AuthRequest {
                 .auth_requests
                 .get_or_create(&AuthLabels { result })
                 .inc();
+            metrics
+                .auth_cache_bytes
+                .set(lock(&self.state.cache).bytes() as i64);
             if result != "breaker_open" {
                 metrics.auth_latency.observe(now.elapsed().as_secs_f64());
             }
@@ -361,7 +475,7 @@ impl AuthRequest {
     /// leaves the in-flight map itself, so that it does so once for every waiter.
     fn callout(
         &self,
-        digest: [u8; 32],
+        key: [u8; 32],
         headers: &HeaderMap,
         method: &Method,
         uri: &Uri,
@@ -369,7 +483,7 @@ impl AuthRequest {
         let mut req = http::Request::builder()
             .method(self.method.clone())
             .uri(self.url.clone());
-        for name in std::iter::once(&self.credential).chain(&self.forward) {
+        for name in self.sent_headers() {
             for v in headers.get_all(name) {
                 req = req.header(name, v);
             }
@@ -396,9 +510,11 @@ impl AuthRequest {
         let state = self.state.clone();
         let cfg = self.cfg.clone();
         async move {
-            let answer = match (open, req) {
-                (true, _) => Answer::Failed("breaker_open"),
-                (false, Err(_)) => Answer::Failed("error"),
+            // Whether the answer says the service itself is unavailable (no connection,
+            // a timeout, a 5xx): only that counts toward the breaker.
+            let (answer, unavailable) = match (open, req) {
+                (true, _) => (Answer::Failed("breaker_open"), false),
+                (false, Err(_)) => (Answer::Failed("error"), false),
                 (false, Ok(req)) => {
                     let call = async {
                         let resp = state.client.request(req).await.map_err(|e| {
@@ -409,17 +525,21 @@ impl AuthRequest {
                             }
                         })?;
                         let (parts, body) = resp.into_parts();
-                        let body = Limited::new(body, MAX_BODY)
-                            .collect()
-                            .await
-                            .map_err(|_| "error")?
-                            .to_bytes();
+                        let body = match Limited::new(body, MAX_BODY).collect().await {
+                            Ok(body) => Some(body.to_bytes()),
+                            // Longer than we read: not a failure of the service.
+                            Err(e) if e.is::<http_body_util::LengthLimitError>() => None,
+                            Err(_) => return Err("error"),
+                        };
                         Ok::<_, &'static str>((parts, body))
                     };
                     match tokio::time::timeout(cfg.timeout.0, call).await {
-                        Err(_) => Answer::Failed("timeout"),
-                        Ok(Err(why)) => Answer::Failed(why),
-                        Ok(Ok((parts, body))) => this.answer(parts, body),
+                        Err(_) => (Answer::Failed("timeout"), true),
+                        Ok(Err(why)) => (Answer::Failed(why), true),
+                        Ok(Ok((parts, body))) => {
+                            let unavailable = parts.status.is_server_error();
+                            (this.answer(parts, body), unavailable)
+                        }
                     }
                 }
             };
@@ -428,7 +548,7 @@ impl AuthRequest {
                 match &answer {
                     // Not the service's failure: the gateway had no descriptor for it.
                     Answer::Failed("breaker_open" | "no_descriptor") => {}
-                    Answer::Failed(_) => {
+                    _ if unavailable => {
                         breaker.0 += 1;
                         // A failure right after a cool-off opens it again at once.
                         if breaker.0 >= cfg.breaker_failures || breaker.1.is_some() {
@@ -436,31 +556,25 @@ impl AuthRequest {
                             breaker.0 = 0;
                         }
                     }
+                    // The service answered: it is up, whatever it said.
                     _ => *breaker = (0, None),
                 }
             }
             let ttl = match &answer {
                 Answer::Caller(_) => Some(cfg.cache_ttl.0),
                 Answer::Refused { .. } => Some(cfg.negative_ttl.0),
-                Answer::Failed(_) | Answer::Busy { .. } => None,
+                Answer::Rejected(_) | Answer::Failed(_) | Answer::Busy { .. } => None,
             };
             if let Some(ttl) = ttl.filter(|t| !t.is_zero()) {
-                let mut cache = lock(&state.cache);
-                if cache.len() >= cfg.cache_size {
-                    let now = Instant::now();
-                    cache.retain(|_, (until, _)| *until > now);
-                    if cache.len() >= cfg.cache_size {
-                        // Still full of live answers: drop an eighth, arbitrarily.
-                        let drop: Vec<[u8; 32]> =
-                            cache.keys().take(cfg.cache_size / 8 + 1).copied().collect();
-                        for k in drop {
-                            cache.remove(&k);
-                        }
-                    }
-                }
-                cache.insert(digest, (Instant::now() + ttl, answer.clone()));
+                lock(&state.cache).insert(
+                    key,
+                    answer.clone(),
+                    Instant::now() + ttl,
+                    cfg.cache_size,
+                    cfg.cache_max_bytes,
+                );
             }
-            lock(&state.inflight).remove(&digest);
+            lock(&state.inflight).remove(&key);
             answer
         }
     }
@@ -477,14 +591,14 @@ struct Parsed {
 }
 
 impl Parsed {
-    fn answer(&self, parts: http::response::Parts, body: Bytes) -> Answer {
+    /// The answer of `parts` and `body` (`None`: longer than was read).
+    fn answer(&self, parts: http::response::Parts, body: Option<Bytes>) -> Answer {
         let status = parts.status.as_u16();
         if status == 401 || status == 403 {
-            return Answer::Refused {
-                status,
-                content_type: parts.headers.get(http::header::CONTENT_TYPE).cloned(),
-                body,
-            };
+            return refusal(status, parts.headers.get(http::header::CONTENT_TYPE), body);
+        }
+        if parts.status.is_client_error() {
+            return Answer::Rejected(status);
         }
         if !parts.status.is_success() {
             return Answer::Failed("error");
@@ -651,6 +765,61 @@ impl hyper::rt::Write for CountedSocket {
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
+    }
+}
+
+/// A 401/403 answer as kept and passed on: its body and `Content-Type` when they fit
+/// their bounds (copied, so that the read buffer is not kept), else the gateway's own
+/// JSON refusal.
+fn refusal(status: u16, content_type: Option<&HeaderValue>, body: Option<Bytes>) -> Answer {
+    match body {
+        Some(body)
+            if body.len() <= MAX_REFUSAL_BODY
+                && content_type.is_none_or(|c| c.len() <= MAX_CONTENT_TYPE) =>
+        {
+            Answer::Refused {
+                status,
+                content_type: content_type.cloned(),
+                body: Bytes::copy_from_slice(&body),
+            }
+        }
+        _ => Answer::Refused {
+            status,
+            content_type: Some(HeaderValue::from_static("application/json")),
+            body: Bytes::from_static(if status == 403 {
+                b"{\"message\":\"Forbidden\"}"
+            } else {
+                b"{\"message\":\"Bad credentials\"}"
+            }),
+        },
+    }
+}
+
+/// The length of `uri` as `X-Original-URI` carries it, bytes.
+fn original_uri_len(uri: &Uri) -> usize {
+    let path = uri.path_and_query().map_or(0, |p| p.as_str().len());
+    match (uri.scheme_str(), uri.authority()) {
+        (Some(scheme), Some(authority)) => scheme.len() + 3 + authority.as_str().len() + path,
+        _ => path,
+    }
+}
+
+/// Drop expired answers from the cache of `state` every [`SWEEP_EVERY`], until the
+/// state is dropped (its config replaced).
+async fn sweep(state: Weak<State>) {
+    loop {
+        tokio::time::sleep(SWEEP_EVERY).await;
+        let Some(state) = state.upgrade() else {
+            return;
+        };
+        let bytes = {
+            let mut cache = lock(&state.cache);
+            cache.sweep(Instant::now());
+            cache.bytes()
+        };
+        if let Some(gauge) = state.cache_bytes.get() {
+            gauge.set(bytes as i64);
+        }
     }
 }
 

@@ -11,6 +11,7 @@
 //! Before forwarding, [`Identities::to_upstream`] tells the upstream who called
 //! (`forward_caller_header`, `forward_tier_header`) and may strip the credential.
 
+mod auth_cache;
 pub mod auth_request;
 mod client_ip;
 pub mod jwt;
@@ -145,6 +146,14 @@ pub enum IdentityError {
         /// Whether the client address's own bound was the one reached.
         per_address: bool,
     },
+    /// `[identity.auth_request]` answered another 4xx (the status): it could not judge
+    /// this request, e.g. 431 for a long `X-Original-URI`. This request only gets a 4xx.
+    #[error("the authentication service could not judge this request ({0})")]
+    AuthRejected(u16),
+    /// What a callout would send is larger than its bound, so none is made: the URI
+    /// (414) or the credential and forwarded headers (431).
+    #[error("{0:?}")]
+    TooLargeToAsk(auth_request::Oversize),
 }
 
 /// What a reload of the keys file did.
@@ -414,11 +423,13 @@ impl Identities {
     /// [`IdentityError::BadCredentials`]), ask `[identity.auth_request]`: `None` when
     /// there is none, the request has no key, or the key is a local one (disabled or
     /// expired keys stay refused). The answer: the caller it names; its 401/403
-    /// ([`IdentityError::Refused`]); or, when the service fails, what `on_error` says
-    /// ([`IdentityError::AuthUnavailable`] or an anonymous caller); past
-    /// `max_concurrent` or `max_concurrent_per_ip` (keyed by the client IP, as
-    /// `failed_auth_limit`), [`IdentityError::AuthBusy`] without a callout. Sockets to
-    /// the service are counted in `budget`.
+    /// ([`IdentityError::Refused`]); its other 4xx ([`IdentityError::AuthRejected`]);
+    /// or, when the service fails, what `on_error` says
+    /// ([`IdentityError::AuthUnavailable`] or an anonymous caller). A request whose URI
+    /// or headers would make too large a callout gets [`IdentityError::TooLargeToAsk`]
+    /// without one; past `max_concurrent` or `max_concurrent_per_ip` (keyed by the client
+    /// IP, as `failed_auth_limit`), [`IdentityError::AuthBusy`] without a callout.
+    /// Sockets to the service are counted in `budget`.
     pub async fn ask_auth_service(
         &self,
         headers: &HeaderMap,
@@ -434,10 +445,13 @@ impl Identities {
         if self.keys.load().find(&digest, || 0).is_some() {
             return None;
         }
+        if let Err(oversize) = auth.fits(headers, uri) {
+            return Some(Err(IdentityError::TooLargeToAsk(oversize)));
+        }
         let ip = client_ip(headers, peer, &self.trusted_proxies);
         let answer = auth
             .ask(
-                digest,
+                auth.cache_key(headers),
                 headers,
                 method,
                 uri,
@@ -469,6 +483,7 @@ impl Identities {
             auth_request::Answer::Busy { per_address } => {
                 Err(IdentityError::AuthBusy { per_address })
             }
+            auth_request::Answer::Rejected(status) => Err(IdentityError::AuthRejected(status)),
             auth_request::Answer::Failed(why) => match auth.on_error() {
                 crate::config::AuthOnError::Deny => Err(IdentityError::AuthUnavailable(why)),
                 crate::config::AuthOnError::Anonymous => Ok(caller(None)),
@@ -595,6 +610,13 @@ impl Identities {
                 })
             }
         }
+    }
+
+    /// Whether the request presents a credential in `identity.api_key_header`: an API
+    /// key or token, or a malformed attempt at one (not another scheme, such as
+    /// `Basic ...`).
+    pub fn presents_credential(&self, headers: &HeaderMap) -> bool {
+        !matches!(self.presented_key(headers), Ok(None))
     }
 
     /// The key (or token) in the credential header: `None` when there is none, or the

@@ -48,6 +48,7 @@
 
 pub mod algorithm;
 mod applicable;
+pub mod blocked;
 pub mod cache;
 mod check;
 pub mod delayed;
@@ -106,6 +107,8 @@ pub struct Limiter {
     decision_gate: Arc<WarnGate>,
     /// `identity.failed_auth_limit`, as a limit on the client IP; `None` when off.
     failed_auth: Option<Arc<Limit>>,
+    /// Addresses past `failed_auth` until its reset; kept across reloads.
+    blocked: Arc<blocked::BlockedAddresses>,
     /// Requests held by `on_limit = "delay"`, per storage key of the refusing limit.
     waiting: Arc<sharded::ShardedMap<u32>>,
     /// Units admitted by this gateway and not charged yet, per storage key.
@@ -145,6 +148,7 @@ impl Limiter {
             warn_gate: Arc::new(WarnGate::default()),
             decision_gate: Arc::new(WarnGate::default()),
             failed_auth: None,
+            blocked: Arc::default(),
             waiting: Arc::default(),
             in_flight: InFlightUnits::default(),
             reserve_in_flight: false,
@@ -233,10 +237,39 @@ impl Limiter {
         self
     }
 
+    /// Keep the addresses past `identity.failed_auth_limit` in `blocked` (the previous
+    /// snapshot's, across a reload).
+    pub fn with_blocked(mut self, blocked: Arc<blocked::BlockedAddresses>) -> Self {
+        self.blocked = blocked;
+        self
+    }
+
+    /// The addresses past `identity.failed_auth_limit` until their window's reset.
+    pub fn blocked(&self) -> &Arc<blocked::BlockedAddresses> {
+        &self.blocked
+    }
+
+    /// Whether any address may be blocked now ([`Limiter::failed_auth_blocked`]): a
+    /// cheap test before the client IP is worked out.
+    pub fn blocks_any(&self) -> bool {
+        self.failed_auth.is_some() && !self.blocked.is_empty()
+    }
+
+    /// The usage to refuse a request presenting a credential from `ip` (an address key)
+    /// with (429), without looking its key up, when this gateway has seen `ip` reach
+    /// `identity.failed_auth_limit` in the window that holds `now_ms` (epoch
+    /// milliseconds); else `None`. No store call.
+    pub fn failed_auth_blocked(&self, ip: std::net::IpAddr, now_ms: u64) -> Option<Usage> {
+        self.failed_auth.as_ref()?;
+        self.blocked.get(ip, now_ms)
+    }
+
     /// Count one failed authentication from `ip` (an API key that matched no client).
     /// Returns the usage to refuse with (429) when `ip` is past
     /// `identity.failed_auth_limit`, else `None` (answer 401). A failing store follows
     /// `store.on_error` like any limit (`deny`: refused as over the limit would be).
+    /// The failure that uses up the quota, or a refusal, blocks `ip` until the window's
+    /// reset ([`Limiter::failed_auth_blocked`]).
     pub async fn failed_auth(&self, ip: std::net::IpAddr, now_ms: u64) -> Option<Usage> {
         let limit = self.failed_auth.as_ref()?;
         let quota = *limit.quota.values().next()?;
@@ -251,10 +284,18 @@ impl Limiter {
         }];
         match self.check(&applied, 1, false, now_ms).await {
             Ok(admission) => {
-                self.charge(&applied, 1, now_ms, admission).await;
+                let charged = self.charge(&applied, 1, now_ms, admission).await;
+                if let Some(usage) = charged.into_iter().flatten().next() {
+                    if usage.used >= quota {
+                        self.blocked.insert(ip, usage, now_ms);
+                    }
+                }
                 None
             }
-            Err(Refusal::OverLimit(usage)) => Some(usage),
+            Err(Refusal::OverLimit(usage)) => {
+                self.blocked.insert(ip, usage.clone(), now_ms);
+                Some(usage)
+            }
             Err(Refusal::StoreDenied(_)) => {
                 Some(applied[0].usage_at(quota, now_ms + limit.window_ms))
             }

@@ -30,6 +30,20 @@ pub enum ProxyError {
     /// `[identity.auth_request]` failed and its `on_error = "deny"`: 503.
     #[error("authentication service unavailable")]
     AuthUnavailable,
+    /// `[identity.auth_request]` answered another 4xx than 401/403 (the status): it
+    /// could not judge this request. The same status (400 for 407, 408, 421 and 426,
+    /// which would mean something else to the client).
+    #[error("the authentication service could not judge this request ({0})")]
+    AuthRejected(u16),
+    /// The URI is longer than `identity.auth_request.max_uri_bytes` (the bound, bytes),
+    /// so no callout was made: 414.
+    #[error("URI longer than {0} bytes: too long to authenticate")]
+    UriTooLongToAsk(usize),
+    /// The credential and forwarded headers are larger than
+    /// `identity.auth_request.max_header_bytes` (the bound, bytes), so no callout was
+    /// made: 431.
+    #[error("credential and forwarded headers larger than {0} bytes: too large to authenticate")]
+    HeadersTooLargeToAsk(usize),
     /// The store failed and `store.on_error = "deny"`: 503.
     #[error("rate limit store unavailable")]
     StoreUnavailable,
@@ -139,6 +153,15 @@ impl ProxyError {
             ProxyError::StoreUnavailable | ProxyError::AuthUnavailable => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
+            ProxyError::AuthRejected(status) => match status {
+                407 | 408 | 421 | 426 => StatusCode::BAD_REQUEST,
+                s => StatusCode::from_u16(*s)
+                    .ok()
+                    .filter(StatusCode::is_client_error)
+                    .unwrap_or(StatusCode::BAD_REQUEST),
+            },
+            ProxyError::UriTooLongToAsk(_) => StatusCode::URI_TOO_LONG,
+            ProxyError::HeadersTooLargeToAsk(_) => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             ProxyError::UpstreamUnreachable(..) | ProxyError::UpstreamBadResponse(..) => {
                 StatusCode::BAD_GATEWAY
             }

@@ -35,6 +35,7 @@ use crate::clock::Clock;
 use crate::config::LogClientIp;
 use crate::http::incoming::Incoming;
 use crate::http::target::{self, Override};
+use crate::identity::auth_request::Oversize;
 use crate::identity::{Identities, IdentityError};
 use crate::limiter::{most_constrained, Applied, Limiter, Refusal, Usage};
 use crate::metrics::Metrics;
@@ -219,6 +220,21 @@ pub fn serve<'a>(
         }
 
         // 1. Identify the caller (on TLS, a verified client certificate's CN may name it).
+        //    An address past identity.failed_auth_limit presents no credential that is
+        //    looked up (nor asked about) until the window resets: 429 for all of them.
+        if snap.limiter.blocks_any() && snap.identities.presents_credential(req.headers()) {
+            let ip = snap.identities.client_ip(req.headers(), peer.ip());
+            let now_ms = clock.now_ms();
+            let blocked = snap
+                .limiter
+                .failed_auth_blocked(snap.identities.ip_key(ip), now_ms);
+            if let Some(usage) = blocked {
+                if access::enabled() {
+                    log.client = snap.log_client(ip);
+                }
+                return failed_auth_refusal(snap, log, usage, ip, now_ms);
+            }
+        }
         let cert_cn = tls.as_ref().and_then(|t| t.client_cn.as_deref());
         let identified = match snap
             .identities
@@ -275,21 +291,7 @@ pub fn serve<'a>(
                 // Boxed: a rare path, kept out of the request future's size (every request
                 // allocates that much for it, see `server::Connection::serve`).
                 if let Some(usage) = Box::pin(snap.limiter.failed_auth(key, clock.now_ms())).await {
-                    log.decision = Decision::Rejected;
-                    log.usage = Some(usage.clone());
-                    let now_ms = clock.now_ms();
-                    let policy = snap
-                        .limiter
-                        .failed_auth_limit()
-                        .map(|limit| Policy::of_limit(limit, usage.quota));
-                    let mut response = ProxyError::OverLimit {
-                        usage: usage.clone(),
-                        retry_after_s: usage.retry_after_s(now_ms),
-                        caller: ip.to_string(),
-                    }
-                    .into_response();
-                    headers::put(response.headers_mut(), snap.headers, &usage, policy, now_ms);
-                    return response;
+                    return failed_auth_refusal(snap, log, usage, ip, clock.now_ms());
                 }
                 log.decision = Decision::Unauthenticated;
                 return match failure {
@@ -303,6 +305,13 @@ pub fn serve<'a>(
                     | IdentityError::AuthBusy { .. } => ProxyError::BadCredentials,
                     IdentityError::InvalidToken(reason) => ProxyError::InvalidToken(reason),
                     e @ IdentityError::Malformed(_) => ProxyError::BadRequest(e.to_string()),
+                    IdentityError::AuthRejected(status) => ProxyError::AuthRejected(status),
+                    IdentityError::TooLargeToAsk(Oversize::Uri(max)) => {
+                        ProxyError::UriTooLongToAsk(max)
+                    }
+                    IdentityError::TooLargeToAsk(Oversize::Headers(max)) => {
+                        ProxyError::HeadersTooLargeToAsk(max)
+                    }
                 }
                 .into_response();
             }
@@ -540,6 +549,32 @@ fn rate_limit_status(applied: &[Applied], usages: &[Option<Usage>]) -> Response<
         http::StatusCode::OK,
         &serde_json::json!({ "resources": resources, "rate": rate }),
     )
+}
+
+/// The 429 of a request from the client IP `ip` past `identity.failed_auth_limit`
+/// (`usage` is that limit's window), at `now_ms` (epoch milliseconds): not forwarded,
+/// logged as rejected.
+fn failed_auth_refusal(
+    snap: &Gate<'_>,
+    log: &mut AccessLog,
+    usage: Usage,
+    ip: std::net::IpAddr,
+    now_ms: u64,
+) -> Response<Body> {
+    log.decision = Decision::Rejected;
+    log.usage = Some(usage.clone());
+    let policy = snap
+        .limiter
+        .failed_auth_limit()
+        .map(|limit| Policy::of_limit(limit, usage.quota));
+    let mut response = ProxyError::OverLimit {
+        usage: usage.clone(),
+        retry_after_s: usage.retry_after_s(now_ms),
+        caller: ip.to_string(),
+    }
+    .into_response();
+    headers::put(response.headers_mut(), snap.headers, &usage, policy, now_ms);
+    response
 }
 
 /// A limit in shadow mode (or outside its `enforce_percent`) would have refused this

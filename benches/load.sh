@@ -221,6 +221,7 @@ CONNS=64
 WARMUP=2s
 
 # Routing at scale (issue 46): this many routes, prefixes "/p0000".. or hosts "t0.example.com"..
+# (at most 10,000: the prefixes are written /p%04d, so that all are of one length).
 ROUTES_N=10000
 ROUTES_TXT=$(awk -v n="$ROUTES_N" 'BEGIN { s = sprintf("%d", n); while (s ~ /[0-9][0-9][0-9][0-9]/) sub(/[0-9][0-9][0-9]($|,)/, ",&", s); print s }')
 LAST_PREFIX=$(printf '/p%04d' $(( ROUTES_N - 1 )))

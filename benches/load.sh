@@ -51,11 +51,33 @@
 #          /redis-fw   access_by_lua: one EVALSHA fixed window (INCRBY + PEXPIRE) per request over a
 #                      pooled cosocket, 503 on a Redis error, then proxy_pass
 #          /lr-reject  limit_req at 1 r/m (limit_req_status 429): nearly every request is a 429
+#      - nginx routes proxies, each its own nginx (worker_processes 1, the same upstream pool as the
+#        nginx proxy), only when its case is selected, so that nginx_proxy's config stays as small:
+#          nginx_prefixes_10k: one server with the 10,000 prefixes of tg_prefixes_10k as
+#                      `location /p0000` .. `location /p9999`, each a plain proxy_pass, and
+#                      `location / { return 404; }` for any other path, as tollgate answers a path
+#                      no route matches (nginx keeps prefix locations in a static tree sorted by
+#                      name, searched by comparison: about log2(10,000) = 14 string comparisons
+#                      below "/", whatever the position in the file; not a hash)
+#          nginx_hosts_10k: one server whose `server_name` lists the 10,000 hosts of tg_hosts_10k
+#                      (location / with a plain proxy_pass), beside a default_server that answers
+#                      404 to any other host, as tollgate does (no route). With more than one server
+#                      on a listen address, nginx finds the server for a Host in a hash of every
+#                      server_name on that address (exact names), so the lookup is a hash lookup
+#                      whether the 10,000 names sit in one server or in 10,000 servers; one server
+#                      loads in 0.1 s and 10 MB, 10,000 server blocks in about 3 s and 210 MB (each
+#                      block has its own configuration of every module). Without the default
+#                      server nginx builds no hash at all (the one server gets every request).
+#                      server_names_hash_max_size 16384 and server_names_hash_bucket_size 128 let
+#                      nginx build that hash as sized (the defaults, 512 and 64, make it warn
+#                      "could not build optimal server_names_hash" and fall back to long buckets
+#                      scanned one name after another); the script fails on that warning.
 #      - redis-server R0 for the one-shard cases; for tg_redis3_replicas three more primaries,
 #        each with one replica (--replicaof)
 #      - one tollgate per tg_* case, each with its own generated TOML ([log] level = "warn",
 #        [store] on_error = "deny" so store failures show up as non-2xx, one [[limits]] "core" with
-#        window = "1h", one route "/" -> the nginx upstream), validated by `tollgate check`.
+#        window = "1h", one route "/" -> the nginx upstream; tg_prefixes_10k and tg_hosts_10k: 10,000
+#        routes instead, see below), validated by `tollgate check`.
 #   3. Cases (wrk -t1 -c64 -d$DURATION --latency; a 2 s warm-up of every case first; then ROUNDS
 #      interleaved rounds):
 #        direct               wrk -> nginx upstream
@@ -88,6 +110,20 @@
 #                             (`bash benches/pgo.sh floor`; with PGO=1 only): the floor of the CPU
 #                             target with the same compiler help tollgate gets
 #        tg_memory            memory store, one caller (wrk's IP), quota 1e12
+#        tg_prefixes_10k      like tg_memory with 10,000 routes in place of "/": path_prefix = "/p0000"
+#                             .. "/p9999" (in that order, all of the same length, each to the nginx
+#                             upstream with limit core); wrk requests /p9999, the route a linear scan
+#                             in config order (the router's order among prefixes of equal length)
+#                             matches last, after walking all 10,000 (issue 46)
+#        tg_hosts_10k         like tg_memory with 10,000 routes in place of "/": host = "t0.example.com"
+#                             .. "t9999.example.com", each with path_prefix = "/"; wrk sends
+#                             Host: t9999.example.com, the route a linear scan matches last (issue 46)
+#                             tg_memory is the one-route config of the same shape (memory store, one
+#                             caller, one limit core, one route "/"): issue 46's tg_routes_1, which
+#                             both are compared with
+#        nginx_prefixes_10k   wrk -> nginx with the same 10,000 prefixes as locations, GET /p9999
+#        nginx_hosts_10k      wrk -> nginx with the same 10,000 hosts as server_names, Host:
+#                             t9999.example.com (nginx_proxy is the one-route twin of both)
 #        tg_memory_plain      like tg_memory, on the plain `cargo build --release` binary (with PGO=1
 #                             only): tollgate built as hyper_floor is, the like-for-like ratio
 #        tg_memory_w1         like tg_memory with `[server] workers = 1`: one runtime thread, as nginx
@@ -150,11 +186,17 @@
 #        - p99 added over direct at half of the case's own peak <= 1 ms (tg_memory, tg_redis)
 #        - own work <= 2 µs (the criterion bench above)
 #        - release binary <= 12 MB (12,000,000 bytes)
+#      and of issue 46 (routing at scale, each on the route matched last, one run):
+#        - gateway CPU per request of tg_prefixes_10k and of tg_hosts_10k <= 1.05x tg_memory's (the
+#          one-route config)
+#        - their gateway CPU per request as a ratio to their nginx twin's (nginx_prefixes_10k,
+#          nginx_hosts_10k) no worse (no higher) than tg_memory's to nginx_proxy's
+#      with a table of those ratios (CPU per request, and req/s beside it),
 #      and the earlier targets kept: Redis round trips (judged on script calls; commandstats' sum,
 #      which also counts the commands the scripts run, is printed beside it) and 1M callers'
 #      memory. Draws benches/latency.svg with benches/plot.py. A run with DURATION < 10s, one
 #      round or a CASES subset is marked as a partial run (a quick try, not a reference).
-# A default run takes about 7 minutes on a quiet 2-core machine, plus the build and any waits for
+# A default run takes about 8.5 minutes on a quiet 2-core machine, plus the build and any waits for
 # a quiet machine. Raw outputs are in the work dir.
 # Every process shares this machine's cores with wrk: compare rows with each other.
 
@@ -178,10 +220,18 @@ KEEP_WORK=${KEEP_WORK:-0}
 CONNS=64
 WARMUP=2s
 
-ALL_CASES=(direct nginx_proxy nginx_lua_redis nginx_limit_req_429 hyper_floor hyper_floor_pgo hyper_floor_headers
-    hyper_floor_429 hyper_floor_429_headers hyper_floor_contract hyper_floor_contract_429
-    tg_memory tg_memory_plain tg_memory_w1 tg_memory_per_core tg_memory_many tg_redis tg_redis_per_core tg_redis_many
-    tg_redis3_replicas tg_memory_429 tg_redis_429 tg_redis_lease tg_redis_64 tg_redis_64_recent)
+# Routing at scale (issue 46): this many routes, prefixes "/p0000".. or hosts "t0.example.com"..
+# (at most 10,000: the prefixes are written /p%04d, so that all are of one length).
+ROUTES_N=10000
+ROUTES_TXT=$(awk -v n="$ROUTES_N" 'BEGIN { s = sprintf("%d", n); while (s ~ /[0-9][0-9][0-9][0-9]/) sub(/[0-9][0-9][0-9]($|,)/, ",&", s); print s }')
+LAST_PREFIX=$(printf '/p%04d' $(( ROUTES_N - 1 )))
+LAST_HOST="t$(( ROUTES_N - 1 )).example.com"
+
+ALL_CASES=(direct nginx_proxy nginx_lua_redis nginx_limit_req_429 nginx_prefixes_10k nginx_hosts_10k
+    hyper_floor hyper_floor_pgo hyper_floor_headers hyper_floor_429 hyper_floor_429_headers hyper_floor_contract
+    hyper_floor_contract_429 tg_memory tg_prefixes_10k tg_hosts_10k tg_memory_plain tg_memory_w1 tg_memory_per_core
+    tg_memory_many tg_redis tg_redis_per_core tg_redis_many tg_redis3_replicas tg_memory_429 tg_redis_429 tg_redis_lease
+    tg_redis_64 tg_redis_64_recent)
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -431,9 +481,9 @@ wait_port() {
     die "$name did not listen on 127.0.0.1:$port within 15 s"
 }
 
-# status URL: HTTP status of one GET.
+# status URL [HOST]: HTTP status of one GET (with that Host header).
 status() {
-    curl -s -o /dev/null -w '%{http_code}' --max-time 5 "$1" || true
+    curl -s -o /dev/null -w '%{http_code}' --max-time 5 ${2:+-H "Host: $2"} "$1" || true
 }
 
 # ---- Redis
@@ -587,10 +637,83 @@ start_bg "$LOGS/nginx-proxy.log" \
     nginx -p "$WORK/nginx-proxy" -e "$WORK/nginx-proxy/error.log" -c "$WORK/nginx-proxy.conf" -g 'daemon off;'
 NGINX_PROXY_MASTER=$LAST_PID
 wait_port "$NGINX_PROXY_MASTER" "$PROXY_PORT" "nginx proxy" "$WORK/nginx-proxy/error.log"
+
+# ---- nginx with the routes of tg_prefixes_10k / tg_hosts_10k (issue 46): an nginx of its own
+# each, so that nginx_proxy's config stays the one-route twin.
+# write_routes_conf KIND(prefixes|hosts) PORT: $WORK/nginx-KIND.conf.
+write_routes_conf() {
+    local kind=$1 port=$2 dir="$WORK/nginx-$1"
+    mkdir -p "$dir"
+    {
+        nginx_common "$dir"
+        echo "http {"
+        nginx_http_common "$dir"
+        cat <<EOF
+  proxy_http_version 1.1;
+  proxy_set_header Connection "";
+  upstream up { server 127.0.0.1:$UP_PORT; keepalive 128; keepalive_requests 1000000000; }
+EOF
+        if [[ "$kind" == prefixes ]]; then
+            # location /p0000 .. /p9999: nginx's static location tree, searched by comparison; any
+            # other path 404, as tollgate answers a path no route matches.
+            echo "  server {"
+            echo "    listen 127.0.0.1:$port backlog=4096;"
+            echo "    location / { return 404; }"
+            awk -v n="$ROUTES_N" 'BEGIN { for (i = 0; i < n; i++) printf "    location /p%04d { proxy_pass http://up; }\n", i }'
+            echo "  }"
+        else
+            # One server with every name, beside a default server that answers other hosts 404:
+            # nginx then finds the server by a hash of the names on this address, sized here so
+            # that nginx builds it as asked (the defaults make it fall back to long buckets).
+            cat <<EOF
+  server_names_hash_max_size 16384;
+  server_names_hash_bucket_size 128;
+  server {
+    listen 127.0.0.1:$port default_server backlog=4096;
+    location / { return 404; }
+  }
+  server {
+    listen 127.0.0.1:$port;
+EOF
+            awk -v n="$ROUTES_N" 'BEGIN { for (i = 0; i < n; i++) printf "    server_name t%d.example.com;\n", i }'
+            echo "    location / { proxy_pass http://up; }"
+            echo "  }"
+        fi
+        echo "}"
+    } >"$WORK/nginx-$kind.conf"
+}
+# start_routes_nginx KIND: write, test and start it; sets ROUTES_PORT and ROUTES_MASTER.
+start_routes_nginx() {
+    local kind=$1
+    free_port ROUTES_PORT
+    write_routes_conf "$kind" "$ROUTES_PORT"
+    nginx -t -p "$WORK/nginx-$kind" -e "$LOGS/nginx-$kind-t.err" -c "$WORK/nginx-$kind.conf" \
+        >"$LOGS/nginx-$kind-t.log" 2>&1 \
+        || { cat "$LOGS/nginx-$kind-t.log" >&2; die "nginx rejects the generated $WORK/nginx-$kind.conf"; }
+    if grep -q 'could not build' "$LOGS/nginx-$kind-t.log"; then
+        cat "$LOGS/nginx-$kind-t.log" >&2
+        die "nginx could not build its server_names hash as sized in $WORK/nginx-$kind.conf"
+    fi
+    start_bg "$LOGS/nginx-$kind.log" \
+        nginx -p "$WORK/nginx-$kind" -e "$WORK/nginx-$kind/error.log" -c "$WORK/nginx-$kind.conf" -g 'daemon off;'
+    ROUTES_MASTER=$LAST_PID
+    wait_port "$ROUTES_MASTER" "$ROUTES_PORT" "nginx ($kind)" "$WORK/nginx-$kind/error.log"
+}
+if selected nginx_prefixes_10k; then
+    start_routes_nginx prefixes
+    NGINX_PFX_PORT=$ROUTES_PORT NGINX_PFX_MASTER=$ROUTES_MASTER
+fi
+if selected nginx_hosts_10k; then
+    start_routes_nginx hosts
+    NGINX_HOSTS_PORT=$ROUTES_PORT NGINX_HOSTS_MASTER=$ROUTES_MASTER
+fi
 sleep 0.3
 # CPU of nginx = master + its workers.
 UP_PIDS="$NGINX_UP_MASTER $(pgrep -P "$NGINX_UP_MASTER" | tr '\n' ' ')"
 PROXY_PIDS="$NGINX_PROXY_MASTER $(pgrep -P "$NGINX_PROXY_MASTER" | tr '\n' ' ')"
+PFX_PIDS="" HOSTS_PIDS=""
+selected nginx_prefixes_10k && PFX_PIDS="$NGINX_PFX_MASTER $(pgrep -P "$NGINX_PFX_MASTER" | tr '\n' ' ')"
+selected nginx_hosts_10k && HOSTS_PIDS="$NGINX_HOSTS_MASTER $(pgrep -P "$NGINX_HOSTS_MASTER" | tr '\n' ' ')"
 
 # ---- the hyper floor: one runtime (thread) per core, like tollgate's default
 FLOOR_PID=""
@@ -641,8 +764,10 @@ fi
 declare -A TG_PID=() TG_PORT=()
 
 # tg_config FILE NAME PORT BACKEND QUOTA TRUSTED(0/1) SHARDS(r0|r3|-) [EXTRA LIMIT LINE] [SERVER LINE] [STORE LINE]
+#           [ROUTES: one (the default: "/") | prefixes ("/p0000".. ROUTES_N of them) | hosts ("t0.example.com"..)]
 tg_config() {
-    local file=$1 name=$2 port=$3 backend=$4 quota=$5 trusted=$6 shards=$7 extra=${8:-} server=${9:-} store=${10:-} i
+    local file=$1 name=$2 port=$3 backend=$4 quota=$5 trusted=$6 shards=$7 extra=${8:-} server=${9:-} store=${10:-}
+    local routes=${11:-one} i
     {
         cat <<EOF
 # Generated by benches/load.sh (case $name).
@@ -684,22 +809,26 @@ name = "core"
 window = "1h"
 quota = { anonymous = $quota }
 $extra
-
-[[routes]]
-path_prefix = "/"
-upstream = "nginx"
-limits = ["core"]
 EOF
+        case "$routes" in
+            one) printf '\n[[routes]]\npath_prefix = "/"\nupstream = "nginx"\nlimits = ["core"]\n' ;;
+            # All of one length and in this order: the router keeps config order among them.
+            prefixes) awk -v n="$ROUTES_N" 'BEGIN { for (i = 0; i < n; i++)
+                printf "\n[[routes]]\npath_prefix = \"/p%04d\"\nupstream = \"nginx\"\nlimits = [\"core\"]\n", i }' ;;
+            hosts) awk -v n="$ROUTES_N" 'BEGIN { for (i = 0; i < n; i++)
+                printf "\n[[routes]]\nhost = \"t%d.example.com\"\npath_prefix = \"/\"\nupstream = \"nginx\"\nlimits = [\"core\"]\n", i }' ;;
+            *) die "tg_config: unknown routes '$routes'" ;;
+        esac
     } >"$file"
 }
 
-# start_tg NAME BACKEND QUOTA TRUSTED SHARDS [EXTRA]: write, check and start one gateway.
+# start_tg NAME BACKEND QUOTA TRUSTED SHARDS [EXTRA] [SERVER] [STORE] [ROUTES]: write, check and start one gateway.
 start_tg() {
     local name=$1 port file bin=$TG
     [[ "$name" == tg_memory_plain ]] && bin=$TG_PLAIN
     free_port port
     file="$WORK/tg-$name.toml"
-    tg_config "$file" "$name" "$port" "$2" "$3" "$4" "$5" "${6:-}" "${7:-}" "${8:-}"
+    tg_config "$file" "$name" "$port" "$2" "$3" "$4" "$5" "${6:-}" "${7:-}" "${8:-}" "${9:-}"
     "$bin" check --config "$file" >"$LOGS/check-$name.log" 2>&1 \
         || { cat "$LOGS/check-$name.log" >&2; die "tollgate check rejects the generated $file"; }
     start_bg "$LOGS/tg-$name.log" "$bin" --config "$file"
@@ -725,6 +854,8 @@ LEASE_SKIPPED=${LEASE_SKIPPED:-0}
 Q=1000000000000
 selected tg_memory && start_tg tg_memory memory "$Q" 0 -
 selected tg_memory_plain && start_tg tg_memory_plain memory "$Q" 0 -
+selected tg_prefixes_10k && start_tg tg_prefixes_10k memory "$Q" 0 - "" "" "" prefixes
+selected tg_hosts_10k && start_tg tg_hosts_10k memory "$Q" 0 - "" "" "" hosts
 selected tg_memory_w1 && start_tg tg_memory_w1 memory "$Q" 0 - "" "workers = 1"
 selected tg_memory_per_core && start_tg tg_memory_per_core memory "$Q" 0 - "" 'runtime = "per_core"'
 # Random callers: past the default store.max_callers (a million) within the case on a fast
@@ -752,6 +883,11 @@ done = function(summary, latency, requests)
 end
 EOF
 cp "$WORK/done.lua" "$WORK/one.lua"
+# The host of the route a linear scan matches last (tg_hosts_10k, nginx_hosts_10k).
+{
+    printf 'wrk.headers["Host"] = "%s"\n' "$LAST_HOST"
+    cat "$WORK/done.lua"
+} >"$WORK/host.lua"
 # A random caller per request (16.7 M possible IPs).
 {
     cat <<'EOF'
@@ -789,16 +925,25 @@ EOF
 
 # ---------------------------------------------------------------------------- cases
 
-declare -A C_URL=() C_SCRIPT=() C_GW=() C_UP=() C_RPIDS=() C_RNODES=() C_EXPECT=()
+declare -A C_URL=() C_SCRIPT=() C_GW=() C_UP=() C_RPIDS=() C_RNODES=() C_EXPECT=() C_HOST=()
 R0_NODE="${RPORT[r0]}:p"
-def_case() { # NAME URL SCRIPT GW_PIDS UP_PIDS REDIS_PIDS REDIS_NODES EXPECT
+def_case() { # NAME URL SCRIPT GW_PIDS UP_PIDS REDIS_PIDS REDIS_NODES EXPECT [HOST (the script sends it too)]
     C_URL[$1]=$2; C_SCRIPT[$1]=$3; C_GW[$1]=$4; C_UP[$1]=$5; C_RPIDS[$1]=$6; C_RNODES[$1]=$7; C_EXPECT[$1]=$8
+    C_HOST[$1]=${9:-}
 }
 def_case direct "http://127.0.0.1:$UP_PORT/" one "" "$UP_PIDS" "" "" 200
 def_case nginx_proxy "http://127.0.0.1:$PROXY_PORT/" one "$PROXY_PIDS" "$UP_PIDS" "" "" 200
 def_case nginx_lua_redis "http://127.0.0.1:$PROXY_PORT/redis-fw" one "$PROXY_PIDS" "$UP_PIDS" \
     "${RPID[r0]}" "$R0_NODE" 200
 def_case nginx_limit_req_429 "http://127.0.0.1:$PROXY_PORT/lr-reject" one "$PROXY_PIDS" "$UP_PIDS" "" "" 429
+selected nginx_prefixes_10k \
+    && def_case nginx_prefixes_10k "http://127.0.0.1:$NGINX_PFX_PORT$LAST_PREFIX" one "$PFX_PIDS" "$UP_PIDS" "" "" 200
+selected nginx_hosts_10k \
+    && def_case nginx_hosts_10k "http://127.0.0.1:$NGINX_HOSTS_PORT/" host "$HOSTS_PIDS" "$UP_PIDS" "" "" 200 "$LAST_HOST"
+selected tg_prefixes_10k && def_case tg_prefixes_10k "http://127.0.0.1:${TG_PORT[tg_prefixes_10k]}$LAST_PREFIX" one \
+    "${TG_PID[tg_prefixes_10k]}" "$UP_PIDS" "" "" 200
+selected tg_hosts_10k && def_case tg_hosts_10k "http://127.0.0.1:${TG_PORT[tg_hosts_10k]}/" host \
+    "${TG_PID[tg_hosts_10k]}" "$UP_PIDS" "" "" 200 "$LAST_HOST"
 selected hyper_floor && def_case hyper_floor "http://127.0.0.1:$FLOOR_PORT/" one "$FLOOR_PID" "$UP_PIDS" "" "" 200
 selected hyper_floor_pgo && def_case hyper_floor_pgo "http://127.0.0.1:$FLOORP_PORT/" one "$FLOORP_PID" "$UP_PIDS" "" "" 200
 selected hyper_floor_headers && def_case hyper_floor_headers "http://127.0.0.1:$FLOORH_PORT/" one "$FLOORH_PID" "$UP_PIDS" "" "" 200
@@ -834,8 +979,20 @@ done
 # nginx_limit_req_429: the first request in the minute passes.
 selected nginx_limit_req_429 && status "${C_URL[nginx_limit_req_429]}" >/dev/null
 for c in "${SELECTED[@]}"; do
-    s=$(status "${C_URL[$c]}")
+    s=$(status "${C_URL[$c]}" "${C_HOST[$c]}")
     [[ "$s" == "${C_EXPECT[$c]}" ]] || die "$c: smoke request got HTTP $s, expected ${C_EXPECT[$c]} (logs: $LOGS)"
+done
+# The routes cases route for real: a path no prefix matches and a host no route has get 404 (from
+# nginx_hosts_10k's default server), so the 200s above came from the routes.
+for c in tg_prefixes_10k nginx_prefixes_10k; do
+    selected "$c" || continue
+    s=$(status "${C_URL[$c]%"$LAST_PREFIX"}/q0000")
+    [[ "$s" == 404 ]] || die "$c: a path no prefix matches got HTTP $s, expected 404 (logs: $LOGS)"
+done
+for c in tg_hosts_10k nginx_hosts_10k; do
+    selected "$c" || continue
+    s=$(status "${C_URL[$c]}" "nohost.example.com")
+    [[ "$s" == 404 ]] || die "$c: a host no route has got HTTP $s, expected 404 (logs: $LOGS)"
 done
 log "cases: ${SELECTED[*]}"
 
@@ -1173,6 +1330,14 @@ fmt_mb() { awk -v b="$1" 'BEGIN { printf "%.1f MB (%.1f MiB)", b / 1e6, b / 1048
 ge() { awk -v a="$1" -v b="$2" 'BEGIN { exit !(a + 0 >= b + 0) }'; }
 le() { awk -v a="$1" -v b="$2" 'BEGIN { exit !(a + 0 <= b + 0) }'; }
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b + 0 > 0) printf "%.2f", a / b; else print "-" }'; }
+# ratio_or_dash A B: A / B, or - when either is missing ("" or -).
+ratio_or_dash() {
+    if [[ -n "$1" && "$1" != - && -n "$2" && "$2" != - ]]; then ratio "$1" "$2"; else echo -; fi
+}
+# The routes cases of issue 46 beside their one-route configs: "TOLLGATE_CASE NGINX_CASE WHAT".
+ROUTES_ROWS=("tg_memory nginx_proxy one route \"/\", GET /"
+    "tg_prefixes_10k nginx_prefixes_10k $ROUTES_TXT prefixes, GET $LAST_PREFIX"
+    "tg_hosts_10k nginx_hosts_10k $ROUTES_TXT hosts, Host: $LAST_HOST")
 
 REV=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 [[ -z "$(git status --porcelain --untracked-files=no 2>/dev/null)" ]] || REV+="+dirty"
@@ -1271,6 +1436,30 @@ targets() {
     row "$ok" "release binary ≤ 12 MB (12,000,000 bytes)" "$(fmt_mb "$BIN_SIZE")"
 
     echo
+    echo "Issue 46, routing at scale (gateway CPU per request on the route a linear scan matches last; tg_memory is the one-route config, nginx_proxy its nginx twin):"
+    echo
+    echo "| result | target | measured |"
+    echo "|---|---|---|"
+    local spec tc nc what t_gw n_gw np_gw1 r1 r0
+    np_gw1=$(val nginx_proxy gw_us)
+    for spec in "${ROUTES_ROWS[@]:1}"; do
+        read -r tc nc what <<<"$spec"
+        t_gw=$(val "$tc" gw_us); n_gw=$(val "$nc" gw_us)
+        x="$what: $tc CPU per request ≤ 1.05× tg_memory's, same run"
+        if [[ -n "$t_gw" && -n "$m_gw" && "$t_gw" != - && "$m_gw" != - ]]; then
+            ok=FAIL; le "$t_gw" "$(times 1.05 "$m_gw")" && ok=PASS
+            row "$ok" "$x" "$t_gw µs/req = $(ratio "$t_gw" "$m_gw")× tg_memory's $m_gw"
+        else row "n/a" "$x" "needs $tc and tg_memory"; fi
+        x="$what: $tc CPU per request ÷ $nc's ≤ tg_memory's ÷ nginx_proxy's (no worse against nginx than with one route)"
+        if [[ -n "$t_gw" && -n "$n_gw" && -n "$m_gw" && -n "$np_gw1" && "$t_gw" != - && "$n_gw" != - && "$m_gw" != - && "$np_gw1" != - ]]; then
+            r1=$(ratio "$t_gw" "$n_gw"); r0=$(ratio "$m_gw" "$np_gw1")
+            # Compared unrounded: t/n <= m/np as t*np <= m*n.
+            ok=FAIL; le "$(times "$t_gw" "$np_gw1")" "$(times "$m_gw" "$n_gw")" && ok=PASS
+            row "$ok" "$x" "$tc $t_gw ÷ $nc $n_gw = ${r1}×; one route: tg_memory $m_gw ÷ nginx_proxy $np_gw1 = ${r0}×"
+        else row "n/a" "$x" "needs $tc, $nc, tg_memory and nginx_proxy"; fi
+    done
+
+    echo
     echo "Earlier targets, kept:"
     echo
     echo "| result | target | measured |"
@@ -1355,6 +1544,28 @@ render() {
             }' "$SUMMARY"
     else
         echo "No tollgate case in this run."
+    fi
+    echo
+    echo "### Routing at scale (issue 46)"
+    echo
+    if selected tg_prefixes_10k || selected tg_hosts_10k || selected nginx_prefixes_10k || selected nginx_hosts_10k; then
+        echo "Each config with its request on the route a linear scan in config order matches last (tollgate: $ROUTES_TXT routes, \`path_prefix = \"/p0000\"\` .. \`\"$LAST_PREFIX\"\`, or \`host = \"t0.example.com\"\` .. \`\"$LAST_HOST\"\` with \`path_prefix = \"/\"\`; nginx: the same prefixes as \`location\`s, the same hosts as the \`server_name\`s of one server beside a 404 default server, found by nginx's server-name hash). × one route: against the first row's case of the same column. tollgate ÷ nginx: the gateway's figure over its nginx twin's in the same row. CPU: µs per request of the proxy process (lower is better). - : that case did not run."
+        echo
+        echo "| routes, request | tollgate case | gw CPU µs/req | × one route | req/s | × one route | nginx case | nginx CPU µs/req | × one route | req/s | × one route | tollgate ÷ nginx, CPU | tollgate ÷ nginx, req/s |"
+        echo "|---|---|--:|--:|--:|--:|---|--:|--:|--:|--:|--:|--:|"
+        local spec tc nc what t_gw t_r n_gw n_r
+        local m_gw1 m_r1 n_gw1 n_r1
+        m_gw1=$(val tg_memory gw_us); m_r1=$(val tg_memory rps); n_gw1=$(val nginx_proxy gw_us); n_r1=$(val nginx_proxy rps)
+        for spec in "${ROUTES_ROWS[@]}"; do
+            read -r tc nc what <<<"$spec"
+            t_gw=$(val "$tc" gw_us); t_r=$(val "$tc" rps); n_gw=$(val "$nc" gw_us); n_r=$(val "$nc" rps)
+            printf '| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n' "$what" "$tc$(val "$tc" flag)" \
+                "${t_gw:--}" "$(ratio_or_dash "$t_gw" "$m_gw1")" "${t_r:--}" "$(ratio_or_dash "$t_r" "$m_r1")" \
+                "$nc$(val "$nc" flag)" "${n_gw:--}" "$(ratio_or_dash "$n_gw" "$n_gw1")" "${n_r:--}" \
+                "$(ratio_or_dash "$n_r" "$n_r1")" "$(ratio_or_dash "$t_gw" "$n_gw")" "$(ratio_or_dash "$t_r" "$n_r")"
+        done
+    else
+        echo "Not measured in this run."
     fi
     echo
     echo "### Latency at half load"

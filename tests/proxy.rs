@@ -517,3 +517,65 @@ async fn the_header_read_deadline_covers_every_head_of_a_connection_and_spares_h
     }
     assert_eq!(upstream.hits(), 3);
 }
+
+/// Issue 46: 10,000 host routes and 10,000 prefix routes in one file route as their
+/// rules say (each request reaches the limit of its own route, an unknown host falls back
+/// to the host-less routes), and a reload to a file with every route changed applies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_thousand_hosts_and_prefixes_route_by_their_rules_and_reload() {
+    use std::fmt::Write;
+    let upstream = Upstream::start().await;
+    // Routes of `round` send host tN and prefix /pN to limit "l{(N + round) % 3}".
+    let toml = |round: usize| {
+        let mut t = format!(
+            "[server]\nlisten = \"127.0.0.1:0\"\n\
+             [[upstreams]]\nname = \"api\"\ntargets = [\"{}\"]\n",
+            upstream.url()
+        );
+        for name in ["l0", "l1", "l2", "any"] {
+            write!(
+                t,
+                "[[limits]]\nname = \"{name}\"\nwindow = \"1h\"\nquota = {{ anonymous = 1000000 }}\n"
+            )
+            .unwrap();
+        }
+        t.push_str("[[routes]]\npath_prefix = \"/\"\nupstream = \"api\"\nlimits = [\"any\"]\n");
+        for n in 0..10_000 {
+            let l = (n + round) % 3;
+            write!(
+                t,
+                "[[routes]]\nhost = \"t{n}.example.com\"\npath_prefix = \"/\"\nupstream = \"api\"\nlimits = [\"l{l}\"]\n\
+                 [[routes]]\npath_prefix = \"/p{n}\"\npath_match = \"segments\"\nupstream = \"api\"\nlimits = [\"l{l}\"]\n"
+            )
+            .unwrap();
+        }
+        t
+    };
+    let gw = TestGateway::start(&toml(0)).await;
+    let resource = |host: String, path: String| {
+        let url = gw.url(&path);
+        async move {
+            let r = get_with(&url, &[("host", &host)]).await;
+            assert_eq!(r.status, 200, "{host} {path}");
+            r.header("x-ratelimit-resource").to_string()
+        }
+    };
+    for round in [0, 1] {
+        if round == 1 {
+            gw.reload(&toml(1)).expect("the reload applies");
+        }
+        for n in [0, 1, 4_999, 9_998, 9_999] {
+            let want = format!("l{}", (n + round) % 3);
+            let host = format!("T{n}.Example.com:8080");
+            assert_eq!(resource(host, "/x".into()).await, want, "host t{n}");
+            let path = format!("/p{n}/orders");
+            assert_eq!(resource("elsewhere".into(), path).await, want, "/p{n}");
+        }
+        // No route for this host, and /p1x is not a segment of /p1: the catch-all.
+        assert_eq!(
+            resource("t10000.example.com".into(), "/x".into()).await,
+            "any"
+        );
+        assert_eq!(resource("elsewhere".into(), "/p1x".into()).await, "any");
+    }
+}

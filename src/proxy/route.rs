@@ -180,15 +180,28 @@ impl Route {
     }
 }
 
-/// All routes of a snapshot, ordered for matching.
+/// All routes of a snapshot, indexed for matching in time that does not grow with their
+/// number (issue 46): host-specific routes in a hash map by host name, each host's routes
+/// and the host-less routes in a radix tree of path prefixes ([`Prefixes`]). A lookup
+/// costs one hash of the host and one walk down the path's bytes, whether the config has
+/// one route or 100,000.
+///
+/// The rules are those of a walk over every route sorted longer prefix first, then
+/// host-specific before host-less, then routes for some methods before routes for any,
+/// then config order (the first that matches wins); `tests::matches_a_linear_scan`
+/// checks the two against each other on random route sets and paths.
 #[derive(Debug, Default)]
 pub struct Router {
+    /// Every route, in the matching order above (kept for [`Router::len`] and the tests).
     routes: Vec<Arc<Route>>,
+    /// Routes with a `host`, by that host (lowercase, as in [`Route::host`]).
+    hosts: foldhash::HashMap<Box<str>, Prefixes>,
+    /// Routes without a `host`.
+    any_host: Prefixes,
 }
 
 impl Router {
-    /// A router over `routes`: longer prefixes first; for equal prefixes host-specific
-    /// routes before host-less ones, then routes for some methods before routes for any.
+    /// A router over `routes`, in any order: see [`Router`] for the order they match in.
     pub fn new(mut routes: Vec<Arc<Route>>) -> Self {
         routes.sort_by(|a, b| {
             b.path_prefix
@@ -197,24 +210,77 @@ impl Router {
                 .then(b.host.is_some().cmp(&a.host.is_some()))
                 .then(a.methods.is_empty().cmp(&b.methods.is_empty()))
         });
-        Self { routes }
+        let mut hosts: foldhash::HashMap<Box<str>, Prefixes> = foldhash::HashMap::default();
+        let mut any_host = Prefixes::default();
+        // In the sorted order, so that each tree node keeps its routes with those for
+        // some methods first, then config order (the sort is stable).
+        for route in &routes {
+            match route.host.as_deref() {
+                Some(h) => hosts.entry(h.into()).or_default().insert(route.clone()),
+                None => any_host.insert(route.clone()),
+            }
+        }
+        Self {
+            routes,
+            hosts,
+            any_host,
+        }
     }
 
     /// The route for a `method` request to `host` (any case, port ignored) and `path`:
-    /// the first in the order of [`Router::new`] that matches.
+    /// the route with the longest prefix that matches `path` (as a prefix, or on whole
+    /// segments for `path_match = "segments"`) and `method`; at equal prefixes, one for
+    /// this host before one for any host, and one for some methods before one for any.
     pub fn find(
         &self,
         host: Option<&str>,
         path: &str,
         method: &http::Method,
     ) -> Option<&Arc<Route>> {
-        let host = host.map(strip_port);
-        self.routes.iter().find(|r| {
-            r.matches(path, method)
-                && r.host
-                    .as_deref()
-                    .is_none_or(|h| host.is_some_and(|req| req.eq_ignore_ascii_case(h)))
-        })
+        let own = match host {
+            Some(h) if !self.hosts.is_empty() => self.host_prefixes(strip_port(h)),
+            _ => None,
+        };
+        let path = path.as_bytes();
+        let mut own = own.map(|p| p.walk(path)).into_iter().flatten();
+        let mut any = self.any_host.walk(path);
+        // Both walks yield their matching prefixes shortest first; a longer match
+        // replaces a shorter one, and at one length the host's routes go first.
+        let (mut h, mut a) = (own.next(), any.next());
+        let mut best = None;
+        loop {
+            let found = match (h, a) {
+                (None, None) => return best,
+                (Some((hl, hr)), Some((al, ar))) if hl == al => {
+                    (h, a) = (own.next(), any.next());
+                    pick(hr, hl, path, method).or_else(|| pick(ar, al, path, method))
+                }
+                (Some((hl, hr)), Some((al, _))) if hl < al => {
+                    h = own.next();
+                    pick(hr, hl, path, method)
+                }
+                (Some((hl, hr)), None) => {
+                    h = own.next();
+                    pick(hr, hl, path, method)
+                }
+                (_, Some((al, ar))) => {
+                    a = any.next();
+                    pick(ar, al, path, method)
+                }
+            };
+            if found.is_some() {
+                best = found;
+            }
+        }
+    }
+
+    /// The prefix tree of `host`'s own routes (ASCII case ignored), if it has any.
+    fn host_prefixes(&self, host: &str) -> Option<&Prefixes> {
+        if host.bytes().any(|b| b.is_ascii_uppercase()) {
+            self.hosts.get(host.to_ascii_lowercase().as_str())
+        } else {
+            self.hosts.get(host)
+        }
     }
 
     /// Number of routes.
@@ -225,6 +291,138 @@ impl Router {
     /// True when there are no routes.
     pub fn is_empty(&self) -> bool {
         self.routes.is_empty()
+    }
+}
+
+/// Of `routes`, whose prefix is the first `len` bytes of `path`, the first that admits
+/// the request: on whole segments when asked, and for its method.
+fn pick<'r>(
+    routes: &'r [Arc<Route>],
+    len: usize,
+    path: &[u8],
+    method: &http::Method,
+) -> Option<&'r Arc<Route>> {
+    // The prefix matches whole segments when the path ends with it, goes on with `/`,
+    // or the prefix itself ends with `/`.
+    let on_segment = len == path.len() || path[len] == b'/' || (len > 0 && path[len - 1] == b'/');
+    routes.iter().find(|r| {
+        (!r.segments || on_segment) && (r.methods.is_empty() || r.methods.contains(method))
+    })
+}
+
+/// Routes by path prefix, as a radix tree over the prefixes' bytes: each edge carries a
+/// run of bytes, the edges out of a node start with distinct bytes (sorted, found by
+/// binary search), and a node holds the routes whose prefix ends there. Finding every
+/// prefix of a path takes one walk down the path's bytes.
+#[derive(Debug, Default)]
+struct Prefixes {
+    root: Node,
+}
+
+#[derive(Debug, Default)]
+struct Node {
+    /// Routes whose prefix ends at this node, in matching order.
+    routes: Vec<Arc<Route>>,
+    /// Edges to longer prefixes, by their label's first byte.
+    edges: Vec<Edge>,
+}
+
+#[derive(Debug)]
+struct Edge {
+    /// The bytes this edge adds to the prefix (never empty).
+    label: Box<[u8]>,
+    node: Node,
+}
+
+impl Prefixes {
+    fn insert(&mut self, route: Arc<Route>) {
+        let key = route.path_prefix.as_bytes().to_vec();
+        self.root.insert(&key, route);
+    }
+
+    /// The nodes with routes along `path`: (prefix length in bytes, their routes),
+    /// shortest prefix first.
+    fn walk<'t, 'p>(&'t self, path: &'p [u8]) -> Walk<'t, 'p> {
+        Walk {
+            node: Some(&self.root),
+            path,
+            len: 0,
+        }
+    }
+}
+
+impl Node {
+    fn insert(&mut self, key: &[u8], route: Arc<Route>) {
+        let Some(&first) = key.first() else {
+            self.routes.push(route);
+            return;
+        };
+        match self.edges.binary_search_by_key(&first, |e| e.label[0]) {
+            Ok(i) => {
+                let edge = &mut self.edges[i];
+                let common = edge
+                    .label
+                    .iter()
+                    .zip(key)
+                    .take_while(|(a, b)| a == b)
+                    .count();
+                if common < edge.label.len() {
+                    // Split the edge where the new key leaves it.
+                    let rest: Box<[u8]> = edge.label[common..].into();
+                    let below = std::mem::take(&mut edge.node);
+                    edge.node.edges.push(Edge {
+                        label: rest,
+                        node: below,
+                    });
+                    edge.label = key[..common].into();
+                }
+                edge.node.insert(&key[common..], route);
+            }
+            Err(i) => {
+                let node = Node {
+                    routes: vec![route],
+                    edges: Vec::new(),
+                };
+                self.edges.insert(
+                    i,
+                    Edge {
+                        label: key.into(),
+                        node,
+                    },
+                );
+            }
+        }
+    }
+}
+
+/// A walk down a [`Prefixes`] tree along a path (see [`Prefixes::walk`]).
+struct Walk<'t, 'p> {
+    node: Option<&'t Node>,
+    path: &'p [u8],
+    /// Bytes of the path matched to reach `node`.
+    len: usize,
+}
+
+impl<'t> Iterator for Walk<'t, '_> {
+    type Item = (usize, &'t [Arc<Route>]);
+
+    fn next(&mut self) -> Option<Self::Item> {
+        loop {
+            let node = self.node?;
+            let here = (self.len, node.routes.as_slice());
+            let rest = &self.path[self.len..];
+            self.node = rest.first().and_then(|b| {
+                let i = node.edges.binary_search_by_key(b, |e| e.label[0]).ok()?;
+                let edge = &node.edges[i];
+                rest.starts_with(&edge.label).then(|| {
+                    self.len += edge.label.len();
+                    &edge.node
+                })
+            });
+            if !here.1.is_empty() {
+                return Some(here);
+            }
+        }
     }
 }
 
@@ -249,5 +447,142 @@ mod tests {
         assert_eq!(strip_port("api.example.com:8080"), "api.example.com");
         assert_eq!(strip_port("api.example.com"), "api.example.com");
         assert_eq!(strip_port("[::1]:80"), "[::1]");
+    }
+
+    /// The router before issue 46, kept as the reference: every route in the order of
+    /// [`Router::new`], the first that matches wins.
+    fn find_linear<'r>(
+        routes: &'r [Arc<Route>],
+        host: Option<&str>,
+        path: &str,
+        method: &http::Method,
+    ) -> Option<&'r Arc<Route>> {
+        let host = host.map(strip_port);
+        routes.iter().find(|r| {
+            r.matches(path, method)
+                && r.host
+                    .as_deref()
+                    .is_none_or(|h| host.is_some_and(|req| req.eq_ignore_ascii_case(h)))
+        })
+    }
+
+    /// One upstream to hang test routes on, from a real snapshot.
+    fn upstream() -> Arc<Upstream> {
+        let toml = "[server]\nlisten = \"127.0.0.1:0\"\n\
+                    [[upstreams]]\nname = \"api\"\ntargets = [\"http://127.0.0.1:9\"]\n\
+                    [[routes]]\npath_prefix = \"/\"\nupstream = \"api\"\n";
+        let file = crate::config::parse(std::path::Path::new("t.toml"), toml.into())
+            .expect("config parses");
+        let snap = crate::snapshot::Snapshot::build(&file, None).expect("config is valid");
+        snap.router.routes[0].upstream.clone()
+    }
+
+    fn route(
+        upstream: &Arc<Upstream>,
+        host: Option<&str>,
+        prefix: &str,
+        segments: bool,
+        methods: &[http::Method],
+    ) -> Arc<Route> {
+        Arc::new(Route {
+            host: host.map(str::to_owned),
+            path_prefix: prefix.into(),
+            segments,
+            methods: methods.to_vec(),
+            max_request_bytes: None,
+            upstream: upstream.clone(),
+            limits: LimitSet::new(Vec::new()),
+            cost: 1,
+            uncharged_statuses: Vec::new(),
+            on_request: false,
+            upgrades: Vec::new(),
+            trust_method_override: false,
+        })
+    }
+
+    #[test]
+    fn longest_prefix_host_and_methods_order() {
+        let up = upstream();
+        let routes = vec![
+            route(&up, None, "/", false, &[]),
+            route(&up, None, "/api", true, &[]),
+            route(&up, Some("a.example.com"), "/api", false, &[]),
+            route(&up, None, "/api/v1", false, &[http::Method::POST]),
+            route(&up, None, "/api/v1", false, &[]),
+        ];
+        let router = Router::new(routes.clone());
+        let get = http::Method::GET;
+        let post = http::Method::POST;
+        let at = |host, path, m| router.find(host, path, m).map(Arc::as_ptr);
+        let is = |i: usize| Some(Arc::as_ptr(&routes[i]));
+        assert_eq!(
+            at(None, "/apix", &get),
+            is(0),
+            "segments: /api does not match /apix"
+        );
+        assert_eq!(at(None, "/api/x", &get), is(1));
+        assert_eq!(at(Some("A.Example.COM:8443"), "/apix", &get), is(2));
+        assert_eq!(at(Some("b.example.com"), "/api", &get), is(1));
+        assert_eq!(at(None, "/api/v1/x", &post), is(3));
+        assert_eq!(at(None, "/api/v1/x", &get), is(4));
+        assert_eq!(at(None, "/other", &get), is(0));
+        assert!(Router::new(vec![routes[1].clone()])
+            .find(None, "/", &get)
+            .is_none());
+    }
+
+    #[test]
+    fn matches_a_linear_scan() {
+        use proptest::prelude::*;
+        let up = upstream();
+        // Small alphabets, so that prefixes share bytes, nest, end in `/` or not.
+        let piece = prop::sample::select(vec!["/", "a", "b", "/a", "/b", "ab", "é", "/ä/"]);
+        let prefix = prop::collection::vec(piece.clone(), 0..4)
+            .prop_map(|p| format!("/{}", p.concat()).replace("//", "/"));
+        let host = prop::option::of(prop::sample::select(vec![
+            "a.example.com",
+            "b.example.com",
+            "c",
+        ]));
+        let methods = prop::sample::subsequence(
+            vec![http::Method::GET, http::Method::POST, http::Method::DELETE],
+            0..=2,
+        );
+        let spec = (host, prefix, any::<bool>(), methods);
+        let routes = prop::collection::vec(spec, 0..40);
+        let path = prop::collection::vec(piece, 0..6).prop_map(|p| format!("/{}", p.concat()));
+        let req_host = prop::option::of(prop::sample::select(vec![
+            "a.example.com",
+            "A.EXAMPLE.com:8080",
+            "b.example.com",
+            "c",
+            "d",
+            "[::1]:80",
+        ]));
+        let method = prop::sample::select(vec![
+            http::Method::GET,
+            http::Method::POST,
+            http::Method::PUT,
+        ]);
+        let requests = prop::collection::vec((req_host, path, method), 1..30);
+        let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig {
+            cases: 512,
+            ..ProptestConfig::default()
+        });
+        runner
+            .run(&(routes, requests), |(specs, requests)| {
+                let routes: Vec<Arc<Route>> = specs
+                    .iter()
+                    .map(|(h, p, seg, m)| route(&up, *h, p, *seg, m))
+                    .collect();
+                let router = Router::new(routes);
+                for (host, path, method) in &requests {
+                    let want = find_linear(&router.routes, *host, path, method).map(Arc::as_ptr);
+                    let got = router.find(*host, path, method).map(Arc::as_ptr);
+                    prop_assert_eq!(got, want, "{:?} {} {}", host, method, path);
+                }
+                Ok(())
+            })
+            .expect("the router agrees with a linear scan");
     }
 }

@@ -400,7 +400,8 @@ async fn refusal_bodies_and_the_cache_are_bounded_in_bytes_and_freed_on_expiry()
         &up,
         &auth.url(),
         "failed_auth_limit = { quota = 0, window = \"1m\" }",
-        "negative_ttl = \"2s\"\ncache_max_bytes = 1048576",
+        // 64 callouts at once from one address: above the default max_concurrent_per_ip.
+        "negative_ttl = \"2s\"\ncache_max_bytes = 1048576\nmax_concurrent_per_ip = 64",
     )
     .replace(
         "listen = \"127.0.0.1:0\"",

@@ -53,6 +53,7 @@
 #          /lr-reject  limit_req at 1 r/m (limit_req_status 429): nearly every request is a 429
 #      - nginx routes proxies, each its own nginx (worker_processes 1, the same upstream pool as the
 #        nginx proxy), only when its case is selected, so that nginx_proxy's config stays as small:
+#          nginx_one_route: one server, `location /` with a plain proxy_pass: the one-route twin
 #          nginx_prefixes_10k: one server with the 10,000 prefixes of tg_prefixes_10k as
 #                      `location /p0000` .. `location /p9999`, each a plain proxy_pass, and
 #                      `location / { return 404; }` for any other path, as tollgate answers a path
@@ -123,7 +124,10 @@
 #                             both are compared with
 #        nginx_prefixes_10k   wrk -> nginx with the same 10,000 prefixes as locations, GET /p9999
 #        nginx_hosts_10k      wrk -> nginx with the same 10,000 hosts as server_names, Host:
-#                             t9999.example.com (nginx_proxy is the one-route twin of both)
+#                             t9999.example.com
+#        nginx_one_route      wrk -> an nginx like those two with one `location /` (the one-route twin
+#                             of both; nginx_proxy's server also carries the Lua and limit_req
+#                             locations, which made it costlier per request than the twins)
 #        tg_memory_plain      like tg_memory, on the plain `cargo build --release` binary (with PGO=1
 #                             only): tollgate built as hyper_floor is, the like-for-like ratio
 #        tg_memory_w1         like tg_memory with `[server] workers = 1`: one runtime thread, as nginx
@@ -190,7 +194,7 @@
 #        - gateway CPU per request of tg_prefixes_10k and of tg_hosts_10k <= 1.05x tg_memory's (the
 #          one-route config)
 #        - their gateway CPU per request as a ratio to their nginx twin's (nginx_prefixes_10k,
-#          nginx_hosts_10k) no worse (no higher) than tg_memory's to nginx_proxy's
+#          nginx_hosts_10k) no worse (no higher) than tg_memory's to nginx_one_route's
 #      with a table of those ratios (CPU per request, and req/s beside it),
 #      and the earlier targets kept: Redis round trips (judged on script calls; commandstats' sum,
 #      which also counts the commands the scripts run, is printed beside it) and 1M callers'
@@ -227,7 +231,7 @@ ROUTES_TXT=$(awk -v n="$ROUTES_N" 'BEGIN { s = sprintf("%d", n); while (s ~ /[0-
 LAST_PREFIX=$(printf '/p%04d' $(( ROUTES_N - 1 )))
 LAST_HOST="t$(( ROUTES_N - 1 )).example.com"
 
-ALL_CASES=(direct nginx_proxy nginx_lua_redis nginx_limit_req_429 nginx_prefixes_10k nginx_hosts_10k
+ALL_CASES=(direct nginx_proxy nginx_lua_redis nginx_limit_req_429 nginx_one_route nginx_prefixes_10k nginx_hosts_10k
     hyper_floor hyper_floor_pgo hyper_floor_headers hyper_floor_429 hyper_floor_429_headers hyper_floor_contract
     hyper_floor_contract_429 tg_memory tg_prefixes_10k tg_hosts_10k tg_memory_plain tg_memory_w1 tg_memory_per_core
     tg_memory_many tg_redis tg_redis_per_core tg_redis_many tg_redis3_replicas tg_memory_429 tg_redis_429 tg_redis_lease
@@ -653,7 +657,13 @@ write_routes_conf() {
   proxy_set_header Connection "";
   upstream up { server 127.0.0.1:$UP_PORT; keepalive 128; keepalive_requests 1000000000; }
 EOF
-        if [[ "$kind" == prefixes ]]; then
+        if [[ "$kind" == one ]]; then
+            # The one-route twin of the two below: the same nginx, one location "/".
+            echo "  server {"
+            echo "    listen 127.0.0.1:$port backlog=4096;"
+            echo "    location / { proxy_pass http://up; }"
+            echo "  }"
+        elif [[ "$kind" == prefixes ]]; then
             # location /p0000 .. /p9999: nginx's static location tree, searched by comparison; any
             # other path 404, as tollgate answers a path no route matches.
             echo "  server {"
@@ -699,6 +709,10 @@ start_routes_nginx() {
     ROUTES_MASTER=$LAST_PID
     wait_port "$ROUTES_MASTER" "$ROUTES_PORT" "nginx ($kind)" "$WORK/nginx-$kind/error.log"
 }
+if selected nginx_one_route; then
+    start_routes_nginx one
+    NGINX_ONE_PORT=$ROUTES_PORT NGINX_ONE_MASTER=$ROUTES_MASTER
+fi
 if selected nginx_prefixes_10k; then
     start_routes_nginx prefixes
     NGINX_PFX_PORT=$ROUTES_PORT NGINX_PFX_MASTER=$ROUTES_MASTER
@@ -711,7 +725,8 @@ sleep 0.3
 # CPU of nginx = master + its workers.
 UP_PIDS="$NGINX_UP_MASTER $(pgrep -P "$NGINX_UP_MASTER" | tr '\n' ' ')"
 PROXY_PIDS="$NGINX_PROXY_MASTER $(pgrep -P "$NGINX_PROXY_MASTER" | tr '\n' ' ')"
-PFX_PIDS="" HOSTS_PIDS=""
+PFX_PIDS="" HOSTS_PIDS="" ONE_PIDS=""
+selected nginx_one_route && ONE_PIDS="$NGINX_ONE_MASTER $(pgrep -P "$NGINX_ONE_MASTER" | tr '\n' ' ')"
 selected nginx_prefixes_10k && PFX_PIDS="$NGINX_PFX_MASTER $(pgrep -P "$NGINX_PFX_MASTER" | tr '\n' ' ')"
 selected nginx_hosts_10k && HOSTS_PIDS="$NGINX_HOSTS_MASTER $(pgrep -P "$NGINX_HOSTS_MASTER" | tr '\n' ' ')"
 
@@ -936,6 +951,8 @@ def_case nginx_proxy "http://127.0.0.1:$PROXY_PORT/" one "$PROXY_PIDS" "$UP_PIDS
 def_case nginx_lua_redis "http://127.0.0.1:$PROXY_PORT/redis-fw" one "$PROXY_PIDS" "$UP_PIDS" \
     "${RPID[r0]}" "$R0_NODE" 200
 def_case nginx_limit_req_429 "http://127.0.0.1:$PROXY_PORT/lr-reject" one "$PROXY_PIDS" "$UP_PIDS" "" "" 429
+selected nginx_one_route \
+    && def_case nginx_one_route "http://127.0.0.1:$NGINX_ONE_PORT/" one "$ONE_PIDS" "$UP_PIDS" "" "" 200
 selected nginx_prefixes_10k \
     && def_case nginx_prefixes_10k "http://127.0.0.1:$NGINX_PFX_PORT$LAST_PREFIX" one "$PFX_PIDS" "$UP_PIDS" "" "" 200
 selected nginx_hosts_10k \
@@ -1335,7 +1352,7 @@ ratio_or_dash() {
     if [[ -n "$1" && "$1" != - && -n "$2" && "$2" != - ]]; then ratio "$1" "$2"; else echo -; fi
 }
 # The routes cases of issue 46 beside their one-route configs: "TOLLGATE_CASE NGINX_CASE WHAT".
-ROUTES_ROWS=("tg_memory nginx_proxy one route \"/\", GET /"
+ROUTES_ROWS=("tg_memory nginx_one_route one route \"/\", GET /"
     "tg_prefixes_10k nginx_prefixes_10k $ROUTES_TXT prefixes, GET $LAST_PREFIX"
     "tg_hosts_10k nginx_hosts_10k $ROUTES_TXT hosts, Host: $LAST_HOST")
 
@@ -1436,12 +1453,12 @@ targets() {
     row "$ok" "release binary ≤ 12 MB (12,000,000 bytes)" "$(fmt_mb "$BIN_SIZE")"
 
     echo
-    echo "Issue 46, routing at scale (gateway CPU per request on the route a linear scan matches last; tg_memory is the one-route config, nginx_proxy its nginx twin):"
+    echo "Issue 46, routing at scale (gateway CPU per request on the route a linear scan matches last; tg_memory is the one-route config, nginx_one_route its nginx twin):"
     echo
     echo "| result | target | measured |"
     echo "|---|---|---|"
     local spec tc nc what t_gw n_gw np_gw1 r1 r0
-    np_gw1=$(val nginx_proxy gw_us)
+    np_gw1=$(val nginx_one_route gw_us)
     for spec in "${ROUTES_ROWS[@]:1}"; do
         read -r tc nc what <<<"$spec"
         t_gw=$(val "$tc" gw_us); n_gw=$(val "$nc" gw_us)
@@ -1450,13 +1467,13 @@ targets() {
             ok=FAIL; le "$t_gw" "$(times 1.05 "$m_gw")" && ok=PASS
             row "$ok" "$x" "$t_gw µs/req = $(ratio "$t_gw" "$m_gw")× tg_memory's $m_gw"
         else row "n/a" "$x" "needs $tc and tg_memory"; fi
-        x="$what: $tc CPU per request ÷ $nc's ≤ tg_memory's ÷ nginx_proxy's (no worse against nginx than with one route)"
+        x="$what: $tc CPU per request ÷ $nc's ≤ tg_memory's ÷ nginx_one_route's (no worse against nginx than with one route)"
         if [[ -n "$t_gw" && -n "$n_gw" && -n "$m_gw" && -n "$np_gw1" && "$t_gw" != - && "$n_gw" != - && "$m_gw" != - && "$np_gw1" != - ]]; then
             r1=$(ratio "$t_gw" "$n_gw"); r0=$(ratio "$m_gw" "$np_gw1")
             # Compared unrounded: t/n <= m/np as t*np <= m*n.
             ok=FAIL; le "$(times "$t_gw" "$np_gw1")" "$(times "$m_gw" "$n_gw")" && ok=PASS
-            row "$ok" "$x" "$tc $t_gw ÷ $nc $n_gw = ${r1}×; one route: tg_memory $m_gw ÷ nginx_proxy $np_gw1 = ${r0}×"
-        else row "n/a" "$x" "needs $tc, $nc, tg_memory and nginx_proxy"; fi
+            row "$ok" "$x" "$tc $t_gw ÷ $nc $n_gw = ${r1}×; one route: tg_memory $m_gw ÷ nginx_one_route $np_gw1 = ${r0}×"
+        else row "n/a" "$x" "needs $tc, $nc, tg_memory and nginx_one_route"; fi
     done
 
     echo
@@ -1548,14 +1565,14 @@ render() {
     echo
     echo "### Routing at scale (issue 46)"
     echo
-    if selected tg_prefixes_10k || selected tg_hosts_10k || selected nginx_prefixes_10k || selected nginx_hosts_10k; then
+    if selected tg_prefixes_10k || selected tg_hosts_10k || selected nginx_one_route || selected nginx_prefixes_10k || selected nginx_hosts_10k; then
         echo "Each config with its request on the route a linear scan in config order matches last (tollgate: $ROUTES_TXT routes, \`path_prefix = \"/p0000\"\` .. \`\"$LAST_PREFIX\"\`, or \`host = \"t0.example.com\"\` .. \`\"$LAST_HOST\"\` with \`path_prefix = \"/\"\`; nginx: the same prefixes as \`location\`s, the same hosts as the \`server_name\`s of one server beside a 404 default server, found by nginx's server-name hash). × one route: against the first row's case of the same column. tollgate ÷ nginx: the gateway's figure over its nginx twin's in the same row. CPU: µs per request of the proxy process (lower is better). - : that case did not run."
         echo
         echo "| routes, request | tollgate case | gw CPU µs/req | × one route | req/s | × one route | nginx case | nginx CPU µs/req | × one route | req/s | × one route | tollgate ÷ nginx, CPU | tollgate ÷ nginx, req/s |"
         echo "|---|---|--:|--:|--:|--:|---|--:|--:|--:|--:|--:|--:|"
         local spec tc nc what t_gw t_r n_gw n_r
         local m_gw1 m_r1 n_gw1 n_r1
-        m_gw1=$(val tg_memory gw_us); m_r1=$(val tg_memory rps); n_gw1=$(val nginx_proxy gw_us); n_r1=$(val nginx_proxy rps)
+        m_gw1=$(val tg_memory gw_us); m_r1=$(val tg_memory rps); n_gw1=$(val nginx_one_route gw_us); n_r1=$(val nginx_one_route rps)
         for spec in "${ROUTES_ROWS[@]}"; do
             read -r tc nc what <<<"$spec"
             t_gw=$(val "$tc" gw_us); t_r=$(val "$tc" rps); n_gw=$(val "$nc" gw_us); n_r=$(val "$nc" rps)

@@ -5,7 +5,7 @@
 use super::algorithm::{Algorithm, Align, Policy};
 use super::key::{LimitKey, SubjectDigest};
 use super::Limiter;
-use crate::config::{LimitConfig, Problems};
+use crate::config::{LimitBy, LimitConfig, LimitMode, OnLimit, Problems, WindowAlign};
 use crate::identity::Caller;
 use http::{HeaderMap, HeaderName};
 use std::collections::{BTreeSet, HashMap};
@@ -102,28 +102,21 @@ impl Limit {
         if cfg.window.0 > year {
             problems.error(format!("{at}.window"), "must be at most 1 year (\"366d\")");
         }
-        let align = match cfg.align.as_str() {
-            "first_request" => Align::FirstRequest,
-            "calendar" if algorithm != Algorithm::FixedWindow => {
+        let align = match cfg.align {
+            WindowAlign::FirstRequest => Align::FirstRequest,
+            WindowAlign::Calendar if algorithm != Algorithm::FixedWindow => {
                 problems.error(
                     format!("{at}.align"),
                     "align = \"calendar\" is for fixed windows only (algorithm = \"fixed_window\")",
                 );
                 Align::FirstRequest
             }
-            "calendar" if window_ms == MONTH_MS => Align::Month,
-            "calendar" if window_ms > 0 && 86_400_000 % window_ms == 0 => Align::Epoch,
-            "calendar" => {
+            WindowAlign::Calendar if window_ms == MONTH_MS => Align::Month,
+            WindowAlign::Calendar if window_ms > 0 && 86_400_000 % window_ms == 0 => Align::Epoch,
+            WindowAlign::Calendar => {
                 problems.error(
                     format!("{at}.align"),
                     "a calendar window must divide a day (e.g. \"1h\", \"1d\") or be \"1mo\"",
-                );
-                Align::FirstRequest
-            }
-            other => {
-                problems.error(
-                    format!("{at}.align"),
-                    format!("{other:?}: expected \"first_request\" or \"calendar\""),
                 );
                 Align::FirstRequest
             }
@@ -136,49 +129,37 @@ impl Limit {
             Some(0) => problems.error(format!("{at}.burst"), "must be at least 1"),
             _ => {}
         }
-        let enforce_percent = match cfg.mode.as_str() {
-            "enforce" => cfg.enforce_percent,
-            "shadow" => 0,
-            other => {
-                problems.error(
-                    format!("{at}.mode"),
-                    format!("{other:?}: expected \"enforce\" or \"shadow\""),
-                );
-                100
-            }
+        let enforce_percent = match cfg.mode {
+            LimitMode::Enforce => cfg.enforce_percent,
+            LimitMode::Shadow => 0,
         };
         if cfg.enforce_percent > 100 {
             problems.error(format!("{at}.enforce_percent"), "must be between 0 and 100");
-        } else if cfg.mode == "shadow" && cfg.enforce_percent != 100 {
+        } else if cfg.mode == LimitMode::Shadow && cfg.enforce_percent != 100 {
             problems.error(
                 format!("{at}.enforce_percent"),
                 "a limit in mode = \"shadow\" enforces for nobody: leave enforce_percent out",
             );
         }
-        let max_delay_ms = match cfg.on_limit.as_str() {
-            "reject" => 0,
-            "delay" if cfg.max_delay.as_millis() == 0 || cfg.max_delay.as_millis() > 60_000 => {
+        let max_delay_ms = match cfg.on_limit {
+            OnLimit::Reject => 0,
+            OnLimit::Delay
+                if cfg.max_delay.as_millis() == 0 || cfg.max_delay.as_millis() > 60_000 =>
+            {
                 problems.error(
                     format!("{at}.max_delay"),
                     "must be more than 0 and at most 1m",
                 );
                 0
             }
-            "delay" if algorithm == Algorithm::Concurrency => {
+            OnLimit::Delay if algorithm == Algorithm::Concurrency => {
                 problems.error(
                     format!("{at}.on_limit"),
                     "a concurrency limit cannot delay (when a slot frees is unknown)",
                 );
                 0
             }
-            "delay" => cfg.max_delay.as_millis(),
-            other => {
-                problems.error(
-                    format!("{at}.on_limit"),
-                    format!("{other:?}: expected \"reject\" or \"delay\""),
-                );
-                0
-            }
+            OnLimit::Delay => cfg.max_delay.as_millis(),
         };
         if cfg.max_waiting == 0 {
             problems.error(format!("{at}.max_waiting"), "must be at least 1");
@@ -233,20 +214,15 @@ impl Limit {
                 By::Header(h)
             }
         };
-        let by = match cfg.by.as_str() {
-            "caller" => By::Caller,
-            "ip" => By::Ip,
-            "global" => By::Global,
-            other => {
-                match other
-                    .strip_prefix("header:")
-                    .map(|h| HeaderName::from_bytes(h.trim().to_ascii_lowercase().as_bytes()))
-                {
-                    Some(Ok(h)) => header_by(h),
-                    _ => {
-                        problems.error(format!("{at}.by"), format!("{other:?}: expected \"caller\", \"ip\", \"global\" or \"header:NAME\""));
-                        By::Caller
-                    }
+        let by = match &cfg.by {
+            LimitBy::Caller => By::Caller,
+            LimitBy::Ip => By::Ip,
+            LimitBy::Global => By::Global,
+            // The name was checked when the file was read.
+            LimitBy::Header(h) => {
+                match HeaderName::from_bytes(h.trim().to_ascii_lowercase().as_bytes()) {
+                    Ok(h) => header_by(h),
+                    Err(_) => By::Caller,
                 }
             }
         };

@@ -184,7 +184,7 @@ const CLEAN_WAIT: Duration = Duration::from_secs(5);
 impl Pool {
     /// A pool of connections made by `connector`, keeping at most `max_idle` idle
     /// HTTP/1.1 connections, each for at most `idle_timeout`, in `parts` parts (one per
-    /// `per_core` worker, see [`crate::server::runtime::per_worker_parts`]; at least 1)
+    /// `per_core` worker, see [`crate::worker::parts`]; at least 1)
     /// that share `max_idle` (each keeps at least one).
     pub fn new(
         connector: Connector,
@@ -203,7 +203,7 @@ impl Pool {
 
     /// The part of this thread's worker, and its index.
     fn part(&self) -> (usize, &Part) {
-        let index = crate::server::runtime::slot(self.parts.len());
+        let index = crate::worker::slot(self.parts.len());
         (index, &self.parts[index])
     }
 

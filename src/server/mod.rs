@@ -597,7 +597,7 @@ async fn accept_loop(
     let refused_log = crate::logging::Throttle::new();
     let accept_log = crate::logging::Throttle::new();
     // On a per_core worker: its count of accepted connections.
-    let accepted_here = runtime::worker().map(|(worker, _)| {
+    let accepted_here = crate::worker::current().map(|(worker, _)| {
         shared
             .metrics
             .worker_connections

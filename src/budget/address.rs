@@ -22,7 +22,7 @@ pub(super) struct PerAddress {
 
 /// What one address holds (see [`PerAddress`]).
 #[derive(Debug, Default)]
-struct Held {
+pub(super) struct Held {
     connections: usize,
     /// Connections and requests in flight.
     descriptors: usize,
@@ -38,7 +38,7 @@ impl PerAddress {
         }
     }
 
-    fn open(&self) -> std::sync::MutexGuard<'_, HashMap<IpAddr, Held>> {
+    pub(super) fn open(&self) -> std::sync::MutexGuard<'_, HashMap<IpAddr, Held>> {
         // A panic while the lock is held leaves consistent counts (one `+= 1` or `-= 1`).
         self.open.lock().unwrap_or_else(|e| e.into_inner())
     }

@@ -126,8 +126,10 @@ impl Snapshot {
             .unwrap_or_default();
         let mut upstreams = HashMap::new();
         // One pool part per worker of the runtime that runs ([server] is read at start).
-        let pool_parts = crate::server::runtime::per_worker_parts(
-            previous.map_or(&cfg.server, |p| &p.running.0),
+        let running = previous.map_or(&cfg.server, |p| &p.running.0);
+        let pool_parts = crate::worker::parts(
+            running.runtime == crate::config::RuntimeShape::PerCore,
+            running.workers,
         );
         for (i, u) in cfg.upstreams.iter().enumerate() {
             if upstreams.contains_key(&u.name) {

@@ -22,9 +22,7 @@ pub mod error;
 pub mod forward;
 pub mod framing;
 pub mod grpc;
-pub mod h2client;
 pub mod headers;
-pub mod interim;
 pub mod path;
 pub mod pool;
 pub mod refusal;
@@ -33,7 +31,7 @@ pub(crate) mod tls;
 
 use crate::clock::Clock;
 use crate::config::LogClientIp;
-use crate::http::incoming::Incoming;
+use crate::wire::Incoming;
 use crate::http::target::{self, Override};
 use crate::identity::auth_request::Oversize;
 use crate::identity::{Identities, IdentityError};
@@ -105,7 +103,7 @@ pub struct Context<'a> {
     pub body_timeout: std::time::Duration,
     /// Where an HTTP/1.1 request's 1xx responses go (its connection's socket); `None`
     /// for HTTP/2 streams, whose handle is in the request's extensions, and HTTP/1.0.
-    pub informational: Option<&'a interim::Informational>,
+    pub informational: Option<&'a crate::wire::Informational>,
 }
 
 /// Serve one request on the snapshot it started with (its [`Gate`]): set its request id, run

@@ -194,7 +194,7 @@ impl Shared {
     /// On a `per_core` worker, its index, its runtime kept (once) for delivering its
     /// answers; `None` on any other thread.
     fn home(&self) -> Option<usize> {
-        let (index, count) = crate::server::runtime::worker()?;
+        let (index, count) = crate::worker::current()?;
         let slot = self
             .workers
             .get_or_init(|| (0..count).map(|_| OnceLock::new()).collect())
@@ -222,7 +222,7 @@ impl Shared {
         drop(state);
         // On a `per_core` worker, the queue goes out from this worker (over its own
         // connection, waking no other thread); elsewhere from the batcher's runtime.
-        let here = crate::server::runtime::worker()
+        let here = crate::worker::current()
             .and_then(|_| tokio::runtime::Handle::try_current().ok());
         here.as_ref()
             .unwrap_or(&self.runtime)
@@ -372,7 +372,7 @@ type Group = (Option<usize>, Vec<(Reply, Answer)>);
 /// (first, when there is any) for this thread's submitters and those of no worker, then
 /// one group per other `per_core` worker with its runtime, each in submission order.
 fn by_home(replies: Vec<(Reply, Option<usize>)>, answers: Vec<Answer>) -> Vec<Group> {
-    let here = crate::server::runtime::worker().map(|(i, _)| i);
+    let here = crate::worker::current().map(|(i, _)| i);
     let mut groups: Vec<Group> = vec![(None, Vec::new())];
     for ((tx, home), answer) in replies.into_iter().zip(answers) {
         let to = home.filter(|&w| Some(w) != here);
@@ -530,7 +530,7 @@ mod tests {
         let (queued_tx, queued_rx) = std::sync::mpsc::channel::<()>();
         let b1 = batcher.clone();
         let worker1 = std::thread::spawn(move || {
-            crate::server::runtime::pretend_worker(1, 2);
+            crate::worker::pretend(1, 2);
             let rt1 = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
@@ -548,7 +548,7 @@ mod tests {
                 got
             })
         });
-        crate::server::runtime::pretend_worker(0, 2);
+        crate::worker::pretend(0, 2);
         let answers = rt0.block_on(async {
             let first = batcher.enqueue(vec!["1".into()], vec![]);
             let sending = tokio::spawn(first);

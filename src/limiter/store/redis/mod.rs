@@ -411,7 +411,7 @@ impl Shard {
 
     /// On a `per_core` worker thread, its own CHECK batcher (see `per_worker`).
     fn worker_checks(&self) -> Option<&Batcher> {
-        let (index, count) = crate::server::runtime::worker()?;
+        let (index, count) = crate::worker::current()?;
         let all = self
             .per_worker
             .get_or_init(|| (0..count).map(|_| OnceLock::new()).collect());

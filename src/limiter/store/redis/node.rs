@@ -514,7 +514,7 @@ impl Node {
     /// the worker's runtime opens it (scripts loaded first) and `None` is returned: the
     /// call goes over the shared connection meanwhile.
     fn worker_connection(&self) -> Option<MultiplexedConnection> {
-        let (index, count) = crate::server::runtime::worker()?;
+        let (index, count) = crate::worker::current()?;
         let slots = self
             .workers
             .slots

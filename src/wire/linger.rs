@@ -4,8 +4,8 @@
 //! `server.max_header_bytes` that was answered 431 at its first 32 KB, or a body the
 //! response did not wait for. A socket closed with bytes unread makes the kernel reset
 //! the connection, and a client still writing then gets a broken pipe or a reset in
-//! place of the answer it was sent (issue 45, item 16: over TLS, 2 of 8 clients sending
-//! a 70 KB head saw a connection error, not the 431). So a close ([`Linger`]'s
+//! place of the answer it was sent (over TLS, a client sending a 70 KB head would see a
+//! connection error, not the 431). So a close ([`Linger`]'s
 //! `poll_shutdown`, which hyper calls when it closes a connection) first closes the
 //! sending side (TLS `close_notify`, then TCP FIN), then reads and discards what the
 //! client still sends until it closes its side, for at most [`LINGER_TIME`] and

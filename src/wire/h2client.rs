@@ -16,7 +16,7 @@
 //! large, stopped arriving, unreadable), the response's error is that body error, so
 //! that the client gets 413, 408 or 400 as with an HTTP/1.1 upstream, not 502.
 //!
-//! One stream cannot stall the others (issue 45): a response body's stream window
+//! One stream cannot stall the others: a response body's stream window
 //! ([`STREAM_WINDOW`], 1 MiB) is what a client that stops reading can hold, and the
 //! connection's window is that times the streams one connection carries at most
 //! ([`MAX_STREAMS`]), so that however many of its streams are not read, the connection
@@ -36,18 +36,22 @@
 //! it; a larger body cannot be, nor one that fails or stops arriving for
 //! `server.body_timeout` (the request's error stands: 502).
 
-use super::body::{BodyError, RequestBody};
+mod pipe;
+mod response;
+
+pub use response::ResponseBody;
+
 use super::interim::Informational;
-use super::pool::PoolError;
 use bytes::Bytes;
 use http::header::{self, HeaderMap};
 use http::{Method, Request, Response};
-use http_body::{Body as HttpBody, Frame, SizeHint};
+use http_body::{Body as HttpBody, Frame};
+use pipe::Pipe;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::task::{ready, Context, Poll};
+use std::task::Poll;
 use tokio::sync::oneshot;
 
 /// Stream window, bytes: what one response's stream may have buffered unread (hyper's
@@ -93,16 +97,34 @@ impl Drop for Claim {
     }
 }
 
-/// A failed [`Connection::send`].
+/// A request body that [`Connection::send`] can send, and make again from the frames it
+/// read (data and trailers, in order) to send the request again when the upstream did
+/// not process it (see [`REPLAY_BYTES`]).
+pub trait Replay: HttpBody<Data = Bytes> + Send + Unpin + Sized + 'static {
+    /// A body that yields `frames`, then ends.
+    fn replay(frames: Vec<Frame<Bytes>>) -> Self;
+}
+
+/// Why a [`Connection::send`] failed; `E` is the request body's error.
 #[derive(Debug)]
-pub struct SendFailure {
+pub enum StreamError<E> {
+    /// The stream could not be opened or was reset, or the connection failed (reset,
+    /// GOAWAY, a response head past the header-list limit, ...).
+    H2(h2::Error),
+    /// The request body failed while it was sent (the stream was reset for it).
+    Body(E),
+}
+
+/// A failed [`Connection::send`] of a request with a body of type `B`.
+#[derive(Debug)]
+pub struct SendFailure<B: HttpBody> {
     /// What went wrong.
-    pub error: PoolError,
+    pub error: StreamError<B::Error>,
     /// The request, when the upstream did not process it (a stream above a graceful
     /// `GOAWAY`'s last stream id, one refused with `REFUSED_STREAM`, or none opened)
     /// and its body can be sent again (none, or one read whole and kept: see
     /// [`REPLAY_BYTES`]): it may be sent again on another connection.
-    pub unprocessed: Option<Request<RequestBody>>,
+    pub unprocessed: Option<Request<B>>,
 }
 
 impl Connection {
@@ -183,16 +205,20 @@ impl Connection {
     /// for; the response once its head has come, its body streaming. 1xx responses that
     /// come before it go to `informational` (dropped without one).
     ///
-    /// Errors: [`PoolError::H2`] when the stream could not be opened or was reset, or
-    /// the connection failed; [`PoolError::Body`] when the request body failed first;
+    /// Errors: [`StreamError::H2`] when the stream could not be opened or was reset, or
+    /// the connection failed; [`StreamError::Body`] when the request body failed first;
     /// with the request back when the upstream did not process it (see
     /// [`SendFailure`]).
-    pub async fn send(
+    pub async fn send<B>(
         &mut self,
-        req: Request<RequestBody>,
+        req: Request<B>,
         informational: Option<Informational>,
         claim: Claim,
-    ) -> Result<Response<ResponseBody>, SendFailure> {
+    ) -> Result<Response<ResponseBody>, SendFailure<B>>
+    where
+        B: Replay,
+        B::Error: std::fmt::Display + Send + 'static,
+    {
         let (mut head, body) = req.into_parts();
         strip_connection_headers(&mut head.headers);
         if let Some(len) = body.size_hint().exact() {
@@ -212,7 +238,7 @@ impl Connection {
             // No stream was opened: nothing of the request went out.
             Err(e) => {
                 return Err(SendFailure {
-                    error: PoolError::H2(e),
+                    error: StreamError::H2(e),
                     unprocessed: Some(Request::from_parts(again, body)),
                 })
             }
@@ -228,17 +254,14 @@ impl Connection {
             let failure = Arc::new(Mutex::new(None));
             let (cancel, cancelled) = oneshot::channel();
             let (sent, whole) = oneshot::channel();
-            tokio::spawn(Pipe {
+            tokio::spawn(Pipe::new(
                 body,
-                tx: stream,
-                buffered: None,
-                failure: failure.clone(),
-                cancelled: Some(cancelled),
-                kept: Some((Vec::new(), 0)),
-                sent: Some(sent),
-                piped: false,
-                _claim: claim.clone(),
-            });
+                stream,
+                failure.clone(),
+                cancelled,
+                sent,
+                claim.clone(),
+            ));
             pipe = Some((cancel, failure, whole));
         }
         let got = std::future::poll_fn(|cx| {
@@ -268,12 +291,12 @@ impl Connection {
                         unprocessed: bodiless
                             .filter(|_| not_processed(&e))
                             .map(|body| Request::from_parts(again, body)),
-                        error: PoolError::H2(e),
+                        error: StreamError::H2(e),
                     });
                 };
                 if let Some(body_error) = failure.lock().unwrap_or_else(|p| p.into_inner()).take() {
                     return Err(SendFailure {
-                        error: PoolError::Body(body_error),
+                        error: StreamError::Body(body_error),
                         unprocessed: None,
                     });
                 }
@@ -283,12 +306,12 @@ impl Connection {
                 let mut unprocessed = None;
                 if not_processed(&e) {
                     if let Ok(frames) = whole.await {
-                        unprocessed = Some(Request::from_parts(again, RequestBody::replay(frames)));
+                        unprocessed = Some(Request::from_parts(again, B::replay(frames)));
                     }
                 }
                 Err(SendFailure {
                     unprocessed,
-                    error: PoolError::H2(e),
+                    error: StreamError::H2(e),
                 })
             }
         }
@@ -321,253 +344,6 @@ fn strip_connection_headers(headers: &mut HeaderMap) {
     let trailers = crate::http::hop::strip_request_hop_by_hop(headers);
     if trailers {
         headers.insert(header::TE, http::HeaderValue::from_static("trailers"));
-    }
-}
-
-/// The task that sends a request body on its stream (see the module documentation).
-struct Pipe {
-    body: RequestBody,
-    tx: h2::SendStream<Bytes>,
-    /// A data chunk waiting for flow-control capacity, and whether it ends the body.
-    buffered: Option<(Bytes, bool)>,
-    /// Where a failure of `body` is left for the response's error.
-    failure: Arc<Mutex<Option<BodyError>>>,
-    /// Resolves `Ok` when the response has come (the body goes on being sent), `Err`
-    /// when the request was given up before (the stream is reset).
-    cancelled: Option<oneshot::Receiver<()>>,
-    /// The frames taken from `body` and their data's size in bytes, while that is at
-    /// most [`REPLAY_BYTES`] (`None` past it): a body read whole is given to `sent` when
-    /// the pipe ends (see [`Pipe::poll_collect`]), to be sent again if the upstream did
-    /// not process the request.
-    kept: Option<(Vec<Frame<Bytes>>, usize)>,
-    /// Where the whole body goes when the pipe ends (see `kept`).
-    sent: Option<oneshot::Sender<Vec<Frame<Bytes>>>>,
-    /// Whether the pipe has ended ([`Pipe::poll_collect`] then runs).
-    piped: bool,
-    /// The stream's place on its connection, held while the body is sent.
-    _claim: Arc<Claim>,
-}
-
-impl Pipe {
-    /// Keep a copy of `frame`, taken from the body, while the body is small enough.
-    fn keep(&mut self, frame: &Frame<Bytes>) {
-        let Some((frames, bytes)) = &mut self.kept else {
-            return;
-        };
-        let size = frame.data_ref().map_or(0, Bytes::len);
-        if *bytes + size > REPLAY_BYTES {
-            self.kept = None;
-            return;
-        }
-        *bytes += size;
-        let copy = match frame.data_ref() {
-            Some(data) => Frame::data(data.clone()),
-            None => match frame.trailers_ref() {
-                Some(trailers) => Frame::trailers(trailers.clone()),
-                None => return,
-            },
-        };
-        frames.push(copy);
-    }
-
-    /// Once the pipe has ended (the body sent, or the stream given up): the rest of a
-    /// body small enough to keep is read from the client, while the request's sender
-    /// waits for it (it does when the upstream did not process the request), and the
-    /// whole body is given to it to send again. Bounded by [`REPLAY_BYTES`] and the
-    /// body's own `server.body_timeout`.
-    fn poll_collect(&mut self, cx: &mut Context<'_>) -> Poll<()> {
-        loop {
-            let Some(sent) = &mut self.sent else {
-                return Poll::Ready(());
-            };
-            if self.kept.is_none() || sent.poll_closed(cx).is_ready() {
-                return Poll::Ready(());
-            }
-            if self.body.is_end_stream() {
-                if let (Some((frames, _)), Some(sent)) = (self.kept.take(), self.sent.take()) {
-                    let _ = sent.send(frames);
-                }
-                return Poll::Ready(());
-            }
-            match ready!(Pin::new(&mut self.body).poll_frame(cx)) {
-                Some(Ok(frame)) => self.keep(&frame),
-                Some(Err(_)) => return Poll::Ready(()),
-                None => {}
-            }
-        }
-    }
-
-    /// Reset the stream after a failure of the request body, kept for the response.
-    fn body_failed(&mut self, error: BodyError) {
-        tracing::debug!(error = %error, "request body failed while sent to an HTTP/2 upstream");
-        *self.failure.lock().unwrap_or_else(|p| p.into_inner()) = Some(error);
-        self.tx.send_reset(h2::Reason::INTERNAL_ERROR);
-        // Nothing to send again; and the pipe ends now, dropping the stream, which
-        // wakes the response's waiter with the reset.
-        self.sent = None;
-        self.kept = None;
-    }
-
-    fn poll_pipe(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), h2::Error>> {
-        loop {
-            if let Some(cancelled) = &mut self.cancelled {
-                match Pin::new(cancelled).poll(cx) {
-                    Poll::Ready(Ok(())) => self.cancelled = None,
-                    Poll::Ready(Err(_)) => {
-                        self.tx.send_reset(h2::Reason::CANCEL);
-                        return Poll::Ready(Ok(()));
-                    }
-                    Poll::Pending => {}
-                }
-            }
-            if let Poll::Ready(reason) = self.tx.poll_reset(cx)? {
-                return Poll::Ready(Err(reason.into()));
-            }
-            if let Some((data, eos)) = self.buffered.take() {
-                if self.tx.capacity() == 0 {
-                    loop {
-                        match self.tx.poll_capacity(cx) {
-                            Poll::Ready(Some(Ok(0))) => {}
-                            Poll::Ready(Some(Ok(_))) => break,
-                            Poll::Ready(Some(Err(e))) => return Poll::Ready(Err(e)),
-                            Poll::Ready(None) => return Poll::Ready(Ok(())),
-                            Poll::Pending => {
-                                self.buffered = Some((data, eos));
-                                return Poll::Pending;
-                            }
-                        }
-                    }
-                }
-                self.tx.send_data(data, eos)?;
-                if eos {
-                    return Poll::Ready(Ok(()));
-                }
-                continue;
-            }
-            match ready!(Pin::new(&mut self.body).poll_frame(cx)) {
-                Some(Ok(frame)) => {
-                    self.keep(&frame);
-                    match frame.into_data() {
-                        Ok(data) => {
-                            let eos = self.body.is_end_stream();
-                            if data.is_empty() {
-                                self.tx.send_data(data, eos)?;
-                                if eos {
-                                    return Poll::Ready(Ok(()));
-                                }
-                            } else {
-                                // A minimal claim: h2 raises it to what is buffered (as
-                                // hyper does, so that no window is pinned by a body that
-                                // sends nothing).
-                                self.tx.reserve_capacity(1);
-                                self.buffered = Some((data, eos));
-                            }
-                        }
-                        Err(frame) => {
-                            if let Ok(trailers) = frame.into_trailers() {
-                                self.tx.reserve_capacity(0);
-                                self.tx.send_trailers(trailers)?;
-                                return Poll::Ready(Ok(()));
-                            }
-                        }
-                    }
-                }
-                Some(Err(e)) => {
-                    self.body_failed(e);
-                    return Poll::Ready(Ok(()));
-                }
-                None => {
-                    self.tx.send_data(Bytes::new(), true)?;
-                    return Poll::Ready(Ok(()));
-                }
-            }
-        }
-    }
-}
-
-impl Future for Pipe {
-    type Output = ();
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
-        let this = self.get_mut();
-        if !this.piped {
-            if let Err(e) = ready!(this.poll_pipe(cx)) {
-                tracing::debug!(error = %e, "request body to an HTTP/2 upstream not sent in full");
-            }
-            this.piped = true;
-        }
-        this.poll_collect(cx)
-    }
-}
-
-/// A response body from an HTTP/2 upstream (see the module documentation).
-#[derive(Debug)]
-pub struct ResponseBody {
-    recv: h2::RecvStream,
-    data_done: bool,
-    /// What `Content-Length` says is left, in bytes (`None`: not given).
-    left: Option<u64>,
-    /// The stream's place on its connection, held while the body is read.
-    _claim: Arc<Claim>,
-}
-
-impl ResponseBody {
-    /// The body of a response with these `headers` (its `Content-Length`, if any, is
-    /// the size hint).
-    fn new(recv: h2::RecvStream, headers: &HeaderMap, claim: Arc<Claim>) -> Self {
-        let length = headers
-            .get(header::CONTENT_LENGTH)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse().ok());
-        Self {
-            left: length.or(recv.is_end_stream().then_some(0)),
-            recv,
-            data_done: false,
-            _claim: claim,
-        }
-    }
-}
-
-impl HttpBody for ResponseBody {
-    type Data = Bytes;
-    type Error = h2::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, h2::Error>>> {
-        if !self.data_done {
-            let this = &mut *self;
-            match ready!(crate::http::incoming::poll_data(
-                &mut this.recv,
-                &mut this.left,
-                cx
-            )) {
-                Some(Ok(data)) => return Poll::Ready(Some(Ok(Frame::data(data)))),
-                // An early response (RFC 9113 §8.1): the body ends here.
-                Some(Err(e)) if e.reason() == Some(h2::Reason::NO_ERROR) => {
-                    return Poll::Ready(None)
-                }
-                Some(Err(e)) => return Poll::Ready(Some(Err(e))),
-                None => self.data_done = true,
-            }
-        }
-        match ready!(self.recv.poll_trailers(cx)) {
-            Ok(trailers) => Poll::Ready(trailers.map(|t| Ok(Frame::trailers(t)))),
-            Err(e) if e.reason() == Some(h2::Reason::NO_ERROR) => Poll::Ready(None),
-            Err(e) => Poll::Ready(Some(Err(e))),
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.recv.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        match self.left {
-            Some(n) => SizeHint::with_exact(n),
-            None => SizeHint::default(),
-        }
     }
 }
 

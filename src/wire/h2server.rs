@@ -1,16 +1,17 @@
 //! HTTP/2 clients, served with the h2 crate (TLS ALPN `h2`, and cleartext with prior
 //! knowledge), so that a request's 1xx responses (`103 Early Hints`, `102`) reach the
 //! client on its stream before the final response (hyper's HTTP/2 server cannot send
-//! one; see `proxy::interim`). What hyper's server did is done here the same way:
+//! one; see [`super::interim`]). What hyper's server did is done here the same way:
 //! connection settings from `[server]` ([`Settings`]), keep-alive PINGs, a graceful
 //! shutdown's two GOAWAYs, a task per stream, a client's RST_STREAM cancelling its
 //! request, `Date`, `Content-Length` from a body of known size, hop-by-hop headers
 //! removed from responses, response bodies sent within the client's
 //! flow-control window, trailers, and RFC 8441 extended CONNECT (WebSockets).
 
-use super::alpn::Handler;
-use crate::http::incoming::{H2Body, H2Io, H2Upgrade, Incoming};
-use crate::proxy::interim::{H2Respond, Informational};
+use super::handler::{BoxError, Handler};
+use super::incoming::{H2Body, Incoming};
+use super::interim::{H2Respond, Informational};
+use super::tunnel::{H2Io, H2Upgrade};
 use bytes::Bytes;
 use h2::server::{Connection, Handshake, SendResponse};
 use h2::{Ping, PingPong, RecvStream, SendStream};
@@ -24,22 +25,20 @@ use std::task::{ready, Context, Poll};
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite};
 
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
-
 /// A client's stream window and the connection's, bytes (hyper's defaults).
 const WINDOW: u32 = 1024 * 1024;
 
 /// The `[server]` settings of HTTP/2 connections (read at start).
 #[derive(Debug, Clone, Copy)]
-pub(super) struct Settings {
+pub(crate) struct Settings {
     /// `server.http2_max_streams`: streams a client may have open at once.
-    pub(super) max_streams: u32,
+    pub(crate) max_streams: u32,
     /// `server.max_header_bytes`: the largest header list a client may send, bytes
     /// (larger: 431).
-    pub(super) max_header_list: u32,
+    pub(crate) max_header_list: u32,
     /// A PING goes out this long after the last answered one, and the connection closes
     /// when its answer takes as long again.
-    pub(super) keep_alive: Duration,
+    pub(crate) keep_alive: Duration,
 }
 
 impl Settings {
@@ -60,7 +59,7 @@ impl Settings {
 }
 
 /// An HTTP/2 connection being served.
-pub(super) struct Serve<T, H> {
+pub(crate) struct Serve<T, H> {
     state: State<T>,
     handler: H,
     keep_alive: Duration,
@@ -85,7 +84,7 @@ where
     H: Handler,
 {
     /// Serve `io` (its client preface not read yet) with `handler`.
-    pub(super) fn new(io: T, settings: &Settings, handler: H) -> Self {
+    pub(crate) fn new(io: T, settings: &Settings, handler: H) -> Self {
         Self {
             state: State::Handshaking(Box::pin(settings.builder().handshake(io))),
             handler,
@@ -99,7 +98,7 @@ where
 
     /// Start closing gracefully: GOAWAY, then (once the client answered its PING) the
     /// final GOAWAY; streams under way finish.
-    pub(super) fn graceful_shutdown(&mut self) {
+    pub(crate) fn graceful_shutdown(&mut self) {
         self.closing = true;
         if let State::Serving(conn) = &mut self.state {
             conn.graceful_shutdown();

@@ -8,11 +8,19 @@
 //! connections keep the session they have. A certificate that cannot be loaded makes the
 //! whole config invalid: a reload then keeps the running snapshot, and its certificates.
 
+mod der;
+mod sni;
+#[cfg(test)]
+mod tests;
+
+pub use der::{not_after, subject_cn};
+
 use crate::config::{ClientAuth, Problems, TlsConfig};
+use sni::{same_certificate, SniResolver};
 use rustls::crypto::CryptoProvider;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-use rustls::server::{ClientHello, ResolvesServerCert, WebPkiClientVerifier};
+use rustls::server::WebPkiClientVerifier;
 use rustls::sign::CertifiedKey;
 use sha2::{Digest, Sha256};
 use std::collections::HashMap;
@@ -81,11 +89,6 @@ impl TlsInfo {
             Some((resolver, chosen)) => !same_certificate(resolver.pick(Some(host)), chosen),
         }
     }
-}
-
-/// Whether two loaded certificates are the same (the same leaf, perhaps loaded twice).
-fn same_certificate(a: &Arc<CertifiedKey>, b: &Arc<CertifiedKey>) -> bool {
-    Arc::ptr_eq(a, b) || a.cert.first() == b.cert.first()
 }
 
 impl Tls {
@@ -273,14 +276,6 @@ impl Tls {
     pub fn expiries(&self) -> &[CertExpiry] {
         &self.expiries
     }
-}
-
-/// The notAfter of a DER X.509 certificate, UTC epoch seconds; `None` when it does not
-/// parse. x509-parser reads it (a maintained parser, rather than more of our own DER).
-pub fn not_after(der: &[u8]) -> Option<i64> {
-    x509_parser::parse_x509_certificate(der)
-        .ok()
-        .map(|(_, cert)| cert.validity().not_after.timestamp())
 }
 
 /// The session-ticket keys for a set of certificates (`certificates`: their
@@ -494,244 +489,4 @@ pub(crate) fn ca_roots(
         }
     }
     Some(roots)
-}
-
-/// Picks the certificate by SNI: an exact, case-insensitive match of a
-/// `[[server.tls.sni]]` host, else the default.
-#[derive(Debug)]
-struct SniResolver {
-    default: Arc<CertifiedKey>,
-    by_host: HashMap<String, Arc<CertifiedKey>>,
-}
-
-impl SniResolver {
-    /// SHA-256 over every certificate chain (the default, then each host's in host
-    /// order), hex: what tells one set of certificates from another.
-    fn certificates_digest(&self) -> String {
-        let mut h = Sha256::new();
-        let mut hosts: Vec<_> = self.by_host.iter().collect();
-        hosts.sort_by(|a, b| a.0.cmp(b.0));
-        for key in std::iter::once(&self.default).chain(hosts.into_iter().map(|(_, k)| k)) {
-            for cert in &key.cert {
-                digest_file(&mut h, cert.as_ref());
-            }
-        }
-        hex::encode(h.finalize())
-    }
-
-    /// The certificate for the host `name` (SNI, or a request's host): its
-    /// `[[server.tls.sni]]` entry's (case-insensitive, a trailing dot ignored), else the
-    /// default.
-    fn pick(&self, name: Option<&str>) -> &Arc<CertifiedKey> {
-        let named = name.and_then(|name| {
-            let name = name.trim_end_matches('.');
-            if name.bytes().any(|b| b.is_ascii_uppercase()) {
-                self.by_host.get(&name.to_ascii_lowercase())
-            } else {
-                self.by_host.get(name)
-            }
-        });
-        named.unwrap_or(&self.default)
-    }
-}
-
-impl ResolvesServerCert for SniResolver {
-    fn resolve(&self, hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
-        Some(self.pick(hello.server_name()).clone())
-    }
-}
-
-/// The subject common name (OID 2.5.4.3) of a DER X.509 certificate: the last CN of the
-/// subject, as text. `None` when the certificate has none or does not parse.
-pub fn subject_cn(der: &[u8]) -> Option<String> {
-    // Certificate ::= SEQUENCE { tbsCertificate SEQUENCE { [0] version OPTIONAL,
-    //   serialNumber, signature, issuer, validity, subject, ... }, ... }
-    let (cert, _) = der_item(der, 0x30)?;
-    let (mut tbs, _) = der_item(cert, 0x30)?;
-    if tbs.first() == Some(&0xa0) {
-        tbs = der_item(tbs, 0xa0)?.1;
-    }
-    let rest = der_item(tbs, 0x02)?.1; // serialNumber
-    let rest = der_item(rest, 0x30)?.1; // signature
-    let rest = der_item(rest, 0x30)?.1; // issuer
-    let rest = der_item(rest, 0x30)?.1; // validity
-    let (mut subject, _) = der_item(rest, 0x30)?;
-    let mut cn = None;
-    // Name ::= SEQUENCE OF SET OF SEQUENCE { type OID, value ANY }
-    while !subject.is_empty() {
-        let (mut set, rest) = der_item(subject, 0x31)?;
-        subject = rest;
-        while !set.is_empty() {
-            let (atv, rest) = der_item(set, 0x30)?;
-            set = rest;
-            let (oid, value) = der_item(atv, 0x06)?;
-            if oid == [0x55, 0x04, 0x03] {
-                let tag = *value.first()?;
-                let (text, _) = der_item(value, tag)?;
-                // UTF8String, PrintableString, IA5String, T61String (read as Latin-1 text).
-                cn = match tag {
-                    0x0c | 0x13 | 0x16 => std::str::from_utf8(text).ok().map(str::to_owned),
-                    0x14 => Some(text.iter().map(|&b| b as char).collect()),
-                    _ => None,
-                };
-            }
-        }
-    }
-    cn
-}
-
-/// One DER item with tag `tag` at the start of `input`: (its contents, what follows).
-fn der_item(input: &[u8], tag: u8) -> Option<(&[u8], &[u8])> {
-    let (&t, rest) = input.split_first()?;
-    if t != tag {
-        return None;
-    }
-    let (&first, rest) = rest.split_first()?;
-    let (len, rest) = if first < 0x80 {
-        (first as usize, rest)
-    } else {
-        let n = (first & 0x7f) as usize;
-        if n == 0 || n > 4 || rest.len() < n {
-            return None;
-        }
-        let len = rest[..n]
-            .iter()
-            .fold(0usize, |acc, &b| (acc << 8) | b as usize);
-        (len, &rest[n..])
-    };
-    if rest.len() < len {
-        return None;
-    }
-    Some(rest.split_at(len))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn subject_cn_reads_the_common_name() {
-        let mut params = rcgen::CertificateParams::new(vec!["a.example".into()]).unwrap();
-        params
-            .distinguished_name
-            .push(rcgen::DnType::OrganizationName, "Org");
-        params
-            .distinguished_name
-            .push(rcgen::DnType::CommonName, "client-7");
-        let key = rcgen::KeyPair::generate().unwrap();
-        let cert = params.self_signed(&key).unwrap();
-        assert_eq!(subject_cn(cert.der()).as_deref(), Some("client-7"));
-        let mut params = rcgen::CertificateParams::new(vec!["a.example".into()]).unwrap();
-        params.distinguished_name = rcgen::DistinguishedName::new();
-        let cert = params.self_signed(&key).unwrap();
-        assert_eq!(subject_cn(cert.der()), None);
-    }
-
-    #[test]
-    fn build_digest_is_the_files_digest() {
-        let _ = rustls::crypto::ring::default_provider().install_default();
-        let dir = tempfile::tempdir().unwrap();
-        let key = rcgen::KeyPair::generate().unwrap();
-        let cert = rcgen::CertificateParams::new(vec!["a.example".into()])
-            .unwrap()
-            .self_signed(&key)
-            .unwrap();
-        let mut ca = rcgen::CertificateParams::new(vec![]).unwrap();
-        ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-        let ca = ca.self_signed(&key).unwrap();
-        std::fs::write(dir.path().join("a.pem"), cert.pem()).unwrap();
-        std::fs::write(dir.path().join("a.key"), key.serialize_pem()).unwrap();
-        std::fs::write(dir.path().join("ca.pem"), ca.pem()).unwrap();
-        let absolute = dir.path().join("a.pem").display().to_string();
-        let cfg = TlsConfig {
-            cert: "a.pem".into(),
-            key: "a.key".into(),
-            sni: vec![crate::config::SniCertConfig {
-                host: "b.example".into(),
-                cert: absolute,
-                key: "a.key".into(),
-            }],
-            handshake_timeout: crate::config::Dur::from_secs(10),
-            client_ca: Some("ca.pem".into()),
-            client_auth: None,
-            ocsp: None,
-            ticket_keys: None,
-        };
-        let mut problems = Problems::default();
-        let tls = Tls::build(&cfg, dir.path(), &mut problems).expect("builds");
-        assert!(problems.errors.is_empty(), "{:?}", problems.errors);
-        assert_eq!(tls.files().len(), 5);
-        assert_eq!(tls.digest(), files_digest(tls.files()));
-    }
-
-    #[test]
-    fn expiries_are_each_served_certificates_not_after() {
-        let dir = tempfile::tempdir().unwrap();
-        let write = |name: &str, (y, m, d): (i32, u8, u8)| {
-            let key = rcgen::KeyPair::generate().unwrap();
-            let mut params =
-                rcgen::CertificateParams::new(vec![format!("{name}.example")]).unwrap();
-            params.not_after = rcgen::date_time_ymd(y, m, d);
-            let cert = params.self_signed(&key).unwrap();
-            std::fs::write(dir.path().join(format!("{name}.pem")), cert.pem()).unwrap();
-            std::fs::write(dir.path().join(format!("{name}.key")), key.serialize_pem()).unwrap();
-            cert.der().to_vec()
-        };
-        let a = write("a", (2031, 5, 17));
-        write("b", (2029, 1, 2));
-        // 2031-05-17T00:00:00Z and 2029-01-02T00:00:00Z.
-        assert_eq!(not_after(&a), Some(1_936_742_400));
-        let cfg = TlsConfig {
-            cert: "a.pem".into(),
-            key: "a.key".into(),
-            sni: vec![crate::config::SniCertConfig {
-                host: "B.Example".into(),
-                cert: "b.pem".into(),
-                key: "b.key".into(),
-            }],
-            handshake_timeout: crate::config::Dur::from_secs(10),
-            client_ca: None,
-            client_auth: None,
-            ocsp: None,
-            ticket_keys: None,
-        };
-        let mut problems = Problems::default();
-        let tls = Tls::build(&cfg, dir.path(), &mut problems).expect("builds");
-        let at = |f: &str| dir.path().join(f).display().to_string();
-        assert_eq!(
-            tls.expiries(),
-            [
-                CertExpiry {
-                    cert: at("a.pem"),
-                    sni: "default".into(),
-                    not_after: 1_936_742_400
-                },
-                CertExpiry {
-                    cert: at("b.pem"),
-                    sni: "b.example".into(),
-                    not_after: 1_862_006_400
-                },
-            ]
-        );
-        assert_eq!(not_after(b"not a certificate"), None);
-        assert_eq!(not_after(&a[..a.len() / 2]), None);
-    }
-
-    #[test]
-    fn subject_cn_never_panics_on_garbage() {
-        for bytes in [
-            &[][..],
-            &[0x30],
-            &[0x30, 0x84, 0xff, 0xff, 0xff, 0xff],
-            &[0x30, 0x02, 0x30, 0x05],
-        ] {
-            assert_eq!(subject_cn(bytes), None);
-        }
-        let key = rcgen::KeyPair::generate().unwrap();
-        let params = rcgen::CertificateParams::new(vec!["a.example".into()]).unwrap();
-        let der = params.self_signed(&key).unwrap().der().to_vec();
-        for cut in 0..der.len() {
-            let _ = subject_cn(&der[..cut]);
-        }
-    }
 }

@@ -15,18 +15,22 @@
 //! client's stalled uploads cannot take every descriptor ([`Budget::share`]). Sockets to
 //! the auth service (`[identity.auth_request]`) are counted too ([`Budget::sockets`]).
 
+mod address;
+mod counted;
+#[cfg(test)]
+mod tests;
+
+pub use address::ShareSlot;
+pub use counted::{Counted, Descriptor, TunnelSlot};
+
 use crate::metrics::{Metrics, RefusalLabels};
+use address::PerAddress;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
-use std::collections::HashMap;
-use std::io;
 use std::net::IpAddr;
-use std::pin::Pin;
-use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
+use std::sync::Arc;
 use std::time::Duration;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 /// File descriptors kept out of the budget for what is not proxied traffic: the
@@ -127,11 +131,7 @@ impl Budget {
         Arc::new(Self {
             connections: Arc::new(Semaphore::new(limits.max_connections.clamp(1, max))),
             max_connections: limits.max_connections,
-            per_address: Arc::new(PerAddress {
-                max: limits.max_connections_per_ip.max(1),
-                share,
-                open: Mutex::default(),
-            }),
+            per_address: Arc::new(PerAddress::new(limits.max_connections_per_ip.max(1), share)),
             descriptors: Arc::new(Semaphore::new(descriptors)),
             total_descriptors: descriptors,
             tunnels: Arc::new(Semaphore::new(limits.max_tunnels.min(max))),
@@ -205,13 +205,12 @@ impl Budget {
             .clone()
             .try_acquire_owned()
             .map_err(|_| refuse(Refused::Descriptors))?;
-        self.open_connections.inc();
-        Ok(Descriptor {
-            _fd: fd,
-            _connection: Some(connection),
-            _per_address: per_address,
-            gauge: self.open_connections.clone(),
-        })
+        Ok(Descriptor::new(
+            fd,
+            Some(connection),
+            per_address,
+            &self.open_connections,
+        ))
     }
 
     /// A descriptor for a new upstream socket, counted in
@@ -222,13 +221,7 @@ impl Budget {
             self.refused("descriptors");
             return None;
         };
-        self.upstream_connections.inc();
-        Some(Descriptor {
-            _fd: fd,
-            _connection: None,
-            _per_address: None,
-            gauge: self.upstream_connections.clone(),
-        })
+        Some(Descriptor::new(fd, None, None, &self.upstream_connections))
     }
 
     /// A place for one request (an HTTP/1.1 request or an HTTP/2 stream) from the client
@@ -239,7 +232,7 @@ impl Budget {
     /// gets 429), counted in `tollgate_overload_refusals_total{limit="descriptor_share_per_ip"}`.
     pub fn share(&self, address: IpAddr) -> Option<ShareSlot> {
         match self.per_address.take(address, false) {
-            Ok(slot) => Some(ShareSlot(slot)),
+            Ok(slot) => Some(ShareSlot::new(slot)),
             Err(why) => {
                 self.refused(why.label());
                 None
@@ -265,11 +258,7 @@ impl Budget {
             self.refused("max_tunnels");
             return None;
         };
-        Some(TunnelSlot {
-            _permit: permit,
-            gauge: self.open_tunnels.clone(),
-            open: false,
-        })
+        Some(TunnelSlot::new(permit, &self.open_tunnels))
     }
 
     /// Whether a refused connection may be answered in a task of its own (at most
@@ -302,293 +291,6 @@ impl Sockets {
                 .inc();
             return None;
         };
-        self.gauge.inc();
-        Some(Descriptor {
-            _fd: fd,
-            _connection: None,
-            _per_address: None,
-            gauge: self.gauge.clone(),
-        })
-    }
-}
-
-/// What one client address holds: its connections (at most `max`) and its
-/// connections plus requests in flight (at most `share`).
-#[derive(Debug)]
-struct PerAddress {
-    max: usize,
-    share: usize,
-    /// Addresses with at least one connection or request (so the map holds at most
-    /// `server.max_connections` entries plus one per request in flight); SipHash with a
-    /// random key, as the addresses are the clients' choice.
-    open: Mutex<HashMap<IpAddr, Held>>,
-}
-
-/// What one address holds (see [`PerAddress`]).
-#[derive(Debug, Default)]
-struct Held {
-    connections: usize,
-    /// Connections and requests in flight.
-    descriptors: usize,
-}
-
-impl PerAddress {
-    fn open(&self) -> std::sync::MutexGuard<'_, HashMap<IpAddr, Held>> {
-        // A panic while the lock is held leaves consistent counts (one `+= 1` or `-= 1`).
-        self.open.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// One more connection (`connection`) or request from `address`.
-    ///
-    /// Errors: [`Refused::MaxConnectionsPerIp`] when a connection would be one past
-    /// `max`, [`Refused::DescriptorShare`] when the address holds `share`.
-    fn take(self: &Arc<Self>, address: IpAddr, connection: bool) -> Result<AddressSlot, Refused> {
-        let mut open = self.open();
-        let held = open.entry(address).or_default();
-        let refused = if connection && held.connections >= self.max {
-            Some(Refused::MaxConnectionsPerIp)
-        } else if held.descriptors >= self.share {
-            Some(Refused::DescriptorShare)
-        } else {
-            None
-        };
-        if let Some(why) = refused {
-            if held.descriptors == 0 {
-                open.remove(&address);
-            }
-            return Err(why);
-        }
-        held.descriptors += 1;
-        if connection {
-            held.connections += 1;
-        }
-        Ok(AddressSlot {
-            table: self.clone(),
-            address,
-            connection,
-        })
-    }
-}
-
-/// A client connection's place among `server.max_connections_per_ip` for its address,
-/// or a request's, and either's in the address's share of the descriptor budget; given
-/// back when dropped.
-#[derive(Debug)]
-struct AddressSlot {
-    table: Arc<PerAddress>,
-    address: IpAddr,
-    connection: bool,
-}
-
-impl Drop for AddressSlot {
-    fn drop(&mut self) {
-        let mut open = self.table.open();
-        if let Some(held) = open.get_mut(&self.address) {
-            held.descriptors = held.descriptors.saturating_sub(1);
-            if self.connection {
-                held.connections = held.connections.saturating_sub(1);
-            }
-            if held.descriptors == 0 {
-                open.remove(&self.address);
-            }
-        }
-    }
-}
-
-/// A request's place in its client address's share of the descriptor budget
-/// ([`Budget::share`]); given back when dropped.
-#[derive(Debug)]
-pub struct ShareSlot(#[allow(dead_code)] AddressSlot);
-
-/// One counted socket: a client connection (and its place among
-/// `server.max_connections` and `server.max_connections_per_ip`) or an upstream
-/// connection. Given back when dropped.
-#[derive(Debug)]
-pub struct Descriptor {
-    _fd: OwnedSemaphorePermit,
-    _connection: Option<OwnedSemaphorePermit>,
-    _per_address: Option<AddressSlot>,
-    gauge: Gauge,
-}
-
-impl Drop for Descriptor {
-    fn drop(&mut self) {
-        self.gauge.dec();
-    }
-}
-
-/// A tunnel's place among `server.max_tunnels`, counted in `tollgate_open_tunnels` once
-/// the tunnel is open ([`TunnelSlot::open`]); given back when dropped.
-#[derive(Debug)]
-pub struct TunnelSlot {
-    _permit: OwnedSemaphorePermit,
-    gauge: Gauge,
-    open: bool,
-}
-
-impl TunnelSlot {
-    /// Both sides are upgraded: the tunnel is open.
-    pub fn open(&mut self) {
-        if !self.open {
-            self.open = true;
-            self.gauge.inc();
-        }
-    }
-}
-
-impl Drop for TunnelSlot {
-    fn drop(&mut self) {
-        if self.open {
-            self.gauge.dec();
-        }
-    }
-}
-
-/// A socket with its [`Descriptor`]: counted for as long as the socket is open,
-/// whoever holds it (a connection, the pool, a tunnel).
-#[derive(Debug)]
-pub struct Counted<T> {
-    io: T,
-    _descriptor: Descriptor,
-}
-
-impl<T> Counted<T> {
-    /// `io`, counted by `descriptor`.
-    pub fn new(io: T, descriptor: Descriptor) -> Self {
-        Self {
-            io,
-            _descriptor: descriptor,
-        }
-    }
-
-    /// The socket.
-    pub fn get_ref(&self) -> &T {
-        &self.io
-    }
-}
-
-impl<T: AsyncRead + Unpin> AsyncRead for Counted<T> {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().io).poll_read(cx, buf)
-    }
-}
-
-impl<T: AsyncWrite + Unpin> AsyncWrite for Counted<T> {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().io).poll_write(cx, buf)
-    }
-
-    fn poll_write_vectored(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().io).poll_write_vectored(cx, bufs)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.io.is_write_vectored()
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().io).poll_flush(cx)
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn budget(max_connections: usize, descriptors: usize, max_tunnels: usize) -> Arc<Budget> {
-        let metrics = Metrics::new(Box::new(|| None));
-        Budget::new(
-            BudgetLimits {
-                max_connections,
-                max_connections_per_ip: 2,
-                descriptor_share_per_ip: 50,
-                descriptors: Some(descriptors),
-                max_tunnels,
-                tunnel_idle_timeout: Duration::from_secs(1),
-            },
-            &metrics,
-        )
-    }
-
-    #[test]
-    fn clients_and_upstream_sockets_share_the_descriptors() {
-        let b = budget(2, 3, 1);
-        let c1 = b.client(None).unwrap();
-        let u1 = b.upstream().unwrap();
-        let c2 = b.client(None).unwrap();
-        // max_connections first, then the descriptors.
-        assert_eq!(b.client(None).unwrap_err(), Refused::MaxConnections);
-        assert!(b.upstream().is_none(), "3 descriptors held");
-        drop(c1);
-        assert!(
-            b.upstream().is_some(),
-            "a closed client gives its descriptor back"
-        );
-        drop((u1, c2));
-        assert!(b.client(None).is_ok());
-    }
-
-    #[test]
-    fn connections_are_bounded_per_address() {
-        let b = budget(10, 10, 1);
-        let (one, two): (IpAddr, IpAddr) =
-            ("192.0.2.1".parse().unwrap(), "2001:db8::".parse().unwrap());
-        let held = [b.client(Some(one)).unwrap(), b.client(Some(one)).unwrap()];
-        assert_eq!(
-            b.client(Some(one)).unwrap_err(),
-            Refused::MaxConnectionsPerIp
-        );
-        assert!(b.client(Some(two)).is_ok(), "another address");
-        assert!(b.client(None).is_ok(), "not counted per address");
-        drop(held);
-        let again = [b.client(Some(one)).unwrap(), b.client(Some(one)).unwrap()];
-        drop(again);
-        assert!(
-            b.per_address.open().is_empty(),
-            "no entry for an address with none open"
-        );
-    }
-
-    #[test]
-    fn one_address_holds_at_most_its_share_of_the_descriptors() {
-        // 10 descriptors, 50 %: 5 per address, connections and requests together.
-        let b = budget(10, 10, 1);
-        let (one, two): (IpAddr, IpAddr) =
-            ("192.0.2.1".parse().unwrap(), "192.0.2.2".parse().unwrap());
-        let conn = b.client(Some(one)).unwrap();
-        let requests: Vec<_> = (0..4).map(|_| b.share(one).unwrap()).collect();
-        assert!(b.share(one).is_none(), "5 held");
-        assert_eq!(b.client(Some(one)).unwrap_err(), Refused::DescriptorShare);
-        assert!(b.share(two).is_some(), "another address");
-        drop(requests);
-        assert!(b.share(one).is_some());
-        drop(conn);
-        assert!(b.per_address.open().is_empty());
-    }
-
-    #[test]
-    fn tunnels_are_bounded() {
-        let b = budget(10, 10, 1);
-        let mut t = b.tunnel().unwrap();
-        t.open();
-        assert!(b.tunnel().is_none());
-        drop(t);
-        assert!(b.tunnel().is_some());
+        Some(Descriptor::new(fd, None, None, &self.gauge))
     }
 }

@@ -4,14 +4,15 @@
 //! an `http/1.1` connection a bad HTTP/1.1 request. Without ALPN (and on cleartext)
 //! the first bytes decide, as before: HTTP/1.1, or HTTP/2 with prior knowledge.
 //!
-//! HTTP/1.1 is served by hyper (with upgrades), HTTP/2 by the h2 crate ([`super::h2`],
-//! which can send 1xx responses); both call the same [`Handler`], with the request's
-//! body as [`Incoming`].
+//! HTTP/1.1 is served by hyper (with upgrades), HTTP/2 by the h2 crate
+//! ([`super::h2server`], which can send 1xx responses); both call the same [`Handler`],
+//! with the request's body as [`Incoming`].
 
-use super::h2;
+use super::h2server as h2;
+use super::handler::{BoxError, Handler};
+use super::incoming::Incoming;
 use super::linger::Linger;
 use super::minor_version::MinorVersion;
-use crate::http::incoming::Incoming;
 use hyper::server::conn::http1;
 use hyper_util::rt::TokioIo;
 use std::convert::Infallible;
@@ -20,36 +21,9 @@ use std::pin::Pin;
 use std::task::{ready, Context, Poll};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
-
-/// What answers a connection's requests, whichever server read them (hyper's for
-/// HTTP/1.1, the h2 crate's for HTTP/2).
-pub(super) trait Handler: Clone + Send + Sync + Unpin + 'static {
-    /// The response's body.
-    type Body: http_body::Body<Data = bytes::Bytes, Error = BoxError> + Send + 'static;
-    /// The answer being made.
-    type Future: Future<Output = Result<http::Response<Self::Body>, Infallible>> + Send + 'static;
-    /// Answer `req`.
-    fn call(&self, req: http::Request<Incoming>) -> Self::Future;
-}
-
-impl<F, Fut, B> Handler for F
-where
-    F: Fn(http::Request<Incoming>) -> Fut + Clone + Send + Sync + Unpin + 'static,
-    Fut: Future<Output = Result<http::Response<B>, Infallible>> + Send + 'static,
-    B: http_body::Body<Data = bytes::Bytes, Error = BoxError> + Send + 'static,
-{
-    type Body = B;
-    type Future = Fut;
-
-    fn call(&self, req: http::Request<Incoming>) -> Fut {
-        self(req)
-    }
-}
-
 /// A [`Handler`] as hyper's HTTP/1.1 server calls it.
 #[derive(Clone)]
-pub(super) struct Http1Service<H>(H);
+pub(crate) struct Http1Service<H>(H);
 
 impl<H: Handler> hyper::service::Service<http::Request<hyper::body::Incoming>> for Http1Service<H> {
     type Response = http::Response<H::Body>;
@@ -63,7 +37,7 @@ impl<H: Handler> hyper::service::Service<http::Request<hyper::body::Incoming>> f
 
 /// The connection settings of a listener: HTTP/1.1's (hyper) and HTTP/2's (h2).
 #[derive(Debug)]
-pub(super) struct Builders {
+pub(crate) struct Builders {
     /// HTTP/1.1, with upgrades (WebSocket).
     http1: http1::Builder,
     http2: h2::Settings,
@@ -73,7 +47,9 @@ type Http1Conn<T, H> =
     http1::UpgradeableConnection<TokioIo<Linger<MinorVersion<Prefixed<T>>>>, Http1Service<H>>;
 
 impl Builders {
-    pub(super) fn new(http1: http1::Builder, http2: h2::Settings) -> Self {
+    /// The settings of a listener's connections: `http1` for HTTP/1.1, `http2` for
+    /// HTTP/2.
+    pub(crate) fn new(http1: http1::Builder, http2: h2::Settings) -> Self {
         Self { http1, http2 }
     }
 
@@ -104,7 +80,7 @@ impl Builders {
 
     /// Serve `io` with `handler` in the protocol `alpn` names (see the module
     /// documentation), or the one its first bytes show when `alpn` is `None`.
-    pub(super) fn serve<T, H>(&self, alpn: Option<&[u8]>, io: T, handler: H) -> Serving<'_, T, H>
+    pub(crate) fn serve<T, H>(&self, alpn: Option<&[u8]>, io: T, handler: H) -> Serving<'_, T, H>
     where
         T: AsyncRead + AsyncWrite + Unpin + Send + 'static,
         H: Handler,
@@ -124,7 +100,7 @@ impl Builders {
 
 /// A cleartext connection (or one without ALPN) whose first bytes are being read:
 /// the HTTP/2 preface, or HTTP/1.1.
-pub(super) struct Sniff<'a, T, H> {
+pub(crate) struct Sniff<'a, T, H> {
     builders: &'a Builders,
     io: Option<(T, H)>,
     got: [u8; 24],
@@ -132,7 +108,7 @@ pub(super) struct Sniff<'a, T, H> {
 }
 
 /// A connection being served, in whichever protocol [`Builders::serve`] chose.
-pub(super) enum Serving<'a, T, H: Handler> {
+pub(crate) enum Serving<'a, T, H: Handler> {
     Sniffing(Sniff<'a, T, H>),
     Http1(Pin<Box<Http1Conn<T, H>>>),
     Http2(Pin<Box<h2::Serve<Prefixed<T>, H>>>),
@@ -146,7 +122,7 @@ where
     H: Handler,
 {
     /// Start closing gracefully: requests under way finish, no new ones are taken.
-    pub(super) fn graceful_shutdown(&mut self) {
+    pub(crate) fn graceful_shutdown(&mut self) {
         match self {
             Serving::Sniffing(_) => *self = Serving::Closed,
             Serving::Http1(c) => c.as_mut().graceful_shutdown(),
@@ -232,7 +208,7 @@ const BAD_PREFACE: [u8; 26] = [
 /// `timeout`) and check they are the HTTP/2 preface. If so, the connection with those
 /// bytes put back in front, for hyper to read again; if not (an HTTP/1.1 request, say),
 /// answer with GOAWAY and close: `None`.
-pub(super) async fn h2_preface<T>(mut io: T, timeout: std::time::Duration) -> Option<Prefixed<T>>
+pub(crate) async fn h2_preface<T>(mut io: T, timeout: std::time::Duration) -> Option<Prefixed<T>>
 where
     T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
 {
@@ -274,7 +250,7 @@ where
 
 /// A connection whose first bytes (the checked HTTP/2 preface) are read again from a
 /// copy before the rest comes from the connection itself.
-pub(super) struct Prefixed<T> {
+pub(crate) struct Prefixed<T> {
     prefix: [u8; 24],
     /// How many bytes of `prefix` were read (and are read again).
     len: usize,

@@ -9,7 +9,7 @@
 //! upstream). A 1xx that arrives while hyper still has bytes of an earlier response to
 //! write (pipelined requests on a full socket) is dropped rather than risk interleaving.
 //!
-//! To HTTP/2 clients: they are served with the h2 crate (`server::h2`, since hyper's
+//! To HTTP/2 clients: they are served with the h2 crate ([`super::h2server`], since hyper's
 //! HTTP/2 server cannot send a 1xx either), and a request's handle holds its stream's
 //! `SendResponse`: a 1xx goes out at once as interim HEADERS
 //! (`SendResponse::send_informational`). The server takes the `SendResponse` back once
@@ -17,7 +17,7 @@
 //! the final response: one that comes later finds the handle empty and is dropped.
 //!
 //! 1xx come from HTTP/1.1 upstreams through `hyper::ext::on_informational` (see
-//! `forward`), and from HTTP/2 upstreams through the h2 crate's
+//! `proxy::forward`), and from HTTP/2 upstreams through the h2 crate's
 //! `ResponseFuture::poll_informational` (see [`super::h2client`], which replaced hyper's
 //! HTTP/2 client because it skips them); both hand them to the same [`Informational`].
 //! HTTP/1.0 clients never get one (RFC 9110 §15.2).
@@ -91,7 +91,7 @@ impl<T> Interim<T> {
 }
 
 impl Informational {
-    /// The handle of an HTTP/2 stream (see `server::h2`).
+    /// The handle of an HTTP/2 stream (see [`super::h2server`]).
     pub fn http2(respond: H2Respond) -> Self {
         Informational(Sink::Http2(respond))
     }

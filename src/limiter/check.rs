@@ -45,7 +45,7 @@ pub(super) struct Hold {
     /// charged after its response only if its reservation did not land, and its
     /// reservation is refunded if it landed and the request is not charged (a slot that
     /// landed is given back when the response ends), in the background
-    /// (`late::spawn_late`): counted once either way.
+    /// (`late::spawn`): counted once either way.
     pub(super) late: Option<u64>,
 }
 

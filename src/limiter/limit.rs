@@ -3,8 +3,7 @@
 //! ([`Applied`]: the storage key of its state and the policy for the caller's tier).
 
 use super::algorithm::{Algorithm, Align, Policy};
-use super::key::{LimitKey, SubjectDigest};
-use super::Limiter;
+use super::key::LimitKey;
 use crate::config::{LimitBy, LimitConfig, LimitMode, OnLimit, Problems, WindowAlign};
 use crate::identity::Caller;
 use http::{HeaderMap, HeaderName};
@@ -283,7 +282,7 @@ impl Limit {
     /// Write the subject this limit counts for a caller into `out` (cleared first): e.g.
     /// `client:acme`, `ip:192.0.2.7`, `global`, `header:x-tenant:t1`. It is hashed
     /// before it reaches a store.
-    fn subject_into(&self, caller: &Caller, headers: &HeaderMap, out: &mut Vec<u8>) {
+    pub(super) fn subject_into(&self, caller: &Caller, headers: &HeaderMap, out: &mut Vec<u8>) {
         out.clear();
         let by_caller = |out: &mut Vec<u8>| match &caller.client {
             Some(c) => client_subject(&c.id, out),
@@ -383,89 +382,6 @@ impl Applied {
             0 => false,
             p => self.key.shard_hash().rotate_right(32) % 100 < u64::from(p),
         }
-    }
-}
-
-impl Limiter {
-    /// The window of `limit` in which `who` (of tier `tier`) is counted, with its quota
-    /// (the client's own, else its tier's), as [`Limiter::applicable`] would find it for
-    /// a request: for `GET /top`. `None` when no quota applies, or when `who` alone does
-    /// not say which window (a limit by header, whose value is unknown here, or by IP
-    /// for an identified caller).
-    pub fn applied_for(
-        &self,
-        limit: &Arc<Limit>,
-        who: &super::top::Who,
-        tier: &str,
-    ) -> Option<Applied> {
-        use super::top::Who;
-        let own = match who {
-            Who::Client(c) => c.quota_for(&limit.name),
-            Who::Ip(_) => None,
-        };
-        let quota = own.or_else(|| limit.quota.get(tier).copied())?;
-        let mut subject = Vec::with_capacity(48);
-        match (&limit.by, who) {
-            (By::Caller, Who::Client(c)) => client_subject(&c.id, &mut subject),
-            (By::Caller | By::Ip, Who::Ip(ip)) => ip_subject(*ip, &mut subject),
-            (By::Global, _) => subject.extend_from_slice(b"global"),
-            _ => return None,
-        }
-        Some(Applied {
-            limit: limit.clone(),
-            key: self
-                .keys
-                .key_for(&limit.key_name, &self.keys.digest(&subject)),
-            policy: limit.policy(quota),
-        })
-    }
-
-    /// The 32 hex digits that stand for a client IP in storage keys (its by-IP windows).
-    pub fn ip_hash(&self, ip: std::net::IpAddr) -> String {
-        let mut subject = Vec::with_capacity(48);
-        ip_subject(ip, &mut subject);
-        self.keys.digest(&subject).hex().to_string()
-    }
-
-    /// The limits among `limits` that apply to `caller` (those with a quota for its tier,
-    /// or its client's own quota).
-    pub fn applicable(
-        &self,
-        limits: &[Arc<Limit>],
-        caller: &Caller,
-        headers: &HeaderMap,
-    ) -> Vec<Applied> {
-        // Limits of one route usually count the same subject: hash it once. The buffers
-        // swap roles, so the common case allocates one.
-        let mut subject = Vec::with_capacity(64);
-        let mut last = Vec::new();
-        let mut last_digest: Option<SubjectDigest> = None;
-        limits
-            .iter()
-            .filter_map(|limit| {
-                // A client's own quota for this limit wins over its tier's.
-                let own = caller
-                    .client
-                    .as_ref()
-                    .and_then(|c| c.quota_for(&limit.name));
-                let quota = own.or_else(|| limit.quota.get(&caller.tier).copied())?;
-                limit.subject_into(caller, headers, &mut subject);
-                let digest = match last_digest {
-                    Some(d) if last == subject => d,
-                    _ => {
-                        let d = self.keys.digest(&subject);
-                        std::mem::swap(&mut last, &mut subject);
-                        last_digest = Some(d);
-                        d
-                    }
-                };
-                Some(Applied {
-                    limit: limit.clone(),
-                    key: self.keys.key_for(&limit.key_name, &digest),
-                    policy: limit.policy(quota),
-                })
-            })
-            .collect()
     }
 }
 

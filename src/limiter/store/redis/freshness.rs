@@ -4,7 +4,7 @@
 //!
 //! Replication is asynchronous: a window this gateway has just charged (or reserved, or
 //! refunded) on the primary may read, on a replica, as it was before. The in-flight
-//! accounting (`limiter::check::InFlightUnits`) takes a request's units out of its
+//! accounting (`limiter::in_flight::InFlightUnits`) takes a request's units out of its
 //! counts when its charge is handed to the primary; a check that then read the window
 //! on a lagging replica would miss those units, and a burst of one caller on one
 //! gateway would overshoot. So a key written by this gateway is **pinned** to the

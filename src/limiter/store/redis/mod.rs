@@ -377,7 +377,7 @@ impl Shard {
     /// the shard in the order it was handed over.
     ///
     /// The primary's queue is one per shard for every worker of a `per_core` gateway
-    /// too: the in-flight accounting (`limiter::check::InFlightUnits`) relies on one
+    /// too: the in-flight accounting (`limiter::in_flight::InFlightUnits`) relies on one
     /// FIFO per shard, where a CHARGE handed over before a CHECK runs before it. Peeks
     /// on replicas promise no such order, so on a `per_core` worker they go to the
     /// worker's own batcher.

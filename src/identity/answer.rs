@@ -128,7 +128,11 @@ impl Parsed {
 /// A 401/403 answer as kept and passed on: its body and `Content-Type` when they fit
 /// their bounds (copied, so that the read buffer is not kept), else the gateway's own
 /// JSON refusal.
-pub(super) fn refusal(status: u16, content_type: Option<&HeaderValue>, body: Option<Bytes>) -> Answer {
+pub(super) fn refusal(
+    status: u16,
+    content_type: Option<&HeaderValue>,
+    body: Option<Bytes>,
+) -> Answer {
     match body {
         Some(body)
             if body.len() <= MAX_REFUSAL_BODY
@@ -151,4 +155,3 @@ pub(super) fn refusal(status: u16, content_type: Option<&HeaderValue>, body: Opt
         },
     }
 }
-

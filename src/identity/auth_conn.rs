@@ -108,4 +108,3 @@ impl hyper::rt::Write for CountedSocket {
         Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
     }
 }
-

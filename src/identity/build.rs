@@ -176,7 +176,6 @@ impl Identities {
         }
         identities
     }
-
 }
 
 /// Validate a `forward_*_header` name: a valid header name that is not hop-by-hop,
@@ -229,7 +228,6 @@ fn record_key_errors(errors: &KeyErrors, problems: &mut Problems) {
     }
 }
 
-
 /// A CIDR, or one IP address as its own network.
 fn parse_cidr(s: &str) -> Option<IpNet> {
     let s = s.trim();
@@ -237,4 +235,3 @@ fn parse_cidr(s: &str) -> Option<IpNet> {
         .ok()
         .or_else(|| s.parse::<IpAddr>().ok().map(IpNet::from))
 }
-

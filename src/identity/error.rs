@@ -70,4 +70,3 @@ pub enum KeysReload {
         keys: usize,
     },
 }
-

@@ -12,8 +12,8 @@ mod rows;
 
 pub use crate::limiter::store::status::{latency_histogram, LATENCY_BUCKETS};
 pub use labels::{
-    AuthLabels, DelayRefusalLabels, RefusalLabels, RejectionLabels, ReloadLabels,
-    RequestLabels, TlsCertLabels, UpstreamLabels, WorkerLabels,
+    AuthLabels, DelayRefusalLabels, RefusalLabels, RejectionLabels, ReloadLabels, RequestLabels,
+    TlsCertLabels, UpstreamLabels, WorkerLabels,
 };
 pub use rows::{RejectionCounts, RequestCounts, UpstreamLatency};
 

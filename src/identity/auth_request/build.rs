@@ -23,7 +23,6 @@ fn header(key: &str, name: &str, problems: &mut Problems) -> Option<HeaderName> 
     }
 }
 
-
 impl AuthRequest {
     /// Build from `[identity.auth_request]`, recording problems under
     /// `identity.auth_request.*`. `credential` is `identity.api_key_header`; `tiers` and

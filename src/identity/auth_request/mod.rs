@@ -24,11 +24,11 @@
 
 mod build;
 
+use crate::budget::{Budget, Sockets};
+use crate::config::{AuthOnError, AuthRequestConfig};
 use crate::identity::answer::Parsed;
 use crate::identity::auth_cache::AnswerCache;
 use crate::identity::auth_conn::{is_no_descriptor, CountedConnector};
-use crate::budget::{Budget, Sockets};
-use crate::config::{AuthOnError, AuthRequestConfig};
 use crate::metrics::{AuthLabels, Metrics};
 use bytes::Bytes;
 use futures_util::future::{BoxFuture, FutureExt, Shared};
@@ -102,7 +102,6 @@ impl std::fmt::Debug for State {
 }
 
 impl AuthRequest {
-
     /// `default_tier`: a tier limits may give a quota.
     pub fn default_tier(&self) -> Arc<str> {
         self.cfg.default_tier.as_str().into()

@@ -181,7 +181,6 @@ impl<'s> Builder<'s> {
             }
         }
     }
-
 }
 
 impl Builder<'_> {
@@ -436,4 +435,3 @@ pub(in crate::identity) fn parse_sha256(s: &str) -> Option<[u8; 32]> {
     hex::decode_to_slice(s.trim(), &mut out).ok()?;
     Some(out)
 }
-

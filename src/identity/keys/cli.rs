@@ -72,4 +72,3 @@ pub fn append_line(path: &Path, line: &str) -> std::io::Result<()> {
     text.push('\n');
     f.write_all(text.as_bytes())
 }
-

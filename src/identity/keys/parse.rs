@@ -119,7 +119,6 @@ struct Line<'a> {
     label: Option<Cow<'a, str>>,
 }
 
-
 impl Builder<'_> {
     /// Read every line of the keys file from `r`, until its end, a read error, or a
     /// problem that makes this build start again tracking origins.
@@ -244,5 +243,4 @@ impl Builder<'_> {
         };
         self.key(n, digest, client, expires_at, label);
     }
-
 }

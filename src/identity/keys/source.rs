@@ -61,7 +61,6 @@ impl KeySource {
     }
 }
 
-
 impl KeySet {
     /// An empty set that still knows `source`'s inline tiers (stands in for a set that
     /// failed to build, so that its errors are not followed by "unknown tier" ones).
@@ -75,5 +74,4 @@ impl KeySet {
             ..Self::default()
         }
     }
-
 }

@@ -200,4 +200,3 @@ pub(super) fn slot_of(digest: &[u8; 32]) -> usize {
     first.copy_from_slice(&digest[..8]);
     u64::from_le_bytes(first) as usize
 }
-

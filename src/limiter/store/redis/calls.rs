@@ -17,7 +17,6 @@ use std::future::Future;
 const FIRST_INDICES: [usize; 16] = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15];
 
 impl RedisStore {
-
     /// Hand `items` to `lua/apply.lua` at once: one call per shard and kind (peeks, which
     /// may go to a replica, apart from writes), through the shard's batcher (so
     /// concurrent requests share calls), or per hash tag in cluster mode. The items are
@@ -34,9 +33,7 @@ impl RedisStore {
     fn submit_many(&self, items: &[Item<'_>], now_ms: u64) -> Submitted {
         let Some(live) = self.live.get() else {
             let n = items.len();
-            return Submitted::Ready(Some(
-                (0..n).map(|_| Err(StoreError::NotStarted)).collect(),
-            ));
+            return Submitted::Ready(Some((0..n).map(|_| Err(StoreError::NotStarted)).collect()));
         };
         // Group items: by kind, and by shard or by hash tag (the subject's digest) in
         // cluster mode.

@@ -57,8 +57,8 @@ pub(super) type Ticks = u64;
 
 use super::node::ShardNodes;
 use super::scripts::ARGS_PER_KEY;
-use std::sync::Arc;
 use crate::limiter::algorithm::OpKind;
+use std::sync::Arc;
 
 /// Number of independently locked maps of pins.
 const MAPS: usize = 16;

@@ -85,7 +85,10 @@ impl LuaScript {
     }
 
     /// SCRIPT LOAD it on `conn` (in cluster mode, on every primary).
-    pub(super) async fn load(&self, conn: &mut impl redis::aio::ConnectionLike) -> redis::RedisResult<()> {
+    pub(super) async fn load(
+        &self,
+        conn: &mut impl redis::aio::ConnectionLike,
+    ) -> redis::RedisResult<()> {
         self.script
             .prepare_invoke()
             .load_async(conn)

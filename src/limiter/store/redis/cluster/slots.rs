@@ -72,7 +72,6 @@ impl SlotMap {
     }
 }
 
-
 /// The ranges of a `CLUSTER SLOTS` reply asked of `asked` (`HOST:PORT`): `(first, last,
 /// master HOST:PORT)`. A master whose host is empty or `?` (unknown to the node) is on
 /// the asked node's host. Errors: a reply of another shape.
@@ -121,4 +120,3 @@ pub(super) fn parse_slots(reply: &Value, asked: &str) -> Result<Vec<(u16, u16, S
         })
         .collect()
 }
-

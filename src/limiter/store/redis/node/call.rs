@@ -172,7 +172,9 @@ impl Node {
     /// [`super::super::freshness`]): bounded by `store.timeout`, without waiting for a
     /// connection, and outside the breaker (a failed sample only keeps keys pinned to
     /// the primary).
-    pub(in crate::limiter::store::redis) async fn info_replication(&self) -> Result<String, StoreError> {
+    pub(in crate::limiter::store::redis) async fn info_replication(
+        &self,
+    ) -> Result<String, StoreError> {
         let (mut conn, _) = self
             .connection(WhenDisconnected::FailFast)
             .await
@@ -195,4 +197,3 @@ impl Node {
 fn breaks_connection(e: &redis::RedisError) -> bool {
     e.is_connection_dropped() || e.is_io_error() || e.is_unrecoverable_error()
 }
-

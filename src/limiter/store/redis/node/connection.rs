@@ -7,9 +7,9 @@ use super::{
     WORKER_RETRY_AFTER,
 };
 use crate::limiter::store::redis::backoff::Backoff;
-use crate::limiter::store::redis::stats::bump;
 use crate::limiter::store::redis::dial::{DialAs, Dialer, Endpoint};
 use crate::limiter::store::redis::scripts::Scripts;
+use crate::limiter::store::redis::stats::bump;
 use redis::aio::MultiplexedConnection;
 use redis::AsyncConnectionConfig;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -32,7 +32,10 @@ impl Node {
     /// node's shared one.
     /// With the generation of the node's connection it belongs to (for
     /// [`Node::drop_connection`]).
-    pub(super) async fn connection(&self, when: WhenDisconnected) -> Option<(MultiplexedConnection, u64)> {
+    pub(super) async fn connection(
+        &self,
+        when: WhenDisconnected,
+    ) -> Option<(MultiplexedConnection, u64)> {
         let generation = self.workers.generation.load(Ordering::Acquire);
         let connected = self.conn.borrow().is_some();
         if connected {
@@ -404,4 +407,3 @@ async fn connect(
     }
     Ok(conn)
 }
-

@@ -1,6 +1,5 @@
-
 use super::*;
-use crate::config::ClientConfig;
+use crate::config::{ClientConfig, IdentityConfig, Problems};
 
 fn ids() -> Identities {
     let cfg = IdentityConfig {

@@ -1,7 +1,7 @@
-use super::builder::*;
-use super::table::*;
 use super::*;
+use crate::config::ClientConfig;
 use sha2::{Digest, Sha256};
+use std::sync::Arc;
 
 fn digest(i: usize) -> [u8; 32] {
     Sha256::digest(format!("key-{i}").as_bytes()).into()

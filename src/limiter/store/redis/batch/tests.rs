@@ -1,4 +1,3 @@
-
 use super::*;
 
 /// Each call's keys, and the task it was sent from.

@@ -194,6 +194,6 @@ impl Node {
 /// (a protocol error). An error reply from a live node — `LOADING`, `MASTERDOWN`,
 /// `CLUSTERDOWN`, `TRYAGAIN`, `READONLY`, `MOVED`, `ASK`, `NOSCRIPT`, a script error —
 /// never does: it is counted by the breaker, without connection churn.
-fn breaks_connection(e: &redis::RedisError) -> bool {
+pub(super) fn breaks_connection(e: &redis::RedisError) -> bool {
     e.is_connection_dropped() || e.is_io_error() || e.is_unrecoverable_error()
 }

@@ -1,5 +1,4 @@
-
-use super::*;
+use super::call::breaks_connection;
 
 /// The error a node answers with `reply` (one RESP error line).
 fn answered(reply: &str) -> redis::RedisError {

@@ -24,9 +24,11 @@
 //! ([`StoreError::is_not_serving`]). MOVED and ASK count as a success for the
 //! breaker of the node that answered them.
 
+mod slots;
+
 use super::dial::{DialAs, Dialer, Endpoint};
 use super::node::{Node, NodeSettings, Role, WhenDisconnected};
-use super::Scripts;
+use super::scripts::{apply_writes, LuaScript, Scripts};
 use crate::limiter::store::StoreError;
 use arc_swap::ArcSwap;
 use redis::aio::MultiplexedConnection;
@@ -34,6 +36,8 @@ use redis::{AsyncConnectionConfig, ServerErrorKind, Value};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 use tokio::sync::{watch, Notify};
+
+use slots::{parse_slots, slot_of, Master, SlotMap};
 
 /// How often the slot map is read again when nothing asked for it.
 pub(super) const REFRESH_EVERY: Duration = Duration::from_secs(1);
@@ -44,73 +48,6 @@ const REFRESH_AT_MOST_EVERY: Duration = Duration::from_millis(100);
 /// How many times a call answered with a redirection (MOVED, ASK, READONLY) is sent
 /// again, at most.
 pub(super) const MAX_RESENDS: usize = 2;
-
-/// Hash slots in a Redis Cluster.
-pub(super) const SLOTS: u16 = 16384;
-
-/// The hash slot of `key`: CRC16 (XMODEM) of its hash tag — the bytes between the first
-/// `{` and the next `}`, when not empty — or of the whole key, modulo 16384.
-pub(super) fn slot_of(key: &[u8]) -> u16 {
-    let tagged = key.iter().position(|&b| b == b'{').and_then(|open| {
-        let rest = &key[open + 1..];
-        let close = rest.iter().position(|&b| b == b'}')?;
-        (close > 0).then(|| &rest[..close])
-    });
-    crc16::State::<crc16::XMODEM>::calculate(tagged.unwrap_or(key)) % SLOTS
-}
-
-/// One master of the map: its `HOST:PORT` and its node.
-#[derive(Debug, Clone)]
-struct Master {
-    addr: String,
-    node: Arc<Node>,
-}
-
-/// The slot map: which master serves each slot.
-#[derive(Debug, Default)]
-struct SlotMap {
-    /// Slot ranges `(first, last, index into masters)`, sorted by `first`.
-    ranges: Vec<(u16, u16, usize)>,
-    /// Every master known: those of the ranges, ordered by their first slot, then any
-    /// that a redirection named before the next refresh.
-    masters: Vec<Master>,
-}
-
-impl SlotMap {
-    /// The index in `masters` of the master serving `slot`.
-    fn index_of(&self, slot: u16) -> Option<usize> {
-        let i = self
-            .ranges
-            .partition_point(|r| r.0 <= slot)
-            .checked_sub(1)?;
-        let (first, last, m) = self.ranges[i];
-        (first..=last).contains(&slot).then_some(m)
-    }
-
-    fn owner(&self, slot: u16) -> Option<&Master> {
-        self.masters.get(self.index_of(slot)?)
-    }
-
-    fn find(&self, addr: &str) -> Option<&Master> {
-        self.masters.iter().find(|m| m.addr == addr)
-    }
-
-    /// The slot ranges each master serves, as `"0-5460,5462"`, by master index.
-    fn slots_of(&self, index: usize) -> String {
-        self.ranges
-            .iter()
-            .filter(|r| r.2 == index)
-            .map(|&(a, b, _)| {
-                if a == b {
-                    a.to_string()
-                } else {
-                    format!("{a}-{b}")
-                }
-            })
-            .collect::<Vec<_>>()
-            .join(",")
-    }
-}
 
 /// What the slot-map refresh keeps between refreshes.
 #[derive(Default)]
@@ -198,12 +135,12 @@ impl Cluster {
     /// open; `NotConnected` when no map has been read yet or no master serves the slot).
     pub(super) async fn call(
         &self,
-        script: &super::LuaScript,
+        script: &LuaScript,
         keys: &[&str],
         args: &[u64],
     ) -> Result<Vec<i64>, StoreError> {
         let slot = keys.first().map_or(0, |k| slot_of(k.as_bytes()));
-        let writes = !std::ptr::eq(script, &self.scripts.apply) || super::apply_writes(args);
+        let writes = !std::ptr::eq(script, &self.scripts.apply) || apply_writes(args);
         let mut redirect: Option<(Arc<Node>, bool)> = None;
         let mut resends = 0;
         loop {
@@ -552,110 +489,5 @@ async fn open(
         .await
 }
 
-/// The ranges of a `CLUSTER SLOTS` reply asked of `asked` (`HOST:PORT`): `(first, last,
-/// master HOST:PORT)`. A master whose host is empty or `?` (unknown to the node) is on
-/// the asked node's host. Errors: a reply of another shape.
-fn parse_slots(reply: &Value, asked: &str) -> Result<Vec<(u16, u16, String)>, String> {
-    let asked_host = asked.rsplit_once(':').map_or(asked, |(h, _)| h);
-    let int = |v: &Value| match v {
-        Value::Int(n) => u16::try_from(*n).ok().filter(|n| *n < SLOTS),
-        _ => None,
-    };
-    let text = |v: &Value| match v {
-        Value::BulkString(b) => Some(String::from_utf8_lossy(b).into_owned()),
-        Value::SimpleString(s) => Some(s.clone()),
-        _ => None,
-    };
-    let Value::Array(entries) = reply else {
-        return Err(format!("CLUSTER SLOTS: expected an array, got {reply:?}"));
-    };
-    entries
-        .iter()
-        .map(|entry| {
-            let bad = || format!("CLUSTER SLOTS: unexpected entry {entry:?}");
-            let Value::Array(fields) = entry else {
-                return Err(bad());
-            };
-            let (Some(first), Some(last), Some(Value::Array(master))) = (
-                fields.first().and_then(int),
-                fields.get(1).and_then(int),
-                fields.get(2),
-            ) else {
-                return Err(bad());
-            };
-            let host = master.first().and_then(text).ok_or_else(bad)?;
-            let port = match master.get(1) {
-                Some(Value::Int(p)) => u16::try_from(*p).map_err(|_| bad())?,
-                _ => return Err(bad()),
-            };
-            let host = if host.is_empty() || host == "?" {
-                asked_host.to_string()
-            } else {
-                host
-            };
-            if first > last {
-                return Err(bad());
-            }
-            Ok((first, last, format!("{host}:{port}")))
-        })
-        .collect()
-}
-
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Redis's own examples (CLUSTER KEYSLOT) and the hash-tag rule.
-    #[test]
-    fn slots_follow_redis_and_its_hash_tags() {
-        assert_eq!(slot_of(b"foo"), 12182);
-        assert_eq!(slot_of(b"123456789"), 0x31c3 % SLOTS);
-        assert_eq!(slot_of(b"{user1000}.following"), slot_of(b"user1000"));
-        assert_eq!(slot_of(b"tollgate:core:{abc}"), slot_of(b"abc"));
-        // An empty tag hashes the whole key; only the first `{` counts.
-        assert_eq!(slot_of(b"{}x"), slot_of(b"{}x"));
-        assert_ne!(slot_of(b"{}x"), slot_of(b""));
-        assert_eq!(slot_of(b"a{b}{c}"), slot_of(b"b"));
-    }
-
-    #[test]
-    fn cluster_slots_replies_parse_and_bad_ones_are_errors() {
-        let bulk = |s: &str| Value::BulkString(s.as_bytes().to_vec());
-        let reply = Value::Array(vec![
-            Value::Array(vec![
-                Value::Int(0),
-                Value::Int(5460),
-                Value::Array(vec![bulk("10.0.0.1"), Value::Int(7000), bulk("id1")]),
-                Value::Array(vec![bulk("10.0.0.4"), Value::Int(7003), bulk("id4")]),
-            ]),
-            Value::Array(vec![
-                Value::Int(5461),
-                Value::Int(16383),
-                Value::Array(vec![bulk(""), Value::Int(7001), bulk("id2")]),
-            ]),
-        ]);
-        assert_eq!(
-            parse_slots(&reply, "10.0.0.2:7001").unwrap(),
-            vec![
-                (0, 5460, "10.0.0.1:7000".to_string()),
-                (5461, 16383, "10.0.0.2:7001".to_string())
-            ]
-        );
-        let bad = Value::Array(vec![Value::Array(vec![Value::Int(0), Value::Int(99999)])]);
-        assert!(parse_slots(&bad, "h:1").is_err());
-        assert!(parse_slots(&Value::Nil, "h:1").is_err());
-    }
-
-    #[test]
-    fn a_map_finds_each_slots_owner() {
-        let map = SlotMap {
-            ranges: vec![(0, 99, 0), (200, 16383, 1)],
-            masters: Vec::new(),
-        };
-        let idx = |slot| map.index_of(slot);
-        assert_eq!(idx(0), Some(0));
-        assert_eq!(idx(99), Some(0));
-        assert_eq!(idx(100), None);
-        assert_eq!(idx(16383), Some(1));
-    }
-}
+mod tests;

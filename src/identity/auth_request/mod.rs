@@ -22,27 +22,25 @@
 //! descriptor budget ([`crate::budget::Budget::sockets`],
 //! `tollgate_auth_request_connections`).
 
-use super::auth_cache::AnswerCache;
-use super::Client;
-use crate::budget::{Budget, Descriptor, Sockets};
-use crate::config::{AuthOnError, AuthRequestConfig, Problems};
+mod build;
+
+use crate::budget::{Budget, Sockets};
+use crate::config::{AuthOnError, AuthRequestConfig};
+use crate::identity::answer::Parsed;
+use crate::identity::auth_cache::AnswerCache;
+use crate::identity::auth_conn::{is_no_descriptor, CountedConnector};
 use crate::metrics::{AuthLabels, Metrics};
 use bytes::Bytes;
 use futures_util::future::{BoxFuture, FutureExt, Shared};
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Uri};
 use http_body_util::{BodyExt, Empty, Limited};
-use hyper_util::client::legacy::connect::{Connected, Connection, HttpConnector};
 use hyper_util::client::legacy::Client as HttpClient;
-use hyper_util::rt::TokioIo;
 use prometheus_client::metrics::gauge::Gauge;
 use sha2::{Digest, Sha256};
 use std::collections::{BTreeSet, HashMap};
 use std::net::IpAddr;
-use std::pin::Pin;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
-use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
-use tokio::net::TcpStream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 /// Idle connections to the auth service kept for the next callouts; more are closed
@@ -55,57 +53,10 @@ pub const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 /// Largest body of an answer read, in bytes (the rest is not read).
 const MAX_BODY: usize = 64 * 1024;
 
-/// Largest body of a 401/403 answer passed on to the client (and cached), in bytes. A
-/// longer body (or one whose `Content-Type` is longer than 256 bytes) is replaced by the
-/// gateway's own JSON refusal: `{"message":"Bad credentials"}` for a 401,
-/// `{"message":"Forbidden"}` for a 403.
-pub const MAX_REFUSAL_BODY: usize = 4 * 1024;
-
-/// Largest `Content-Type` of a refusal passed on, in bytes.
-const MAX_CONTENT_TYPE: usize = 256;
+pub use crate::identity::answer::{Answer, Oversize, MAX_REFUSAL_BODY};
 
 /// How often expired answers are dropped from the cache (their memory given back).
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
-
-/// What the auth service said about one credential.
-#[derive(Debug, Clone)]
-pub enum Answer {
-    /// A 2xx naming the caller.
-    Caller(Arc<Client>),
-    /// A 401 or 403, passed to the client as it is.
-    Refused {
-        /// 401 or 403.
-        status: u16,
-        /// Its `Content-Type`, if any.
-        content_type: Option<HeaderValue>,
-        /// Its body (at most [`MAX_REFUSAL_BODY`] bytes).
-        body: Bytes,
-    },
-    /// Another 4xx (its status): the service could not judge this request (e.g. 431 for
-    /// a long `X-Original-URI`). Answers this request only: not cached, and not a
-    /// failure of the service (the breaker does not count it).
-    Rejected(u16),
-    /// No usable answer (`on_error` decides): why, for the logs and the metric.
-    Failed(&'static str),
-    /// No callout was made: `max_concurrent` callouts are under way, or
-    /// `max_concurrent_per_ip` for the request's client address (`per_address`).
-    Busy {
-        /// Whether the client address's own bound was the one reached.
-        per_address: bool,
-    },
-}
-
-/// What the callout would forward is larger than its bound: the request gets this
-/// status without a callout.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Oversize {
-    /// The URI (sent as `X-Original-URI`) is longer than `max_uri_bytes` (the bound,
-    /// bytes): 414.
-    Uri(usize),
-    /// The credential and forwarded headers (names and values) are larger than
-    /// `max_header_bytes` (the bound, bytes): 431.
-    Headers(usize),
-}
 
 /// The callout of one config; its cache, breaker and connections are kept across
 /// reloads that do not change `[identity.auth_request]`.
@@ -150,147 +101,7 @@ impl std::fmt::Debug for State {
     }
 }
 
-fn header(key: &str, name: &str, problems: &mut Problems) -> Option<HeaderName> {
-    match HeaderName::from_bytes(name.trim().to_ascii_lowercase().as_bytes()) {
-        Ok(h) => Some(h),
-        Err(_) => {
-            problems.error(key, format!("{name:?} is not a valid header name"));
-            None
-        }
-    }
-}
-
 impl AuthRequest {
-    /// Build from `[identity.auth_request]`, recording problems under
-    /// `identity.auth_request.*`. `credential` is `identity.api_key_header`; `tiers` and
-    /// `limits` are what answers may name. `previous` is kept (with its cache) when its
-    /// config is the same.
-    pub fn build(
-        cfg: &AuthRequestConfig,
-        credential: &HeaderName,
-        tiers: BTreeSet<Arc<str>>,
-        limits: &[String],
-        previous: Option<&Arc<AuthRequest>>,
-        problems: &mut Problems,
-    ) -> Option<Arc<AuthRequest>> {
-        let at = "identity.auth_request";
-        let url = match cfg.url.parse::<Uri>() {
-            Ok(u) if u.scheme_str() == Some("http") && u.authority().is_some() => Some(u),
-            _ => {
-                problems.error(
-                    format!("{at}.url"),
-                    format!(
-                        "{:?} is not an http:// URL (e.g. \"http://127.0.0.1:9100/auth\")",
-                        cfg.url
-                    ),
-                );
-                None
-            }
-        };
-        let method = match Method::from_bytes(cfg.method.as_bytes()) {
-            Ok(m) => Some(m),
-            Err(_) => {
-                problems.error(
-                    format!("{at}.method"),
-                    format!("{:?} is not an HTTP method", cfg.method),
-                );
-                None
-            }
-        };
-        let forward: Vec<HeaderName> = cfg
-            .forward_headers
-            .iter()
-            .enumerate()
-            .filter_map(|(i, h)| header(&format!("{at}.forward_headers[{i}]"), h, problems))
-            .collect();
-        let caller_header = header(&format!("{at}.caller_header"), &cfg.caller_header, problems);
-        let tier_header = header(&format!("{at}.tier_header"), &cfg.tier_header, problems);
-        if cfg.quota_header_prefix.trim().is_empty() {
-            problems.error(format!("{at}.quota_header_prefix"), "must not be empty");
-        }
-        if cfg.default_tier.trim().is_empty() {
-            problems.error(format!("{at}.default_tier"), "must not be empty");
-        }
-        let mut tiers = tiers;
-        tiers.insert(cfg.default_tier.as_str().into());
-        if cfg.cache_size == 0 {
-            problems.error(format!("{at}.cache_size"), "must be at least 1");
-        }
-        if cfg.timeout.0.is_zero() {
-            problems.error(format!("{at}.timeout"), "must be more than 0");
-        }
-        if cfg.breaker_failures == 0 {
-            problems.error(format!("{at}.breaker_failures"), "must be at least 1");
-        }
-        if cfg.max_concurrent == 0 {
-            problems.error(format!("{at}.max_concurrent"), "must be at least 1");
-        }
-        if cfg.max_concurrent_per_ip == 0 {
-            problems.error(format!("{at}.max_concurrent_per_ip"), "must be at least 1");
-        }
-        if cfg.max_uri_bytes == 0 {
-            problems.error(format!("{at}.max_uri_bytes"), "must be at least 1");
-        }
-        if cfg.max_header_bytes == 0 {
-            problems.error(format!("{at}.max_header_bytes"), "must be at least 1");
-        }
-        if cfg.cache_max_bytes == 0 {
-            problems.error(format!("{at}.cache_max_bytes"), "must be at least 1");
-        }
-        let (url, method, caller_header, tier_header) =
-            (url?, method?, caller_header?, tier_header?);
-        let state = match previous {
-            Some(p) if p.cfg == *cfg => p.state.clone(),
-            _ => {
-                let mut http = HttpConnector::new();
-                http.set_connect_timeout(Some(cfg.timeout.0));
-                http.set_nodelay(true);
-                let sockets = Arc::new(OnceLock::new());
-                let connector = CountedConnector {
-                    http,
-                    sockets: sockets.clone(),
-                };
-                let state = Arc::new(State {
-                    client: HttpClient::builder(hyper_util::rt::TokioExecutor::new())
-                        .pool_idle_timeout(IDLE_TIMEOUT)
-                        .pool_max_idle_per_host(MAX_IDLE)
-                        .build(connector),
-                    sockets,
-                    callouts: Arc::new(Semaphore::new(
-                        cfg.max_concurrent.clamp(1, Semaphore::MAX_PERMITS),
-                    )),
-                    per_address: Arc::default(),
-                    cache: Mutex::new(AnswerCache::default()),
-                    cache_bytes: OnceLock::new(),
-                    inflight: Mutex::new(HashMap::new()),
-                    breaker: Mutex::new((0, None)),
-                });
-                // Expired answers are dropped once a second while the callout is in use
-                // (not in `tollgate check`, which has no runtime to run it).
-                if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-                    runtime.spawn(sweep(Arc::downgrade(&state)));
-                }
-                state
-            }
-        };
-        Some(Arc::new(AuthRequest {
-            url,
-            method,
-            credential: credential.clone(),
-            forward,
-            caller_header,
-            tier_header,
-            quota_prefix: cfg.quota_header_prefix.trim().to_ascii_lowercase(),
-            tiers,
-            limits: limits
-                .iter()
-                .map(|l| (l.to_ascii_lowercase(), Arc::from(l.as_str())))
-                .collect(),
-            state,
-            cfg: cfg.clone(),
-        }))
-    }
-
     /// `default_tier`: a tier limits may give a quota.
     pub fn default_tier(&self) -> Arc<str> {
         self.cfg.default_tier.as_str().into()
@@ -580,75 +391,6 @@ impl AuthRequest {
     }
 }
 
-/// What reading an answer needs (owned, for the callout's future).
-struct Parsed {
-    caller_header: HeaderName,
-    tier_header: HeaderName,
-    quota_prefix: String,
-    default_tier: String,
-    tiers: BTreeSet<Arc<str>>,
-    limits: HashMap<String, Arc<str>>,
-}
-
-impl Parsed {
-    /// The answer of `parts` and `body` (`None`: longer than was read).
-    fn answer(&self, parts: http::response::Parts, body: Option<Bytes>) -> Answer {
-        let status = parts.status.as_u16();
-        if status == 401 || status == 403 {
-            return refusal(status, parts.headers.get(http::header::CONTENT_TYPE), body);
-        }
-        if parts.status.is_client_error() {
-            return Answer::Rejected(status);
-        }
-        if !parts.status.is_success() {
-            return Answer::Failed("error");
-        }
-        let Some(id) = parts
-            .headers
-            .get(&self.caller_header)
-            .and_then(|v| v.to_str().ok())
-            .map(str::trim)
-            .filter(|id| {
-                !id.is_empty()
-                    && id.len() <= 256
-                    && !id.contains(',')
-                    && !id.chars().any(char::is_control)
-            })
-        else {
-            return Answer::Failed("error");
-        };
-        let tier = parts
-            .headers
-            .get(&self.tier_header)
-            .and_then(|v| v.to_str().ok())
-            .map(str::trim)
-            .unwrap_or(&self.default_tier);
-        let Some(tier) = self.tiers.get(tier).cloned() else {
-            return Answer::Failed("error");
-        };
-        let mut quotas = Vec::new();
-        for (name, v) in &parts.headers {
-            let Some(limit) = name.as_str().strip_prefix(self.quota_prefix.as_str()) else {
-                continue;
-            };
-            let (Some(limit), Some(n)) = (
-                self.limits.get(limit),
-                v.to_str().ok().and_then(|v| v.trim().parse::<u64>().ok()),
-            ) else {
-                continue;
-            };
-            if n > 0 {
-                quotas.push((limit.clone(), n));
-            }
-        }
-        let mut client = Client::new(id.into(), tier);
-        if !quotas.is_empty() {
-            client.quotas = Some(Box::new(quotas.into_boxed_slice()));
-        }
-        Answer::Caller(Arc::new(client))
-    }
-}
-
 /// A callout's place among `max_concurrent` and its client address's
 /// `max_concurrent_per_ip`, counted in `tollgate_auth_request_callouts`; given back when
 /// the callout ends.
@@ -669,129 +411,6 @@ impl Drop for CalloutSlot {
                 table.remove(&self.address);
             }
         }
-    }
-}
-
-/// The descriptor budget had no room for a socket to the auth service.
-#[derive(Debug, thiserror::Error)]
-#[error("no descriptor left for a connection to the auth service (the open-file limit is spent)")]
-struct NoDescriptor;
-
-/// Whether the callout failed for want of a descriptor ([`NoDescriptor`]).
-fn is_no_descriptor(e: &hyper_util::client::legacy::Error) -> bool {
-    let mut source = std::error::Error::source(e);
-    while let Some(s) = source {
-        if s.is::<NoDescriptor>() {
-            return true;
-        }
-        source = s.source();
-    }
-    false
-}
-
-/// hyper-util's connector, each socket counted in the descriptor budget (see
-/// [`State::sockets`]): no socket is opened when the budget is spent.
-#[derive(Clone)]
-struct CountedConnector {
-    http: HttpConnector,
-    sockets: Arc<OnceLock<Sockets>>,
-}
-
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
-
-impl tower_service::Service<Uri> for CountedConnector {
-    type Response = CountedSocket;
-    type Error = BoxError;
-    type Future = BoxFuture<'static, Result<CountedSocket, BoxError>>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
-        self.http.poll_ready(cx).map_err(Into::into)
-    }
-
-    fn call(&mut self, uri: Uri) -> Self::Future {
-        // Taken before connecting; `None` only before the first `ask` set the budget.
-        let descriptor = match self.sockets.get() {
-            Some(sockets) => match sockets.take() {
-                Some(d) => Some(d),
-                None => return Box::pin(async { Err(Box::new(NoDescriptor) as BoxError) }),
-            },
-            None => None,
-        };
-        let connecting = self.http.call(uri);
-        Box::pin(async move {
-            let io = connecting.await?;
-            Ok(CountedSocket {
-                io,
-                _descriptor: descriptor,
-            })
-        })
-    }
-}
-
-/// A socket to the auth service with its place in the descriptor budget.
-struct CountedSocket {
-    io: TokioIo<TcpStream>,
-    _descriptor: Option<Descriptor>,
-}
-
-impl Connection for CountedSocket {
-    fn connected(&self) -> Connected {
-        self.io.connected()
-    }
-}
-
-impl hyper::rt::Read for CountedSocket {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: hyper::rt::ReadBufCursor<'_>,
-    ) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.get_mut().io).poll_read(cx, buf)
-    }
-}
-
-impl hyper::rt::Write for CountedSocket {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.get_mut().io).poll_write(cx, buf)
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.get_mut().io).poll_flush(cx)
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
-    }
-}
-
-/// A 401/403 answer as kept and passed on: its body and `Content-Type` when they fit
-/// their bounds (copied, so that the read buffer is not kept), else the gateway's own
-/// JSON refusal.
-fn refusal(status: u16, content_type: Option<&HeaderValue>, body: Option<Bytes>) -> Answer {
-    match body {
-        Some(body)
-            if body.len() <= MAX_REFUSAL_BODY
-                && content_type.is_none_or(|c| c.len() <= MAX_CONTENT_TYPE) =>
-        {
-            Answer::Refused {
-                status,
-                content_type: content_type.cloned(),
-                body: Bytes::copy_from_slice(&body),
-            }
-        }
-        _ => Answer::Refused {
-            status,
-            content_type: Some(HeaderValue::from_static("application/json")),
-            body: Bytes::from_static(if status == 403 {
-                b"{\"message\":\"Forbidden\"}"
-            } else {
-                b"{\"message\":\"Bad credentials\"}"
-            }),
-        },
     }
 }
 

@@ -18,6 +18,7 @@ pub mod identity;
 pub mod limiter;
 pub mod lines;
 pub mod logging;
+pub mod memo;
 pub mod metrics;
 pub mod proxy;
 pub mod reload;

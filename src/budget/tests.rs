@@ -60,8 +60,7 @@ fn connections_are_bounded_per_address() {
 fn one_address_holds_at_most_its_share_of_the_descriptors() {
     // 10 descriptors, 50 %: 5 per address, connections and requests together.
     let b = budget(10, 10, 1);
-    let (one, two): (IpAddr, IpAddr) =
-        ("192.0.2.1".parse().unwrap(), "192.0.2.2".parse().unwrap());
+    let (one, two): (IpAddr, IpAddr) = ("192.0.2.1".parse().unwrap(), "192.0.2.2".parse().unwrap());
     let conn = b.client(Some(one)).unwrap();
     let requests: Vec<_> = (0..4).map(|_| b.share(one).unwrap()).collect();
     assert!(b.share(one).is_none(), "5 held");

@@ -12,8 +12,8 @@ use super::key::SubjectDigest;
 use super::limit::{client_subject, ip_subject, Applied, By, Limit};
 use super::Limiter;
 use crate::identity::{Caller, Client};
+use crate::memo::Memo;
 use http::HeaderMap;
-use std::cell::RefCell;
 use std::hash::BuildHasher;
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -78,8 +78,7 @@ struct Remembered {
 thread_local! {
     /// This thread's last answers of [`Limiter::applicable_to`], by a hash of the limit
     /// set and the caller.
-    static MEMO: RefCell<Vec<Option<Remembered>>> =
-        RefCell::new(std::iter::repeat_with(|| None).take(SLOTS).collect());
+    static MEMO: Memo<Remembered, SLOTS> = const { Memo::new() };
 }
 
 /// Whether limits count `a` and `b` alike: the same client, or two with the same id and
@@ -109,23 +108,22 @@ impl Limiter {
             return self.applicable(set, caller, headers).into();
         }
         let keys = self.keys.id();
-        let slot = {
+        let hash = {
             let hasher = foldhash::fast::FixedState::with_seed(set.id);
-            let who = match &caller.client {
+            match &caller.client {
                 Some(c) => hasher.hash_one(&*c.id),
                 None => hasher.hash_one(caller.ip_key),
-            };
-            (who % SLOTS as u64) as usize
+            }
         };
         let found = MEMO.with(|m| {
-            let m = m.borrow();
-            let r = m[slot].as_ref()?;
-            (r.keys == keys
-                && r.set == set.id
-                && alike(&r.client, &caller.client)
-                && *r.tier == *caller.tier
-                && r.ip_key.is_none_or(|ip| ip == caller.ip_key))
-            .then(|| r.applied.clone())
+            m.get(hash, |r| {
+                (r.keys == keys
+                    && r.set == set.id
+                    && alike(&r.client, &caller.client)
+                    && *r.tier == *caller.tier
+                    && r.ip_key.is_none_or(|ip| ip == caller.ip_key))
+                .then(|| r.applied.clone())
+            })
         });
         if let Some(applied) = found {
             return applied;
@@ -142,7 +140,7 @@ impl Limiter {
         };
         // The entry it replaces is dropped after the borrow ends (its drop runs no code
         // of this module, but keep the borrow short).
-        let old = MEMO.with(|m| m.borrow_mut()[slot].replace(remembered));
+        let old = MEMO.with(|m| m.put(hash, remembered));
         drop(old);
         applied
     }

@@ -9,6 +9,7 @@
 //! subject live on the same shard, and every gateway of a fleet with the same shard list
 //! and hash key picks the same shard.
 
+use crate::memo::Memo;
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 use std::hash::BuildHasher;
@@ -89,8 +90,7 @@ thread_local! {
     /// direct-mapped): a caller that sends many requests is hashed with HMAC-SHA-256
     /// once per thread, not once per request. An entry is used only when its scheme id
     /// and subject bytes are equal, so it gives exactly what [`KeyScheme::digest`] would.
-    static MEMO: std::cell::RefCell<Vec<Option<MemoEntry>>> =
-        std::cell::RefCell::new(vec![None; 64]);
+    static MEMO: Memo<MemoEntry, 64> = const { Memo::new() };
 }
 
 impl std::fmt::Debug for KeyScheme {
@@ -131,9 +131,9 @@ impl KeyScheme {
         if subject.len() > MEMO_SUBJECT {
             return self.compute(subject);
         }
-        let slot = (foldhash::fast::FixedState::with_seed(self.id).hash_one(subject) % 64) as usize;
+        let hash = foldhash::fast::FixedState::with_seed(self.id).hash_one(subject);
         let found = MEMO.with(|m| {
-            m.borrow()[slot].as_ref().and_then(|(id, len, bytes, d)| {
+            m.get(hash, |(id, len, bytes, d)| {
                 (*id == self.id && &bytes[..usize::from(*len)] == subject).then_some(*d)
             })
         });
@@ -145,7 +145,7 @@ impl KeyScheme {
         bytes[..subject.len()].copy_from_slice(subject);
         // `subject.len() <= MEMO_SUBJECT` (64): fits a u8.
         let entry = (self.id, subject.len() as u8, bytes, d);
-        MEMO.with(|m| m.borrow_mut()[slot] = Some(entry));
+        MEMO.with(|m| m.put(hash, entry));
         d
     }
 

@@ -3,6 +3,7 @@
 //! hashing, no lock).
 
 use super::labels::{RejectionLabels, RequestLabels, UpstreamLabels};
+use crate::memo::Memo;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::Histogram;
@@ -28,7 +29,7 @@ impl RequestCounts {
     /// the family (SipHash of the labels under the family's read lock) and kept.
     pub fn inc(&self, route: &Arc<str>, status: u16, decision: &'static str) {
         thread_local! {
-            static ROWS: MemoRows<RequestLabels, Counter> = const { std::cell::RefCell::new(Vec::new()) };
+            static ROWS: MemoRows<RequestLabels, Counter> = const { Memo::new() };
         }
         count(
             &ROWS,
@@ -57,12 +58,11 @@ impl UpstreamLatency {
     /// Record that `upstream` took `seconds` to answer with its response head.
     pub fn observe(&self, upstream: &Arc<str>, seconds: f64) {
         thread_local! {
-            static ROWS: std::cell::RefCell<Vec<(u64, Arc<str>, Histogram)>> =
-                const { std::cell::RefCell::new(Vec::new()) };
+            static ROWS: MemoRows<Arc<str>, Histogram> = const { Memo::new() };
         }
         ROWS.with(|rows| {
             held(
-                &mut rows.borrow_mut(),
+                rows,
                 self.id,
                 |name| name == upstream,
                 || {
@@ -71,8 +71,8 @@ impl UpstreamLatency {
                     };
                     (upstream.clone(), self.family.get_or_create_owned(&labels))
                 },
+                |histogram| histogram.observe(seconds),
             )
-            .observe(seconds);
         })
     }
 }
@@ -90,7 +90,7 @@ impl RejectionCounts {
     /// Count one request refused with 429 by `limit` for a caller of `tier`.
     pub fn inc(&self, limit: &Arc<str>, tier: &Arc<str>) {
         thread_local! {
-            static ROWS: MemoRows<RejectionLabels, Counter> = const { std::cell::RefCell::new(Vec::new()) };
+            static ROWS: MemoRows<RejectionLabels, Counter> = const { Memo::new() };
         }
         count(
             &ROWS,
@@ -107,7 +107,7 @@ impl RejectionCounts {
 
 /// A thread's memo of one family's rows: per row, the gateway's id, the labels and the
 /// row's handle.
-type MemoRows<L, M> = std::cell::RefCell<Vec<(u64, L, M)>>;
+type MemoRows<L, M> = Memo<(u64, L, M), MEMO_ROWS>;
 
 /// Count one in the row of `family` (of gateway `id`) whose labels `matches`, through
 /// the thread's memo `rows` ([`held`]); a row it does not hold is made from `labels`.
@@ -121,33 +121,38 @@ fn count<L>(
     L: Clone + std::hash::Hash + Eq,
 {
     rows.with(|rows| {
-        held(&mut rows.borrow_mut(), id, matches, || {
-            let labels = labels();
-            let counter = family.get_or_create_owned(&labels);
-            (labels, counter)
-        })
-        .inc();
+        held(
+            rows,
+            id,
+            matches,
+            || {
+                let labels = labels();
+                let counter = family.get_or_create_owned(&labels);
+                (labels, counter)
+            },
+            |counter| {
+                counter.inc();
+            },
+        )
     })
 }
 
-/// The handle to the row of gateway `id` whose labels `matches` in a thread's memo
-/// `rows`, or a new one from `make` (looked up in the family), kept in place of the
-/// oldest when the memo holds [`MEMO_ROWS`].
+/// `act` on the row of gateway `id` whose labels `matches` in a thread's memo `rows`, or
+/// on a new one from `make` (looked up in the family), kept in place of the oldest when
+/// the memo holds [`MEMO_ROWS`].
 fn held<L, M>(
-    rows: &mut Vec<(u64, L, M)>,
+    rows: &MemoRows<L, M>,
     id: u64,
     matches: impl Fn(&L) -> bool,
     make: impl FnOnce() -> (L, M),
-) -> &M {
-    if let Some(i) = rows.iter().position(|(i, l, _)| *i == id && matches(l)) {
-        return &rows[i].2;
+    act: impl Fn(&M),
+) {
+    let found = rows.find(|(i, l, m)| (*i == id && matches(l)).then(|| act(m)));
+    if found.is_none() {
+        let (labels, m) = make();
+        act(&m);
+        drop(rows.push((id, labels, m)));
     }
-    let (labels, m) = make();
-    if rows.len() == MEMO_ROWS {
-        rows.remove(0);
-    }
-    rows.push((id, labels, m));
-    &rows[rows.len() - 1].2
 }
 
 #[cfg(test)]

@@ -31,12 +31,12 @@ pub(crate) mod tls;
 
 use crate::clock::Clock;
 use crate::config::LogClientIp;
-use crate::wire::Incoming;
 use crate::http::target::{self, Override};
 use crate::identity::auth_request::Oversize;
 use crate::identity::{Identities, IdentityError};
 use crate::limiter::{most_constrained, Applied, Limiter, Refusal, Usage};
 use crate::metrics::Metrics;
+use crate::wire::Incoming;
 use access::{AccessLog, Decision};
 use error::ProxyError;
 use forward::{Downstream, Peer};

@@ -26,10 +26,10 @@
 //! that worker's runtime, so that no exchange with the upstream wakes another thread.
 
 use super::body::{BodyError, BodyState, RequestBody};
-use crate::wire::h2client;
 use crate::budget::{Budget, Counted};
 use crate::clock::Coarse;
 use crate::config::UpstreamProtocol;
+use crate::wire::h2client;
 use bytes::Bytes;
 use http::uri::Authority;
 use http::{Request, Response};
@@ -310,9 +310,7 @@ impl Pool {
         budget: &Budget,
     ) -> Result<Response<PooledBody>, SendError> {
         // 1xx go to the client when the request path left a handle for them.
-        let informational = req
-            .extensions_mut()
-            .remove::<crate::wire::Informational>();
+        let informational = req.extensions_mut().remove::<crate::wire::Informational>();
         let mut attempt = 1;
         loop {
             let ((mut conn, claim), back) = unsent_on_error(self.h2_sender(budget).await, req)?;

@@ -42,11 +42,7 @@ impl Connection {
     /// after a TLS handshake with `tls` (the certificates current when it was accepted)
     /// within its `handshake_timeout`. A connection that negotiated `h2` is served only
     /// if its first bytes are the HTTP/2 preface (else GOAWAY).
-    pub(super) async fn run(
-        self,
-        stream: Counted<TcpStream>,
-        tls: Option<Arc<crate::tls::Tls>>,
-    ) {
+    pub(super) async fn run(self, stream: Counted<TcpStream>, tls: Option<Arc<crate::tls::Tls>>) {
         let activity = limits::Activity::new();
         let Some(tls) = tls else {
             return self.serve(stream, None, None, activity).await;
@@ -71,7 +67,7 @@ impl Connection {
             Ok(Err(e)) => {
                 tracing::debug!(target: LOG_TARGET, %peer, error = %e, "TLS handshake failed");
             }
-            Err(_) => tracing::debug!(target: LOG_TARGET, 
+            Err(_) => tracing::debug!(target: LOG_TARGET,
                 %peer,
                 timeout = ?tls.handshake_timeout,
                 "TLS handshake timed out; connection closed"

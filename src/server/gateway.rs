@@ -118,7 +118,7 @@ impl Gateway {
             .reloads
             .get_or_create(&ReloadLabels { result: "failed" });
         let budget = Budget::new(limits.budget, &metrics);
-        tracing::debug!(target: LOG_TARGET, 
+        tracing::debug!(target: LOG_TARGET,
             max_connections = budget.max_connections(),
             max_connections_per_ip = budget.max_connections_per_ip(),
             descriptors = budget.descriptors(),
@@ -163,7 +163,7 @@ impl Gateway {
                     )
                 })
                 .map_err(StartError::Runtime)?;
-                tracing::info!(target: LOG_TARGET, 
+                tracing::info!(target: LOG_TARGET,
                     workers = count,
                     "per_core runtime: one listener and runtime per worker"
                 );

@@ -16,13 +16,13 @@ mod tests;
 pub use der::{not_after, subject_cn};
 
 use crate::config::{ClientAuth, Problems, TlsConfig};
-use sni::{same_certificate, SniResolver};
 use rustls::crypto::CryptoProvider;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::WebPkiClientVerifier;
 use rustls::sign::CertifiedKey;
 use sha2::{Digest, Sha256};
+use sni::{same_certificate, SniResolver};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

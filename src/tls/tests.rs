@@ -62,8 +62,7 @@ fn expiries_are_each_served_certificates_not_after() {
     let dir = tempfile::tempdir().unwrap();
     let write = |name: &str, (y, m, d): (i32, u8, u8)| {
         let key = rcgen::KeyPair::generate().unwrap();
-        let mut params =
-            rcgen::CertificateParams::new(vec![format!("{name}.example")]).unwrap();
+        let mut params = rcgen::CertificateParams::new(vec![format!("{name}.example")]).unwrap();
         params.not_after = rcgen::date_time_ymd(y, m, d);
         let cert = params.self_signed(&key).unwrap();
         std::fs::write(dir.path().join(format!("{name}.pem")), cert.pem()).unwrap();

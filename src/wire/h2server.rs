@@ -12,6 +12,7 @@ use super::handler::{BoxError, Handler};
 use super::incoming::{H2Body, Incoming};
 use super::interim::{H2Respond, Informational};
 use super::tunnel::{H2Io, H2Upgrade};
+use crate::memo::Memo;
 use bytes::Bytes;
 use h2::server::{Connection, Handshake, SendResponse};
 use h2::{Ping, PingPong, RecvStream, SendStream};
@@ -343,20 +344,22 @@ fn content_length(headers: &HeaderMap) -> Option<u64> {
 /// The `Date` header's value for now (formatted once a second per thread).
 fn date() -> HeaderValue {
     thread_local! {
-        static CACHED: std::cell::RefCell<(u64, HeaderValue)> =
-            const { std::cell::RefCell::new((0, HeaderValue::from_static(""))) };
+        static LAST: Memo<(u64, HeaderValue), 1> = const { Memo::new() };
     }
     let now = std::time::SystemTime::now();
     let second = now
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
-    CACHED.with(|cached| {
-        let mut cached = cached.borrow_mut();
-        if cached.0 != second || cached.1.is_empty() {
-            let value = HeaderValue::from_str(&httpdate::fmt_http_date(now))
-                .unwrap_or(HeaderValue::from_static(""));
-            *cached = (second, value);
-        }
-        cached.1.clone()
+    LAST.with(|last| {
+        last.get_or_put(
+            0,
+            |(s, v)| *s == second && !v.is_empty(),
+            || {
+                let value = HeaderValue::from_str(&httpdate::fmt_http_date(now))
+                    .unwrap_or(HeaderValue::from_static(""));
+                (second, value)
+            },
+            |(_, v)| v.clone(),
+        )
     })
 }

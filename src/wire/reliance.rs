@@ -3,9 +3,9 @@
 //! which order. A hyper or h2 upgrade that breaks a reliance fails one of these.
 
 use super::alpn::Builders;
-use super::handler::BoxError;
 use super::h2client::{self, Replay};
 use super::h2server::Settings;
+use super::handler::BoxError;
 use super::incoming::Incoming;
 use super::interim::{Informational, Interim};
 use bytes::Bytes;
@@ -65,8 +65,8 @@ impl Script {
             }
         }
         self.answer.notified().await;
-        let body =
-            Full::new(Bytes::from_static(b"done")).map_err(|e: Infallible| -> BoxError { match e {} });
+        let body = Full::new(Bytes::from_static(b"done"))
+            .map_err(|e: Infallible| -> BoxError { match e {} });
         Ok(Response::new(body))
     }
 }
@@ -104,7 +104,11 @@ async fn read_message(client: &mut TcpStream, buf: &mut Vec<u8>, body_len: usize
             .await
             .expect("the server answers in time")
             .expect("read");
-        assert!(n > 0, "the server closed early; got {:?}", String::from_utf8_lossy(buf));
+        assert!(
+            n > 0,
+            "the server closed early; got {:?}",
+            String::from_utf8_lossy(buf)
+        );
         buf.extend_from_slice(&chunk[..n]);
     }
 }
@@ -126,11 +130,12 @@ async fn http1_a_1xx_goes_out_while_the_handler_waits_then_the_final_response() 
         let (stream, _) = listener.accept().await.unwrap();
         let io = Interim::new(stream);
         let informational = io.handle();
-        let handler = move |_req: Request<Incoming>| {
-            server_script.clone().run(Some(informational.clone()))
-        };
+        let handler =
+            move |_req: Request<Incoming>| server_script.clone().run(Some(informational.clone()));
         let builders = builders();
-        let _ = builders.serve(Some(b"http/1.1".as_slice()), io, handler).await;
+        let _ = builders
+            .serve(Some(b"http/1.1".as_slice()), io, handler)
+            .await;
     });
 
     let mut client = TcpStream::connect(addr).await.unwrap();
@@ -255,7 +260,9 @@ async fn h2client_passes_an_upstreams_1xx_on_before_its_response() {
         .unwrap();
     let claim = conn.claim(true).expect("a new connection has room");
     conn.ready().await.unwrap();
-    let req = Request::get("http://test/").body(Empty::<Bytes>::new()).unwrap();
+    let req = Request::get("http://test/")
+        .body(Empty::<Bytes>::new())
+        .unwrap();
     let response = tokio::time::timeout(STEP, conn.send(req, Some(interim.handle()), claim))
         .await
         .expect("the upstream answers in time")

@@ -221,8 +221,8 @@ impl Shared {
         drop(state);
         // On a `per_core` worker, the queue goes out from this worker (over its own
         // connection, waking no other thread); elsewhere from the batcher's runtime.
-        let here = crate::worker::current()
-            .and_then(|_| tokio::runtime::Handle::try_current().ok());
+        let here =
+            crate::worker::current().and_then(|_| tokio::runtime::Handle::try_current().ok());
         here.as_ref()
             .unwrap_or(&self.runtime)
             .spawn(drain(self.clone(), queued));

@@ -25,7 +25,8 @@
 //! and returns connections in its own worker's part, whose connections' tasks run on
 //! that worker's runtime, so that no exchange with the upstream wakes another thread.
 
-use super::body::{BodyError, BodyState, RequestBody};
+use super::body::{BodyError, BodyFailure, BodyState, RequestBody};
+use super::error::{BadResponse, Fault};
 use super::h2client;
 use crate::budget::{Budget, Counted};
 use crate::clock::Coarse;
@@ -79,16 +80,54 @@ impl PoolError {
     pub fn is_refusal(&self) -> bool {
         matches!(self, PoolError::ConnectTimeout(_) | PoolError::Connect(..))
     }
+
+    /// What the failure says about the exchange, read from its typed parts: a timeout
+    /// (the connect, the TLS handshake, or an I/O error that timed out), a response head
+    /// that cannot be passed on ([`BadResponse`]), no descriptor, or another failure.
+    /// A request body's own failure is not here but in [`SendError::body`].
+    pub fn fault(&self) -> Fault {
+        let timed_out = |e: &std::io::Error| e.kind() == std::io::ErrorKind::TimedOut;
+        match self {
+            PoolError::ConnectTimeout(_) => Fault::Timeout,
+            PoolError::Connect(_, e) | PoolError::Tls(_, e) if timed_out(e) => Fault::Timeout,
+            PoolError::Connect(..) | PoolError::Tls(..) | PoolError::Body(_) => Fault::Failed,
+            PoolError::Http(e) => BadResponse::of_h1(e).map_or(Fault::Failed, Fault::BadResponse),
+            PoolError::H2(e) if e.get_io().is_some_and(timed_out) => Fault::Timeout,
+            PoolError::H2(e) => BadResponse::of_h2(e).map_or(Fault::Failed, Fault::BadResponse),
+            PoolError::NoDescriptor(_) => Fault::NoDescriptor,
+        }
+    }
 }
 
-/// A failed [`Pool::send`]: the error, and the request when not a byte of it was sent
-/// (the connection could not be made), so that it may go to another target.
+/// A failed [`Pool::send`]: the error, the request when not a byte of it was sent
+/// (the connection could not be made), so that it may go to another target, and the
+/// request body's own failure when it failed.
 #[derive(Debug)]
 pub struct SendError {
     /// What went wrong.
     pub error: PoolError,
     /// The request, back untouched, when the failure came before sending it.
     pub unsent: Option<Request<RequestBody>>,
+    /// Why the request body failed, when it did: then the failure is the client's,
+    /// whatever the connection reports.
+    pub body: Option<BodyFailure>,
+}
+
+impl SendError {
+    /// Whether the request may be sent again, to another target: nothing of it was sent
+    /// (it is back in [`SendError::unsent`]).
+    pub fn retry_safe(&self) -> bool {
+        self.unsent.is_some()
+    }
+
+    /// What the failure says: the request body's failure, else the connection's
+    /// ([`PoolError::fault`]).
+    pub fn fault(&self) -> Fault {
+        match self.body {
+            Some(body) => Fault::Body(body),
+            None => self.error.fault(),
+        }
+    }
 }
 
 /// A connection (`connected`) to send `req` on, or the failure to get one, with `req`
@@ -103,7 +142,18 @@ fn unsent_on_error<T>(
         Err(error) => Err(SendError {
             error,
             unsent: Some(req),
+            body: None,
         }),
+    }
+}
+
+/// An HTTP/1.1 exchange that failed once its request was handed to the connection (so
+/// not to be sent again), with the failure of its request body (`body`), if that failed.
+fn sent_and_failed(error: hyper::Error, body: &BodyState) -> SendError {
+    SendError {
+        error: PoolError::Http(error),
+        unsent: None,
+        body: body.failure(),
     }
 }
 
@@ -112,6 +162,7 @@ impl From<PoolError> for SendError {
         SendError {
             error,
             unsent: None,
+            body: None,
         }
     }
 }
@@ -221,7 +272,7 @@ impl Pool {
     ///
     /// A plain function choosing between the two exchanges' futures (an enum of them),
     /// not an `async fn` around them: one state machine less to move the request
-    /// through (about 400 instructions per request, issue 16).
+    /// through (about 400 instructions per request).
     pub fn send<'a>(
         self: &'a Arc<Self>,
         req: Request<RequestBody>,
@@ -270,14 +321,16 @@ impl Pool {
                     Err(mut e) => match e.take_message() {
                         // Not sent: the connection was closing. Try the next one.
                         Some(again) => req = again,
-                        None => return Err(PoolError::Http(e.into_error()).into()),
+                        None => return Err(sent_and_failed(e.into_error(), &body)),
                     },
                 }
             }
             // Boxed: connecting (TCP, TLS, handshake) is rare and its future large.
             let (mut tx, req) = unsent_on_error(Box::pin(self.connect_h1(budget)).await, req)?;
-            let response = tx.send_request(req).await.map_err(PoolError::Http)?;
-            Ok(self.wrap(response, Some(back(tx))))
+            match tx.send_request(req).await {
+                Ok(response) => Ok(self.wrap(response, Some(back(tx)))),
+                Err(e) => Err(sent_and_failed(e, &body)),
+            }
         }
     }
 
@@ -297,6 +350,9 @@ impl Pool {
         let informational = req
             .extensions_mut()
             .remove::<super::interim::Informational>();
+        // A body that may fail on its way (not an empty one) tells how it failed.
+        let body = (!req.body().is_end_stream()).then(|| req.body().state());
+        let body_failure = || body.as_ref().and_then(|b| b.failure());
         let mut attempt = 1;
         loop {
             let ((mut conn, claim), back) = unsent_on_error(self.h2_sender(budget).await, req)?;
@@ -315,7 +371,13 @@ impl Pool {
                     Err(h2client::SendFailure {
                         error,
                         unprocessed: None,
-                    }) => return Err(error.into()),
+                    }) => {
+                        return Err(SendError {
+                            error,
+                            unsent: None,
+                            body: body_failure(),
+                        })
+                    }
                 },
             };
             // A refused stream leaves its connection as it was; any other failure
@@ -328,6 +390,7 @@ impl Pool {
                 return Err(SendError {
                     error,
                     unsent: Some(req),
+                    body: body_failure(),
                 });
             }
             tracing::debug!(

@@ -165,8 +165,10 @@ impl BadResponse {
     /// limit or a malformed head); `None` for everything else (refused, reset by the
     /// upstream, closed early).
     pub fn of_h2(error: &h2::Error) -> Option<BadResponse> {
-        (error.is_reset() && error.is_library() && error.reason() == Some(h2::Reason::PROTOCOL_ERROR))
-            .then_some(BadResponse::TooLargeOrMalformed)
+        (error.is_reset()
+            && error.is_library()
+            && error.reason() == Some(h2::Reason::PROTOCOL_ERROR))
+        .then_some(BadResponse::TooLargeOrMalformed)
     }
 }
 

@@ -3,8 +3,8 @@
 //! gateway's answers ([`ProxyError`]). What is changed in the request and response on
 //! the way is in [`super::rewrite`], the tunnel after an upgrade in [`super::tunnel`].
 
-use super::body::RequestBody;
 use super::body::BodyFailure;
+use super::body::RequestBody;
 use super::error::{error_chain, BadResponse, Fault, ProxyError};
 use super::rewrite::{address, respond, respond_switched, respond_upgraded};
 use super::Body;

@@ -52,9 +52,9 @@ use crate::limiter::Limiter;
 use crate::metrics::Metrics;
 use access::AccessLog;
 use error::ProxyError;
-use peer::Peer;
 use headers::Styles;
 use http::{Request, Response};
+use peer::Peer;
 pub use phase::Answer;
 use route::Router;
 
@@ -207,7 +207,7 @@ pub fn serve<'a>(
         let caller = phase::identify::identify(snap, ctx, &req, peer, &edge, log).await?;
         // 3. Route: the caller's own limits, or the route by host and path prefix.
         if phase::route::asks_own_limits(snap, &req) {
-            return Err(phase::route::own_limits(snap, ctx, &req, &caller).await);
+            return Err(phase::route::own_limits(snap, ctx, &req, &caller, log).await);
         }
         let routed = phase::route::route(snap, &mut req, edge.host_name(), log)?;
         let route = routed.route;

@@ -82,21 +82,31 @@ impl PoolError {
     }
 
     /// What the failure says about the exchange, read from its typed parts: a timeout
-    /// (the connect, the TLS handshake, or an I/O error that timed out), a response head
-    /// that cannot be passed on ([`BadResponse`]), no descriptor, or another failure.
+    /// (the connect, or an HTTP/1.1 exchange whose I/O timed out), a response head that
+    /// cannot be passed on ([`BadResponse`]), no descriptor, or another failure (a
+    /// refused or failed connect or TLS handshake, a reset, a connection closed early).
     /// A request body's own failure is not here but in [`SendError::body`].
     pub fn fault(&self) -> Fault {
-        let timed_out = |e: &std::io::Error| e.kind() == std::io::ErrorKind::TimedOut;
         match self {
             PoolError::ConnectTimeout(_) => Fault::Timeout,
-            PoolError::Connect(_, e) | PoolError::Tls(_, e) if timed_out(e) => Fault::Timeout,
             PoolError::Connect(..) | PoolError::Tls(..) | PoolError::Body(_) => Fault::Failed,
+            PoolError::Http(e) if io_timed_out(e) => Fault::Timeout,
             PoolError::Http(e) => BadResponse::of_h1(e).map_or(Fault::Failed, Fault::BadResponse),
-            PoolError::H2(e) if e.get_io().is_some_and(timed_out) => Fault::Timeout,
             PoolError::H2(e) => BadResponse::of_h2(e).map_or(Fault::Failed, Fault::BadResponse),
             PoolError::NoDescriptor(_) => Fault::NoDescriptor,
         }
     }
+}
+
+/// Whether an HTTP/1.1 exchange failed because its connection's I/O timed out (an
+/// `io::Error` of kind `TimedOut` among the causes): hyper keeps that I/O error only as
+/// a cause of its own error, with no accessor for it.
+fn io_timed_out(error: &hyper::Error) -> bool {
+    super::error::causes(error).any(|cause| {
+        cause
+            .downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::TimedOut)
+    })
 }
 
 /// A failed [`Pool::send`]: the error, the request when not a byte of it was sent

@@ -2,9 +2,9 @@
 //! gets it (hop-by-hop headers, `Via`, `X-Forwarded-*`, `X-Real-IP`, its URI and
 //! `Host` for the target), and the response head as the client gets it.
 
+use super::error::ProxyError;
 use super::forward::Downstream;
 use super::peer::Peer;
-use super::error::ProxyError;
 use super::pool::PooledBody;
 use super::upstream::Target;
 use super::Body;
@@ -281,5 +281,4 @@ mod tests {
             "203.0.113.5, 10.0.0.1, 10.0.0.2, 192.0.2.7"
         );
     }
-
 }

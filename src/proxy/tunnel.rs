@@ -2,8 +2,8 @@
 //! client and upstream connections joined, bytes copied both ways until either side
 //! closes or nothing moves for `server.tunnel_idle_timeout`.
 
-use hyper_util::rt::TokioIo;
 use http::HeaderValue;
+use hyper_util::rt::TokioIo;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;

@@ -348,7 +348,6 @@ fn parse_target(s: &str) -> Result<Target, String> {
     })
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;

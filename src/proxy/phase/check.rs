@@ -10,8 +10,8 @@ use crate::limiter::{Admission, Applied, PendingCharge, Refusal, SlotGuard, Usag
 use crate::metrics::Metrics;
 use crate::proxy::access::{AccessLog, Decision};
 use crate::proxy::error::ProxyError;
-use crate::proxy::peer::Peer;
 use crate::proxy::headers::Policy;
+use crate::proxy::peer::Peer;
 use crate::proxy::route::Route;
 use crate::proxy::{refusal, Context, Gate};
 use http::Request;

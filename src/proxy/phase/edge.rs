@@ -46,8 +46,8 @@ pub fn edge(snap: &Gate<'_>, req: &mut Request<Incoming>, peer: &Peer) -> Result
             crate::proxy::access::Decision::BadRequest,
         ));
     }
-    let host = crate::http::authority::settle(req)
-        .map_err(|e| ProxyError::BadRequest(e.to_string()))?;
+    let host =
+        crate::http::authority::settle(req).map_err(|e| ProxyError::BadRequest(e.to_string()))?;
     let edge = Edge {
         peer_trusted,
         host,

@@ -11,8 +11,8 @@ use crate::identity::{Caller, IdentityError};
 use crate::limiter::Usage;
 use crate::proxy::access::{self, AccessLog, Decision};
 use crate::proxy::error::ProxyError;
-use crate::proxy::peer::Peer;
 use crate::proxy::headers::{self, Policy};
+use crate::proxy::peer::Peer;
 use crate::proxy::{Context, Gate};
 use http::Request;
 

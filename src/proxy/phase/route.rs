@@ -33,14 +33,17 @@ pub fn asks_own_limits(snap: &Gate<'_>, req: &Request<Incoming>) -> bool {
     req.method() == http::Method::GET && snap.rate_limit_path == Some(req.uri().path())
 }
 
-/// The answer of the rate-limit endpoint for `caller` (logged `rate_limit_status`):
-/// what every limit that applies to it reads now ([`rate_limit_status`]).
+/// The answer of the rate-limit endpoint for `caller` (logged `rate_limit_status`, in
+/// `log` from the start: a client that goes away while the store is read is logged so
+/// too): what every limit that applies to it reads now ([`rate_limit_status`]).
 pub async fn own_limits(
     snap: &Gate<'_>,
     ctx: &Context<'_>,
     req: &Request<Incoming>,
     caller: &Caller,
+    log: &mut AccessLog,
 ) -> Answer {
+    log.decision = Decision::RateLimitStatus;
     let applied = snap.limiter.applicable(snap.limits, caller, req.headers());
     let now_ms = ctx.clock.now_ms();
     let usages = Box::pin(snap.limiter.peek(&applied, now_ms)).await;
@@ -139,7 +142,10 @@ fn believed_override<'r>(
 /// `remaining`, `reset` (UTC epoch seconds) and `window` (seconds); `rate` is the most
 /// constrained one (like GitHub's `GET /rate_limit`). A limit whose store failed is
 /// left out.
-fn rate_limit_status(applied: &[Applied], usages: &[Option<Usage>]) -> Response<crate::proxy::Body> {
+fn rate_limit_status(
+    applied: &[Applied],
+    usages: &[Option<Usage>],
+) -> Response<crate::proxy::Body> {
     let entry = |a: &Applied, u: &Usage| {
         serde_json::json!({
             "algorithm": a.policy().algorithm.name(),

@@ -2,7 +2,6 @@
 //! route's `max_request_bytes`, cut off when it stops arriving for `server.body_timeout`,
 //! and telling the upstream connection's pool whether it was sent to its end.
 
-use super::error::causes;
 use crate::wire::Incoming;
 use bytes::Bytes;
 use futures_util::task::AtomicWaker;
@@ -10,7 +9,7 @@ use http_body::{Body as HttpBody, Frame, SizeHint};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -45,6 +44,21 @@ pub struct BodyState {
     done: AtomicBool,
     cut: AtomicBool,
     waker: AtomicWaker,
+    /// Why the body failed, set where it failed (the client's doing, not the
+    /// upstream's); unset for a body that did not fail or was cut off.
+    failure: OnceLock<BodyFailure>,
+}
+
+/// Why a request body failed on its way upstream: the client's doing, which decides the
+/// answer whatever the upstream connection then reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BodyFailure {
+    /// Larger than the route's `max_request_bytes` (the limit, bytes): 413.
+    TooLarge(u64),
+    /// No byte arrived for `server.body_timeout` (the timeout): 408.
+    TimedOut(Duration),
+    /// It could not be read (malformed chunked encoding, a short body, a reset): 400.
+    Unreadable,
 }
 
 impl BodyState {
@@ -58,6 +72,16 @@ impl BodyState {
     pub fn cut_off(&self) {
         self.cut.store(true, Ordering::Release);
         self.waker.wake();
+    }
+
+    /// Why the body failed, if it did (a body cut off did not fail).
+    pub fn failure(&self) -> Option<BodyFailure> {
+        self.failure.get().copied()
+    }
+
+    /// The body failed for `why` (the first failure counts).
+    fn fail(&self, why: BodyFailure) {
+        let _ = self.failure.set(why);
     }
 }
 
@@ -168,6 +192,7 @@ impl HttpBody for RequestBody {
                 if let (Some(left), Some(data)) = (self.left, frame.data_ref()) {
                     let n = data.len() as u64;
                     if n > left {
+                        self.state.fail(BodyFailure::TooLarge(self.limit));
                         return Poll::Ready(Some(Err(Box::new(TooLarge(self.limit)))));
                     }
                     self.left = Some(left - n);
@@ -177,7 +202,10 @@ impl HttpBody for RequestBody {
                 }
                 Poll::Ready(Some(Ok(frame)))
             }
-            Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(Box::new(ClientBody(e))))),
+            Poll::Ready(Some(Err(e))) => {
+                self.state.fail(BodyFailure::Unreadable);
+                Poll::Ready(Some(Err(Box::new(ClientBody(e)))))
+            }
             Poll::Ready(None) => {
                 self.state.done.store(true, Ordering::Release);
                 Poll::Ready(None)
@@ -188,6 +216,7 @@ impl HttpBody for RequestBody {
                     return Poll::Ready(Some(Err(Box::new(CutOff))));
                 }
                 if self.timed_out(cx) {
+                    self.state.fail(BodyFailure::TimedOut(self.timeout));
                     return Poll::Ready(Some(Err(Box::new(BodyTimedOut(self.timeout)))));
                 }
                 Poll::Pending
@@ -249,20 +278,4 @@ impl Drop for RequestBody {
             let _ = tokio::time::timeout(LINGER_TOTAL, drained).await;
         });
     }
-}
-
-/// Whether `error` (or one of its sources) is a [`ClientBody`] error.
-pub fn client_body(error: &(dyn std::error::Error + 'static)) -> bool {
-    causes(error).any(|e| e.is::<ClientBody>())
-}
-
-/// Whether `error` (or one of its sources) is a [`TooLarge`] request body.
-pub fn too_large(error: &(dyn std::error::Error + 'static)) -> Option<TooLarge> {
-    causes(error).find_map(|e| e.downcast_ref::<TooLarge>().copied())
-}
-
-/// Whether `error` (or one of its sources) is a request body that stopped arriving
-/// ([`BodyTimedOut`]).
-pub fn timed_out(error: &(dyn std::error::Error + 'static)) -> Option<BodyTimedOut> {
-    causes(error).find_map(|e| e.downcast_ref::<BodyTimedOut>().copied())
 }

@@ -2,7 +2,7 @@
 //!
 //! A `tokio::time::timeout` per request registers a timer entry in the runtime's wheel
 //! when the request first waits and removes it when the response comes: the wheel's lock
-//! twice per request, about 550 instructions (issue 16). An HTTP/1 connection serves one
+//! twice per request, about 550 instructions. An HTTP/1 connection serves one
 //! request at a time, so it keeps one timer that each of its requests re-arms: a later
 //! deadline only moves the entry's expiry forward (tokio re-files it when the earlier
 //! one comes up), without the lock. An HTTP/2 connection's streams run at once, so each

@@ -1,5 +1,6 @@
 //! Every way the gateway itself answers a request, with its status and JSON body.
 
+use super::access::Decision;
 use crate::limiter::Usage;
 use crate::response::{json_bytes_response, Body};
 use http::{header, HeaderValue, Response, StatusCode};
@@ -80,10 +81,41 @@ pub enum ProxyError {
     #[error("{0}")]
     Overloaded(&'static str),
     /// The client (its address) holds its share of a bound shared with others (what is
-    /// said): `server.descriptor_share_per_ip`, or
-    /// `identity.auth_request.max_concurrent_per_ip`: 429 with `Retry-After: 1`.
+    /// said): `server.descriptor_share_per_ip`: 429 with `Retry-After: 1`.
     #[error("{0}")]
     Busy(&'static str),
+    /// Too many `[identity.auth_request]` callouts are under way: for this client
+    /// address (`per_address`, `max_concurrent_per_ip`: 429) or in all
+    /// (`max_concurrent`: 503); both with `Retry-After: 1`, and answered without a
+    /// callout.
+    #[error("{}", auth_busy(.per_address))]
+    AuthBusy {
+        /// Whether this address's share is spent (else the gateway's bound).
+        per_address: bool,
+    },
+}
+
+/// The message of [`ProxyError::AuthBusy`].
+fn auth_busy(per_address: &bool) -> &'static str {
+    if *per_address {
+        "too many auth callouts under way for this client address"
+    } else {
+        "too many auth callouts under way"
+    }
+}
+
+/// Where a failure came from, as [`ProxyError::origin`] tells.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Origin {
+    /// The client: what it sent (or did not send) cannot be served.
+    Client,
+    /// The upstream, or the auth service: unreachable, too slow, or answering what
+    /// cannot be passed on.
+    Upstream,
+    /// The rate-limit store.
+    Store,
+    /// The gateway itself: a budget of its own is spent.
+    Internal,
 }
 
 /// What was wrong with an upstream's response head that made it a 502
@@ -108,45 +140,61 @@ pub enum BadResponse {
 }
 
 impl BadResponse {
-    /// What `error` (a failed exchange with an upstream, with its sources) says was wrong
-    /// with the response head, if it was the response head: hyper's HTTP/1.1 parse
-    /// errors, and the h2 crate's own reset of a response stream (`PROTOCOL_ERROR`, for a
-    /// header list past the limit or a malformed head). `None` for everything else
-    /// (refused, reset by the upstream, closed early).
-    pub fn of(error: &(dyn Error + 'static)) -> Option<BadResponse> {
-        for cause in causes(error) {
-            if let Some(e) = cause.downcast_ref::<hyper::Error>() {
-                if e.is_parse_too_large() {
-                    return Some(BadResponse::HeadersTooLarge);
-                }
-                if e.is_parse() || e.is_parse_status() {
-                    // hyper names the header in its message ("invalid content-length
-                    // parsed", "unexpected transfer-encoding parsed"); no predicate does.
-                    let text = e.to_string();
-                    let framing =
-                        text.contains("content-length") || text.contains("transfer-encoding");
-                    return Some(if framing {
-                        BadResponse::Framing
-                    } else {
-                        BadResponse::Malformed
-                    });
-                }
-            }
-            if let Some(e) = cause.downcast_ref::<h2::Error>() {
-                if e.is_reset() && e.is_library() && e.reason() == Some(h2::Reason::PROTOCOL_ERROR)
-                {
-                    return Some(BadResponse::TooLargeOrMalformed);
-                }
-            }
+    /// What an HTTP/1.1 exchange's failure says was wrong with the response head, if it
+    /// was the response head (hyper's parse errors); `None` for everything else.
+    pub fn of_h1(error: &hyper::Error) -> Option<BadResponse> {
+        if error.is_parse_too_large() {
+            return Some(BadResponse::HeadersTooLarge);
+        }
+        if error.is_parse() || error.is_parse_status() {
+            // hyper names the header in its message ("invalid content-length parsed",
+            // "unexpected transfer-encoding parsed"); no predicate does.
+            let text = error.to_string();
+            let framing = text.contains("content-length") || text.contains("transfer-encoding");
+            return Some(if framing {
+                BadResponse::Framing
+            } else {
+                BadResponse::Malformed
+            });
         }
         None
     }
+
+    /// What an HTTP/2 exchange's failure says was wrong with the response head: the h2
+    /// crate's own reset of the stream (`PROTOCOL_ERROR`, for a header list past the
+    /// limit or a malformed head); `None` for everything else (refused, reset by the
+    /// upstream, closed early).
+    pub fn of_h2(error: &h2::Error) -> Option<BadResponse> {
+        (error.is_reset()
+            && error.is_library()
+            && error.reason() == Some(h2::Reason::PROTOCOL_ERROR))
+        .then_some(BadResponse::TooLargeOrMalformed)
+    }
+}
+
+/// What a failed exchange with an upstream says, read once where it failed (the pool,
+/// from its typed errors; the request body, from its own state): it decides the answer
+/// ([`ProxyError::of_fault`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// Connecting, the TLS handshake or the exchange timed out: 504.
+    Timeout,
+    /// The upstream answered with a head that cannot be passed on: 502.
+    BadResponse(BadResponse),
+    /// The request body failed (the client's doing): 413, 408 or 400.
+    Body(super::body::BodyFailure),
+    /// No descriptor was left for a connection: 503.
+    NoDescriptor,
+    /// Refused, reset, closed early: 502.
+    Failed,
 }
 
 impl ProxyError {
     /// The HTTP status the caller sees.
     pub fn status(&self) -> StatusCode {
         match self {
+            ProxyError::AuthBusy { per_address: true } => StatusCode::TOO_MANY_REQUESTS,
+            ProxyError::AuthBusy { per_address: false } => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::BadCredentials | ProxyError::InvalidToken(_) => StatusCode::UNAUTHORIZED,
             ProxyError::NoRoute => StatusCode::NOT_FOUND,
             ProxyError::OverLimit { .. } | ProxyError::Busy(_) => StatusCode::TOO_MANY_REQUESTS,
@@ -172,6 +220,78 @@ impl ProxyError {
             ProxyError::NotImplemented(_) => StatusCode::NOT_IMPLEMENTED,
             ProxyError::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ProxyError::Overloaded(_) => StatusCode::SERVICE_UNAVAILABLE,
+        }
+    }
+
+    /// The answer to an exchange with `upstream` (its name) that failed with `fault`;
+    /// `detail` says how (the error chain, for the 502 of a failed exchange).
+    pub fn of_fault(upstream: &str, fault: Fault, detail: impl FnOnce() -> String) -> ProxyError {
+        use super::body::BodyFailure;
+        match fault {
+            Fault::Body(BodyFailure::TooLarge(max)) => ProxyError::BodyTooLarge(max),
+            Fault::Body(BodyFailure::TimedOut(after)) => ProxyError::BodyTimeout(after),
+            Fault::Body(BodyFailure::Unreadable) => {
+                ProxyError::BadRequest("the request body could not be read".into())
+            }
+            Fault::Timeout => ProxyError::UpstreamTimeout(upstream.to_string()),
+            Fault::BadResponse(bad) => ProxyError::UpstreamBadResponse(upstream.to_string(), bad),
+            Fault::NoDescriptor => ProxyError::Overloaded("too many open connections"),
+            Fault::Failed => ProxyError::UpstreamUnreachable(upstream.to_string(), detail()),
+        }
+    }
+
+    /// The access-log decision of a request refused with this error before it was
+    /// forwarded (`None` for the failures of a forwarded request, which keep the
+    /// decision of its check: see [`super::phase::Answer`]).
+    pub fn decision(&self) -> Option<Decision> {
+        Some(match self {
+            ProxyError::BadCredentials
+            | ProxyError::InvalidToken(_)
+            | ProxyError::AuthUnavailable
+            | ProxyError::AuthRejected(_)
+            | ProxyError::AuthBusy { .. }
+            | ProxyError::UriTooLongToAsk(_)
+            | ProxyError::HeadersTooLargeToAsk(_) => Decision::Unauthenticated,
+            ProxyError::NoRoute => Decision::NoRoute,
+            ProxyError::OverLimit { .. } | ProxyError::Busy(_) => Decision::Rejected,
+            ProxyError::StoreUnavailable => Decision::StoreErrorDenied,
+            ProxyError::BodyTooLarge(_) => Decision::TooLarge,
+            ProxyError::BadRequest(_) | ProxyError::NotImplemented(_) => Decision::BadRequest,
+            ProxyError::Misdirected(_) => Decision::Misdirected,
+            ProxyError::UpstreamUnreachable(..)
+            | ProxyError::UpstreamBadResponse(..)
+            | ProxyError::UpstreamTimeout(_)
+            | ProxyError::BodyTimeout(_)
+            | ProxyError::Overloaded(_) => return None,
+        })
+    }
+
+    /// Where the failure came from: the client, the upstream (or the auth service), the
+    /// store, or the gateway's own budgets.
+    pub fn origin(&self) -> Origin {
+        match self {
+            ProxyError::BadCredentials
+            | ProxyError::InvalidToken(_)
+            | ProxyError::NoRoute
+            | ProxyError::OverLimit { .. }
+            | ProxyError::AuthRejected(_)
+            | ProxyError::UriTooLongToAsk(_)
+            | ProxyError::HeadersTooLargeToAsk(_)
+            | ProxyError::BodyTooLarge(_)
+            | ProxyError::BadRequest(_)
+            | ProxyError::Misdirected(_)
+            | ProxyError::NotImplemented(_)
+            | ProxyError::BodyTimeout(_)
+            | ProxyError::Busy(_)
+            | ProxyError::AuthBusy { per_address: true } => Origin::Client,
+            ProxyError::AuthUnavailable
+            | ProxyError::UpstreamUnreachable(..)
+            | ProxyError::UpstreamBadResponse(..)
+            | ProxyError::UpstreamTimeout(_) => Origin::Upstream,
+            ProxyError::StoreUnavailable => Origin::Store,
+            ProxyError::Overloaded(_) | ProxyError::AuthBusy { per_address: false } => {
+                Origin::Internal
+            }
         }
     }
 
@@ -210,7 +330,7 @@ impl ProxyError {
                     .headers_mut()
                     .insert(header::RETRY_AFTER, super::headers::number(*retry_after_s));
             }
-            ProxyError::Overloaded(_) | ProxyError::Busy(_) => {
+            ProxyError::Overloaded(_) | ProxyError::Busy(_) | ProxyError::AuthBusy { .. } => {
                 response
                     .headers_mut()
                     .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
@@ -274,6 +394,20 @@ pub(crate) fn causes<'a>(
     error: &'a (dyn Error + 'static),
 ) -> impl Iterator<Item = &'a (dyn Error + 'static)> {
     std::iter::successors(Some(error), |&e| e.source())
+}
+
+/// `e` and its sources, outermost first, joined by `: ` (for log lines).
+pub(crate) fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
+    for (k, err) in causes(e).enumerate() {
+        if k > 0 {
+            out.push_str(": ");
+        }
+        // Writing to a String cannot fail.
+        let _ = write!(out, "{err}");
+    }
+    out
 }
 
 #[cfg(test)]

@@ -1,6 +1,6 @@
 //! What an upstream's response head says about the length of its body, made into one
 //! reading before the response goes on to the client, whatever HTTP version each side
-//! speaks (issue 45, items 12 to 14):
+//! speaks:
 //!
 //! - `Transfer-Encoding` and `Content-Length` both: the transfer coding framed the body
 //!   (hyper's HTTP/1.1 client read it so), and `Content-Length` is removed (RFC 9112

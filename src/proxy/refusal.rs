@@ -8,8 +8,8 @@
 //! identical one with copies of that header map and body (two allocations and a
 //! reference count per value)
 //! instead of building the map again (seven inserts, each hashing its name) and writing
-//! the body again: about 2,800 fewer instructions per 429 (callgrind, BENCHMARKS.md,
-//! issue 16). The bytes on the wire are the same either way (the tests hold the two to
+//! the body again: about 2,800 fewer instructions per 429 (callgrind, BENCHMARKS.md).
+//! The bytes on the wire are the same either way (the tests hold the two to
 //! it); the request id is set afterwards ([`super::access::AccessLog::finish`], in the
 //! line kept for it) and `Date` by hyper.
 //!
@@ -141,7 +141,7 @@ pub fn over_limit<'a>(
 /// with a placeholder value that [`super::access::AccessLog::finish`] replaces (it puts
 /// the request id on every response, in place where the line is there already). The
 /// line is there so that a copy of a kept map, which has no room to spare, never grows:
-/// growing it reallocated its lines and copied them on every repeated 429 (issue 16).
+/// growing it reallocated its lines and copied them on every repeated 429.
 fn render(usage: &Usage, retry_after_s: u64, caller: &str) -> (HeaderMap, Bytes) {
     let body = Bytes::from(over_limit_body(usage, retry_after_s, caller));
     let mut headers = HeaderMap::with_capacity(12);

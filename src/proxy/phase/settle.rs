@@ -1,0 +1,66 @@
+//! Phase 6, settle: charge every limit once the response status is known, unless the
+//! status is uncharged (then the check's numbers stand, and reservations and lease
+//! units are given back). The upstream may say what the request cost
+//! (`upstreams.cost_header`, [`crate::proxy::upstream::Upstream::take_cost`]; the header
+//! never reaches the client): that is what limits checked before forwarding are
+//! charged. Reserved (`on_request`) and lease-mode limits keep the route's cost, taken
+//! before forwarding.
+
+use super::check::Checked;
+use crate::limiter::{Applied, SlotGuard, Usage};
+use crate::proxy::access::AccessLog;
+use crate::proxy::route::Route;
+use crate::proxy::{Body, Context};
+use http::Response;
+use std::sync::Arc;
+
+/// A settled request: what its limits read after the charge, for the headers.
+#[derive(Debug)]
+pub struct Settled {
+    /// Per applied limit, its usage after the charge (`None`: the store failed).
+    pub usages: Vec<Option<Usage>>,
+    /// Every limit that applied, in the order of `usages`.
+    pub applied: Arc<[Applied]>,
+    /// The concurrency slots, to be held by the response body.
+    pub slots: Option<SlotGuard>,
+    /// When it was settled, milliseconds since the Unix epoch (for the headers).
+    pub now_ms: u64,
+}
+
+/// Charge (or release) the request `checked` admitted on `route`, given its upstream's
+/// `response` (whose cost header is removed), noting the cost charged in `log`.
+///
+/// Not an `async fn`, for the reason [`crate::proxy::handle`] gives (arguments kept once).
+#[allow(clippy::manual_async_fn)]
+pub fn settle<'r>(
+    ctx: &'r Context<'r>,
+    route: &'r Route,
+    checked: Checked<'r>,
+    response: &'r mut Response<Body>,
+    log: &'r mut AccessLog,
+) -> impl std::future::Future<Output = Settled> + 'r {
+    async move {
+        let Checked { ticket, slots } = checked;
+        let applied = ticket.applied().clone();
+        let cost = route
+            .upstream
+            .take_cost(response.headers_mut())
+            .unwrap_or(route.cost);
+        // One reading of the clock for the charge and the headers. The charge is handed
+        // to the store when `charge` is called, so a client going away from here on does
+        // not count it twice.
+        let now_ms = ctx.clock.now_ms();
+        let usages = if route.charges(response.status()) && cost > 0 {
+            log.cost = cost;
+            ticket.charge(cost, now_ms).await
+        } else {
+            ticket.release(now_ms)
+        };
+        Settled {
+            usages,
+            applied,
+            slots,
+            now_ms,
+        }
+    }
+}

@@ -18,16 +18,6 @@ pub enum ProxyError {
     /// No route matches the host and path: 404.
     #[error("no route for this host and path")]
     NoRoute,
-    /// Over a limit: 429 with the headers of the CHECK that found it.
-    #[error("API rate limit exceeded for {caller}.")]
-    OverLimit {
-        /// The usage of the limit that rejected the request.
-        usage: Usage,
-        /// Whole seconds until the reset, at least 1.
-        retry_after_s: u64,
-        /// Caller id or client IP.
-        caller: String,
-    },
     /// `[identity.auth_request]` failed and its `on_error = "deny"`: 503.
     #[error("authentication service unavailable")]
     AuthUnavailable,
@@ -197,7 +187,7 @@ impl ProxyError {
             ProxyError::AuthBusy { per_address: false } => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::BadCredentials | ProxyError::InvalidToken(_) => StatusCode::UNAUTHORIZED,
             ProxyError::NoRoute => StatusCode::NOT_FOUND,
-            ProxyError::OverLimit { .. } | ProxyError::Busy(_) => StatusCode::TOO_MANY_REQUESTS,
+            ProxyError::Busy(_) => StatusCode::TOO_MANY_REQUESTS,
             ProxyError::StoreUnavailable | ProxyError::AuthUnavailable => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
@@ -253,7 +243,7 @@ impl ProxyError {
             | ProxyError::UriTooLongToAsk(_)
             | ProxyError::HeadersTooLargeToAsk(_) => Decision::Unauthenticated,
             ProxyError::NoRoute => Decision::NoRoute,
-            ProxyError::OverLimit { .. } | ProxyError::Busy(_) => Decision::Rejected,
+            ProxyError::Busy(_) => Decision::Rejected,
             ProxyError::StoreUnavailable => Decision::StoreErrorDenied,
             ProxyError::BodyTooLarge(_) => Decision::TooLarge,
             ProxyError::BadRequest(_) | ProxyError::NotImplemented(_) => Decision::BadRequest,
@@ -273,7 +263,6 @@ impl ProxyError {
             ProxyError::BadCredentials
             | ProxyError::InvalidToken(_)
             | ProxyError::NoRoute
-            | ProxyError::OverLimit { .. }
             | ProxyError::AuthRejected(_)
             | ProxyError::UriTooLongToAsk(_)
             | ProxyError::HeadersTooLargeToAsk(_)
@@ -295,41 +284,28 @@ impl ProxyError {
         }
     }
 
-    /// The JSON response: `{"message": ...}` plus, for 429, `limit`, `remaining`, `reset`,
-    /// `resource` and `retry_after`, with a `Retry-After` header (whole seconds). The
-    /// rate-limit headers are the request path's to add ([`super::headers::put`]), in the
-    /// styles `headers.style` selects.
+    /// The JSON response: `{"message": ...}`, with `Retry-After: 1` for the gateway's
+    /// own overload answers. (A caller over a limit gets its 429 from
+    /// [`super::refusal::over_limit`], with `limit`, `remaining`, `reset`, `resource` and
+    /// `retry_after` in the body.) The rate-limit headers are the request path's to add
+    /// ([`super::headers::put`]), in the styles `headers.style` selects.
     pub fn into_response(self) -> Response<Body> {
         let status = self.status();
-        let bytes = match &self {
-            // The hot refusal (a caller over its limit, often in a tight loop): written
-            // straight into one buffer, as serde_json would write `ErrorBody`.
-            ProxyError::OverLimit {
-                usage,
-                retry_after_s,
-                caller,
-            } => over_limit_body(usage, *retry_after_s, caller),
-            _ => {
-                use std::fmt::Write;
-                // Sized for the usual message and body: no growth while they are written.
-                let mut message = String::with_capacity(96);
-                let _ = write!(message, "{self}");
-                let body = ErrorBody { message: &message };
-                // Serializing a struct of plain fields cannot fail.
-                let mut bytes = Vec::with_capacity(message.len() + 32);
-                if serde_json::to_writer(&mut bytes, &body).is_err() {
-                    bytes.clear();
-                }
-                bytes
+        let bytes = {
+            use std::fmt::Write;
+            // Sized for the usual message and body: no growth while they are written.
+            let mut message = String::with_capacity(96);
+            let _ = write!(message, "{self}");
+            let body = ErrorBody { message: &message };
+            // Serializing a struct of plain fields cannot fail.
+            let mut bytes = Vec::with_capacity(message.len() + 32);
+            if serde_json::to_writer(&mut bytes, &body).is_err() {
+                bytes.clear();
             }
+            bytes
         };
         let mut response = json_bytes_response(status, bytes);
         match &self {
-            ProxyError::OverLimit { retry_after_s, .. } => {
-                response
-                    .headers_mut()
-                    .insert(header::RETRY_AFTER, super::headers::number(*retry_after_s));
-            }
             ProxyError::Overloaded(_) | ProxyError::Busy(_) | ProxyError::AuthBusy { .. } => {
                 response
                     .headers_mut()
@@ -474,25 +450,5 @@ mod tests {
                 assert_eq!(v["resource"], resource);
             }
         }
-    }
-
-    #[test]
-    fn a_429_response_carries_the_body_retry_after_and_json_type() {
-        let usage = Usage {
-            resource: Arc::from("core"),
-            quota: 10,
-            used: 10,
-            reset_at_ms: 2_000_000_000_500,
-            retry_at_ms: 0,
-        };
-        let r = ProxyError::OverLimit {
-            usage: usage.clone(),
-            retry_after_s: 42,
-            caller: "10.0.0.7".into(),
-        }
-        .into_response();
-        assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
-        assert_eq!(r.headers()[header::RETRY_AFTER], "42");
-        assert_eq!(r.headers()[header::CONTENT_TYPE], "application/json");
     }
 }

@@ -1,4 +1,6 @@
-//! The 429 of a caller over a limit, rendered once per distinct answer on each thread.
+//! The 429 of a caller over a limit: the gateway's one renderer of it ([`over_limit`],
+//! for the route's limits and `identity.failed_auth_limit` alike), rendered once per
+//! distinct answer on each thread.
 //!
 //! A refused caller often retries in a tight loop, and its refusals are one answer
 //! repeated: the same `Retry-After`, `X-RateLimit-*` headers and JSON body until
@@ -9,8 +11,8 @@
 //! reference count per value)
 //! instead of building the map again (seven inserts, each hashing its name) and writing
 //! the body again: about 2,800 fewer instructions per 429 (callgrind, BENCHMARKS.md).
-//! The bytes on the wire are the same either way (the tests hold the two to
-//! it); the request id is set afterwards ([`super::access::AccessLog::finish`], in the
+//! The bytes on the wire are the same either way ([`render`] makes both; the tests
+//! hold the copy to it); the request id is set afterwards ([`super::access::AccessLog::finish`], in the
 //! line kept for it) and `Date` by hyper.
 //!
 //! Only for `headers.style = ["github"]`, the default: the IETF style's `RateLimit`
@@ -76,8 +78,7 @@ thread_local! {
 /// The 429 for a caller over the limit `usage` describes: `Retry-After` in whole
 /// seconds (`retry_after_s`), the rate-limit headers of `styles` (`policies`: every
 /// limit that applied, for the IETF style; `now_ms`: milliseconds since the Unix epoch)
-/// and the JSON body naming `caller` (its client id or IP). Byte for byte what
-/// [`super::error::ProxyError::OverLimit`] with [`headers::put`] answers.
+/// and the JSON body naming `caller` (its client id or IP).
 pub fn over_limit<'a>(
     usage: &Usage,
     retry_after_s: u64,
@@ -87,14 +88,8 @@ pub fn over_limit<'a>(
     now_ms: u64,
 ) -> Response<Body> {
     if !styles.github || styles.ietf {
-        let mut response = super::error::ProxyError::OverLimit {
-            usage: usage.clone(),
-            retry_after_s,
-            caller: caller.to_owned(),
-        }
-        .into_response();
-        headers::put(response.headers_mut(), styles, usage, policies, now_ms);
-        return response;
+        let (headers, body) = render(usage, retry_after_s, caller, styles, policies, now_ms);
+        return response(headers, body);
     }
     let inputs = Inputs {
         resource: &usage.resource,
@@ -111,7 +106,7 @@ pub fn over_limit<'a>(
                 Some((headers, body)) => (headers.clone(), body.clone()),
                 None => {
                     // Asked for twice in a row: kept from now on.
-                    let (headers, body) = render(usage, retry_after_s, caller);
+                    let (headers, body) = render_github(usage, retry_after_s, caller);
                     l.rendered = Some((headers.clone(), body.clone()));
                     (headers, body)
                 }
@@ -126,28 +121,54 @@ pub fn over_limit<'a>(
                     caller: caller.into(),
                     rendered: None,
                 });
-                render(usage, retry_after_s, caller)
+                render_github(usage, retry_after_s, caller)
             }
         }
     });
+    response(headers, body)
+}
+
+/// A 429 of `headers` and `body`.
+fn response(headers: HeaderMap, body: Bytes) -> Response<Body> {
     let mut response = Response::new(Full::new(body).map_err(|never| match never {}).boxed());
     *response.status_mut() = StatusCode::TOO_MANY_REQUESTS;
     *response.headers_mut() = headers;
     response
 }
 
-/// The headers and body of a 429 in the GitHub style, in the order the gateway's other
-/// answers put them: `Content-Type`, `Retry-After`, `X-RateLimit-*`, then `X-Request-Id`
-/// with a placeholder value that [`super::access::AccessLog::finish`] replaces (it puts
-/// the request id on every response, in place where the line is there already). The
-/// line is there so that a copy of a kept map, which has no room to spare, never grows:
-/// growing it reallocated its lines and copied them on every repeated 429.
-fn render(usage: &Usage, retry_after_s: u64, caller: &str) -> (HeaderMap, Bytes) {
+/// [`render`] in the default style, `["github"]` (which needs no clock nor policies).
+fn render_github(usage: &Usage, retry_after_s: u64, caller: &str) -> (HeaderMap, Bytes) {
+    render(
+        usage,
+        retry_after_s,
+        caller,
+        Styles::default(),
+        std::iter::empty(),
+        0,
+    )
+}
+
+/// The headers and body of a 429, in the order the gateway's other answers put them:
+/// `Content-Type`, `Retry-After`, the rate-limit headers of `styles` ([`headers::put`]),
+/// then `X-Request-Id` with a placeholder value that
+/// [`super::access::AccessLog::finish`] replaces (it puts the request id on every
+/// response, in place where the line is there already). The line is there so that a
+/// copy of a kept map, which has no room to spare, never grows: growing it reallocated
+/// its lines and copied them on every repeated 429.
+fn render<'a>(
+    usage: &Usage,
+    retry_after_s: u64,
+    caller: &str,
+    styles: Styles,
+    policies: impl IntoIterator<Item = Policy<'a>>,
+    now_ms: u64,
+) -> (HeaderMap, Bytes) {
     let body = Bytes::from(over_limit_body(usage, retry_after_s, caller));
+    // Room for every rate-limit header of both styles: no growth.
     let mut headers = HeaderMap::with_capacity(12);
     headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
     headers.insert(RETRY_AFTER, headers::number(retry_after_s));
-    headers::put_usage(&mut headers, usage);
+    headers::put(&mut headers, styles, usage, policies, now_ms);
     headers.insert(REQUEST_ID.clone(), HeaderValue::from_static("-"));
     (headers, body)
 }
@@ -155,7 +176,6 @@ fn render(usage: &Usage, retry_after_s: u64, caller: &str) -> (HeaderMap, Bytes)
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::proxy::error::ProxyError;
 
     fn usage(resource: &str, quota: u64, used: u64, reset_at_ms: u64) -> Usage {
         Usage {
@@ -167,23 +187,37 @@ mod tests {
         }
     }
 
-    /// What the gateway answered before the memo: the error's response, then the
-    /// rate-limit headers.
-    fn fresh(usage: &Usage, retry_after_s: u64, caller: &str) -> Response<Body> {
-        let mut response = ProxyError::OverLimit {
-            usage: usage.clone(),
-            retry_after_s,
-            caller: caller.to_owned(),
-        }
-        .into_response();
-        headers::put(
-            response.headers_mut(),
-            Styles::default(),
-            usage,
-            std::iter::empty(),
-            0,
+    /// A 429 built by hand, as the gateway's other JSON answers are: the body, then
+    /// `Retry-After`, then the rate-limit headers of `styles`.
+    fn by_hand<'a>(
+        usage: &Usage,
+        retry_after_s: u64,
+        caller: &str,
+        styles: Styles,
+        policies: impl IntoIterator<Item = Policy<'a>>,
+        now_ms: u64,
+    ) -> Response<Body> {
+        let mut response = crate::response::json_bytes_response(
+            StatusCode::TOO_MANY_REQUESTS,
+            over_limit_body(usage, retry_after_s, caller),
         );
         response
+            .headers_mut()
+            .insert(RETRY_AFTER, headers::number(retry_after_s));
+        headers::put(response.headers_mut(), styles, usage, policies, now_ms);
+        response
+    }
+
+    /// What the gateway answers without the memo, in the default style.
+    fn fresh(usage: &Usage, retry_after_s: u64, caller: &str) -> Response<Body> {
+        by_hand(
+            usage,
+            retry_after_s,
+            caller,
+            Styles::default(),
+            std::iter::empty(),
+            0,
+        )
     }
 
     /// A response as the client reads it: status, every header line in order, and the body.
@@ -309,15 +343,26 @@ mod tests {
         ] {
             for now_ms in [1_795_798_830_000, 1_795_798_831_000] {
                 let got = wire(over_limit(&u, 3598, "acme", styles, [policy], now_ms)).await;
-                let mut want = ProxyError::OverLimit {
-                    usage: u.clone(),
-                    retry_after_s: 3598,
-                    caller: "acme".into(),
-                }
-                .into_response();
-                headers::put(want.headers_mut(), styles, &u, [policy], now_ms);
+                let want = by_hand(&u, 3598, "acme", styles, [policy], now_ms);
                 assert_eq!(got, wire(want).await, "{styles:?} at {now_ms}");
             }
+        }
+    }
+
+    #[test]
+    fn a_429_response_carries_the_body_retry_after_and_json_type() {
+        let u = usage("core", 10, 10, 2_000_000_000_500);
+        for styles in [
+            Styles::default(),
+            Styles {
+                github: false,
+                ietf: true,
+            },
+        ] {
+            let r = over_limit(&u, 42, "10.0.0.7", styles, std::iter::empty(), 0);
+            assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
+            assert_eq!(r.headers()[RETRY_AFTER], "42");
+            assert_eq!(r.headers()[CONTENT_TYPE], "application/json");
         }
     }
 }

@@ -10,7 +10,7 @@ use crate::identity::{Caller, IdentityError};
 use crate::limiter::Usage;
 use crate::proxy::access::{self, AccessLog, Decision};
 use crate::proxy::error::ProxyError;
-use crate::proxy::headers::{self, Policy};
+use crate::proxy::headers::Policy;
 use crate::proxy::peer::Peer;
 use crate::proxy::{Context, Gate};
 use crate::wire::Incoming;
@@ -156,12 +156,13 @@ fn failed_auth_refusal(
         .limiter
         .failed_auth_limit()
         .map(|limit| Policy::of_limit(limit, usage.quota));
-    let mut response = ProxyError::OverLimit {
-        usage: usage.clone(),
-        retry_after_s: usage.retry_after_s(now_ms),
-        caller: ip.to_string(),
-    }
-    .into_response();
-    headers::put(response.headers_mut(), snap.headers, &usage, policy, now_ms);
+    let response = crate::proxy::refusal::over_limit(
+        &usage,
+        usage.retry_after_s(now_ms),
+        &ip.to_string(),
+        snap.headers,
+        policy,
+        now_ms,
+    );
     Answer::new(response, Decision::Rejected)
 }

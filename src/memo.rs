@@ -11,6 +11,12 @@
 //! - **associative** ([`Memo::find`], [`Memo::push`]): entries fill the slots in order,
 //!   then replace the oldest (round robin); a lookup scans the filled slots.
 //!
+//! Its users: the keyed digest of a caller (`limiter::key`), the limits that apply to a
+//! caller (`limiter::applicable`), the rows of the request, rejection and latency
+//! metrics (`metrics::rows`), the last 429 rendered (`proxy::refusal`), the last
+//! `X-RateLimit-Limit`/`-Reset` values and `X-RateLimit-Resource` (`proxy::headers`),
+//! and HTTP/2's `Date` (`wire::h2server`).
+//!
 //! An entry is only ever used after the caller compared it with the input in full (the
 //! hash only picks a slot), so a memo gives exactly what the computation would.
 //! Use one memo in one way: mixing the two on one memo is allowed but pointless.
@@ -72,6 +78,13 @@ impl<T, const N: usize> Memo<T, N> {
             Some(entry) if fits(entry) => read(entry),
             _ => read(slot.insert(make())),
         }
+    }
+
+    /// The slot `hash % N` itself, for a memo whose entry is updated in place (`None`:
+    /// empty).
+    #[inline]
+    pub fn slot_mut<R>(&self, hash: u64, f: impl FnOnce(&mut Option<T>) -> R) -> R {
+        f(&mut self.slots.borrow_mut()[Self::slot(hash)])
     }
 
     /// Associative lookup: what `hit` makes of the first filled slot it accepts.

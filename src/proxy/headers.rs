@@ -4,9 +4,9 @@
 
 use crate::config::HeaderStyle;
 use crate::limiter::{Applied, Limit, Usage};
+use crate::memo::Memo;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue};
-use std::cell::RefCell;
 use std::fmt::Write;
 use std::sync::Arc;
 
@@ -149,18 +149,15 @@ enum Remembered {
 /// (a reference count) instead of formatted, allocated and checked again.
 fn remembered(which: Remembered, n: u64) -> HeaderValue {
     thread_local! {
-        static LAST: RefCell<[Option<(u64, HeaderValue)>; 2]> = const { RefCell::new([None, None]) };
+        static LAST: Memo<(u64, HeaderValue), 2> = const { Memo::new() };
     }
     LAST.with(|last| {
-        let slot = &mut last.borrow_mut()[which as usize];
-        match slot {
-            Some((m, v)) if *m == n => v.clone(),
-            _ => {
-                let v = number(n);
-                *slot = Some((n, v.clone()));
-                v
-            }
-        }
+        last.get_or_put(
+            which as u64,
+            |(m, _)| *m == n,
+            || (n, number(n)),
+            |(_, v)| v.clone(),
+        )
     })
 }
 
@@ -171,17 +168,14 @@ fn remembered(which: Remembered, n: u64) -> HeaderValue {
 /// one of another name replaces it.
 fn resource_value(name: &Arc<str>) -> Option<HeaderValue> {
     thread_local! {
-        static LAST: RefCell<Option<(Arc<str>, HeaderValue)>> = const { RefCell::new(None) };
+        static LAST: Memo<(Arc<str>, HeaderValue), 1> = const { Memo::new() };
     }
     LAST.with(|last| {
-        let mut last = last.borrow_mut();
-        if let Some((n, v)) = &*last {
-            if **n == **name {
-                return Some(v.clone());
-            }
+        if let Some(v) = last.get(0, |(n, v)| (**n == **name).then(|| v.clone())) {
+            return Some(v);
         }
         let v = HeaderValue::from_str(name).ok()?;
-        *last = Some((name.clone(), v.clone()));
+        drop(last.put(0, (name.clone(), v.clone())));
         Some(v)
     })
 }

@@ -24,11 +24,11 @@ use super::error::over_limit_body;
 use super::headers::{self, Policy, Styles};
 use super::Body;
 use crate::limiter::Usage;
+use crate::memo::Memo;
 use bytes::Bytes;
 use http::header::{CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderMap, HeaderValue, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
-use std::cell::RefCell;
 use std::sync::Arc;
 
 /// What a 429's bytes depend on: the limit's name, the caller's quota and units used,
@@ -72,7 +72,7 @@ impl Last {
 
 thread_local! {
     /// The last 429 this thread rendered (see the module documentation).
-    static LAST: RefCell<Option<Last>> = const { RefCell::new(None) };
+    static LAST: Memo<Last, 1> = const { Memo::new() };
 }
 
 /// The 429 for a caller over the limit `usage` describes: `Retry-After` in whole
@@ -99,9 +99,8 @@ pub fn over_limit<'a>(
         retry_after_s,
         caller,
     };
-    let (headers, body) = LAST.with(|last| {
-        let mut last = last.borrow_mut();
-        match &mut *last {
+    let (headers, body) = LAST.with(|memo| {
+        memo.slot_mut(0, |last| match last {
             Some(l) if l.inputs() == inputs => match &l.rendered {
                 Some((headers, body)) => (headers.clone(), body.clone()),
                 None => {
@@ -123,7 +122,7 @@ pub fn over_limit<'a>(
                 });
                 render_github(usage, retry_after_s, caller)
             }
-        }
+        })
     });
     response(headers, body)
 }

@@ -307,6 +307,7 @@ fn limiter_memory(c: &mut Criterion) {
     let caller = snap.identities.identify(&headers, peer).expect("caller");
     assert!(caller.client.is_some());
     let limiter = &snap.limiter;
+    let clock: tollgate::clock::SharedClock = Arc::new(tollgate::clock::SystemClock);
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -322,12 +323,14 @@ fn limiter_memory(c: &mut Criterion) {
     g.bench_function("applicable + check + charge (1 limit)", |b| {
         b.iter(|| {
             rt.block_on(async {
-                let applied = limiter.applicable(&route.limits, black_box(&caller), &headers);
-                let checked = limiter
-                    .check(&applied, route.cost, false, NOW_MS)
+                let applied: Arc<[_]> = limiter
+                    .applicable(&route.limits, black_box(&caller), &headers)
+                    .into();
+                let ticket = limiter
+                    .check(&applied, route.cost, false, &clock, NOW_MS)
                     .await
                     .expect("admitted");
-                black_box(limiter.charge(&applied, route.cost, NOW_MS, checked).await)
+                black_box(ticket.charge(route.cost, NOW_MS).await)
             })
         })
     });

@@ -278,13 +278,13 @@ impl Gateway {
                 .applicable_to(&route.limits, &caller, req.headers());
         let reserve = gate.limiter.reserves(route.on_request);
         let now_ms = clock.now_ms();
-        let mut admission = drive(
+        let mut ticket = drive(
             &self.rt,
             gate.limiter.check_or_delay(
                 &applied,
                 route.cost,
                 reserve,
-                clock,
+                &self.clock,
                 &self.delayed,
                 now_ms,
             ),
@@ -292,14 +292,11 @@ impl Gateway {
         .unwrap_or_else(|_| panic!("admitted"));
         gate.limiter
             .count_used(&applied, &caller, route.cost, now_ms);
-        if admission.usages.iter().any(Option::is_none) {
+        if ticket.usages().iter().any(Option::is_none) {
             log.decision = Decision::StoreErrorAllowed;
         }
-        assert!(admission.shadowed.is_empty());
-        let slots = gate.limiter.slots(&applied, &admission, self.clock.clone());
-        let mut pending =
-            gate.limiter
-                .pending_charge(applied.clone(), &mut admission, self.clock.clone());
+        assert!(ticket.shadowed().is_empty());
+        let slots = ticket.slots();
 
         // 4. the request as it goes upstream (proxy::forward), and the response back
         gate.identities.to_upstream(&caller, req.headers_mut());
@@ -349,18 +346,12 @@ impl Gateway {
             .upstream
             .take_cost(response.headers_mut())
             .unwrap_or(route.cost);
-        pending.settle(&mut admission);
         let now_ms = clock.now_ms();
         let usages = if route.charges(response.status()) && cost > 0 {
             log.cost = cost;
-            drive(
-                &self.rt,
-                gate.limiter.charge(&applied, cost, now_ms, admission),
-            )
+            drive(&self.rt, ticket.charge(cost, now_ms))
         } else {
-            gate.limiter
-                .release(&applied, route.cost, &mut admission, now_ms);
-            admission.usages
+            ticket.release(now_ms)
         };
 
         // 6. rate-limit headers

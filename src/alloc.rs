@@ -5,7 +5,7 @@
 //! `mi_malloc_aligned(size, align)`. mimalloc v3 answers that at once only for blocks up
 //! to 1 KiB; a larger one, such as a boxed request future or a hyper buffer, takes the
 //! over-allocating aligned path (`mi_theap_malloc_zero_aligned_at_generic`), which was
-//! about 1,200 instructions of a proxied request (callgrind, BENCHMARKS.md, issue 16).
+//! about 1,200 instructions of a proxied request (callgrind, BENCHMARKS.md).
 //! A plain `mi_malloc` block is aligned to 16 bytes whenever its size is at least 16
 //! (mimalloc's `MI_MAX_ALIGN_SIZE`): its size classes above 8 bytes are multiples of 16
 //! and its pages start on 16 bytes, as C's `malloc` promises for `max_align_t`. So, like

@@ -20,7 +20,7 @@ use std::time::Duration;
 /// On Linux it is `CLOCK_MONOTONIC_COARSE`, read through the vDSO: the time of the
 /// kernel's last tick, so a reading lags the true time by up to one tick (1 to 10 ms,
 /// `CONFIG_HZ`; 4 ms on the benchmark VM), and costs about 8 ns where
-/// `Instant::now` costs 40 to 50 ns on that VM (issue 16). Elsewhere it is
+/// `Instant::now` costs 40 to 50 ns on that VM. Elsewhere it is
 /// `Instant::now`. Resolution: milliseconds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Coarse {
@@ -86,7 +86,7 @@ impl Clock for SystemClock {
 /// Milliseconds since the Unix epoch from `CLOCK_REALTIME` (0 before 1970). On Linux read
 /// straight from the vDSO's answer in seconds and nanoseconds: `SystemTime`'s
 /// subtraction of the epoch and its 128-bit milliseconds cost more than the reading here
-/// (issue 16; two readings per request).
+/// (two readings per request).
 #[cfg(target_os = "linux")]
 fn system_now_ms() -> u64 {
     let t = rustix::time::clock_gettime(rustix::time::ClockId::Realtime);

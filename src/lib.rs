@@ -27,6 +27,8 @@ pub mod server;
 pub mod snapshot;
 pub mod tickets;
 pub mod tls;
+pub mod wire;
+pub mod worker;
 
 pub use server::Gateway;
 

@@ -8,8 +8,8 @@
 //! `Arc<Snapshot>` it started with; a reload swaps in a whole new one.
 
 use crate::config::{
-    Backend, Config, ConfigFile, ConfigReport, LogConfig, Problems, ServerConfig, StoreClock,
-    StoreConfig,
+    validate, Backend, Config, ConfigFile, ConfigReport, LogConfig, Problems, ServerConfig,
+    StoreClock, StoreConfig,
 };
 use crate::identity::Identities;
 use crate::limiter::cache::OverLimitCache;
@@ -90,78 +90,14 @@ impl Snapshot {
         // Unknown keys found (and skipped) while parsing come first.
         let mut problems = file.problems.clone();
 
-        let listen = parse_addr("server.listen", &cfg.server.listen, &mut problems);
+        let listen = validate::addr("server.listen", &cfg.server.listen, &mut problems);
         let admin_listen = cfg
             .server
             .admin_listen
             .as_ref()
-            .and_then(|a| parse_addr("server.admin_listen", a, &mut problems));
+            .and_then(|a| validate::addr("server.admin_listen", a, &mut problems));
+        validate::server_and_log(cfg, &mut problems);
         let tls = load_tls(file, previous, &mut problems);
-        if cfg.identity.failed_auth_limit.window.as_millis() < 1_000 {
-            problems.error("identity.failed_auth_limit.window", "must be at least 1s");
-        }
-        if let Some(token) = &cfg.server.admin_token_sha256 {
-            if token.len() != 64 || !token.bytes().all(|b| b.is_ascii_hexdigit()) {
-                problems.error(
-                    "server.admin_token_sha256",
-                    "must be 64 hex characters: the SHA-256 of the admin token (e.g. `printf %s \"$TOKEN\" | sha256sum`)",
-                );
-            }
-        }
-        if cfg.server.workers == Some(0) {
-            problems.error(
-                "server.workers",
-                "must be at least 1 (leave it out for one per CPU)",
-            );
-        }
-        if cfg.server.header_read_timeout.0.is_zero() {
-            problems.error("server.header_read_timeout", "must be more than 0");
-        }
-        if !(1..=1_000_000).contains(&cfg.server.max_delayed) {
-            problems.error(
-                "server.max_delayed",
-                "must be between 1 and 1000000 (about 33 KB each); limits that must not delay use on_limit = \"reject\"",
-            );
-        }
-        if cfg.server.max_connections_per_ip == 0 {
-            problems.error(
-                "server.max_connections_per_ip",
-                "must be at least 1 (to not cap one address below the whole listener, set it to server.max_connections)",
-            );
-        }
-        if !(1..=100).contains(&cfg.server.descriptor_share_per_ip) {
-            problems.error(
-                "server.descriptor_share_per_ip",
-                "must be between 1 and 100 (a percentage of the descriptor budget; 100 turns the share off)",
-            );
-        }
-        if cfg.server.send_timeout.0.is_zero() {
-            problems.error("server.send_timeout", "must be more than 0");
-        }
-        if cfg.server.body_timeout.0.is_zero() {
-            problems.error("server.body_timeout", "must be more than 0");
-        }
-        if cfg
-            .server
-            .tunnel_idle_timeout
-            .is_some_and(|t| t.0.is_zero())
-        {
-            problems.error(
-                "server.tunnel_idle_timeout",
-                "must be more than 0 (leave it out to use server.idle_timeout)",
-            );
-        }
-        if !["trace", "debug", "info", "warn", "error", "off"].contains(&cfg.log.level.as_str())
-            && tracing_subscriber::EnvFilter::try_new(&cfg.log.level).is_err()
-        {
-            problems.error(
-                "log.level",
-                format!(
-                    "{:?} is not a level (trace, debug, info, warn, error) or a filter",
-                    cfg.log.level
-                ),
-            );
-        }
 
         let base_dir = crate::tls::base_dir(&file.path);
         let identities = Identities::build_for(
@@ -190,8 +126,10 @@ impl Snapshot {
             .unwrap_or_default();
         let mut upstreams = HashMap::new();
         // One pool part per worker of the runtime that runs ([server] is read at start).
-        let pool_parts = crate::server::runtime::per_worker_parts(
-            previous.map_or(&cfg.server, |p| &p.running.0),
+        let running = previous.map_or(&cfg.server, |p| &p.running.0);
+        let pool_parts = crate::worker::parts(
+            running.runtime == crate::config::RuntimeShape::PerCore,
+            running.workers,
         );
         for (i, u) in cfg.upstreams.iter().enumerate() {
             if upstreams.contains_key(&u.name) {
@@ -221,25 +159,7 @@ impl Snapshot {
             }
         }
 
-        if cfg.identity.trusted_proxies.is_empty() {
-            for (i, l) in cfg.limits.iter().enumerate() {
-                if l.trusted_only {
-                    problems.warn(
-                        format!("limits[{i}].trusted_only"),
-                        "identity.trusted_proxies is empty: the header is never believed, so this limit counts client IPs",
-                    );
-                }
-            }
-        }
-        check_headers(cfg, &mut problems);
-        if let Some(path) = &cfg.rate_limit_endpoint.path {
-            if !path.starts_with('/') {
-                problems.error(
-                    "rate_limit_endpoint.path",
-                    "must start with `/`, e.g. \"/rate_limit\"",
-                );
-            }
-        }
+        validate::headers_and_endpoint(cfg, &mut problems);
 
         let declared: HashSet<&str> = cfg
             .upstreams
@@ -269,19 +189,7 @@ impl Snapshot {
                 routes.push(Arc::new(route));
             }
         }
-        if previous.is_some() && file.text.trim().is_empty() {
-            // An editor or a deploy that truncated the file before writing it.
-            problems.error("", "the file is empty; a reload needs a complete config");
-        } else if cfg.routes.is_empty() && previous.is_some() {
-            // Applying it would answer every request 404: most likely a half-written or
-            // wrong file, so a reload refuses it (a restart accepts it, with a warning).
-            problems.error(
-                "routes",
-                "no [[routes]]: a reload would answer every request 404, so it is refused",
-            );
-        } else if cfg.routes.is_empty() {
-            problems.warn("routes", "no [[routes]]: every request will get 404");
-        }
+        validate::routes(cfg, &file.text, previous.is_some(), &mut problems);
 
         // Keep the store (and its connections, or the memory store's windows) and the
         // over-limit cache when [store] is unchanged, or when both are memory stores;
@@ -333,7 +241,7 @@ impl Snapshot {
         };
         let hash_key_digest = hash_key.as_deref().map(content_hash).unwrap_or_default();
         if let Some(prev) = previous {
-            let warning = reshard_warning(&prev.config.store, &cfg.store)
+            let warning = validate::reshard_warning(&prev.config.store, &cfg.store)
                 // Moving the same key from `hash_key` to `hash_key_file` (or back)
                 // moves nobody.
                 .filter(|(key, _)| {
@@ -470,25 +378,7 @@ fn edge_rules(
             }
         });
     let id = &cfg.identity;
-    let mut read = vec![(
-        "identity.api_key_header".to_string(),
-        id.api_key_header.as_str(),
-    )];
-    for (i, l) in cfg.limits.iter().enumerate() {
-        if let Some(name) = l.by.strip_prefix("header:") {
-            read.push((format!("limits[{i}].by"), name));
-        }
-    }
-    if !underscores {
-        for (key, name) in &read {
-            if name.contains('_') {
-                problems.error(
-                    key.clone(),
-                    format!("{name:?} has `_` in its name, and such request headers are dropped unless server.underscores_in_headers = true: use `-` (or set that key)"),
-                );
-            }
-        }
-    }
+    let read = validate::read_headers(cfg, underscores, problems);
     let set = [
         id.forward_caller_header.as_deref(),
         id.forward_tier_header.as_deref(),
@@ -502,8 +392,7 @@ fn edge_rules(
     .with_via(via)
 }
 
-/// Load `[server.tls]` (relative paths against the config file's directory), and check
-/// the keys that depend on it. With no `[server.tls]` in a reload of a gateway that
+/// Load `[server.tls]` (relative paths against the config file's directory). With no `[server.tls]` in a reload of a gateway that
 /// runs TLS, the previous certificates stay (with a warning).
 fn load_tls(
     file: &ConfigFile,
@@ -511,13 +400,6 @@ fn load_tls(
     problems: &mut Problems,
 ) -> Option<Arc<crate::tls::Tls>> {
     let cfg = &file.config;
-    let client_ca = cfg.server.tls.as_ref().and_then(|t| t.client_ca.as_ref());
-    if cfg.identity.client_cert_subject_as_caller && client_ca.is_none() {
-        problems.error(
-            "identity.client_cert_subject_as_caller",
-            "needs server.tls.client_ca (only verified client certificates name callers)",
-        );
-    }
     match (&cfg.server.tls, previous) {
         (Some(tls), _) => {
             let base = crate::tls::base_dir(&file.path);
@@ -552,183 +434,17 @@ pub fn content_hash(text: &str) -> String {
     hex::encode(sha2::Sha256::digest(text.as_bytes()))
 }
 
-fn parse_addr(path: &str, value: &str, problems: &mut Problems) -> Option<SocketAddr> {
-    match value.parse() {
-        Ok(a) => Some(a),
-        Err(_) => {
-            problems.error(
-                path,
-                format!("{value:?} is not an address like \"127.0.0.1:8080\""),
-            );
-            None
-        }
-    }
-}
-
-/// Validate `[headers]`: each style at most once; with the IETF style, limit names must
-/// be printable ASCII (`RateLimit` headers carry them as structured-field strings).
-fn check_headers(cfg: &Config, problems: &mut Problems) {
-    let styles = &cfg.headers.style;
-    for (i, style) in styles.iter().enumerate() {
-        if styles[..i].contains(style) {
-            problems.error(
-                format!("headers.style[{i}]"),
-                format!("{:?} is listed twice", style.name()),
-            );
-        }
-    }
-    if styles.contains(&crate::config::HeaderStyle::Ietf) {
-        for (i, l) in cfg.limits.iter().enumerate() {
-            if !crate::proxy::headers::is_sf_string(&l.name) {
-                problems.error(
-                    format!("limits[{i}].name"),
-                    "must be printable ASCII with headers.style \"ietf\" (RateLimit headers carry it as a structured-field string)",
-                );
-            }
-        }
-    }
-}
-
-/// Validate `[store]` and build the store it describes (no I/O).
+/// Validate `[store]` and build the store it describes.
 fn build_store(
     cfg: &StoreConfig,
     base_dir: &std::path::Path,
     problems: &mut Problems,
 ) -> Option<AnyStore> {
-    if cfg.timeout.0.is_zero() {
-        problems.error("store.timeout", "must be more than 0");
-    }
-    if cfg.key_prefix.contains(char::is_whitespace) || cfg.key_prefix.contains(['{', '}']) {
-        problems.error(
-            "store.key_prefix",
-            "must not contain white space or braces (braces mark the Redis Cluster hash tag)",
-        );
-    }
-    if cfg.sweep_interval.0.is_zero() {
-        problems.error("store.sweep_interval", "must be more than 0");
-    }
+    validate::store(cfg, problems);
     match cfg.backend {
-        Backend::Memory => {
-            if !cfg.shards.is_empty() {
-                problems.warn("store.shards", "ignored: backend is \"memory\"");
-            }
-            if cfg.clock == StoreClock::Redis {
-                problems.error(
-                    "store.clock",
-                    "\"redis\" needs backend = \"redis\" (the memory store has only the gateway's clock); use \"gateway\"",
-                );
-            }
-            if cfg.max_callers == 0 {
-                problems.error("store.max_callers", "must be at least 1");
-            }
-            Some(AnyStore::Memory(MemoryStore::with_max_callers(
-                cfg.max_callers,
-            )))
-        }
+        Backend::Memory => Some(AnyStore::Memory(MemoryStore::with_max_callers(
+            cfg.max_callers,
+        ))),
         Backend::Redis => RedisStore::from_config_in(cfg, base_dir, problems).map(AnyStore::Redis),
-    }
-}
-
-/// A warning when a reload moves callers to other shards or other keys, where they start
-/// a fresh window: the shard list (its primaries or Sentinel masters, in order) changed,
-/// or `mode`, `key_prefix` or `hash_key` did. Replica changes move nobody.
-pub fn reshard_warning(old: &StoreConfig, new: &StoreConfig) -> Option<(&'static str, String)> {
-    if old.backend != Backend::Redis || new.backend != Backend::Redis {
-        return None;
-    }
-    let changed = if old.mode != new.mode {
-        Some("store.mode")
-    } else if old.key_prefix != new.key_prefix {
-        Some("store.key_prefix")
-    } else if old.hash_key != new.hash_key {
-        Some("store.hash_key")
-    } else {
-        None
-    };
-    if let Some(key) = changed {
-        return Some((
-            key,
-            format!("{key} changed: every caller gets new keys and starts a fresh window"),
-        ));
-    }
-    let identity = |c: &StoreConfig| -> Vec<String> {
-        c.shards
-            .iter()
-            .map(|s| match (&s.primary, &s.sentinel) {
-                (Some(p), _) => p.clone(),
-                (None, Some(sen)) => format!("sentinel:{}", sen.master),
-                (None, None) => String::new(),
-            })
-            .collect()
-    };
-    let (old_ids, new_ids) = (identity(old), identity(new));
-    if old_ids == new_ids {
-        return None;
-    }
-    let (n, m) = (old_ids.len(), new_ids.len());
-    let moved = if m > n && new_ids.starts_with(&old_ids) {
-        format!("about {:.0}% of callers", 100.0 * (m - n) as f64 / m as f64)
-    } else if n > m && old_ids.starts_with(&new_ids) {
-        format!("about {:.0}% of callers", 100.0 * (n - m) as f64 / n as f64)
-    } else {
-        "callers of every changed or reordered shard (possibly most callers)".to_string()
-    };
-    Some((
-        "store.shards",
-        format!(
-            "the shard list changed ({n} -> {m} shards): {moved} move to another shard and start a fresh window there; add or remove shards only at the end of the list"
-        ),
-    ))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::config::ShardConfig;
-
-    fn redis(n: usize) -> StoreConfig {
-        StoreConfig {
-            backend: Backend::Redis,
-            shards: (0..n)
-                .map(|i| ShardConfig {
-                    primary: Some(format!("redis://10.0.0.{i}:6379")),
-                    replicas: vec![],
-                    sentinel: None,
-                })
-                .collect(),
-            ..StoreConfig::default()
-        }
-    }
-
-    #[test]
-    fn reshard_warning_says_how_many_callers_move() {
-        assert_eq!(reshard_warning(&redis(2), &redis(2)), None);
-        let (key, w) = reshard_warning(&redis(3), &redis(4)).unwrap();
-        assert_eq!(key, "store.shards");
-        assert!(
-            w.contains("3 -> 4 shards") && w.contains("about 25% of callers"),
-            "{w}"
-        );
-        let mut reordered = redis(3);
-        reordered.shards.swap(0, 2);
-        assert!(reshard_warning(&redis(3), &reordered)
-            .unwrap()
-            .1
-            .contains("possibly most callers"));
-    }
-
-    #[test]
-    fn reshard_warning_names_the_key_that_changed() {
-        let mut keyed = redis(2);
-        keyed.hash_key = Some("new-secret".into());
-        let (key, w) = reshard_warning(&redis(2), &keyed).unwrap();
-        assert_eq!(key, "store.hash_key");
-        assert!(w.starts_with("store.hash_key changed"), "{w}");
-        let mut prefixed = redis(2);
-        prefixed.key_prefix = "other:".into();
-        assert_eq!(
-            reshard_warning(&redis(2), &prefixed).unwrap().0,
-            "store.key_prefix"
-        );
     }
 }

@@ -1,8 +1,10 @@
 //! The TOML schema: plain serde types, one per section of the contract, with their defaults.
 //!
-//! Unknown keys are errors everywhere (`deny_unknown_fields`). Semantic checks (names that
-//! must exist, numbers that must be positive) live in [`super::validate`].
+//! Unknown keys are errors everywhere (`deny_unknown_fields`); string choices are enums
+//! ([`super::choices`]). Rules that are not types (ranges, keys that depend on each
+//! other) live in [`super::validate`].
 
+use super::choices::{ChargeAt, LimitBy, LimitMode, OnLimit, PathMatch, WindowAlign};
 use super::duration::Dur;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -989,12 +991,12 @@ pub struct LimitConfig {
     /// Fixed windows only: `"first_request"` (default: a window starts at the caller's
     /// first charge) or `"calendar"` (windows start at UTC boundaries: the hour, the
     /// day, the month for `window = "1mo"`).
-    #[serde(default = "default_align")]
-    pub align: String,
+    #[serde(default)]
+    pub align: WindowAlign,
     /// `"enforce"` (default) or `"shadow"`: evaluate and report (log, metric, headers)
     /// but never refuse.
-    #[serde(default = "default_mode")]
-    pub mode: String,
+    #[serde(default)]
+    pub mode: LimitMode,
     /// Percent of callers (0-100, chosen by a stable hash of what the limit counts) for
     /// whom an enforcing limit refuses; the others are shadowed. Default 100.
     #[serde(default = "default_enforce_percent")]
@@ -1002,8 +1004,8 @@ pub struct LimitConfig {
     /// `"reject"` (default: 429 at once) or `"delay"`: hold a refused request until this
     /// limit would admit it, at most `max_delay`, with at most `max_waiting` requests of
     /// one subject waiting on one gateway; beyond either, 429.
-    #[serde(default = "default_on_limit")]
-    pub on_limit: String,
+    #[serde(default)]
+    pub on_limit: OnLimit,
     /// `on_limit = "delay"`: the longest a request is held. Default 1s.
     #[serde(default = "default_max_delay")]
     pub max_delay: Dur,
@@ -1015,8 +1017,8 @@ pub struct LimitConfig {
     /// Cost units per window, by tier.
     pub quota: BTreeMap<String, u64>,
     /// What a window counts: `"caller"`, `"ip"`, `"global"` or `"header:NAME"`.
-    #[serde(default = "default_by")]
-    pub by: String,
+    #[serde(default)]
+    pub by: LimitBy,
     /// `by = "header:NAME"` only: believe the header only when the socket peer is one of
     /// `identity.trusted_proxies`; from any other peer the limit counts the client IP.
     /// Default false (the header counts from anyone, so a client picks its window).
@@ -1060,10 +1062,6 @@ pub enum Algorithm {
     Concurrency,
 }
 
-fn default_on_limit() -> String {
-    "reject".into()
-}
-
 fn default_max_delay() -> Dur {
     Dur::from_secs(1)
 }
@@ -1072,20 +1070,8 @@ fn default_max_waiting() -> u32 {
     16
 }
 
-fn default_mode() -> String {
-    "enforce".into()
-}
-
 fn default_enforce_percent() -> u8 {
     100
-}
-
-fn default_align() -> String {
-    "first_request".into()
-}
-
-fn default_by() -> String {
-    "caller".into()
 }
 
 /// `[[routes]]`.
@@ -1100,8 +1086,8 @@ pub struct RouteConfig {
     /// `"prefix"` (default: the path starts with `path_prefix`, so `/v1/orders` also
     /// matches `/v1/ordersummary`) or `"segments"` (whole path segments only:
     /// `/v1/orders` matches `/v1/orders` and `/v1/orders/7`, not `/v1/ordersummary`).
-    #[serde(default = "default_path_match")]
-    pub path_match: String,
+    #[serde(default)]
+    pub path_match: PathMatch,
     /// Request methods this route is for (e.g. `["POST"]`); empty (default): any.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub methods: Vec<String>,
@@ -1123,8 +1109,8 @@ pub struct RouteConfig {
     /// `"after_response"` (default): charged once the response status is known;
     /// `"on_request"`: reserved when the request is admitted (refunded for an uncharged
     /// status).
-    #[serde(default = "default_charge")]
-    pub charge: String,
+    #[serde(default)]
+    pub charge: ChargeAt,
     /// Protocols a request on this route may upgrade to (`Upgrade`), e.g.
     /// `["websocket"]` (the default); any other upgrade is served as a plain request.
     /// `"h2c"` is an error.
@@ -1141,20 +1127,12 @@ fn default_upgrades() -> Vec<String> {
     vec!["websocket".into()]
 }
 
-fn default_path_match() -> String {
-    "prefix".into()
-}
-
 fn default_cost() -> u64 {
     1
 }
 
 fn default_uncharged() -> Vec<u16> {
     vec![304]
-}
-
-fn default_charge() -> String {
-    "after_response".into()
 }
 
 /// `[headers]`.

@@ -26,7 +26,6 @@
 
 pub mod authority;
 pub mod hop;
-pub mod incoming;
 pub mod target;
 pub mod upgrade;
 pub mod via;

@@ -2,7 +2,7 @@
 //! in entries (`cache_size`) and in bytes (`cache_max_bytes`), and swept, so that the
 //! memory of expired answers is given back rather than only skipped.
 
-use super::auth_request::Answer;
+use super::answer::Answer;
 use std::collections::HashMap;
 use std::time::Instant;
 

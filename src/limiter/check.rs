@@ -1,13 +1,16 @@
-//! CHECK, before forwarding ([`Limiter::check`]): how each applied limit is held until
-//! the end of the request (its stage: peek, reservation, held reservation, slot or
-//! lease), the units this gateway admitted and has not charged yet (in flight) and the
-//! lock that orders them with the store's calls, and the refusal it answers with.
+//! CHECK, before forwarding ([`Limiter::check`]), one function per stage: the
+//! over-limit cache, the plan (how each applied limit is held until the end of the
+//! request, and the units it counts in flight on this gateway), one store call per
+//! shard, the reading of its answers, and lease-mode limits. What the check admits is a
+//! [`Ticket`]; what it refuses, a [`Refusal`].
 
-use super::algorithm::{Algorithm, Op, OpKind, Policy};
-use super::key::{LimitKey, StateKey};
+use super::algorithm::{Algorithm, Op, OpKind, Policy, Verdict};
+use super::in_flight::{InFlightGuard, Keys};
 use super::lease::{self, Ask, Take};
-use super::store::{Item, Store, StoreError};
-use super::{next_id, sharded, Applied, Limiter, Usage, CACHE_TRUST_MS};
+use super::store::{Item, Store, StoreError, Submitted};
+use super::ticket::{Taken, Ticket};
+use super::{next_id, Applied, Limiter, Usage, CACHE_TRUST_MS};
+use crate::clock::SharedClock;
 use smallvec::SmallVec;
 use std::sync::Arc;
 
@@ -29,130 +32,6 @@ pub(super) enum Stage {
     Lease,
 }
 
-/// What [`Limiter::check`] admitted: per applied limit, its usage (`None` where the
-/// store failed and `on_error = "allow"`) and what was taken that may have to be
-/// given back.
-#[derive(Debug, Default)]
-pub struct Admission {
-    /// The usage of each applied limit, in order.
-    pub usages: Vec<Option<Usage>>,
-    /// Per applied limit: how it is held, and the epoch a refund quotes for a
-    /// reservation or slot that was taken.
-    pub(super) holds: Vec<Hold>,
-    /// Refusals of limits in shadow mode (or outside their `enforce_percent`): the
-    /// request was let through; report them ("would reject").
-    pub shadowed: Vec<Usage>,
-    /// The units this request adds to its checked limits' in-flight counts until it is
-    /// charged or released (given back when the admission is dropped).
-    pub(super) in_flight: Option<InFlightGuard>,
-    /// The cost the check took or counted (the route's `cost`).
-    pub(super) cost: u64,
-}
-
-/// Units this gateway admitted by a read and has not charged yet, per storage key of a
-/// limit checked before forwarding (`charge = "after_response"`): at most one request's
-/// per key, since a request that finds units here is held by a reservation instead
-/// ([`Stage::Held`]). A check counts them as if charged, so a burst of one caller on
-/// one gateway admits exactly the quota, and across N gateways at most N requests more.
-///
-/// A unit is never in flight and in the store at once: a check reads these counts and
-/// hands its call to the store, and a charge hands its call to the store and takes its
-/// units out of these counts, each under [`InFlightUnits::order`]. Since a store runs
-/// calls in the order they were handed over (the memory store at once; a Redis shard
-/// whose reads go to its primary through one FIFO queue, see [`Store::submit`]; on a
-/// shard that reads from replicas, a window this gateway wrote is read through that
-/// queue until every replica has seen the write, and otherwise on a replica that has
-/// seen every write of it), a check either counts a unit here and finds it missing in
-/// the store, or finds it in the store and not here.
-#[derive(Debug, Clone, Default)]
-pub(super) struct InFlightUnits {
-    counts: Arc<sharded::ShardedMap<u64>>,
-    order: Arc<std::sync::Mutex<()>>,
-}
-
-impl InFlightUnits {
-    /// The units in flight for `key` before this request, and the policy a reservation
-    /// of it is judged by ([`tightened`] by them). When there is none (a read will do),
-    /// `cost` units are counted in flight for `key` (see [`InFlightUnits::guard`]).
-    pub(super) fn enter(
-        &self,
-        key: &LimitKey,
-        cost: u64,
-        policy: &Policy,
-    ) -> (u64, Option<Policy>) {
-        let mut shard = self.counts.shard(key);
-        let n = shard.get(&key.state).copied().unwrap_or(0);
-        let held = tightened(policy, n);
-        if held.is_none() {
-            *shard.entry(key.state).or_insert(0) += cost;
-        }
-        (n, held)
-    }
-
-    /// Like [`InFlightUnits::enter`] for a limit the recent-charge view may answer: when
-    /// no request of `key` is in flight on this gateway and `view()` admits, `cost` units
-    /// are counted in flight and the view's usage is returned. With requests in flight,
-    /// `None`: the request is held by a reservation as usual (a burst gains nothing from
-    /// the view, whose answers would only move the store call after the response).
-    pub(super) fn enter_viewed(
-        &self,
-        key: &LimitKey,
-        cost: u64,
-        view: impl FnOnce() -> Option<super::Usage>,
-    ) -> Option<super::Usage> {
-        let mut shard = self.counts.shard(key);
-        if shard.get(&key.state).is_some_and(|&n| n > 0) {
-            return None;
-        }
-        let u = view()?;
-        *shard.entry(key.state).or_insert(0) += cost;
-        Some(u)
-    }
-
-    /// Hold while reading the counts and handing the check's call to the store, or while
-    /// handing a charge to the store and taking its units out of the counts (see the
-    /// type's documentation). Held for microseconds, never across an `await`.
-    pub(super) fn order(&self) -> std::sync::MutexGuard<'_, ()> {
-        self.order.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// A guard that takes `cost` units out of the counts of `keys` (those
-    /// [`InFlightUnits::enter`] counted) when dropped; `None` for no key.
-    pub(super) fn guard(&self, keys: Keys, cost: u64) -> Option<InFlightGuard> {
-        (!keys.is_empty()).then(|| InFlightGuard {
-            units: self.clone(),
-            keys,
-            cost,
-        })
-    }
-}
-
-/// The keys a request counted in flight: held inline for the one or two limits most routes
-/// apply (no allocation per request), on the heap past that.
-pub(super) type Keys = SmallVec<[StateKey; 2]>;
-
-/// Takes a request's units out of the in-flight counts when dropped.
-#[derive(Debug)]
-pub(super) struct InFlightGuard {
-    units: InFlightUnits,
-    keys: Keys,
-    cost: u64,
-}
-
-impl Drop for InFlightGuard {
-    fn drop(&mut self) {
-        for key in &self.keys {
-            let mut shard = self.units.counts.shard_of(key);
-            if let Some(n) = shard.get_mut(key) {
-                *n = n.saturating_sub(self.cost);
-                if *n == 0 {
-                    shard.remove(key);
-                }
-            }
-        }
-    }
-}
-
 /// How one applied limit is held, decided once by [`Limiter::check`].
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Hold {
@@ -166,29 +45,8 @@ pub(super) struct Hold {
     /// charged after its response only if its reservation did not land, and its
     /// reservation is refunded if it landed and the request is not charged (a slot that
     /// landed is given back when the response ends), in the background
-    /// (`settle::spawn_late`): counted once either way.
+    /// (`late::spawn`): counted once either way.
     pub(super) late: Option<u64>,
-}
-
-/// The policy a [`Stage::Held`] reservation is judged by while `n` units of the same
-/// caller and limit are in flight on this gateway, unseen by the store: the quota (GCRA:
-/// the burst) less `n`, so that the reservation admits only what `n` more units leave
-/// room for. `None` when nothing is in flight (a read will do), for concurrency limits
-/// (slots), and when `n` leaves no room (the read, with `n` added, refuses and reports
-/// the usage).
-fn tightened(policy: &Policy, n: u64) -> Option<Policy> {
-    if n == 0 {
-        return None;
-    }
-    let mut p = *policy;
-    match p.algorithm {
-        Algorithm::Concurrency => return None,
-        Algorithm::Gcra if n < p.burst => p.burst -= n,
-        Algorithm::Gcra => return None,
-        _ if n < p.quota => p.quota -= n,
-        _ => return None,
-    }
-    Some(p)
 }
 
 impl Applied {
@@ -215,34 +73,48 @@ pub enum Refusal {
     StoreDenied(StoreError),
 }
 
+/// What the check works out before it asks the store ([`Limiter::plan`]).
+struct Plan<'a> {
+    /// Per applied limit: the units of the same caller and limit in flight on this
+    /// gateway before this request, and the tightened policy of a held reservation.
+    /// (On the stack for up to two limits, as the other per-request lists.)
+    in_flight: SmallVec<[(u64, Option<Policy>); 2]>,
+    /// Per applied limit: the usage the recent-charge view admitted it with (no store
+    /// call then); empty when `store.check_from_charge` is off.
+    viewed: Vec<Option<Usage>>,
+    /// Per applied limit: the op id of its reservation or slot (0 for the others).
+    ids: SmallVec<[u64; 2]>,
+    /// The units this request counted in flight, taken out when the guard is dropped
+    /// (by the ticket, when the request is charged or released).
+    counted: Option<InFlightGuard<'a>>,
+    /// Whether a limit is in lease mode (the last stage has work).
+    leased: bool,
+}
+
 impl Limiter {
     /// CHECK every applied limit before forwarding: one store call per shard that peeks
     /// (limits charged after the response), reserves `cost` (`on_request`: check and
     /// add in one step) or takes a slot (concurrency); lease-mode limits take `cost`
-    /// units from this gateway's lease. Admits when every limit admits; then nothing
+    /// units from this gateway's lease. `now_ms` is the time of the check (epoch
+    /// milliseconds); `clock` is read when the returned [`Ticket`] is dropped without
+    /// being charged or released. Admits when every limit admits; otherwise nothing
     /// taken is kept.
     ///
     /// Errors: [`Refusal::OverLimit`] with the usage of the limit that refused (the one
     /// that frees latest when several do); [`Refusal::StoreDenied`] when the store
     /// failed and `on_error = "deny"`.
-    pub async fn check(
-        &self,
-        applied: &[Applied],
+    pub async fn check<'a>(
+        &'a self,
+        applied: &Arc<[Applied]>,
         cost: u64,
         on_request: bool,
+        clock: &'a SharedClock,
         now_ms: u64,
-    ) -> Result<Admission, Refusal> {
-        // A caller known to be over a limit is answered without the store (unless this
-        // gateway still holds lease units of it: those were granted within the quota).
-        if let Some(usage) = applied.iter().find_map(|a| {
-            let leased = a.limit.lease > 0 && self.leases.holds(&a.key, cost, now_ms);
-            (!leased)
-                .then(|| self.cache.get(&a.key, a.policy.limit(), cost, now_ms))
-                .flatten()
-        }) {
+    ) -> Result<Ticket<'a>, Refusal> {
+        if let Some(usage) = self.cached_refusal(applied, cost, now_ms) {
             return Err(Refusal::OverLimit(usage));
         }
-        let mut admission = Admission {
+        let mut taken = Taken {
             usages: Vec::with_capacity(applied.len()),
             holds: applied
                 .iter()
@@ -253,34 +125,69 @@ impl Limiter {
                 })
                 .collect(),
             shadowed: Vec::new(),
-            in_flight: None,
             cost,
         };
-        // Requests this gateway admitted and has not charged yet count as charged, so a
-        // burst of concurrent requests cannot all pass one stale check. The first
-        // request of a caller and limit in flight on this gateway is checked by a read
-        // and counted here until it is charged or released. A request that finds one
-        // already in flight is held by a reservation in the store instead (`Held`),
-        // with the quota tightened by the units in flight here, which the store has not
-        // seen yet: so every gateway of a fleet has at most one request per caller and
-        // limit that the others cannot see, and a burst overshoots by at most one
-        // request per gateway.
-        // Per applied limit: the units in flight here before this request, and the
-        // tightened policy of a held one.
-        // (On the stack for up to two limits, as the other per-request lists below.)
+        // Peeked limits count their units in flight and hand their call to the store
+        // under one lock (see `InFlightUnits`).
+        let peeked = taken.holds.iter().any(|h| h.stage == Stage::Peek);
+        let order = peeked.then(|| self.in_flight.order());
+        let mut plan = self.plan(applied, &mut taken.holds, cost, now_ms);
+        let (submitted, pending) = self.submit(applied, &taken.holds, &plan, cost, now_ms);
+        drop(order);
+        let answers = match submitted {
+            Some(answers) => answers.await,
+            None => Vec::new(),
+        };
+        if let Err(refusal) = self.judge(applied, &mut plan, answers, &pending, &mut taken, now_ms)
+        {
+            self.give_back(applied, &taken, now_ms);
+            return Err(refusal);
+        }
+        if plan.leased {
+            self.take_leases(applied, &mut taken, now_ms).await?;
+        }
+        Ok(Ticket::new(
+            self,
+            clock,
+            applied.clone(),
+            taken,
+            plan.counted,
+        ))
+    }
+
+    /// Stage 1: a caller known to be over a limit is answered from the over-limit cache,
+    /// without the store (unless this gateway still holds lease units of the limit:
+    /// those were granted within the quota). The refusal's usage, or `None`.
+    #[inline]
+    fn cached_refusal(&self, applied: &[Applied], cost: u64, now_ms: u64) -> Option<Usage> {
+        applied.iter().find_map(|a| {
+            let leased = a.limit.lease > 0 && self.leases.holds(&a.key, cost, now_ms);
+            (!leased)
+                .then(|| self.cache.get(&a.key, a.policy.limit(), cost, now_ms))
+                .flatten()
+        })
+    }
+
+    /// Stage 2, under [`InFlightUnits::order`](super::in_flight::InFlightUnits::order):
+    /// how each peeked limit is held. Requests this gateway admitted and has not charged
+    /// yet count as charged, so a burst of concurrent requests cannot all pass one stale
+    /// check. The first request of a caller and limit in flight on this gateway is
+    /// checked by a read (or answered by the recent-charge view) and counted in flight
+    /// until it is charged or released. A request that finds one already in flight is
+    /// held by a reservation in the store instead ([`Stage::Held`]), with the quota
+    /// tightened by the units in flight here, which the store has not seen yet: so every
+    /// gateway of a fleet has at most one request per caller and limit that the others
+    /// cannot see, and a burst overshoots by at most one request per gateway.
+    fn plan(&self, applied: &[Applied], holds: &mut [Hold], cost: u64, now_ms: u64) -> Plan<'_> {
         let mut in_flight: SmallVec<[(u64, Option<Policy>); 2]> =
             smallvec::smallvec![(0, None); applied.len()];
         let mut counted = Keys::new();
-        let peeked = admission.holds.iter().any(|h| h.stage == Stage::Peek);
-        let order = peeked.then(|| self.in_flight.order());
-        // Per applied limit: the usage the recent-charge view admitted it with (no store
-        // call then), when `store.check_from_charge` is on.
         let mut viewed: Vec<Option<Usage>> = Vec::new();
         if self.recent.enabled() {
             viewed.resize(applied.len(), None);
         }
         for (i, a) in applied.iter().enumerate() {
-            if admission.holds[i].stage != Stage::Peek {
+            if holds[i].stage != Stage::Peek {
                 continue;
             }
             if let Some(slot) = viewed.get_mut(i) {
@@ -296,28 +203,48 @@ impl Limiter {
             }
             in_flight[i] = self.in_flight.enter(&a.key, cost, &a.policy);
             if in_flight[i].1.is_some() {
-                admission.holds[i].stage = Stage::Held;
+                holds[i].stage = Stage::Held;
             } else {
                 counted.push(a.key.state);
             }
         }
-        admission.in_flight = self.in_flight.guard(counted, cost);
-        let in_flight_before = |i: usize| in_flight[i].0;
-        // Per applied limit: the op id of its reservation or slot (0 for the others).
-        let ids: SmallVec<[u64; 2]> = admission
-            .holds
+        let ids = holds
             .iter()
             .map(|h| match h.stage {
                 Stage::Peek | Stage::Lease => 0,
                 _ => next_id(),
             })
             .collect();
+        Plan {
+            in_flight,
+            viewed,
+            ids,
+            counted: self.in_flight.guard(counted, cost),
+            leased: holds.iter().any(|h| h.stage == Stage::Lease),
+        }
+    }
+
+    /// Stage 3: hand the store one call per shard for the limits that need one (not
+    /// leased, not answered by the recent-charge view): a peek of `cost` plus the units
+    /// in flight, or a reservation of `cost` (slots: one). Reservations change the
+    /// windows the recent-charge view holds: they are counted there as pending until
+    /// their answers. Returns the answers to await (`None`: no limit needs the store)
+    /// and the view's pending entries, one per reservation in call order when the view
+    /// is on.
+    fn submit(
+        &self,
+        applied: &[Applied],
+        holds: &[Hold],
+        plan: &Plan<'_>,
+        cost: u64,
+        now_ms: u64,
+    ) -> (Option<Submitted>, Vec<u64>) {
         let items: SmallVec<[Item<'_>; 2]> = applied
             .iter()
-            .zip(admission.holds.iter().map(|h| h.stage))
+            .zip(holds.iter().map(|h| h.stage))
             .enumerate()
             .filter(|(i, (_, st))| {
-                *st != Stage::Lease && viewed.get(*i).is_none_or(|v| v.is_none())
+                *st != Stage::Lease && plan.viewed.get(*i).is_none_or(|v| v.is_none())
             })
             .map(|(i, (a, st))| match st {
                 Stage::Peek => Item {
@@ -325,24 +252,22 @@ impl Limiter {
                     policy: &a.policy,
                     op: Op {
                         kind: OpKind::Peek,
-                        cost: cost.saturating_add(in_flight_before(i)),
+                        cost: cost.saturating_add(plan.in_flight[i].0),
                         id: 0,
                     },
                 },
                 _ => Item {
                     key: &a.key,
-                    policy: in_flight[i].1.as_ref().unwrap_or(&a.policy),
+                    policy: plan.in_flight[i].1.as_ref().unwrap_or(&a.policy),
                     op: Op {
                         kind: OpKind::Reserve,
                         cost,
-                        id: ids[i],
+                        id: plan.ids[i],
                     },
                 },
             })
             .collect();
-        // Reservations change the windows the recent-charge view holds: counted there as
-        // pending until their answers (below).
-        let tickets: Vec<u64> = if self.recent.enabled() {
+        let pending: Vec<u64> = if self.recent.enabled() {
             items
                 .iter()
                 .map(|it| match (it.op.kind, it.policy.algorithm) {
@@ -356,32 +281,50 @@ impl Limiter {
             Vec::new()
         };
         let submitted = (!items.is_empty()).then(|| self.store.submit(&items, now_ms));
-        drop(order);
-        let mut results = match submitted {
-            Some(answers) => answers.await,
-            None => Vec::new(),
-        }
-        .into_iter();
+        (submitted, pending)
+    }
+
+    /// Stage 4: read the store's `answers` (in the order of [`Limiter::submit`]) into
+    /// `taken`: each limit's usage, the epoch of each reservation or slot taken, the
+    /// refusals of limits in shadow mode, the calls that may still land. Refusals the
+    /// store's count alone made are kept in the over-limit cache.
+    ///
+    /// Errors: [`Refusal::OverLimit`] with the usage of the refusing limit that frees
+    /// latest; [`Refusal::StoreDenied`] when a call failed and `on_error = "deny"`.
+    /// Nothing taken is given back here.
+    fn judge(
+        &self,
+        applied: &[Applied],
+        plan: &mut Plan<'_>,
+        answers: Vec<Result<Verdict, StoreError>>,
+        pending: &[u64],
+        taken: &mut Taken,
+        now_ms: u64,
+    ) -> Result<(), Refusal> {
+        let cost = taken.cost;
+        let mut results = answers.into_iter();
         let mut over: Option<Usage> = None;
         let mut denied: Option<StoreError> = None;
-        // Store answers consumed so far (the index into `tickets`).
+        // Store answers consumed so far (the index into `pending`).
         let mut answered = 0;
         for (i, a) in applied.iter().enumerate() {
-            if admission.holds[i].stage == Stage::Lease {
-                admission.usages.push(None); // filled in below, once nothing else refused
+            let hold = &mut taken.holds[i];
+            if hold.stage == Stage::Lease {
+                taken.usages.push(None); // filled in by the last stage
                 continue;
             }
-            if let Some(u) = viewed.get_mut(i).and_then(Option::take) {
-                admission.usages.push(Some(u));
+            if let Some(u) = plan.viewed.get_mut(i).and_then(Option::take) {
+                taken.usages.push(Some(u));
                 continue;
             }
             let result = results.next().unwrap_or(Err(StoreError::NotStarted));
-            if let Some(&ticket) = tickets.get(answered) {
+            if let Some(&sent) = pending.get(answered) {
                 let after = result.as_ref().ok().map(|v| a.usage(v));
                 self.recent
-                    .replied(&a.key, ticket, cost, after.as_ref(), now_ms);
+                    .replied(&a.key, sent, cost, after.as_ref(), now_ms);
             }
             answered += 1;
+            let in_flight_before = plan.in_flight[i].0;
             match result {
                 Ok(v) => {
                     // Units in flight count as used, so that a refusal they caused
@@ -389,31 +332,33 @@ impl Limiter {
                     // more than the store holds and the quota: what the store alone
                     // refuses shows the store's count.
                     let mut u = a.usage(&v);
-                    let n = in_flight_before(i);
                     u.used = if v.admitted {
-                        u.used.saturating_add(n)
+                        u.used.saturating_add(in_flight_before)
                     } else if u.used.saturating_add(cost) > u.quota {
                         u.used
                     } else {
-                        u.used.saturating_add(n).min(u.quota).max(u.used)
+                        u.used
+                            .saturating_add(in_flight_before)
+                            .min(u.quota)
+                            .max(u.used)
                     };
                     if v.admitted {
-                        if admission.holds[i].stage != Stage::Peek {
-                            admission.holds[i].epoch = Some(v.epoch);
+                        if hold.stage != Stage::Peek {
+                            hold.epoch = Some(v.epoch);
                         }
                     } else if !a.enforced() {
-                        admission.shadowed.push(u.clone());
-                        if admission.holds[i].stage == Stage::Held {
+                        taken.shadowed.push(u.clone());
+                        if hold.stage == Stage::Held {
                             // Let through without a reservation: charged after the
                             // response, like a checked limit.
-                            admission.holds[i].stage = Stage::Peek;
+                            hold.stage = Stage::Peek;
                         }
                     } else {
                         // A refusal that this gateway's requests in flight caused (or
                         // that a held reservation judged by a quota tightened by them)
                         // may not last: they can be released. Keep only what the store
                         // alone refuses.
-                        if in_flight_before(i) == 0 && admission.holds[i].stage != Stage::Held {
+                        if in_flight_before == 0 && hold.stage != Stage::Held {
                             self.remember_refusal(a, &u, cost, now_ms);
                         }
                         let frees = |u: &Usage| u.retry_at_ms.max(u.reset_at_ms);
@@ -421,42 +366,51 @@ impl Limiter {
                             over = Some(u.clone());
                         }
                     }
-                    admission.usages.push(Some(u));
+                    taken.usages.push(Some(u));
                 }
                 Err(e) => {
                     let may_land = e.may_have_run();
                     if let Err(Refusal::StoreDenied(e)) = self.store_failed(e) {
                         denied = Some(e);
                     }
-                    match admission.holds[i].stage {
+                    match hold.stage {
                         // The reservation may still land: settled once its late answer
                         // is known (see `Hold::late`).
                         Stage::Reserve | Stage::Held | Stage::Slot if may_land => {
-                            admission.holds[i].late = Some(ids[i]);
+                            hold.late = Some(plan.ids[i]);
                         }
                         // Nothing was reserved: if let through (on_error = "allow"),
                         // charge it after the response like a checked limit.
-                        Stage::Held => admission.holds[i].stage = Stage::Peek,
+                        Stage::Held => hold.stage = Stage::Peek,
                         _ => {}
                     }
-                    admission.usages.push(None);
+                    taken.usages.push(None);
                 }
             }
         }
-        if over.is_some() || denied.is_some() {
-            self.give_back(applied, cost, &admission, now_ms);
-            return Err(match over {
-                Some(u) => Refusal::OverLimit(u),
-                None => Refusal::StoreDenied(denied.unwrap_or(StoreError::NotStarted)),
-            });
+        match (over, denied) {
+            (Some(u), _) => Err(Refusal::OverLimit(u)),
+            (None, Some(e)) => Err(Refusal::StoreDenied(e)),
+            (None, None) => Ok(()),
         }
-        // Lease-mode limits: take units; if one refuses, give back what the others took.
+    }
+
+    /// Stage 5: lease-mode limits take `cost` units from this gateway's lease. If one
+    /// refuses (or its store call fails and `on_error = "deny"`), what the limits before
+    /// it took is given back and the refusal returned.
+    async fn take_leases(
+        &self,
+        applied: &[Applied],
+        taken: &mut Taken,
+        now_ms: u64,
+    ) -> Result<(), Refusal> {
+        let cost = taken.cost;
         for (i, a) in applied.iter().enumerate() {
-            if admission.holds[i].stage != Stage::Lease {
+            if taken.holds[i].stage != Stage::Lease {
                 continue;
             }
             // Boxed: kept out of the size of every request's future.
-            let taken = Box::pin(self.leases.take(
+            let took = Box::pin(self.leases.take(
                 &*self.store,
                 Ask {
                     key: &a.key,
@@ -469,9 +423,10 @@ impl Limiter {
                 now_ms,
             ))
             .await;
-            match taken {
+            let refusal = match took {
                 Ok(Take::Taken { used, reset_at_ms }) => {
-                    admission.usages[i] = Some(a.usage_at(used, reset_at_ms));
+                    taken.usages[i] = Some(a.usage_at(used, reset_at_ms));
+                    continue;
                 }
                 Ok(Take::Exhausted { used, reset_at_ms }) => {
                     let mut u = a.usage_at(used.max(a.policy.quota), reset_at_ms);
@@ -479,29 +434,27 @@ impl Limiter {
                     if !a.enforced() {
                         // Let through without lease units: it is charged to the window
                         // in the store after the response, like a checked limit.
-                        admission.shadowed.push(u.clone());
-                        admission.usages[i] = Some(u);
-                        admission.holds[i].stage = Stage::Peek;
+                        taken.shadowed.push(u.clone());
+                        taken.usages[i] = Some(u);
+                        taken.holds[i].stage = Stage::Peek;
                         continue;
                     }
                     // Other gateways may give leased units back: trust the refusal only
                     // until their leases could have gone idle.
                     self.cache
                         .insert_until(&a.key, &u, cost, now_ms, now_ms + lease::IDLE_MS);
-                    admission.usages.truncate(i);
-                    self.give_back(&applied[..i], cost, &admission, now_ms);
-                    return Err(Refusal::OverLimit(u));
+                    Refusal::OverLimit(u)
                 }
-                Err(e) => {
-                    if let Err(refusal) = self.store_failed(e) {
-                        admission.usages.truncate(i);
-                        self.give_back(&applied[..i], cost, &admission, now_ms);
-                        return Err(refusal);
-                    }
-                }
-            }
+                Err(e) => match self.store_failed(e) {
+                    Ok(()) => continue,
+                    Err(refusal) => refusal,
+                },
+            };
+            taken.usages.truncate(i);
+            self.give_back(&applied[..i], taken, now_ms);
+            return Err(refusal);
         }
-        Ok(admission)
+        Ok(())
     }
 
     /// Keep a refusal that the store's count alone made (see [`Limiter::check`]) in the
@@ -510,7 +463,7 @@ impl Limiter {
     /// cost until `retry_at`. Concurrency refusals are not kept (a slot may free at any
     /// moment). The bound is there because the store's count may include reservations
     /// of other gateways that they refund later (a refund on this gateway forgets the
-    /// entry at once, see [`Limiter::release`]).
+    /// entry at once, see [`Ticket::release`]).
     fn remember_refusal(&self, a: &Applied, u: &Usage, cost: u64, now_ms: u64) {
         let trusted_until = now_ms.saturating_add(CACHE_TRUST_MS);
         match a.policy.algorithm {

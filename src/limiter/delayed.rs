@@ -9,9 +9,11 @@
 //! that would be held gets its 429 at once.
 
 use super::key::LimitKey;
-use super::{sharded, Admission, Applied, Limiter, Refusal};
+use super::{sharded, Applied, Limiter, Refusal, Ticket};
+use crate::clock::SharedClock;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
+use std::sync::Arc;
 
 /// Why a request that would have been delayed got its 429 at once.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -104,20 +106,21 @@ impl Limiter {
     /// admit within its `max_delay` (with fewer than `max_waiting` requests of the same
     /// subject already held, and a slot of the gateway-wide `delayed` budget), wait
     /// until it would and check again, until admitted or past `max_delay` from the first
-    /// check. Waits by `clock` (milliseconds since the epoch) and real time.
+    /// check. Waits by `clock` (milliseconds since the epoch) and real time; `started` is
+    /// the time of the first check (epoch milliseconds).
     ///
     /// Errors: as [`Limiter::check`]; a request that cannot wait gets the refusal of
     /// its latest check.
-    pub async fn check_or_delay(
-        &self,
-        applied: &[Applied],
+    pub async fn check_or_delay<'a>(
+        &'a self,
+        applied: &Arc<[Applied]>,
         cost: u64,
         on_request: bool,
-        clock: &dyn crate::clock::Clock,
+        clock: &'a SharedClock,
         delayed: &DelayBudget,
         started: u64,
-    ) -> Result<Admission, Refusal> {
-        match self.check(applied, cost, on_request, started).await {
+    ) -> Result<Ticket<'a>, Refusal> {
+        match self.check(applied, cost, on_request, clock, started).await {
             Err(Refusal::OverLimit(refusal))
                 if applied
                     .iter()
@@ -141,7 +144,11 @@ impl Limiter {
 
     /// The rest of [`Limiter::check_or_delay`] after a check refused with `refusal`:
     /// wait while the refusing limit allows, and check again.
-    async fn delay(&self, w: Wait<'_>, mut refusal: super::Usage) -> Result<Admission, Refusal> {
+    async fn delay<'a>(
+        &'a self,
+        w: Wait<'_, 'a>,
+        mut refusal: super::Usage,
+    ) -> Result<Ticket<'a>, Refusal> {
         let mut held: Option<(Waiting<'_>, DelaySlot<'_>)> = None;
         loop {
             let now_ms = w.clock.now_ms();
@@ -166,7 +173,10 @@ impl Limiter {
             }
             tokio::time::sleep(std::time::Duration::from_millis(at - now_ms)).await;
             let now_ms = w.clock.now_ms();
-            refusal = match self.check(w.applied, w.cost, w.on_request, now_ms).await {
+            refusal = match self
+                .check(w.applied, w.cost, w.on_request, w.clock, now_ms)
+                .await
+            {
                 Err(Refusal::OverLimit(u)) => u,
                 other => return other,
             };
@@ -174,13 +184,14 @@ impl Limiter {
     }
 }
 
-/// What [`Limiter::delay`] needs of the request it holds.
-struct Wait<'a> {
-    applied: &'a [Applied],
+/// What [`Limiter::delay`] needs of the request it holds (`'a`: what the ticket it
+/// returns borrows).
+struct Wait<'w, 'a> {
+    applied: &'w Arc<[Applied]>,
     cost: u64,
     on_request: bool,
-    clock: &'a dyn crate::clock::Clock,
-    delayed: &'a DelayBudget,
+    clock: &'a SharedClock,
+    delayed: &'w DelayBudget,
     /// When the first check ran (milliseconds since the epoch).
     started: u64,
 }

@@ -3,9 +3,8 @@
 //! ([`Applied`]: the storage key of its state and the policy for the caller's tier).
 
 use super::algorithm::{Algorithm, Align, Policy};
-use super::key::{LimitKey, SubjectDigest};
-use super::Limiter;
-use crate::config::{LimitConfig, Problems};
+use super::key::LimitKey;
+use crate::config::{LimitBy, LimitConfig, LimitMode, OnLimit, Problems, WindowAlign};
 use crate::identity::Caller;
 use http::{HeaderMap, HeaderName};
 use std::collections::{BTreeSet, HashMap};
@@ -102,28 +101,21 @@ impl Limit {
         if cfg.window.0 > year {
             problems.error(format!("{at}.window"), "must be at most 1 year (\"366d\")");
         }
-        let align = match cfg.align.as_str() {
-            "first_request" => Align::FirstRequest,
-            "calendar" if algorithm != Algorithm::FixedWindow => {
+        let align = match cfg.align {
+            WindowAlign::FirstRequest => Align::FirstRequest,
+            WindowAlign::Calendar if algorithm != Algorithm::FixedWindow => {
                 problems.error(
                     format!("{at}.align"),
                     "align = \"calendar\" is for fixed windows only (algorithm = \"fixed_window\")",
                 );
                 Align::FirstRequest
             }
-            "calendar" if window_ms == MONTH_MS => Align::Month,
-            "calendar" if window_ms > 0 && 86_400_000 % window_ms == 0 => Align::Epoch,
-            "calendar" => {
+            WindowAlign::Calendar if window_ms == MONTH_MS => Align::Month,
+            WindowAlign::Calendar if window_ms > 0 && 86_400_000 % window_ms == 0 => Align::Epoch,
+            WindowAlign::Calendar => {
                 problems.error(
                     format!("{at}.align"),
                     "a calendar window must divide a day (e.g. \"1h\", \"1d\") or be \"1mo\"",
-                );
-                Align::FirstRequest
-            }
-            other => {
-                problems.error(
-                    format!("{at}.align"),
-                    format!("{other:?}: expected \"first_request\" or \"calendar\""),
                 );
                 Align::FirstRequest
             }
@@ -136,49 +128,37 @@ impl Limit {
             Some(0) => problems.error(format!("{at}.burst"), "must be at least 1"),
             _ => {}
         }
-        let enforce_percent = match cfg.mode.as_str() {
-            "enforce" => cfg.enforce_percent,
-            "shadow" => 0,
-            other => {
-                problems.error(
-                    format!("{at}.mode"),
-                    format!("{other:?}: expected \"enforce\" or \"shadow\""),
-                );
-                100
-            }
+        let enforce_percent = match cfg.mode {
+            LimitMode::Enforce => cfg.enforce_percent,
+            LimitMode::Shadow => 0,
         };
         if cfg.enforce_percent > 100 {
             problems.error(format!("{at}.enforce_percent"), "must be between 0 and 100");
-        } else if cfg.mode == "shadow" && cfg.enforce_percent != 100 {
+        } else if cfg.mode == LimitMode::Shadow && cfg.enforce_percent != 100 {
             problems.error(
                 format!("{at}.enforce_percent"),
                 "a limit in mode = \"shadow\" enforces for nobody: leave enforce_percent out",
             );
         }
-        let max_delay_ms = match cfg.on_limit.as_str() {
-            "reject" => 0,
-            "delay" if cfg.max_delay.as_millis() == 0 || cfg.max_delay.as_millis() > 60_000 => {
+        let max_delay_ms = match cfg.on_limit {
+            OnLimit::Reject => 0,
+            OnLimit::Delay
+                if cfg.max_delay.as_millis() == 0 || cfg.max_delay.as_millis() > 60_000 =>
+            {
                 problems.error(
                     format!("{at}.max_delay"),
                     "must be more than 0 and at most 1m",
                 );
                 0
             }
-            "delay" if algorithm == Algorithm::Concurrency => {
+            OnLimit::Delay if algorithm == Algorithm::Concurrency => {
                 problems.error(
                     format!("{at}.on_limit"),
                     "a concurrency limit cannot delay (when a slot frees is unknown)",
                 );
                 0
             }
-            "delay" => cfg.max_delay.as_millis(),
-            other => {
-                problems.error(
-                    format!("{at}.on_limit"),
-                    format!("{other:?}: expected \"reject\" or \"delay\""),
-                );
-                0
-            }
+            OnLimit::Delay => cfg.max_delay.as_millis(),
         };
         if cfg.max_waiting == 0 {
             problems.error(format!("{at}.max_waiting"), "must be at least 1");
@@ -233,20 +213,15 @@ impl Limit {
                 By::Header(h)
             }
         };
-        let by = match cfg.by.as_str() {
-            "caller" => By::Caller,
-            "ip" => By::Ip,
-            "global" => By::Global,
-            other => {
-                match other
-                    .strip_prefix("header:")
-                    .map(|h| HeaderName::from_bytes(h.trim().to_ascii_lowercase().as_bytes()))
-                {
-                    Some(Ok(h)) => header_by(h),
-                    _ => {
-                        problems.error(format!("{at}.by"), format!("{other:?}: expected \"caller\", \"ip\", \"global\" or \"header:NAME\""));
-                        By::Caller
-                    }
+        let by = match &cfg.by {
+            LimitBy::Caller => By::Caller,
+            LimitBy::Ip => By::Ip,
+            LimitBy::Global => By::Global,
+            // The name was checked when the file was read.
+            LimitBy::Header(h) => {
+                match HeaderName::from_bytes(h.trim().to_ascii_lowercase().as_bytes()) {
+                    Ok(h) => header_by(h),
+                    Err(_) => By::Caller,
                 }
             }
         };
@@ -307,7 +282,7 @@ impl Limit {
     /// Write the subject this limit counts for a caller into `out` (cleared first): e.g.
     /// `client:acme`, `ip:192.0.2.7`, `global`, `header:x-tenant:t1`. It is hashed
     /// before it reaches a store.
-    fn subject_into(&self, caller: &Caller, headers: &HeaderMap, out: &mut Vec<u8>) {
+    pub(super) fn subject_into(&self, caller: &Caller, headers: &HeaderMap, out: &mut Vec<u8>) {
         out.clear();
         let by_caller = |out: &mut Vec<u8>| match &caller.client {
             Some(c) => client_subject(&c.id, out),
@@ -407,89 +382,6 @@ impl Applied {
             0 => false,
             p => self.key.shard_hash().rotate_right(32) % 100 < u64::from(p),
         }
-    }
-}
-
-impl Limiter {
-    /// The window of `limit` in which `who` (of tier `tier`) is counted, with its quota
-    /// (the client's own, else its tier's), as [`Limiter::applicable`] would find it for
-    /// a request: for `GET /top`. `None` when no quota applies, or when `who` alone does
-    /// not say which window (a limit by header, whose value is unknown here, or by IP
-    /// for an identified caller).
-    pub fn applied_for(
-        &self,
-        limit: &Arc<Limit>,
-        who: &super::top::Who,
-        tier: &str,
-    ) -> Option<Applied> {
-        use super::top::Who;
-        let own = match who {
-            Who::Client(c) => c.quota_for(&limit.name),
-            Who::Ip(_) => None,
-        };
-        let quota = own.or_else(|| limit.quota.get(tier).copied())?;
-        let mut subject = Vec::with_capacity(48);
-        match (&limit.by, who) {
-            (By::Caller, Who::Client(c)) => client_subject(&c.id, &mut subject),
-            (By::Caller | By::Ip, Who::Ip(ip)) => ip_subject(*ip, &mut subject),
-            (By::Global, _) => subject.extend_from_slice(b"global"),
-            _ => return None,
-        }
-        Some(Applied {
-            limit: limit.clone(),
-            key: self
-                .keys
-                .key_for(&limit.key_name, &self.keys.digest(&subject)),
-            policy: limit.policy(quota),
-        })
-    }
-
-    /// The 32 hex digits that stand for a client IP in storage keys (its by-IP windows).
-    pub fn ip_hash(&self, ip: std::net::IpAddr) -> String {
-        let mut subject = Vec::with_capacity(48);
-        ip_subject(ip, &mut subject);
-        self.keys.digest(&subject).hex().to_string()
-    }
-
-    /// The limits among `limits` that apply to `caller` (those with a quota for its tier,
-    /// or its client's own quota).
-    pub fn applicable(
-        &self,
-        limits: &[Arc<Limit>],
-        caller: &Caller,
-        headers: &HeaderMap,
-    ) -> Vec<Applied> {
-        // Limits of one route usually count the same subject: hash it once. The buffers
-        // swap roles, so the common case allocates one.
-        let mut subject = Vec::with_capacity(64);
-        let mut last = Vec::new();
-        let mut last_digest: Option<SubjectDigest> = None;
-        limits
-            .iter()
-            .filter_map(|limit| {
-                // A client's own quota for this limit wins over its tier's.
-                let own = caller
-                    .client
-                    .as_ref()
-                    .and_then(|c| c.quota_for(&limit.name));
-                let quota = own.or_else(|| limit.quota.get(&caller.tier).copied())?;
-                limit.subject_into(caller, headers, &mut subject);
-                let digest = match last_digest {
-                    Some(d) if last == subject => d,
-                    _ => {
-                        let d = self.keys.digest(&subject);
-                        std::mem::swap(&mut last, &mut subject);
-                        last_digest = Some(d);
-                        d
-                    }
-                };
-                Some(Applied {
-                    limit: limit.clone(),
-                    key: self.keys.key_for(&limit.key_name, &digest),
-                    policy: limit.policy(quota),
-                })
-            })
-            .collect()
     }
 }
 

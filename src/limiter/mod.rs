@@ -5,46 +5,55 @@
 //! API limiter; sliding window; sliding log; GCRA; concurrency). A request's limits go
 //! through up to three stages, each one store call per shard:
 //!
-//! - **check** before forwarding: a peek (read only, may be stale) for limits charged
-//!   after the response; a reservation (check and add in one step, on the primary) for
-//!   routes with `charge = "on_request"`, with `store.reserve_in_flight`, and for a
-//!   request that finds another of its caller in flight on this gateway; a slot for
-//!   concurrency limits. A rejection
-//!   (429) is built from the very call that found the caller over the limit.
-//! - **charge** after the response (peeked limits), or **release** (refund
-//!   reservations, give back lease units) when the status is uncharged or the upstream
-//!   failed.
-//! - concurrency slots are given back when the response body ends ([`SlotGuard`]).
+//! - **check** before forwarding ([`Limiter::check`]): a peek (read only, may be stale)
+//!   for limits charged after the response; a reservation (check and add in one step, on
+//!   the primary) for routes with `charge = "on_request"`, with
+//!   `store.reserve_in_flight`, and for a request that finds another of its caller in
+//!   flight on this gateway; a slot for concurrency limits. A rejection (429) is built
+//!   from the very call that found the caller over the limit. What a check admits is one
+//!   [`Ticket`], which the request owns until it ends.
+//! - **charge** after the response ([`Ticket::charge`]: peeked limits), or **release**
+//!   ([`Ticket::release`]: refund reservations, give back lease units) when the status
+//!   is uncharged or the upstream failed. A ticket dropped without either (the client
+//!   went away) charges in the background.
+//! - concurrency slots come out of the ticket as the response body's guard
+//!   ([`Ticket::slots`], [`SlotGuard`]) and are given back when the body ends.
 //!
-//! Where each part lives:
+//! Where each part lives (one concern per file):
 //!
 //! - `mod.rs` (this file): the [`Limiter`] (what a snapshot holds: store, over-limit
-//!   cache, leases, key scheme, `store.on_error`), the built-in limit on failed
-//!   authentications, and the store-failure policy.
+//!   cache, leases, key scheme, `store.on_error`), the counts for `GET /top`, and the
+//!   store-failure policy.
 //! - `limit.rs`: a `[[limits]]` entry ready to use ([`Limit`], built and validated from
-//!   config), what it counts ([`By`], the subject of a caller), and the limits that apply
-//!   to a request ([`Applied`], [`Limiter::applicable`]).
-//! - `applicable.rs`: a route's limits ([`LimitSet`]) and the limits that apply to a
-//!   request, remembered per thread for a caller that comes back
+//!   config), what it counts ([`By`], the subject of a caller), and one limit as it
+//!   applies to a request ([`Applied`]).
+//! - `applicable.rs`: which limits apply to a request ([`Limiter::applicable`]), a
+//!   route's limits ([`LimitSet`]), remembered per thread for a caller that comes back
 //!   ([`Limiter::applicable_to`]).
-//! - `check.rs`: planning and running a CHECK ([`Limiter::check`]): how each limit is
-//!   held until the end of the request (stages: peek, reservation, held reservation,
-//!   slot, lease), the units in flight on this gateway and the lock that orders them
-//!   with the store (why a unit is never in flight and in the store at once), what was
-//!   admitted ([`Admission`]) or why not ([`Refusal`]), and the refusals kept in the
-//!   over-limit cache.
-//! - `settle.rs`: CHARGE ([`Limiter::charge`]) and RELEASE ([`Limiter::release`]:
-//!   refunds, lease units given back), the charge of a request whose client went away
-//!   ([`PendingCharge`]), and concurrency slots given back ([`SlotGuard`]).
+//! - `check.rs`: CHECK ([`Limiter::check`]), one function per stage (over-limit cache,
+//!   plan, store call, answers, leases), how each limit is held until the end of the
+//!   request, and why a request is refused ([`Refusal`]).
+//! - `in_flight.rs`: the units this gateway admitted and has not charged yet, and the
+//!   lock that orders them with the store (why a unit is never in flight and in the
+//!   store at once).
+//! - `ticket.rs`: what a check admitted ([`Ticket`]), and its charge in the background
+//!   when dropped.
+//! - `settle.rs`: CHARGE ([`Ticket::charge`]), RELEASE ([`Ticket::release`]), giving
+//!   back what a refused check took, and concurrency slots given back ([`SlotGuard`]).
+//! - `late.rs`: reservations whose store calls timed out, settled once their fate is
+//!   known.
 //! - `usage.rs`: the numbers for the `X-RateLimit-*` headers ([`Usage`], made from a
 //!   verdict, a lease or a refund), which of several limits to report
 //!   ([`most_constrained`]), and the read of the rate-limit endpoint ([`Limiter::peek`]).
 //! - [`delayed`]: `on_limit = "delay"` ([`Limiter::check_or_delay`], `max_waiting`, and
 //!   the gateway-wide `server.max_delayed`).
+//! - `failed_auth.rs`: the built-in limit on failed authentications
+//!   ([`Limiter::failed_auth`]) and [`blocked`] the addresses past it.
 //! - [`algorithm`] (the reference model of every algorithm), [`store`] (memory and
 //!   Redis), [`key`] (storage keys and shards), [`cache`] (the over-limit cache),
 //!   [`lease`] (lease mode), [`sharded`] (a map sharded by key), [`reset`] (clearing a
-//!   client's windows: `POST /callers/{id}/reset`).
+//!   client's windows: `POST /callers/{id}/reset`), [`recent`] (answering checks from
+//!   this gateway's last charge), [`top`] (heavy hitters).
 
 pub mod algorithm;
 mod applicable;
@@ -52,7 +61,10 @@ pub mod blocked;
 pub mod cache;
 mod check;
 pub mod delayed;
+mod failed_auth;
+mod in_flight;
 pub mod key;
+mod late;
 pub mod lease;
 mod limit;
 pub mod recent;
@@ -60,23 +72,23 @@ pub mod reset;
 mod settle;
 pub mod sharded;
 pub mod store;
+mod ticket;
 pub mod top;
 mod usage;
 
 pub use applicable::LimitSet;
-pub use check::{Admission, Refusal};
+pub use check::Refusal;
 pub use limit::{Applied, By, Limit, TierQuotas};
-pub use settle::{PendingCharge, SlotGuard};
+pub use settle::SlotGuard;
+pub use ticket::Ticket;
 pub use usage::{most_constrained, Usage};
 
 use crate::config::OnError;
 use crate::identity::Caller;
-use algorithm::{Algorithm, Align};
 use cache::OverLimitCache;
-use check::InFlightUnits;
+use in_flight::InFlightUnits;
 use key::KeyScheme;
 use lease::LeaseTable;
-use limit::ip_subject;
 use recent::RecentCharges;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -212,99 +224,6 @@ impl Limiter {
     /// read and charged after the response.
     pub fn reserves(&self, on_request: bool) -> bool {
         on_request || self.reserve_in_flight
-    }
-
-    /// Limit failed authentications to `quota` per client IP and `window_ms` (0: off).
-    pub fn with_failed_auth_limit(mut self, quota: u64, window_ms: u64) -> Self {
-        self.failed_auth = (quota > 0).then(|| {
-            Arc::new(Limit {
-                name: FAILED_AUTH.into(),
-                window_ms,
-                // Every caller of a failed authentication is judged under this one tier.
-                quota: [(Arc::from(FAILED_AUTH), quota)].into_iter().collect(),
-                by: By::Ip,
-                lease: 0,
-                lease_ttl_ms: 0,
-                algorithm: Algorithm::FixedWindow,
-                burst: None,
-                align: Align::FirstRequest,
-                key_name: FAILED_AUTH.into(),
-                enforce_percent: 100,
-                max_delay_ms: 0,
-                max_waiting: 1,
-            })
-        });
-        self
-    }
-
-    /// Keep the addresses past `identity.failed_auth_limit` in `blocked` (the previous
-    /// snapshot's, across a reload).
-    pub fn with_blocked(mut self, blocked: Arc<blocked::BlockedAddresses>) -> Self {
-        self.blocked = blocked;
-        self
-    }
-
-    /// The addresses past `identity.failed_auth_limit` until their window's reset.
-    pub fn blocked(&self) -> &Arc<blocked::BlockedAddresses> {
-        &self.blocked
-    }
-
-    /// Whether any address may be blocked now ([`Limiter::failed_auth_blocked`]): a
-    /// cheap test before the client IP is worked out.
-    pub fn blocks_any(&self) -> bool {
-        self.failed_auth.is_some() && !self.blocked.is_empty()
-    }
-
-    /// The usage to refuse a request presenting a credential from `ip` (an address key)
-    /// with (429), without looking its key up, when this gateway has seen `ip` reach
-    /// `identity.failed_auth_limit` in the window that holds `now_ms` (epoch
-    /// milliseconds); else `None`. No store call.
-    pub fn failed_auth_blocked(&self, ip: std::net::IpAddr, now_ms: u64) -> Option<Usage> {
-        self.failed_auth.as_ref()?;
-        self.blocked.get(ip, now_ms)
-    }
-
-    /// Count one failed authentication from `ip` (an API key that matched no client).
-    /// Returns the usage to refuse with (429) when `ip` is past
-    /// `identity.failed_auth_limit`, else `None` (answer 401). A failing store follows
-    /// `store.on_error` like any limit (`deny`: refused as over the limit would be).
-    /// The failure that uses up the quota, or a refusal, blocks `ip` until the window's
-    /// reset ([`Limiter::failed_auth_blocked`]).
-    pub async fn failed_auth(&self, ip: std::net::IpAddr, now_ms: u64) -> Option<Usage> {
-        let limit = self.failed_auth.as_ref()?;
-        let quota = *limit.quota.values().next()?;
-        let mut subject = Vec::with_capacity(48);
-        ip_subject(ip, &mut subject);
-        let applied = [Applied {
-            limit: limit.clone(),
-            key: self
-                .keys
-                .key_for(&limit.key_name, &self.keys.digest(&subject)),
-            policy: limit.policy(quota),
-        }];
-        match self.check(&applied, 1, false, now_ms).await {
-            Ok(admission) => {
-                let charged = self.charge(&applied, 1, now_ms, admission).await;
-                if let Some(usage) = charged.into_iter().flatten().next() {
-                    if usage.used >= quota {
-                        self.blocked.insert(ip, usage, now_ms);
-                    }
-                }
-                None
-            }
-            Err(Refusal::OverLimit(usage)) => {
-                self.blocked.insert(ip, usage.clone(), now_ms);
-                Some(usage)
-            }
-            Err(Refusal::StoreDenied(_)) => {
-                Some(applied[0].usage_at(quota, now_ms + limit.window_ms))
-            }
-        }
-    }
-
-    /// The built-in limit on failed authentications (`identity.failed_auth_limit`), when on.
-    pub fn failed_auth_limit(&self) -> Option<&Arc<Limit>> {
-        self.failed_auth.as_ref()
     }
 
     /// The store this limiter uses.

@@ -3,7 +3,7 @@
 //! and telling the upstream connection's pool whether it was sent to its end.
 
 use super::error::causes;
-use crate::http::incoming::Incoming;
+use crate::wire::Incoming;
 use bytes::Bytes;
 use futures_util::task::AtomicWaker;
 use http_body::{Body as HttpBody, Frame, SizeHint};
@@ -138,7 +138,7 @@ pub struct CutOff;
 /// body, a reset): the client's fault, answered 400, never blamed on the upstream.
 #[derive(Debug, thiserror::Error)]
 #[error("the request body could not be read: {0}")]
-pub struct ClientBody(#[source] crate::http::incoming::BodyError);
+pub struct ClientBody(#[source] crate::wire::BodyError);
 
 /// The error of a [`RequestBody`]: [`ClientBody`], [`TooLarge`], [`BodyTimedOut`] or
 /// [`CutOff`].

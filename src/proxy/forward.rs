@@ -5,7 +5,7 @@ use super::error::{causes, BadResponse, ProxyError};
 use super::pool::{Connector, Pool, PoolError, PooledBody, SendError};
 use super::Body;
 use crate::config::{Problems, UpstreamConfig, UpstreamProtocol};
-use crate::http::incoming::Incoming;
+use crate::wire::Incoming;
 use crate::http::upgrade::Upgrade;
 use crate::http::{always_hop_by_hop, strip_hop_by_hop};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
@@ -392,9 +392,9 @@ pub struct Downstream<'a> {
     pub budget: &'a crate::budget::Budget,
     /// `server.via`: the `Via` entries added both ways; `None` adds none.
     pub via: Option<&'a crate::http::via::Via>,
-    /// Where an HTTP/1.1 client's 1xx responses go (see `proxy::interim`); an HTTP/2
+    /// Where an HTTP/1.1 client's 1xx responses go (see `wire::interim`); an HTTP/2
     /// stream's handle is in the request's extensions instead.
-    pub informational: Option<&'a super::interim::Informational>,
+    pub informational: Option<&'a crate::wire::Informational>,
     /// When the request was handed to the upstream: `upstreams.response_timeout` counts
     /// from here, over every attempt.
     pub started: std::time::Instant,
@@ -435,7 +435,7 @@ pub fn forward<'a>(
                     .budget
                     .tunnel()
                     .ok_or(ProxyError::Overloaded("too many open tunnels"))?;
-                Some((crate::http::incoming::client_upgrade(&mut req), slot))
+                Some((crate::wire::client_upgrade(&mut req), slot))
             }
             None => None,
         };
@@ -523,12 +523,12 @@ pub fn forward<'a>(
         let retriable =
             upstream.targets.len() > 1 && idempotent(&parts.method) && body.is_end_stream();
 
-        // Where 1xx go (see `proxy::interim`): an HTTP/1.1 client's handle comes with
+        // Where 1xx go (see `wire::interim`): an HTTP/1.1 client's handle comes with
         // `down`, an HTTP/2 stream's in the extensions.
         let informational = match upstream.protocol {
             UpstreamProtocol::Http1 => down
                 .informational
-                .or_else(|| parts.extensions.get::<super::interim::Informational>())
+                .or_else(|| parts.extensions.get::<crate::wire::Informational>())
                 .cloned(),
             // The HTTP/2 client takes it from the extensions itself.
             UpstreamProtocol::Http2 => {
@@ -792,7 +792,7 @@ fn websocket_key() -> HeaderValue {
 /// `idle_timeout`. `slot` (its place among `server.max_tunnels`) is held until then;
 /// both sockets stay counted in the descriptor budget until they are dropped.
 async fn tunnel(
-    client: crate::http::incoming::ClientSide,
+    client: crate::wire::ClientSide,
     upstream: hyper::upgrade::OnUpgrade,
     mut slot: crate::budget::TunnelSlot,
     idle_timeout: Duration,

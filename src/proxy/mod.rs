@@ -22,9 +22,7 @@ pub mod error;
 pub mod forward;
 pub mod framing;
 pub mod grpc;
-pub mod h2client;
 pub mod headers;
-pub mod interim;
 pub mod path;
 pub mod pool;
 pub mod refusal;
@@ -33,7 +31,7 @@ pub(crate) mod tls;
 
 use crate::clock::Clock;
 use crate::config::LogClientIp;
-use crate::http::incoming::Incoming;
+use crate::wire::Incoming;
 use crate::http::target::{self, Override};
 use crate::identity::auth_request::Oversize;
 use crate::identity::{Identities, IdentityError};
@@ -105,7 +103,7 @@ pub struct Context<'a> {
     pub body_timeout: std::time::Duration,
     /// Where an HTTP/1.1 request's 1xx responses go (its connection's socket); `None`
     /// for HTTP/2 streams, whose handle is in the request's extensions, and HTTP/1.0.
-    pub informational: Option<&'a interim::Informational>,
+    pub informational: Option<&'a crate::wire::Informational>,
 }
 
 /// Serve one request on the snapshot it started with (its [`Gate`]): set its request id, run
@@ -290,7 +288,7 @@ pub fn serve<'a>(
                 let key = snap.identities.ip_key(ip);
                 // Boxed: a rare path, kept out of the request future's size (every request
                 // allocates that much for it, see `server::Connection::serve`).
-                if let Some(usage) = Box::pin(snap.limiter.failed_auth(key, clock.now_ms())).await {
+                if let Some(usage) = Box::pin(snap.limiter.failed_auth(key, ctx.clock)).await {
                     return failed_auth_refusal(snap, log, usage, ip, clock.now_ms());
                 }
                 log.decision = Decision::Unauthenticated;
@@ -384,12 +382,19 @@ pub fn serve<'a>(
         let reserve = snap.limiter.reserves(route.on_request);
         // One reading of the clock for the check and what is counted with it.
         let now_ms = clock.now_ms();
-        let mut admission = match snap
+        let mut ticket = match snap
             .limiter
-            .check_or_delay(&applied, route.cost, reserve, clock, ctx.delayed, now_ms)
+            .check_or_delay(
+                &applied,
+                route.cost,
+                reserve,
+                ctx.clock,
+                ctx.delayed,
+                now_ms,
+            )
             .await
         {
-            Ok(admission) => admission,
+            Ok(ticket) => ticket,
             Err(Refusal::OverLimit(usage)) => {
                 log.decision = Decision::Rejected;
                 // A delayed refusal came later than `now_ms`: read the clock again.
@@ -422,22 +427,19 @@ pub fn serve<'a>(
         };
         snap.limiter
             .count_used(&applied, &caller, route.cost, now_ms);
-        if admission.usages.iter().any(Option::is_none) {
+        if ticket.usages().iter().any(Option::is_none) {
             log.decision = Decision::StoreErrorAllowed;
         }
-        for usage in &admission.shadowed {
+        for usage in ticket.shadowed() {
             log.decision = Decision::ShadowRejected;
             shadow_rejection(ctx.metrics, usage, &caller);
         }
         // Concurrency slots are given back when the response body ends (or fails, or the
         // client goes away): the guard travels with the body.
-        let slots = snap.limiter.slots(&applied, &admission, ctx.clock.clone());
+        let slots = ticket.slots();
 
         // From here on the request is the upstream's: if the client goes away before the
-        // charge below, it is charged all the same (when this guard is dropped).
-        let mut pending =
-            snap.limiter
-                .pending_charge(applied.clone(), &mut admission, ctx.clock.clone());
+        // charge below, it is charged all the same (when the ticket is dropped).
 
         // 4. Forward upstream, streaming both bodies (telling the upstream who called).
         snap.identities.to_upstream(&caller, req.headers_mut());
@@ -465,17 +467,15 @@ pub fn serve<'a>(
             Ok(response) => response,
             Err(e @ ProxyError::BodyTimeout(_)) => {
                 // The client stopped sending its body while the upstream had the request:
-                // charged like a client that went away (dropping `pending` charges it;
+                // charged like a client that went away (dropping the ticket charges it;
                 // reservations and leased units stand).
                 return e.into_response();
             }
             Err(e) => {
                 let now_ms = clock.now_ms();
-                snap.limiter
-                    .release(&applied, route.cost, &mut admission, now_ms);
-                pending.settled();
+                let usages = ticket.release(now_ms);
                 let mut response = e.into_response();
-                if let Some(usage) = most_constrained(&admission.usages) {
+                if let Some(usage) = most_constrained(&usages) {
                     put_headers(snap, &mut response, usage, &applied, now_ms);
                     log.usage = Some(usage.clone());
                 }
@@ -492,18 +492,15 @@ pub fn serve<'a>(
             .upstream
             .take_cost(response.headers_mut())
             .unwrap_or(route.cost);
-        // Settled now: the charge below is handed to the store in its first poll, so a
-        // client going away from here on does not count it twice.
-        pending.settle(&mut admission);
-        // One reading of the clock for the charge and the headers.
+        // One reading of the clock for the charge and the headers. The charge is handed
+        // to the store when `charge` is called, so a client going away from here on does
+        // not count it twice.
         let now_ms = clock.now_ms();
         let usages = if route.charges(response.status()) && cost > 0 {
             log.cost = cost;
-            snap.limiter.charge(&applied, cost, now_ms, admission).await
+            ticket.charge(cost, now_ms).await
         } else {
-            snap.limiter
-                .release(&applied, route.cost, &mut admission, now_ms);
-            admission.usages
+            ticket.release(now_ms)
         };
 
         // 6. Headers of the limit with the fewest remaining units (and every applied limit's

@@ -26,7 +26,7 @@
 //! that worker's runtime, so that no exchange with the upstream wakes another thread.
 
 use super::body::{BodyError, BodyState, RequestBody};
-use super::h2client;
+use crate::wire::h2client;
 use crate::budget::{Budget, Counted};
 use crate::clock::Coarse;
 use crate::config::UpstreamProtocol;
@@ -71,6 +71,22 @@ pub enum PoolError {
     /// No socket could be opened: the descriptor budget is spent.
     #[error("no descriptor left for a connection to {0} (the open-file limit is spent)")]
     NoDescriptor(Authority),
+}
+
+impl From<h2client::StreamError<BodyError>> for PoolError {
+    fn from(e: h2client::StreamError<BodyError>) -> Self {
+        match e {
+            h2client::StreamError::H2(e) => PoolError::H2(e),
+            h2client::StreamError::Body(e) => PoolError::Body(e),
+        }
+    }
+}
+
+/// A request body the HTTP/2 client can send again (see [`h2client::REPLAY_BYTES`]).
+impl h2client::Replay for RequestBody {
+    fn replay(frames: Vec<Frame<Bytes>>) -> Self {
+        RequestBody::replay(frames)
+    }
 }
 
 impl PoolError {
@@ -184,7 +200,7 @@ const CLEAN_WAIT: Duration = Duration::from_secs(5);
 impl Pool {
     /// A pool of connections made by `connector`, keeping at most `max_idle` idle
     /// HTTP/1.1 connections, each for at most `idle_timeout`, in `parts` parts (one per
-    /// `per_core` worker, see [`crate::server::runtime::per_worker_parts`]; at least 1)
+    /// `per_core` worker, see [`crate::worker::parts`]; at least 1)
     /// that share `max_idle` (each keeps at least one).
     pub fn new(
         connector: Connector,
@@ -203,7 +219,7 @@ impl Pool {
 
     /// The part of this thread's worker, and its index.
     fn part(&self) -> (usize, &Part) {
-        let index = crate::server::runtime::slot(self.parts.len());
+        let index = crate::worker::slot(self.parts.len());
         (index, &self.parts[index])
     }
 
@@ -296,7 +312,7 @@ impl Pool {
         // 1xx go to the client when the request path left a handle for them.
         let informational = req
             .extensions_mut()
-            .remove::<super::interim::Informational>();
+            .remove::<crate::wire::Informational>();
         let mut attempt = 1;
         loop {
             let ((mut conn, claim), back) = unsent_on_error(self.h2_sender(budget).await, req)?;
@@ -310,12 +326,12 @@ impl Pool {
                         unprocessed: Some(again),
                     }) => {
                         req = again;
-                        error
+                        error.into()
                     }
                     Err(h2client::SendFailure {
                         error,
                         unprocessed: None,
-                    }) => return Err(error.into()),
+                    }) => return Err(PoolError::from(error).into()),
                 },
             };
             // A refused stream leaves its connection as it was; any other failure

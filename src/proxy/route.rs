@@ -1,6 +1,6 @@
 //! Step 2 of the request path: host and longest path prefix → route.
 
-use crate::config::{Problems, RouteConfig};
+use crate::config::{ChargeAt, PathMatch, Problems, RouteConfig};
 use crate::limiter::{Limit, LimitSet};
 use crate::proxy::forward::Upstream;
 use std::collections::{HashMap, HashSet};
@@ -76,17 +76,7 @@ impl Route {
                 format!("{:?} must start with \"/\"", cfg.path_prefix),
             );
         }
-        let segments = match cfg.path_match.as_str() {
-            "prefix" => false,
-            "segments" => true,
-            other => {
-                problems.error(
-                    format!("{at}.path_match"),
-                    format!("{other:?}: expected \"prefix\" or \"segments\""),
-                );
-                false
-            }
-        };
+        let segments = cfg.path_match == PathMatch::Segments;
         let mut methods = Vec::new();
         for (j, m) in cfg.methods.iter().enumerate() {
             match http::Method::from_bytes(m.as_bytes()) {
@@ -153,13 +143,6 @@ impl Route {
                 Err(msg) => problems.error(format!("{at}.upgrades[{j}]"), msg),
             }
         }
-        match cfg.charge.as_str() {
-            "after_response" | "on_request" => {}
-            other => problems.error(
-                format!("{at}.charge"),
-                format!("{other:?}: expected \"after_response\" or \"on_request\""),
-            ),
-        }
         if problems.errors.len() != before {
             return None;
         }
@@ -173,7 +156,7 @@ impl Route {
             limits: LimitSet::new(route_limits),
             cost: cfg.cost,
             uncharged_statuses: cfg.uncharged_statuses.clone(),
-            on_request: cfg.charge == "on_request",
+            on_request: cfg.charge == ChargeAt::OnRequest,
             upgrades,
             trust_method_override: cfg.trust_method_override,
         })

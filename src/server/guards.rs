@@ -5,7 +5,7 @@
 //! upstream's answer, each Redis reply. `tokio::select!` polls every branch on each of
 //! those wakes, so the shutdown watch (a mutex in its `Notify`), the timer and the
 //! branch-order RNG were polled two to three times per proxied request for nothing:
-//! about 200 instructions each time (issue 16, twenty-first round, callgrind).
+//! about 200 instructions each time (callgrind).
 //! [`Guards::poll`] polls the connection on every wake, and the guards with a waker of
 //! their own, only when that waker was woken (or when they fired and were handled).
 

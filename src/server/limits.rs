@@ -4,8 +4,8 @@
 //! closes it, and its responses' bodies ([`SendWatch`]) so that it can be closed when the
 //! client stops reading for `server.send_timeout`. One deadline per connection serves all
 //! three (see `Connection::serve`): no timer is set per request. Header size and header-read time are hyper's
-//! settings, HTTP/2's limits the h2 crate's (`super::h2::Settings`), applied in
-//! `accept_loop`; `server.max_connections` and the descriptor budget
+//! settings, HTTP/2's limits the h2 crate's (`crate::wire::h2server::Settings`), applied in
+//! `accept::accept_loop`; `server.max_connections` and the descriptor budget
 //! are [`crate::budget::Budget`]'s, sized here from the open-file limit.
 
 use crate::budget::FD_RESERVE;

@@ -9,14 +9,13 @@
 //!   bound to `server.listen` with `SO_REUSEPORT` (Linux: the kernel spreads new
 //!   connections over them; elsewhere they share one listener) and serving what it
 //!   accepted to the end. What a request needs per thread is kept per worker, found by
-//!   [`worker`]: the upstream connection pools (`proxy::pool`) and the Redis batchers
-//!   (`limiter::store::redis`). The config snapshot, the metrics and the connection
+//!   [`crate::worker::current`]: the upstream connection pools (`proxy::pool`) and the
+//!   Redis batchers (`limiter::store::redis`). The config snapshot, the metrics and the connection
 //!   budget are shared (atomics and an `ArcSwap`). The admin listener, the reloader
 //!   (SIGHUP, the file watcher), the store's background tasks and the sweepers stay on
 //!   the caller's runtime, off the proxy threads.
 
-use crate::config::{RuntimeShape, ServerConfig};
-use std::cell::Cell;
+use crate::config::ServerConfig;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -29,50 +28,9 @@ pub const WORKER_THREAD: &str = "tollgate-worker";
 /// Connections a listener's accept queue holds (as Tokio's own `TcpListener::bind`).
 const BACKLOG: i32 = 1024;
 
-thread_local! {
-    /// On a `per_core` worker thread: (its index, how many workers its gateway has).
-    static WORKER: Cell<Option<(usize, usize)>> = const { Cell::new(None) };
-}
-
-/// On a `per_core` worker thread, `(index, count)`: which of its gateway's `count`
-/// workers this thread is (`index < count`). `None` on any other thread (the
-/// `multi_thread` runtime's, the admin runtime's, a test's).
-pub fn worker() -> Option<(usize, usize)> {
-    WORKER.with(Cell::get)
-}
-
-/// Make this thread count as worker `index` of `count` (tests of what is kept or done
-/// per worker, on threads of their own).
-#[cfg(test)]
-pub(crate) fn pretend_worker(index: usize, count: usize) {
-    WORKER.with(|w| w.set(Some((index, count))));
-}
-
 /// `server.workers`, or one per CPU the process may use (at least 1).
 pub fn worker_count(cfg: &ServerConfig) -> usize {
-    cfg.workers.filter(|n| *n > 0).unwrap_or_else(|| {
-        std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(1)
-    })
-}
-
-/// How many per-worker parts (upstream sub-pools) a config's gateway needs: one per
-/// worker with `per_core`, else one.
-pub fn per_worker_parts(cfg: &ServerConfig) -> usize {
-    match cfg.runtime {
-        RuntimeShape::PerCore => worker_count(cfg),
-        RuntimeShape::MultiThread => 1,
-    }
-}
-
-/// The slot of this thread among `len` per-worker parts: its worker index on a
-/// `per_core` worker thread (when `len` has room for it), else 0.
-pub(crate) fn slot(len: usize) -> usize {
-    match worker() {
-        Some((i, _)) if i < len => i,
-        _ => 0,
-    }
+    crate::worker::count(cfg.workers)
 }
 
 /// `count` listeners on `addr`, bound now (so that a bind error is the caller's). On
@@ -183,7 +141,7 @@ impl Workers {
             std::thread::Builder::new()
                 .name(WORKER_THREAD.into())
                 .spawn(move || {
-                    WORKER.with(|w| w.set(Some((index, count))));
+                    crate::worker::enter(index, count);
                     runtime.block_on(async move {
                         match tokio::net::TcpListener::from_std(listener) {
                             Ok(listener) => serve(listener).await,

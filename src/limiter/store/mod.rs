@@ -10,6 +10,9 @@
 
 pub mod memory;
 pub mod redis;
+pub mod status;
+
+pub use status::{primaries_ready, shard_unready, StoreStatus};
 
 use super::algorithm::{Op, Policy, Verdict};
 use super::key::LimitKey;
@@ -281,46 +284,6 @@ pub trait Store: Send + Sync {
     }
 }
 
-/// How a store shows itself to the server, the admin endpoints and the metrics, none of
-/// which match on the backend.
-pub trait StoreStatus: Send + Sync {
-    /// Start what the store needs in the background: the memory store's sweeper (every
-    /// `store.sweep_interval`), or the Redis connections and script loading. Called for
-    /// each new store; calling it again does nothing.
-    fn start(&self, clock: SharedClock, sweep_every: std::time::Duration);
-    /// `"memory"` or `"redis"`.
-    fn kind(&self) -> &'static str;
-    /// The state of every shard and node; empty for the memory store.
-    fn report(&self) -> Vec<redis::ShardReport>;
-    /// Whether limits can be enforced now: always for the memory store; with Redis, when
-    /// every shard's primary (or the cluster) is connected, its breaker is not open and
-    /// its writes succeed ([`redis::ShardReport::writable`]).
-    fn ready(&self) -> bool {
-        primaries_ready(&self.report())
-    }
-}
-
-/// Every shard's primary (or the cluster) connected with its breaker not open and its
-/// writes succeeding; false when there are no shards.
-pub fn primaries_ready(report: &[redis::ShardReport]) -> bool {
-    !report.is_empty() && report.iter().all(|s| shard_unready(s).is_none())
-}
-
-/// Why a shard cannot enforce its limits now (`None`: it can): its primary is not
-/// connected, its breaker is open, or its writes fail. Shown by `/readyz`.
-pub fn shard_unready(s: &redis::ShardReport) -> Option<&'static str> {
-    let p = s.primary();
-    if !s.writable {
-        Some("writes to the primary fail (a failed or demoted primary); checks follow store.on_error")
-    } else if !p.connected {
-        Some("primary not connected")
-    } else if p.breaker == redis::BreakerState::Open {
-        Some("primary's circuit breaker open")
-    } else {
-        None
-    }
-}
-
 impl StoreStatus for AnyStore {
     fn start(&self, clock: SharedClock, sweep_every: std::time::Duration) {
         match self {
@@ -336,7 +299,7 @@ impl StoreStatus for AnyStore {
         }
     }
 
-    fn report(&self) -> Vec<redis::ShardReport> {
+    fn report(&self) -> Vec<status::ShardReport> {
         match self {
             AnyStore::Memory(_) => Vec::new(),
             AnyStore::Redis(r) => r.report(),
@@ -347,6 +310,16 @@ impl StoreStatus for AnyStore {
         match self {
             AnyStore::Memory(_) => true,
             AnyStore::Redis(_) => primaries_ready(&self.report()),
+        }
+    }
+
+    fn encode_metrics(
+        &self,
+        enc: &mut prometheus_client::encoding::DescriptorEncoder<'_>,
+    ) -> std::fmt::Result {
+        match self {
+            AnyStore::Memory(_) => Ok(()),
+            AnyStore::Redis(r) => r.encode_metrics(enc),
         }
     }
 }

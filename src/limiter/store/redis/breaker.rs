@@ -7,32 +7,11 @@
 //! redirection (`MOVED`, `ASK`) is an answer from a live node: it counts as a success.
 
 use super::stats::{bump, NodeStats};
+use crate::limiter::store::status::BreakerState;
 use crate::limiter::store::StoreError;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-
-/// The breaker's state, as reported by `/readyz` and the logs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BreakerState {
-    /// Calls go through.
-    Closed,
-    /// Calls fail at once until the cool-off ends.
-    Open,
-    /// One probe call is allowed.
-    HalfOpen,
-}
-
-impl BreakerState {
-    /// `"closed"`, `"open"` or `"half_open"`.
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            BreakerState::Closed => "closed",
-            BreakerState::Open => "open",
-            BreakerState::HalfOpen => "half_open",
-        }
-    }
-}
 
 #[derive(Debug)]
 struct Inner {

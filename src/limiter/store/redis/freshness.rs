@@ -4,7 +4,7 @@
 //!
 //! Replication is asynchronous: a window this gateway has just charged (or reserved, or
 //! refunded) on the primary may read, on a replica, as it was before. The in-flight
-//! accounting (`limiter::check::InFlightUnits`) takes a request's units out of its
+//! accounting (`limiter::in_flight::InFlightUnits`) takes a request's units out of its
 //! counts when its charge is handed to the primary; a check that then read the window
 //! on a lagging replica would miss those units, and a burst of one caller on one
 //! gateway would overshoot. So a key written by this gateway is **pinned** to the
@@ -55,8 +55,10 @@ const SAMPLES_KEPT: usize = 256;
 /// Microseconds since the shard's [`Freshness`] was made, plus one (0: never).
 pub(super) type Ticks = u64;
 
-use super::ARGS_PER_KEY;
+use super::node::ShardNodes;
+use super::scripts::ARGS_PER_KEY;
 use crate::limiter::algorithm::OpKind;
+use std::sync::Arc;
 
 /// Number of independently locked maps of pins.
 const MAPS: usize = 16;
@@ -297,13 +299,10 @@ pub(super) fn info_integer(info: &str, field: &str) -> Option<u64> {
 /// every [`SAMPLE_EVERY`], the primary's `master_repl_offset`, then each available
 /// replica's `slave_repl_offset`; marks fresh what every replica has caught up with.
 /// Ends when the shard is dropped.
-pub(super) async fn sample(shard: std::sync::Weak<super::Shard>) {
+pub(super) async fn sample<S: ShardNodes>(shard: std::sync::Weak<S>, fresh: Arc<Freshness>) {
     let mut samples = Samples::default();
     loop {
         let Some(s) = shard.upgrade() else { return };
-        let Some(fresh) = s.freshness.clone() else {
-            return;
-        };
         if !fresh.sweep() {
             drop(s);
             samples = Samples::default();
@@ -312,14 +311,14 @@ pub(super) async fn sample(shard: std::sync::Weak<super::Shard>) {
         }
         let asked = fresh.now();
         if let Some(offset) = s
-            .primary
+            .primary()
             .info_replication()
             .await
             .ok()
             .and_then(|i| info_integer(&i, "master_repl_offset"))
         {
             samples.push(asked, offset);
-            let replicas = s.replicas.load();
+            let replicas = s.replicas().load();
             let mut least = Some(u64::MAX);
             for r in replicas.iter().filter(|r| r.is_available()) {
                 let processed = r.info_replication().await.ok().and_then(|i| {

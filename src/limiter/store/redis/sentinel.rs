@@ -14,60 +14,33 @@
 //! the Sentinels and the nodes they announce are dialled with TLS.
 
 use super::dial::{DialAs, Dialer, Endpoint};
-use super::node::{Node, NodeSettings};
-use super::{Scripts, Shard};
+use super::node::{Node, NodeSettings, Role, ShardNodes};
+use super::scripts::Scripts;
+use super::watch::SentinelWatch;
 use futures_util::StreamExt;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
-use tokio::sync::Notify;
 
-/// Re-resolution trigger for one Sentinel-managed shard.
-#[derive(Debug)]
-pub(super) struct SentinelWatch {
-    pub master: String,
-    pub sentinels: Vec<Endpoint>,
-    /// The announced primary and replicas are dialled with TLS (the Sentinels' URLs are
-    /// `rediss://`).
-    tls: bool,
-    trigger: Notify,
-}
-
-impl SentinelWatch {
-    pub(super) fn new(master: String, sentinels: Vec<Endpoint>) -> Arc<Self> {
-        Arc::new(Self {
-            master,
-            tls: sentinels.iter().any(|s| s.tls),
-            sentinels,
-            trigger: Notify::new(),
-        })
-    }
-
-    /// A call to the primary failed in a way a failover explains: ask Sentinel again.
-    pub(super) fn suspect(&self) {
-        self.trigger.notify_one();
-    }
-
-    /// Start the watcher and the `+switch-master` subscriptions for `shard`.
-    pub(super) fn start(
-        self: &Arc<Self>,
-        shard: &Arc<Shard>,
-        scripts: Arc<Scripts>,
-        settings: NodeSettings,
-    ) {
-        tokio::spawn(watch(
-            Arc::downgrade(shard),
-            self.clone(),
-            scripts,
-            settings.clone(),
+/// Start the watcher and the `+switch-master` subscriptions of `watch` for `shard`.
+pub(super) fn start<S: ShardNodes>(
+    watch: &Arc<SentinelWatch>,
+    shard: &Arc<S>,
+    scripts: Arc<Scripts>,
+    settings: NodeSettings,
+) {
+    tokio::spawn(follow(
+        Arc::downgrade(shard),
+        watch.clone(),
+        scripts,
+        settings.clone(),
+    ));
+    for sentinel in &watch.sentinels {
+        tokio::spawn(subscribe(
+            Arc::downgrade(watch),
+            sentinel.clone(),
+            watch.master.clone(),
+            settings.dialer.clone(),
         ));
-        for sentinel in &self.sentinels {
-            tokio::spawn(subscribe(
-                Arc::downgrade(self),
-                sentinel.clone(),
-                self.master.clone(),
-                settings.dialer.clone(),
-            ));
-        }
     }
 }
 
@@ -127,8 +100,10 @@ fn client_for(addr: &str, tls: bool) -> Option<Endpoint> {
     Some(Endpoint::announced(host, port.parse().ok()?, tls))
 }
 
-async fn watch(
-    shard: Weak<Shard>,
+/// Point `shard`'s nodes at what Sentinel announces: at start, every 10 s, and soon
+/// after each [`SentinelWatch::suspect`]. Ends when the shard is dropped.
+async fn follow<S: ShardNodes>(
+    shard: Weak<S>,
     watch: Arc<SentinelWatch>,
     scripts: Arc<Scripts>,
     settings: NodeSettings,
@@ -141,8 +116,8 @@ async fn watch(
                 if last.as_ref().map(|l| &l.primary) != Some(&resolved.primary) {
                     match client_for(&resolved.primary, watch.tls) {
                         Some(client) => {
-                            tracing::warn!(shard = shard.index, master = %watch.master, primary = %resolved.primary, "sentinel: primary is now {}", resolved.primary);
-                            shard.primary.retarget(client);
+                            tracing::warn!(shard = shard.index(), master = %watch.master, primary = %resolved.primary, "sentinel: primary is now {}", resolved.primary);
+                            shard.primary().retarget(client);
                         }
                         None => {
                             tracing::error!(primary = %resolved.primary, "sentinel gave an unusable address")
@@ -153,17 +128,17 @@ async fn watch(
                     .replicas
                     .iter()
                     .filter_map(|addr| {
-                        let label = format!("shard {} replica {addr}", shard.index);
+                        let label = format!("shard {} replica {addr}", shard.index());
                         Some(Node::spawn(
                             label,
                             Some(client_for(addr, watch.tls)?),
                             scripts.clone(),
                             settings.clone(),
-                            super::node::Role::Replica,
+                            Role::Replica,
                         ))
                     })
                     .collect();
-                shard.replicas.store(Arc::new(replicas));
+                shard.replicas().store(Arc::new(replicas));
                 last = Some(resolved);
             }
             Some(_) => {}
@@ -175,7 +150,7 @@ async fn watch(
             return;
         }
         tokio::select! {
-            _ = watch.trigger.notified() => {
+            _ = watch.suspected() => {
                 // Let a burst of failures collapse into one question.
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }

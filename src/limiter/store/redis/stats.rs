@@ -1,36 +1,26 @@
 //! Counters of the Redis store, per node and per shard. They are plain atomics, read by
-//! [`super::RedisStore::report`] (and by the metrics endpoint).
+//! [`super::RedisStore::report`] (and so by the metrics endpoint).
 
-use prometheus_client::metrics::histogram::Histogram;
+use crate::limiter::store::status::{latency_histogram, NodeCounts};
 use std::sync::atomic::{AtomicU64, Ordering};
-
-/// Bucket bounds in seconds: 100 µs to 1 s (store calls and upstream responses alike).
-pub const LATENCY_BUCKETS: [f64; 13] = [
-    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
-];
-
-/// A latency histogram with [`LATENCY_BUCKETS`].
-pub fn latency_histogram() -> Histogram {
-    Histogram::new(LATENCY_BUCKETS)
-}
 
 /// Counters of one Redis node (a primary or a replica).
 #[derive(Debug)]
-pub struct NodeStats {
+pub(super) struct NodeStats {
     /// Latency of answered calls, seconds (buckets 100 µs to 1 s).
-    pub latency: prometheus_client::metrics::histogram::Histogram,
+    pub(super) latency: prometheus_client::metrics::histogram::Histogram,
     /// Script calls attempted (including ones refused by an open breaker).
-    pub calls: AtomicU64,
+    pub(super) calls: AtomicU64,
     /// Calls that failed with an error (connection, server error), not counting timeouts.
-    pub errors: AtomicU64,
+    pub(super) errors: AtomicU64,
     /// Calls that took longer than `store.timeout`.
-    pub timeouts: AtomicU64,
+    pub(super) timeouts: AtomicU64,
     /// Calls refused at once because the breaker was open.
-    pub rejected_by_breaker: AtomicU64,
+    pub(super) rejected_by_breaker: AtomicU64,
     /// Breaker state changes.
-    pub breaker_changes: AtomicU64,
+    pub(super) breaker_changes: AtomicU64,
     /// Successful (re)connections.
-    pub connects: AtomicU64,
+    pub(super) connects: AtomicU64,
 }
 
 impl Default for NodeStats {
@@ -49,33 +39,16 @@ impl Default for NodeStats {
 
 /// Counters of one shard beyond its nodes'.
 #[derive(Debug, Default)]
-pub struct ShardStats {
+pub(super) struct ShardStats {
     /// CHECKs meant for a replica that the primary answered instead.
-    pub replica_fallbacks: AtomicU64,
-}
-
-/// A plain copy of counters, for reports.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Counts {
-    /// See [`NodeStats::calls`].
-    pub calls: u64,
-    /// See [`NodeStats::errors`].
-    pub errors: u64,
-    /// See [`NodeStats::timeouts`].
-    pub timeouts: u64,
-    /// See [`NodeStats::rejected_by_breaker`].
-    pub rejected_by_breaker: u64,
-    /// See [`NodeStats::breaker_changes`].
-    pub breaker_changes: u64,
-    /// See [`NodeStats::connects`].
-    pub connects: u64,
+    pub(super) replica_fallbacks: AtomicU64,
 }
 
 impl NodeStats {
     /// Read every counter.
-    pub fn counts(&self) -> Counts {
+    pub(super) fn counts(&self) -> NodeCounts {
         let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        Counts {
+        NodeCounts {
             calls: r(&self.calls),
             errors: r(&self.errors),
             timeouts: r(&self.timeouts),

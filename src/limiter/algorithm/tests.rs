@@ -1,0 +1,95 @@
+//! Unit tests of the reference model.
+
+use super::*;
+
+fn op(kind: OpKind, cost: u64, id: u64) -> Op {
+    Op { kind, cost, id }
+}
+
+#[test]
+fn months() {
+    // 2026-01-31T12:00Z → 2026-02-01T00:00Z
+    assert_eq!(next_month_ms(1_769_860_800_000), 1_769_904_000_000);
+    // 2026-12-15 → 2027-01-01
+    assert_eq!(next_month_ms(1_797_292_800_000), 1_798_761_600_000);
+    // 2024-02-29 → 2024-03-01
+    assert_eq!(next_month_ms(1_709_164_800_000), 1_709_251_200_000);
+}
+
+#[test]
+fn fixed_window_calendar_day() {
+    let p = Policy {
+        align: Align::Epoch,
+        ..Policy::fixed(2, 86_400_000)
+    };
+    let mut s = State::Empty;
+    let v = apply(&p, &mut s, op(OpKind::Charge, 1, 0), 86_400_000 * 3 + 5);
+    assert_eq!(v.reset_at_ms, 86_400_000 * 4);
+}
+
+#[test]
+fn gcra_spaces_requests() {
+    let p = Policy {
+        algorithm: Algorithm::Gcra,
+        burst: 2,
+        ..Policy::fixed(10, 10_000)
+    };
+    let mut s = State::Empty;
+    assert!(apply(&p, &mut s, op(OpKind::Reserve, 1, 0), 0).admitted);
+    assert!(apply(&p, &mut s, op(OpKind::Reserve, 1, 0), 0).admitted);
+    let refused = apply(&p, &mut s, op(OpKind::Reserve, 1, 0), 0);
+    assert!(!refused.admitted);
+    assert_eq!(refused.retry_at_ms, 1_000);
+    assert_eq!(refused.used, 2);
+    assert_eq!(refused.reset_at_ms, 2_000);
+    assert!(apply(&p, &mut s, op(OpKind::Reserve, 1, 0), 1_000).admitted);
+}
+
+#[test]
+fn sliding_window_weighs_the_previous_window() {
+    let p = Policy {
+        algorithm: Algorithm::SlidingWindow,
+        ..Policy::fixed(10, 1_000)
+    };
+    let mut s = State::Empty;
+    apply(&p, &mut s, op(OpKind::Charge, 10, 0), 500);
+    // At 1250 the previous window (10) weighs 0.75: 7.5 used.
+    let v = apply(&p, &mut s, op(OpKind::Peek, 3, 0), 1_250);
+    assert!(!v.admitted);
+    assert_eq!(v.used, 8);
+    // 10 * (2000 - t) / 1000 <= 7  → t >= 1300
+    assert_eq!(v.retry_at_ms, 1_300);
+    assert!(apply(&p, &mut s, op(OpKind::Peek, 3, 0), 1_300).admitted);
+}
+
+#[test]
+fn sliding_log_is_exact() {
+    let p = Policy {
+        algorithm: Algorithm::SlidingLog,
+        ..Policy::fixed(2, 1_000)
+    };
+    let mut s = State::Empty;
+    apply(&p, &mut s, op(OpKind::Charge, 1, 1), 100);
+    apply(&p, &mut s, op(OpKind::Charge, 1, 2), 600);
+    let v = apply(&p, &mut s, op(OpKind::Reserve, 1, 3), 900);
+    assert!(!v.admitted);
+    assert_eq!(v.retry_at_ms, 1_100);
+    assert!(apply(&p, &mut s, op(OpKind::Reserve, 1, 3), 1_100).admitted);
+    let r = apply(&p, &mut s, op(OpKind::Refund, 1, 3), 1_200);
+    assert_eq!(r.used, 1);
+}
+
+#[test]
+fn concurrency_slots_expire() {
+    let p = Policy {
+        algorithm: Algorithm::Concurrency,
+        ..Policy::fixed(1, 5_000)
+    };
+    let mut s = State::Empty;
+    assert!(apply(&p, &mut s, op(OpKind::Reserve, 1, 7), 0).admitted);
+    assert!(!apply(&p, &mut s, op(OpKind::Reserve, 1, 8), 10).admitted);
+    // A crashed gateway's slot frees itself after the window.
+    assert!(apply(&p, &mut s, op(OpKind::Reserve, 1, 8), 5_000).admitted);
+    apply(&p, &mut s, op(OpKind::Refund, 1, 8), 5_001);
+    assert!(apply(&p, &mut s, op(OpKind::Peek, 1, 0), 5_002).admitted);
+}

@@ -1,11 +1,10 @@
-//! Reservations and slots whose store calls timed out (`check::Hold::late`): settled in
+//! Reservations and slots whose store calls timed out (`hold::Hold::late`): settled in
 //! the background once the store tells what became of them.
 
 use super::algorithm::{Op, OpKind, Policy};
-use super::check::Stage;
+use super::hold::{Stage, Taken};
 use super::key::LimitKey;
 use super::store::{AnyStore, Item, Late, Store};
-use super::ticket::Taken;
 use super::{next_id, Applied};
 use std::sync::Arc;
 

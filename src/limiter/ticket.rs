@@ -2,10 +2,10 @@
 //! released, or charged in the background when dropped.
 
 use super::algorithm::{Op, OpKind};
-use super::check::{Hold, Stage};
+use super::hold::{Stage, Taken};
 use super::in_flight::InFlightGuard;
 use super::late::{self, Then};
-use super::settle::{self, Refund, SlotGuard};
+use super::slots::{self, Refund, SlotGuard};
 use super::{next_id, Applied, Limiter, Usage};
 use crate::clock::SharedClock;
 use std::sync::Arc;
@@ -44,20 +44,6 @@ pub struct Ticket<'a> {
     slots_held: bool,
     /// Neither charged nor released yet: charged in the background when dropped.
     pub(super) open: bool,
-}
-
-/// What a CHECK took and found, per applied limit, in order.
-#[derive(Debug)]
-pub(super) struct Taken {
-    /// The usage of each applied limit (`None` where the store failed and
-    /// `on_error = "allow"`).
-    pub(super) usages: Vec<Option<Usage>>,
-    /// How each limit is held, and what to give back.
-    pub(super) holds: Vec<Hold>,
-    /// Refusals of limits in shadow mode (or outside their `enforce_percent`).
-    pub(super) shadowed: Vec<Usage>,
-    /// The units the check took or counted (the route's `cost`).
-    pub(super) cost: u64,
 }
 
 impl<'a> Ticket<'a> {
@@ -155,7 +141,7 @@ impl Drop for Ticket<'_> {
             limiter.recent.forget(key);
         }
         let now_ms = self.clock.now_ms();
-        settle::spawn_refunds(&limiter.store, charges, now_ms);
+        slots::spawn_refunds(&limiter.store, charges, now_ms);
         drop(self.in_flight.take());
         drop(order);
         // Reservations whose calls timed out: charged only if they did not land.

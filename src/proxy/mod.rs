@@ -27,6 +27,7 @@
 pub mod access;
 pub mod body;
 pub mod deadline;
+pub mod downstream;
 pub mod error;
 pub mod forward;
 pub mod framing;

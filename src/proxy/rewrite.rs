@@ -2,8 +2,8 @@
 //! gets it (hop-by-hop headers, `Via`, `X-Forwarded-*`, `X-Real-IP`, its URI and
 //! `Host` for the target), and the response head as the client gets it.
 
+use super::downstream::Downstream;
 use super::error::ProxyError;
-use super::forward::Downstream;
 use super::peer::Peer;
 use super::pool::PooledBody;
 use super::upstream::Target;

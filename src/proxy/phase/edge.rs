@@ -37,9 +37,6 @@ impl Edge {
 /// Errors: 400 for a malformed path or Host, 501 for a transfer coding tollgate does not
 /// implement (both logged `bad_request`), 421 for a TLS connection that is not for the
 /// host asked (when the listener has more than one certificate).
-// `Answer` is a response (136 bytes): returned once per request, where a box would
-// cost an allocation per refusal.
-#[allow(clippy::result_large_err)]
 pub fn edge(snap: &Gate<'_>, req: &mut Request<Incoming>, peer: &Peer) -> Result<Edge, Answer> {
     normalize_path(req)?;
     let peer_trusted = snap.identities.trusts(peer.ip());

@@ -61,9 +61,6 @@ pub async fn own_limits(
 /// `OPTIONS` or `TRACE` with `Max-Forwards: 0` (`last_hop`); 400 for an upgrade request
 /// the route cannot take (`bad_request`); 413 for a declared `Content-Length` past the
 /// route's `max_request_bytes` (`too_large`).
-// `Answer` is a response (136 bytes): returned once per request, where a box would
-// cost an allocation per refusal.
-#[allow(clippy::result_large_err)]
 pub fn route<'s>(
     snap: &Gate<'s>,
     req: &mut Request<Incoming>,

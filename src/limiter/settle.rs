@@ -128,8 +128,10 @@ impl<'a> Ticket<'a> {
     /// Returns the usage of each applied limit after the refund (what the response's
     /// headers show): the check's, with `cost` units fewer used where units were given
     /// back.
-    pub fn release(mut self, now_ms: u64) -> Vec<Option<Usage>> {
+    pub fn release(&mut self, now_ms: u64) -> Vec<Option<Usage>> {
         self.close();
+        // Its units leave the in-flight counts now, as when the ticket is dropped.
+        drop(self.in_flight.take());
         let cost = self.taken.cost;
         self.limiter
             .give_back_where(&self.applied, &self.taken, now_ms, |st| st != Stage::Slot);

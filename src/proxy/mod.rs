@@ -211,11 +211,20 @@ pub fn serve<'a>(
         let routed = phase::route::route(snap, &mut req, edge.host_name(), log)?;
         let route = routed.route;
         // 4. Check every limit of the route.
-        let checked = phase::check::check(snap, ctx, &req, peer, &caller, route, log).await?;
+        let mut checked = phase::check::check(snap, ctx, &req, peer, &caller, route, log).await?;
         // 5. Forward upstream, streaming both bodies.
-        let (mut response, checked) =
-            phase::forward::forward(snap, ctx, req, peer, edge, &caller, routed, checked, log)
-                .await?;
+        let mut response = phase::forward::forward(
+            snap,
+            ctx,
+            req,
+            peer,
+            edge,
+            &caller,
+            routed,
+            &mut checked,
+            log,
+        )
+        .await?;
         // 6. Settle: charge, or release, once the status is known.
         let settled = phase::settle::settle(ctx, route, checked, &mut response, log).await;
         // 7. Headers: the rate-limit headers; the concurrency slots go with the body.

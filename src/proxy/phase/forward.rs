@@ -35,9 +35,9 @@ pub fn forward<'r, 'c: 'r>(
     edge: Edge,
     caller: &'r Caller,
     routed: Routed<'r>,
-    checked: Checked<'c>,
+    checked: &'r mut Checked<'c>,
     log: &'r mut AccessLog,
-) -> impl std::future::Future<Output = Result<(Response<Body>, Checked<'c>), Answer>> + 'r {
+) -> impl std::future::Future<Output = Result<Response<Body>, Answer>> + use<'r, 'c> {
     async move {
         let route = routed.route;
         snap.identities.to_upstream(caller, req.headers_mut());
@@ -62,23 +62,22 @@ pub fn forward<'r, 'c: 'r>(
         let forwarded = crate::proxy::forward::forward(&route.upstream, req, down).await;
         log.upstream_took(&route.upstream.name, ctx.metrics, upstream_started);
         match forwarded {
-            Ok(response) => Ok((response, checked)),
+            Ok(response) => Ok(response),
             // The client stopped sending its body while the upstream had the request:
             // charged like a client that went away (dropping `checked.ticket` charges
             // it; reservations and leased units stand).
             Err(e @ ProxyError::BodyTimeout(_)) => Err(Answer::keeping_decision(e.into_response())),
             Err(e) => {
                 let now_ms = ctx.clock.now_ms();
-                let Checked { ticket, slots } = checked;
-                let applied = ticket.applied().clone();
-                let usages = ticket.release(now_ms);
+                let applied = checked.ticket.applied().clone();
+                let usages = checked.ticket.release(now_ms);
                 let mut response = e.into_response();
                 if let Some(usage) = most_constrained(&usages) {
                     super::headers::put(snap, &mut response, usage, &applied, now_ms);
                     log.usage = Some(usage.clone());
                 }
-                // Dropping the slots gives the concurrency slots back.
-                drop(slots);
+                // Dropping `checked` (as the request ends) gives the concurrency slots
+                // back.
                 Err(Answer::keeping_decision(response))
             }
         }

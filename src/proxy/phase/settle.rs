@@ -40,7 +40,7 @@ pub fn settle<'r>(
     log: &'r mut AccessLog,
 ) -> impl std::future::Future<Output = Settled> + 'r {
     async move {
-        let Checked { ticket, slots } = checked;
+        let Checked { mut ticket, slots } = checked;
         let applied = ticket.applied().clone();
         let cost = route
             .upstream

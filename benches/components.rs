@@ -326,7 +326,7 @@ fn limiter_memory(c: &mut Criterion) {
                 let applied: Arc<[_]> = limiter
                     .applicable(&route.limits, black_box(&caller), &headers)
                     .into();
-                let ticket = limiter
+                let mut ticket = limiter
                     .check(&applied, route.cost, false, &clock, NOW_MS)
                     .await
                     .expect("admitted");

@@ -79,7 +79,7 @@ impl Limiter {
             policy: limit.policy(quota),
         }]);
         match self.check(&applied, 1, false, clock, now_ms).await {
-            Ok(ticket) => {
+            Ok(mut ticket) => {
                 let charged = ticket.charge(1, now_ms).await;
                 if let Some(usage) = charged.into_iter().flatten().next() {
                     if usage.used >= quota {

@@ -22,13 +22,21 @@ impl<'a> Ticket<'a> {
     ///
     /// The charge is handed to the store when this is called (not when the returned
     /// future is first polled), so a request cancelled from here on is counted once;
-    /// the future awaits the answers. A plain function, not an `async fn`: an
-    /// `async fn` would keep the ticket twice in its state (rust-lang/rust#62958).
-    pub fn charge(
-        mut self,
+    /// the future awaits the answers. It borrows the ticket, which its owner keeps
+    /// (closed: a second `charge` or `release` does nothing, and dropping it charges
+    /// nothing more), so that the ticket is not moved into the future. A plain
+    /// function, not an `async fn`: an `async fn` would keep its arguments twice in
+    /// its state (rust-lang/rust#62958).
+    pub fn charge<'t>(
+        &'t mut self,
         cost: u64,
         now_ms: u64,
-    ) -> impl Future<Output = Vec<Option<Usage>>> + Send + 'a {
+    ) -> impl Future<Output = Vec<Option<Usage>>> + Send + use<'a, 't>
+    where
+        'a: 't,
+    {
+        // A ticket is handed back once: charged or released before, it charges nothing.
+        let was_open = self.open;
         self.close();
         let limiter = self.limiter;
         let applied = &*self.applied;
@@ -37,6 +45,7 @@ impl<'a> Ticket<'a> {
         // difference when the upstream said the request cost more than was reserved.
         let top_up = cost.saturating_sub(taken.cost);
         let charged: Vec<(usize, u64)> = (0..applied.len())
+            .filter(|_| was_open)
             .filter_map(|i| match taken.holds[i].stage {
                 Stage::Peek => Some((i, cost)),
                 Stage::Held if top_up > 0 && taken.holds[i].late.is_none() => Some((i, top_up)),
@@ -53,7 +62,7 @@ impl<'a> Ticket<'a> {
             },
             |st| matches!(st, Stage::Reserve | Stage::Held),
         );
-        if !late.is_empty() {
+        if was_open && !late.is_empty() {
             for h in &late {
                 limiter.recent.forget(&h.key);
             }
@@ -129,6 +138,10 @@ impl<'a> Ticket<'a> {
     /// headers show): the check's, with `cost` units fewer used where units were given
     /// back.
     pub fn release(&mut self, now_ms: u64) -> Vec<Option<Usage>> {
+        // A ticket is handed back once: charged or released before, it gives back nothing.
+        if !self.open {
+            return Vec::new();
+        }
         self.close();
         // Its units leave the in-flight counts now, as when the ticket is dropped.
         drop(self.in_flight.take());
@@ -200,5 +213,60 @@ impl Limiter {
             self.recent.forget(&h.key);
         }
         late::spawn(&self.store, late, now_ms);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::clock::{SharedClock, SystemClock};
+    use std::sync::Arc;
+
+    /// A ticket is handed back once: a second `charge` (or a `release` after it)
+    /// counts nothing more, and dropping it afterwards charges nothing.
+    #[tokio::test]
+    async fn a_ticket_counts_once_however_often_it_is_handed_back() {
+        let toml = "[server]\nlisten = \"127.0.0.1:0\"\n\
+             [store]\nbackend = \"memory\"\n\
+             [[upstreams]]\nname = \"api\"\ntargets = [\"http://127.0.0.1:9\"]\n\
+             [[limits]]\nname = \"core\"\nwindow = \"1h\"\nquota = { anonymous = 100 }\n\
+             [[routes]]\npath_prefix = \"/\"\nupstream = \"api\"\nlimits = [\"core\"]\n";
+        let file =
+            crate::config::parse(std::path::Path::new("t.toml"), toml.to_string()).expect("parses");
+        let snap = crate::snapshot::Snapshot::build(&file, None).expect("valid");
+        let route = snap
+            .router
+            .find(None, "/x", &http::Method::GET)
+            .expect("route");
+        let headers = http::HeaderMap::new();
+        let caller = snap
+            .identities
+            .identify(&headers, "203.0.113.7".parse().unwrap())
+            .expect("caller");
+        let clock: SharedClock = Arc::new(SystemClock);
+        let now_ms = clock.now_ms();
+        let applied: Arc<[_]> = snap
+            .limiter
+            .applicable(&route.limits, &caller, &headers)
+            .into();
+        let used = |ticket: &super::Ticket<'_>| ticket.usages()[0].as_ref().map(|u| u.used);
+
+        let mut ticket = snap
+            .limiter
+            .check(&applied, 3, false, &clock, now_ms)
+            .await
+            .expect("admitted");
+        assert_eq!(used(&ticket), Some(0));
+        let charged = ticket.charge(3, now_ms).await;
+        assert_eq!(charged[0].as_ref().map(|u| u.used), Some(3));
+        assert!(ticket.charge(3, now_ms).await.is_empty());
+        assert!(ticket.release(now_ms).is_empty());
+        drop(ticket);
+
+        let next = snap
+            .limiter
+            .check(&applied, 1, false, &clock, now_ms)
+            .await
+            .expect("admitted");
+        assert_eq!(used(&next), Some(3), "charged once, 3 units");
     }
 }

@@ -13,7 +13,9 @@ use std::sync::Arc;
 /// A request's hold on its limits, from the CHECK that admitted it ([`Limiter::check`])
 /// to the end of the request. Called a ticket because, like a parking ticket, it is
 /// issued on the way in and handed back exactly once on the way out: paid
-/// ([`Ticket::charge`]) or voided ([`Ticket::release`]). It owns every unit the check
+/// ([`Ticket::charge`]) or voided ([`Ticket::release`]); both borrow it, so that the
+/// request's state keeps it in place, and once it is handed back a second charge or
+/// release does nothing. It owns every unit the check
 /// took or counted (reservations, leased units, concurrency slots, the units counted in
 /// flight on this gateway), so none is counted twice or lost:
 ///

@@ -226,7 +226,7 @@ pub fn serve<'a>(
         )
         .await?;
         // 6. Settle: charge, or release, once the status is known.
-        let settled = phase::settle::settle(ctx, route, checked, &mut response, log).await;
+        let settled = phase::settle::settle(ctx, route, &mut checked, &mut response, log).await;
         // 7. Headers: the rate-limit headers; the concurrency slots go with the body.
         Ok(phase::headers::headers(snap, response, settled, log))
     }

@@ -32,15 +32,15 @@ pub struct Settled {
 ///
 /// Not an `async fn`, for the reason [`crate::proxy::handle`] gives (arguments kept once).
 #[allow(clippy::manual_async_fn)]
-pub fn settle<'r>(
+pub fn settle<'r, 'c: 'r>(
     ctx: &'r Context<'r>,
     route: &'r Route,
-    checked: Checked<'r>,
+    checked: &'r mut Checked<'c>,
     response: &'r mut Response<Body>,
     log: &'r mut AccessLog,
-) -> impl std::future::Future<Output = Settled> + 'r {
+) -> impl std::future::Future<Output = Settled> + use<'r, 'c> {
     async move {
-        let Checked { mut ticket, slots } = checked;
+        let ticket = &mut checked.ticket;
         let applied = ticket.applied().clone();
         let cost = route
             .upstream
@@ -59,7 +59,7 @@ pub fn settle<'r>(
         Settled {
             usages,
             applied,
-            slots,
+            slots: checked.slots.take(),
             now_ms,
         }
     }

@@ -17,6 +17,10 @@ pub struct Peer {
     /// The timer of `upstreams.response_timeout` for this connection's HTTP/1 requests
     /// ([`super::deadline`]).
     pub response_timer: super::deadline::ConnectionTimer,
+    /// The key of this address's share of the descriptor budget
+    /// (`server.descriptor_share_per_ip`); `None`: not counted (a peer in
+    /// `identity.trusted_proxies`). See [`super::Context::address`].
+    pub share: Option<IpAddr>,
 }
 
 impl Peer {
@@ -25,8 +29,9 @@ impl Peer {
         self.ip_header.to_str().unwrap_or_default()
     }
 
-    /// Describe the peer at `addr`.
-    pub fn new(addr: std::net::SocketAddr) -> Self {
+    /// Describe the peer at `addr`, whose requests take `share`'s place in the
+    /// descriptor budget ([`Peer::share`]).
+    pub fn new(addr: std::net::SocketAddr, share: Option<IpAddr>) -> Self {
         let ip_header = HeaderValue::from_str(&addr.ip().to_string())
             .unwrap_or(HeaderValue::from_static("unknown"));
         Self {
@@ -34,6 +39,7 @@ impl Peer {
             ip_header,
             upstream: Default::default(),
             response_timer: Default::default(),
+            share,
         }
     }
 

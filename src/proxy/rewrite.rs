@@ -263,7 +263,7 @@ mod tests {
 
     #[test]
     fn the_peer_is_appended_to_every_forwarded_for_received() {
-        let peer = Peer::new("192.0.2.7:4000".parse().unwrap());
+        let peer = Peer::new("192.0.2.7:4000".parse().unwrap(), None);
         let forwarded = |received: &[&'static str]| {
             let mut h = HeaderMap::new();
             for v in received {

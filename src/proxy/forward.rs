@@ -131,10 +131,14 @@ pub fn forward<'a>(
                     "upstream {what}"
                 );
             };
+            // Pinned where it is built: the timers below take a reference to it, where
+            // taking it by value would copy the send's future (about 1 KB) into theirs
+            // and theirs again into this future's await (docs/hot-path.md).
             let send =
                 upstream.targets[i]
                     .pool
                     .send(request, down.budget, Some(&down.peer.upstream));
+            tokio::pin!(send);
             let sent = if downstream_version < Version::HTTP_2 {
                 // HTTP/1 serves one request of a connection at a time: its timer is theirs.
                 down.peer.response_timer.within(deadline, send).await

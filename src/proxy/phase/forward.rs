@@ -59,7 +59,9 @@ pub fn forward<'r, 'c: 'r>(
         let upstream_started = down.started;
         // Held inline (the whole request's future is boxed once, in place, by the server:
         // a box of its own here cost an allocation and a copy of about 2.4 KB).
-        let forwarded = crate::proxy::forward::forward(&route.upstream, req, down).await;
+        let forwarded = crate::proxy::forward::forward(&route.upstream, req, down);
+        tokio::pin!(forwarded);
+        let forwarded = forwarded.await;
         log.upstream_took(&route.upstream.name, ctx.metrics, upstream_started);
         match forwarded {
             Ok(response) => Ok(response),

@@ -11,15 +11,17 @@
 //! kept them, by key. The builders look a file up by its key and report a read error
 //! at that key, in the words they used when they read the file themselves.
 //!
-//! Two things are read here that are not plain files: the keys file
+//! Two things are read here that are not held as bytes: the keys file
 //! (`identity.clients_file`), which can hold millions of keys, is read line by line
-//! straight into its key set ([`crate::identity::read_keys`]) rather than held whole;
-//! and the operating system's trusted roots, when a key asks for them
-//! (`upstreams.tls_roots` or `store.tls.roots` = `"system"`).
+//! straight into its key set ([`crate::identity::read_keys`]), because holding it whole
+//! beside the set would add its size to the peak memory (124 MB for a million keys:
+//! BENCHMARKS.md, "A million API keys"); and the operating system's trusted roots, when
+//! a key asks for them (`upstreams.tls_roots` or `store.tls.roots` = `"system"`).
 
 use super::secrets::secret_path;
-use super::UpstreamConfig;
-use super::{Config, ConfigFile, IdentityConfig, Problems, StoreConfig, TlsConfig, TlsRoots};
+use super::{
+    Config, ConfigFile, IdentityConfig, Problems, StoreConfig, TlsConfig, TlsRoots, UpstreamConfig,
+};
 use crate::identity::keys::{KeyErrors, KeySet, KeySource};
 use crate::snapshot::Snapshot;
 use std::collections::HashMap;
@@ -62,9 +64,9 @@ pub struct Files {
     system_roots: Option<rustls_native_certs::CertificateResult>,
 }
 
-/// Every file `file` names, in the order they are read: `[server.tls]`, the PEM files
-/// of each `[[upstreams]]` entry, `[identity]` (the keys file, then `[identity.jwt]`'s),
-/// then `[store]` (its secret files, then `[store.tls]`'s).
+/// Every file `file` names, each at its key: `[server.tls]`'s, the PEM files of each
+/// `[[upstreams]]` entry, `[identity]`'s (the keys file, then `[identity.jwt]`'s), then
+/// `[store]`'s (its secret files, then `[store.tls]`'s).
 pub fn named(file: &ConfigFile) -> Vec<Named> {
     let cfg = &file.config;
     let dir = crate::tls::base_dir(&file.path);
@@ -214,8 +216,9 @@ fn secret(key: String, file: &Option<String>, dir: &Path) -> Option<Named> {
 }
 
 impl Files {
-    /// The loading step of a whole config: every file [`named`] lists is read (the keys
-    /// file into its key set), and the system's roots when a key asks for them.
+    /// The loading step of a whole config: every file [`named`] lists is read, in its
+    /// order (the keys file last, into its key set), and the system's roots when a key
+    /// asks for them.
     /// `previous` is the snapshot the one to be built replaces: when it keeps its key
     /// set (same keys file and names), the keys file is not read. Build with the same
     /// `previous`.

@@ -43,7 +43,8 @@ fn sha256_hex(key: &str) -> String {
 fn snapshot(toml: &str) -> Snapshot {
     let file = tollgate::config::parse(Path::new("bench.toml"), toml.to_string())
         .unwrap_or_else(|r| panic!("bench config does not parse:\n{r}"));
-    Snapshot::build(&file, None).unwrap_or_else(|r| panic!("bench config is invalid:\n{r}"))
+    let files = tollgate::config::Files::load(&file, None);
+    Snapshot::build(&file, &files, None).unwrap_or_else(|r| panic!("bench config is invalid:\n{r}"))
 }
 
 // ---------------------------------------------------------------------------------------

@@ -81,7 +81,8 @@ fn snapshot() -> Snapshot {
     );
     let file = tollgate::config::parse(Path::new("bench.toml"), toml)
         .unwrap_or_else(|r| panic!("bench config does not parse:\n{r}"));
-    Snapshot::build(&file, None).unwrap_or_else(|r| panic!("bench config is invalid:\n{r}"))
+    let files = tollgate::config::Files::load(&file, None);
+    Snapshot::build(&file, &files, None).unwrap_or_else(|r| panic!("bench config is invalid:\n{r}"))
 }
 
 /// A request as hyper hands it over (wrk's, plus what a typical client sends), its

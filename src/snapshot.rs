@@ -1,14 +1,19 @@
 //! A config snapshot: everything one request needs, built from a [`Config`] in one go.
 //!
 //! Building is validation: each part records its problems against key paths, and a
-//! snapshot exists only when there are none. The only I/O of building is reading the
-//! TLS certificate files of `[server.tls]` (Redis connections are opened by
-//! [`crate::server::Gateway`] when a new store is first used), so `tollgate check`
-//! builds exactly what the gateway would run. A request holds the
-//! `Arc<Snapshot>` it started with; a reload swaps in a whole new one.
+//! snapshot exists only when there are none. Building reads no file: every file the
+//! config names (certificates and keys, the keys file, JWT keys, secret files, and the
+//! system's trusted roots when a key asks for them) is read first, in one loading step
+//! ([`Files::load`]; [`crate::config::files::named`] lists them all), and the builders
+//! take their contents from what it read. Redis connections are opened by
+//! [`crate::server::Gateway`] when a new store is first used. (The one question asked of
+//! the system is how many CPUs the process may use, for the `per_core` pool parts when
+//! `server.workers` is not set.) So `tollgate check` builds exactly what the gateway
+//! would run, and a missing file is an error at the key that names it. A request holds
+//! the `Arc<Snapshot>` it started with; a reload swaps in a whole new one.
 
 use crate::config::{
-    validate, Backend, Config, ConfigFile, ConfigReport, LogConfig, Problems, ServerConfig,
+    validate, Backend, Config, ConfigFile, ConfigReport, Files, LogConfig, Problems, ServerConfig,
     StoreClock, StoreConfig,
 };
 use crate::identity::Identities;
@@ -80,12 +85,18 @@ impl Snapshot {
         }
     }
 
-    /// Build and validate a snapshot from `file`. When `previous` runs with the same
-    /// `[store]`, its store (and its Redis connections) is reused; otherwise a new store
-    /// is built, not yet started.
+    /// Build and validate a snapshot from `file` and `files`, the files it names as
+    /// [`Files::load`] read them (with the same `previous`); no I/O. When `previous` runs
+    /// with the same `[store]`, its store (and its Redis connections) is reused;
+    /// otherwise a new store is built, not yet started.
     ///
-    /// Errors: a [`ConfigReport`] with every problem found, each tied to a key path.
-    pub fn build(file: &ConfigFile, previous: Option<&Snapshot>) -> Result<Snapshot, ConfigReport> {
+    /// Errors: a [`ConfigReport`] with every problem found, each tied to a key path (a
+    /// file that could not be read is a problem at the key that names it).
+    pub fn build(
+        file: &ConfigFile,
+        files: &Files,
+        previous: Option<&Snapshot>,
+    ) -> Result<Snapshot, ConfigReport> {
         let cfg = &file.config;
         // Unknown keys found (and skipped) while parsing come first.
         let mut problems = file.problems.clone();
@@ -97,12 +108,12 @@ impl Snapshot {
             .as_ref()
             .and_then(|a| validate::addr("server.admin_listen", a, &mut problems));
         validate::server_and_log(cfg, &mut problems);
-        let tls = load_tls(file, previous, &mut problems);
+        let tls = load_tls(file, files, previous, &mut problems);
 
-        let base_dir = crate::tls::base_dir(&file.path);
         let identities = Identities::build_for(
             cfg,
-            &base_dir,
+            &crate::tls::base_dir(&file.path),
+            files,
             previous.map(|p| &p.identities),
             &mut problems,
         );
@@ -116,14 +127,6 @@ impl Snapshot {
             );
         }
 
-        // PEM paths in the config are relative to the config file's directory. Not
-        // `tls::base_dir`: for a bare file name this base is "", not ".", so error
-        // messages name "ca.pem" rather than "./ca.pem".
-        let base_dir = file
-            .path
-            .parent()
-            .map(std::path::Path::to_path_buf)
-            .unwrap_or_default();
         let mut upstreams = HashMap::new();
         // One pool part per worker of the runtime that runs ([server] is read at start).
         let running = previous.map_or(&cfg.server, |p| &p.running.0);
@@ -137,7 +140,7 @@ impl Snapshot {
                     format!("upstreams[{i}].name"),
                     format!("duplicate upstream name {:?}", u.name),
                 );
-            } else if let Some(up) = Upstream::build(i, u, &base_dir, pool_parts, &mut problems) {
+            } else if let Some(up) = Upstream::build(i, u, files, pool_parts, &mut problems) {
                 upstreams.insert(u.name.clone(), Arc::new(up));
             }
         }
@@ -195,17 +198,17 @@ impl Snapshot {
         // over-limit cache when [store] is unchanged, or when both are memory stores;
         // drop cached rejections of limits whose definition changed. The new [store] is
         // validated either way.
-        // Secrets and certificates named in [store] are read now, on every load and
-        // reload: a kept store takes the newly read ones for its next connections.
-        let store_dir = crate::tls::base_dir(&file.path);
+        // Secrets and certificates named in [store] were read by the loading step, on
+        // every load and reload: a kept store takes the newly read ones for its next
+        // connections.
         let hash_key = crate::config::secrets::secret(
             "store.hash_key",
             cfg.store.hash_key.as_deref(),
             cfg.store.hash_key_file.as_deref(),
-            &store_dir,
+            files,
             &mut problems,
         );
-        let fresh = build_store(&cfg.store, &store_dir, &mut problems);
+        let fresh = build_store(&cfg.store, files, &mut problems);
         let keep = previous.filter(|prev| {
             prev.config.store == cfg.store
                 || (prev.config.store.backend == Backend::Memory
@@ -392,10 +395,11 @@ fn edge_rules(
     .with_via(via)
 }
 
-/// Load `[server.tls]` (relative paths against the config file's directory). With no `[server.tls]` in a reload of a gateway that
-/// runs TLS, the previous certificates stay (with a warning).
+/// Build `[server.tls]` from the files the loading step read. With no `[server.tls]` in
+/// a reload of a gateway that runs TLS, the previous certificates stay (with a warning).
 fn load_tls(
     file: &ConfigFile,
+    files: &Files,
     previous: Option<&Snapshot>,
     problems: &mut Problems,
 ) -> Option<Arc<crate::tls::Tls>> {
@@ -403,7 +407,7 @@ fn load_tls(
     match (&cfg.server.tls, previous) {
         (Some(tls), _) => {
             let base = crate::tls::base_dir(&file.path);
-            crate::tls::Tls::build(tls, &base, problems).map(Arc::new)
+            crate::tls::Tls::build(tls, &base, files, problems).map(Arc::new)
         }
         (None, Some(prev)) if prev.tls.is_some() => {
             problems.warn(
@@ -416,35 +420,19 @@ fn load_tls(
     }
 }
 
-/// The digest of the TLS files `file` names (see [`crate::tls::files_digest`]); empty
-/// without `[server.tls]`. A reload whose config text and TLS files are both unchanged
-/// has nothing to do.
-pub fn tls_digest(file: &ConfigFile) -> String {
-    match &file.config.server.tls {
-        Some(tls) => {
-            crate::tls::files_digest(&crate::tls::files(tls, &crate::tls::base_dir(&file.path)))
-        }
-        None => String::new(),
-    }
-}
-
 /// SHA-256 of a config file's text, hex.
 pub fn content_hash(text: &str) -> String {
     use sha2::Digest;
     hex::encode(sha2::Sha256::digest(text.as_bytes()))
 }
 
-/// Validate `[store]` and build the store it describes.
-fn build_store(
-    cfg: &StoreConfig,
-    base_dir: &std::path::Path,
-    problems: &mut Problems,
-) -> Option<AnyStore> {
+/// Validate `[store]` and build the store it describes (its files taken from `files`).
+fn build_store(cfg: &StoreConfig, files: &Files, problems: &mut Problems) -> Option<AnyStore> {
     validate::store(cfg, problems);
     match cfg.backend {
         Backend::Memory => Some(AnyStore::Memory(MemoryStore::with_max_callers(
             cfg.max_callers,
         ))),
-        Backend::Redis => RedisStore::from_config_in(cfg, base_dir, problems).map(AnyStore::Redis),
+        Backend::Redis => RedisStore::from_loaded(cfg, files, problems).map(AnyStore::Redis),
     }
 }

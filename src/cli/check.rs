@@ -9,7 +9,10 @@ use tollgate::snapshot::Snapshot;
 
 /// `tollgate check`: every error as `PATH:LINE:COLUMN: key.path: message`.
 pub(crate) async fn check(path: &Path, against: Option<&Path>) -> ExitCode {
-    let built = config::read(path).and_then(|file| Snapshot::build(&file, None));
+    let built = config::read(path).and_then(|file| {
+        let files = config::Files::load(&file, None);
+        Snapshot::build(&file, &files, None)
+    });
     match built {
         Ok(snap) => {
             for w in &snap.warnings {

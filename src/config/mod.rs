@@ -1,6 +1,8 @@
 //! The config file: its schema ([`schema`], with the string choices in [`choices`]),
-//! reading it ([`read`], [`parse`]: TOML → [`Config`]), the rules that are not types
-//! ([`validate`]), and problems reported as `PATH:LINE:COLUMN: key.path: what is wrong`.
+//! reading it ([`read`], [`parse`]: TOML → [`Config`]), reading every file it names
+//! ([`files`]: the loading step, before a snapshot is built), the rules that are not
+//! types ([`validate`]), and problems reported as
+//! `PATH:LINE:COLUMN: key.path: what is wrong`.
 //!
 //! Parsing is done by `toml` + serde (unknown keys, bad durations and bad choices are
 //! serde errors, located by their span); the other rules record each problem against a
@@ -10,6 +12,7 @@
 
 pub mod choices;
 pub mod duration;
+pub mod files;
 mod locate;
 mod parse;
 pub mod schema;
@@ -18,6 +21,7 @@ pub mod validate;
 
 pub use choices::{ChargeAt, LimitBy, LimitMode, OnLimit, PathMatch, WindowAlign};
 pub use duration::Dur;
+pub use files::Files;
 pub use parse::{parse, read, MAX_UNKNOWN_KEYS, REFERENCE_HINT};
 pub use schema::*;
 

@@ -1,12 +1,13 @@
 //! Secrets written inline (`x`) or kept in a file (`x_file`): Redis passwords,
 //! `store.hash_key`, the JWT HMAC secret.
 //!
-//! A file is read at every load and reload. A relative path is looked up in
-//! `$CREDENTIALS_DIRECTORY` first (set by systemd's `LoadCredential=`), then relative to
-//! the config file's directory (like every other path in the config). One trailing
-//! newline (`\n` or `\r\n`) is stripped, so `echo "$SECRET" > file` works.
+//! A file is read at every load and reload, by the loading step ([`super::files`]). A
+//! relative path is looked up in `$CREDENTIALS_DIRECTORY` first (set by systemd's
+//! `LoadCredential=`), then relative to the config file's directory (like every other
+//! path in the config). One trailing newline (`\n` or `\r\n`) is stripped, so
+//! `echo "$SECRET" > file` works.
 
-use super::Problems;
+use super::{Files, Problems};
 use std::path::{Path, PathBuf};
 
 /// Where a secret file named `path` in the config is read from: `path` itself when
@@ -27,14 +28,14 @@ pub fn secret_path(path: &str, base_dir: &Path) -> PathBuf {
 }
 
 /// The secret of key `at` (e.g. `store.password`): `value` as written, or the contents
-/// of `file` (see the module documentation), or `None` when neither is given. Errors,
-/// recorded at `{at}_file` (or at `at` for both given): both given; the file missing,
-/// unreadable, not UTF-8 or empty.
+/// of `file` as the loading step read them (from `files`, at `{at}_file`; see the module
+/// documentation), or `None` when neither is given. Errors, recorded at `{at}_file`:
+/// both given; the file missing, unreadable, not UTF-8 or empty.
 pub fn secret(
     at: &str,
     value: Option<&str>,
     file: Option<&str>,
-    base_dir: &Path,
+    files: &Files,
     problems: &mut Problems,
 ) -> Option<String> {
     let key = at.rsplit('.').next().unwrap_or(at);
@@ -48,33 +49,27 @@ pub fn secret(
             );
             None
         }
-        (None, Some(f)) => {
-            let path = secret_path(f, base_dir);
+        (None, Some(_)) => {
             let at = format!("{at}_file");
-            match std::fs::read(&path) {
-                Err(e) => {
-                    problems.error(at, format!("cannot read {}: {e}", path.display()));
+            let (path, bytes) = files.bytes(&at, problems)?;
+            match String::from_utf8(bytes.to_vec()) {
+                Err(_) => {
+                    problems.error(at, format!("{} is not UTF-8 text", path.display()));
                     None
                 }
-                Ok(bytes) => match String::from_utf8(bytes) {
-                    Err(_) => {
-                        problems.error(at, format!("{} is not UTF-8 text", path.display()));
-                        None
-                    }
-                    Ok(mut text) => {
-                        if text.ends_with('\n') {
+                Ok(mut text) => {
+                    if text.ends_with('\n') {
+                        text.pop();
+                        if text.ends_with('\r') {
                             text.pop();
-                            if text.ends_with('\r') {
-                                text.pop();
-                            }
                         }
-                        if text.is_empty() {
-                            problems.error(at, format!("{} is empty", path.display()));
-                            return None;
-                        }
-                        Some(text)
                     }
-                },
+                    if text.is_empty() {
+                        problems.error(at, format!("{} is empty", path.display()));
+                        return None;
+                    }
+                    Some(text)
+                }
             }
         }
     }
@@ -91,15 +86,28 @@ mod tests {
         std::fs::write(dir.path().join("crlf"), "two\r\n\r\n").unwrap();
         std::fs::write(dir.path().join("empty"), "\n").unwrap();
         let mut p = Problems::default();
+        // The loading step's part: the file named at `store.password_file`, read.
+        let loaded = |f: &str| {
+            Files::read([crate::config::files::Named {
+                key: "store.password_file".into(),
+                path: secret_path(f, dir.path()),
+            }])
+        };
         let read =
-            |f: &str, p: &mut Problems| secret("store.password", None, Some(f), dir.path(), p);
+            |f: &str, p: &mut Problems| secret("store.password", None, Some(f), &loaded(f), p);
         assert_eq!(read("pw", &mut p).as_deref(), Some("s3cret"));
         assert_eq!(read("crlf", &mut p).as_deref(), Some("two\r\n"));
         assert!(p.is_ok());
         assert_eq!(read("empty", &mut p), None);
         assert_eq!(read("missing", &mut p), None);
         assert_eq!(
-            secret("store.password", Some("x"), Some("pw"), dir.path(), &mut p),
+            secret(
+                "store.password",
+                Some("x"),
+                Some("pw"),
+                &loaded("pw"),
+                &mut p
+            ),
             None
         );
         let keys: Vec<&str> = p.errors.iter().map(|e| e.path.as_str()).collect();

@@ -1,11 +1,12 @@
 //! Building the identity part of a snapshot from `[identity]`: the credential header,
 //! trusted proxies, the key set (kept from the previous snapshot when its sources are
-//! unchanged), `[identity.jwt]` and `[identity.auth_request]`, every problem recorded
-//! under `identity.*`.
+//! unchanged, else the one the loading step read from the keys file: [`read_keys`]),
+//! `[identity.jwt]` and `[identity.auth_request]`, every problem recorded under
+//! `identity.*`.
 
 use super::keys::{KeyErrors, KeyProblem, KeySet, KeySource};
 use super::{auth_request, Identities, JwtVerifier};
-use crate::config::{Config, IdentityConfig, Problems};
+use crate::config::{Config, Files, IdentityConfig, Problems};
 use arc_swap::ArcSwap;
 use http::HeaderName;
 use ipnet::IpNet;
@@ -13,40 +14,61 @@ use std::net::IpAddr;
 use std::path::Path;
 use std::sync::Arc;
 
+/// The loading step's part for the keys ([`crate::config::Files::load`]): the keys file
+/// of `source` read into its key set, line by line under its size cap (never held
+/// whole: it can hold millions of keys). Clients that `previous`'s set has unchanged
+/// are shared with it. `None` without a keys file, and when `previous` was built from
+/// the same source: it keeps its set (the file reloads on its own), so the file is not
+/// read.
+///
+/// Errors: the problems of the keys, as [`KeySource::build`] finds them.
+pub fn read_keys(
+    source: &KeySource,
+    previous: Option<&Identities>,
+) -> Option<Result<Arc<KeySet>, KeyErrors>> {
+    source.file.as_ref()?;
+    if previous.is_some_and(|p| *p.key_source == *source) {
+        return None;
+    }
+    let running = previous.map(|p| p.keys.load_full());
+    Some(source.build(running.as_deref()).map(Arc::new))
+}
+
 impl Identities {
-    /// Build from `[identity]`, recording problems under `identity.*`; key files of
-    /// `[identity.jwt]` are relative to the working directory.
+    /// Build from `[identity]`, recording problems under `identity.*`; the files it
+    /// names (the keys file, `[identity.jwt]`'s) are read now, relative to the working
+    /// directory. Tier and limit names in the keys file are not checked (see
+    /// [`Identities::build_for`]).
     pub fn build(cfg: &IdentityConfig, problems: &mut Problems) -> Self {
-        Self::build_in(cfg, Path::new("."), problems)
+        let dir = Path::new(".");
+        let source = KeySource::of_identity(cfg, dir);
+        let files = Files::read(crate::config::files::identity(cfg, dir))
+            .with_keys(read_keys(&source, None));
+        Self::build_with(cfg, source, &files, None, problems)
     }
 
-    /// Build from `[identity]`, recording problems under `identity.*`; key files of
-    /// `[identity.jwt]` and `identity.clients_file` are read now, relative to `base_dir`
-    /// (the config file's directory). Tier and limit names in the keys file are not
-    /// checked (see [`Identities::build_for`]).
-    pub fn build_in(cfg: &IdentityConfig, base_dir: &Path, problems: &mut Problems) -> Self {
-        let source = KeySource::of_identity(cfg, base_dir);
-        Self::build_with(cfg, base_dir, source, None, problems)
-    }
-
-    /// Build the identity part of a whole config: the keys file's tiers and quota
-    /// overrides are checked against its limits. When `previous` was built from the same
-    /// keys (inline list, keys file path and the names they are checked against), its
-    /// key set is kept, and so is the cell the keys file's reloads swap.
+    /// Build the identity part of a whole config, without I/O: the keys file's set and
+    /// `[identity.jwt]`'s key files come from `files` (the loading step's, made with the
+    /// same `previous`; `base_dir`, the config file's directory, resolves the keys
+    /// file's path). The keys file's tiers and quota overrides are checked against its
+    /// limits. When `previous` was built from the same keys (inline list, keys file
+    /// path and the names they are checked against), its key set is kept, and so is the
+    /// cell the keys file's reloads swap.
     pub fn build_for(
         cfg: &Config,
         base_dir: &Path,
+        files: &Files,
         previous: Option<&Identities>,
         problems: &mut Problems,
     ) -> Self {
         let source = KeySource::of_config(cfg, base_dir);
-        Self::build_with(&cfg.identity, base_dir, source, previous, problems)
+        Self::build_with(&cfg.identity, source, files, previous, problems)
     }
 
     fn build_with(
         cfg: &IdentityConfig,
-        base_dir: &Path,
         source: KeySource,
+        files: &Files,
         previous: Option<&Identities>,
         problems: &mut Problems,
     ) -> Self {
@@ -100,13 +122,24 @@ impl Identities {
         let kept = previous.filter(|p| *p.key_source == source);
         let keys = match kept {
             Some(p) => p.keys.clone(),
-            None => match source.build(previous.map(|p| p.keys.load_full()).as_deref()) {
-                Ok(set) => Arc::new(ArcSwap::from_pointee(set)),
-                Err(errors) => {
-                    record_key_errors(&errors, problems);
-                    Arc::new(ArcSwap::from_pointee(KeySet::failed(&source)))
+            None => {
+                let built = match (files.keys(), &source.file) {
+                    (Some(read), _) => read.clone(),
+                    // Inline entries only: building them reads nothing.
+                    (None, None) => {
+                        let running = previous.map(|p| p.keys.load_full());
+                        source.build(running.as_deref()).map(Arc::new)
+                    }
+                    (None, Some(path)) => Err(KeyErrors::not_read(path)),
+                };
+                match built {
+                    Ok(set) => Arc::new(ArcSwap::new(set)),
+                    Err(errors) => {
+                        record_key_errors(&errors, problems);
+                        Arc::new(ArcSwap::from_pointee(KeySet::failed(&source)))
+                    }
                 }
-            },
+            }
         };
         if cfg
             .clients_file
@@ -122,7 +155,7 @@ impl Identities {
         let jwt = cfg
             .jwt
             .as_ref()
-            .and_then(|j| JwtVerifier::build(j, base_dir, problems));
+            .and_then(|j| JwtVerifier::build(j, files, problems));
         let forward_caller = upstream_header(
             "identity.forward_caller_header",
             cfg.forward_caller_header.as_deref(),

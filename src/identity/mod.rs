@@ -23,6 +23,7 @@ pub mod jwt;
 pub mod keys;
 mod records;
 
+pub use build::read_keys;
 pub use client::{Caller, Client};
 pub use client_ip::{client_ip, network};
 pub use error::{IdentityError, KeysReload};

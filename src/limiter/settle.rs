@@ -232,7 +232,8 @@ mod tests {
              [[routes]]\npath_prefix = \"/\"\nupstream = \"api\"\nlimits = [\"core\"]\n";
         let file =
             crate::config::parse(std::path::Path::new("t.toml"), toml.to_string()).expect("parses");
-        let snap = crate::snapshot::Snapshot::build(&file, None).expect("valid");
+        let files = crate::config::Files::load(&file, None);
+        let snap = crate::snapshot::Snapshot::build(&file, &files, None).expect("valid");
         let route = snap
             .router
             .find(None, "/x", &http::Method::GET)

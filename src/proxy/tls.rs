@@ -1,29 +1,30 @@
 //! TLS to `https://` upstream targets: the rustls client configuration of one upstream
-//! (trusted roots, optional client certificate, ALPN), built when the config is loaded.
+//! (trusted roots, optional client certificate, ALPN), built when the config is loaded,
+//! from the PEM files the loading step read ([`crate::config::files`]).
 
-use crate::config::{Problems, TlsRoots, UpstreamConfig, UpstreamProtocol};
+use crate::config::{Files, Problems, TlsRoots, UpstreamConfig, UpstreamProtocol};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::{ClientConfig, RootCertStore};
 use std::path::Path;
 use std::sync::Arc;
 
-/// The client configuration for the `https://` targets of `cfg` (reading its PEM files,
-/// relative to `base_dir`), recording problems under `at` (`upstreams[INDEX]`).
+/// The client configuration for the `https://` targets of `cfg` (its PEM files taken
+/// from `files`), recording problems under `at` (`upstreams[INDEX]`).
 pub(crate) fn client_config(
     at: &str,
     cfg: &UpstreamConfig,
-    base_dir: &Path,
+    files: &Files,
     problems: &mut Problems,
 ) -> Option<Arc<ClientConfig>> {
-    let files = ClientTlsFiles {
+    let named = ClientTlsFiles {
         ca: cfg.ca.as_deref(),
         roots: cfg.tls_roots,
         roots_key: "tls_roots",
         client_cert: cfg.client_cert.as_deref(),
         client_key: cfg.client_key.as_deref(),
     };
-    let mut config = files.client_config(at, base_dir, problems)?;
+    let mut config = named.client_config(at, files, problems)?;
     config.alpn_protocols = match cfg.protocol {
         UpstreamProtocol::Http1 => vec![b"http/1.1".to_vec()],
         UpstreamProtocol::Http2 => vec![b"h2".to_vec()],
@@ -50,22 +51,25 @@ pub(crate) struct ClientTlsFiles<'a> {
 
 impl ClientTlsFiles<'_> {
     /// A rustls client configuration (ring provider, TLS 1.2 and 1.3, no ALPN) from
-    /// these files, read now (relative to `base_dir`). Problems are recorded under
-    /// `at.ca`, `at.client_cert`, `at.client_key` and `at.ROOTS_KEY`.
+    /// these files, taken from `files` where the loading step read them (at `at.ca`,
+    /// `at.client_cert` and `at.client_key`). Problems are recorded under those keys and
+    /// `at.ROOTS_KEY`.
     pub(crate) fn client_config(
         &self,
         at: &str,
-        base_dir: &Path,
+        files: &Files,
         problems: &mut Problems,
     ) -> Option<ClientConfig> {
         let before = problems.errors.len();
         let roots = match self.ca {
-            Some(ca) => ca_roots(&format!("{at}.ca"), &base_dir.join(ca), problems),
+            Some(_) => ca_roots(&format!("{at}.ca"), files, problems),
             None => match self.roots {
                 TlsRoots::Webpki => Some(RootCertStore {
                     roots: webpki_roots::TLS_SERVER_ROOTS.to_vec(),
                 }),
-                TlsRoots::System => system_roots(&format!("{at}.{}", self.roots_key), problems),
+                TlsRoots::System => {
+                    system_roots(&format!("{at}.{}", self.roots_key), files, problems)
+                }
             },
         };
         let client_auth = match (self.client_cert, self.client_key) {
@@ -84,11 +88,10 @@ impl ClientTlsFiles<'_> {
                 );
                 None
             }
-            (Some(cert), Some(key)) => {
-                let chain =
-                    read_certs(&format!("{at}.client_cert"), &base_dir.join(cert), problems);
-                let key = read_key(&format!("{at}.client_key"), &base_dir.join(key), problems);
-                chain.zip(key)
+            (Some(_), Some(_)) => {
+                let chain = read_certs(&format!("{at}.client_cert"), files, problems);
+                let key = read_key(&format!("{at}.client_key"), files, problems);
+                chain.map(|(_, chain)| chain).zip(key)
             }
         };
         if problems.errors.len() != before {
@@ -116,15 +119,27 @@ impl ClientTlsFiles<'_> {
     }
 }
 
-fn read_certs(
+/// The bytes of the PEM file named at `key`, with its path; when it could not be read,
+/// `PATH: I/O error: ERROR` at `key` (the words of rustls' PEM file reader, which read
+/// these files before the loading step did).
+fn pem_file<'f>(
     key: &str,
-    path: &Path,
+    files: &'f Files,
     problems: &mut Problems,
-) -> Option<Vec<CertificateDer<'static>>> {
-    let certs: Result<Vec<_>, _> = match CertificateDer::pem_file_iter(path) {
-        Ok(iter) => iter.collect(),
-        Err(e) => Err(e),
-    };
+) -> Option<(&'f Path, &'f [u8])> {
+    files.bytes_or(key, problems, |path, e| {
+        format!("{}: I/O error: {e}", path.display())
+    })
+}
+
+/// The certificates of the PEM file named at `key`, with its path.
+fn read_certs<'f>(
+    key: &str,
+    files: &'f Files,
+    problems: &mut Problems,
+) -> Option<(&'f Path, Vec<CertificateDer<'static>>)> {
+    let (path, bytes) = pem_file(key, files, problems)?;
+    let certs: Result<Vec<_>, _> = CertificateDer::pem_slice_iter(bytes).collect();
     match certs {
         Ok(certs) if certs.is_empty() => {
             problems.error(
@@ -133,7 +148,7 @@ fn read_certs(
             );
             None
         }
-        Ok(certs) => Some(certs),
+        Ok(certs) => Some((path, certs)),
         Err(e) => {
             problems.error(key, format!("{}: {e}", path.display()));
             None
@@ -141,8 +156,10 @@ fn read_certs(
     }
 }
 
-fn read_key(key: &str, path: &Path, problems: &mut Problems) -> Option<PrivateKeyDer<'static>> {
-    match PrivateKeyDer::from_pem_file(path) {
+/// The private key of the PEM file named at `key`.
+fn read_key(key: &str, files: &Files, problems: &mut Problems) -> Option<PrivateKeyDer<'static>> {
+    let (path, bytes) = pem_file(key, files, problems)?;
+    match PrivateKeyDer::from_pem_slice(bytes) {
         Ok(k) => Some(k),
         Err(e) => {
             problems.error(key, format!("{}: {e}", path.display()));
@@ -151,15 +168,17 @@ fn read_key(key: &str, path: &Path, problems: &mut Problems) -> Option<PrivateKe
     }
 }
 
-fn ca_roots(key: &str, path: &Path, problems: &mut Problems) -> Option<RootCertStore> {
-    let certs = read_certs(key, path, problems)?;
+/// A root store of the CA certificates in the PEM file named at `key`.
+fn ca_roots(key: &str, files: &Files, problems: &mut Problems) -> Option<RootCertStore> {
+    let (path, certs) = read_certs(key, files, problems)?;
     crate::tls::ca_roots(certs, path, key, problems)
 }
 
-fn system_roots(key: &str, problems: &mut Problems) -> Option<RootCertStore> {
-    let found = rustls_native_certs::load_native_certs();
+/// A root store of the operating system's trusted roots (read by the loading step).
+fn system_roots(key: &str, files: &Files, problems: &mut Problems) -> Option<RootCertStore> {
+    let found = files.system_roots(key, problems)?;
     let mut roots = RootCertStore::empty();
-    let (added, _ignored) = roots.add_parsable_certificates(found.certs);
+    let (added, _ignored) = roots.add_parsable_certificates(found.certs.iter().cloned());
     if added == 0 {
         let why = found
             .errors

@@ -5,12 +5,11 @@
 
 use super::error::error_chain;
 use super::pool::{Connector, Pool, PoolError};
-use crate::config::{Problems, UpstreamConfig, UpstreamProtocol};
+use crate::config::{Files, Problems, UpstreamConfig, UpstreamProtocol};
 use crate::http::always_hop_by_hop;
 use http::header::{HeaderMap, HeaderName};
 use http::uri::{Authority, Scheme};
 use http::Uri;
-use std::path::Path;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
@@ -91,15 +90,15 @@ const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
 pub const COST_WARN_INTERVAL_MS: u64 = 10_000;
 
 impl Upstream {
-    /// Build from config, recording problems under `upstreams[index]`. The only I/O is
-    /// reading the PEM files of `https://` targets (`ca`, `client_cert`, `client_key`,
-    /// relative to `base_dir`, the config file's directory) or the system's roots.
+    /// Build from config, recording problems under `upstreams[index]`. No I/O: the PEM
+    /// files of `https://` targets (`ca`, `client_cert`, `client_key`) and the system's
+    /// roots come from `files`, read by the loading step.
     /// `pool_parts`: the parts of each target's connection pool (one per `per_core`
     /// worker, see [`Pool::new`]).
     pub fn build(
         index: usize,
         cfg: &UpstreamConfig,
-        base_dir: &Path,
+        files: &Files,
         pool_parts: usize,
         problems: &mut Problems,
     ) -> Option<Self> {
@@ -143,7 +142,7 @@ impl Upstream {
             ("client_key", cfg.client_key.is_some()),
         ];
         let tls = if any_tls {
-            super::tls::client_config(&at, cfg, base_dir, problems)
+            super::tls::client_config(&at, cfg, files, problems)
         } else {
             for (key, set) in tls_keys {
                 if set && !targets.is_empty() {

@@ -9,7 +9,7 @@ mod watch;
 pub use watch::{reload_on_sighup, watch_file, watch_keys, SETTLE, SETTLE_LIMIT};
 
 use crate::clock::SharedClock;
-use crate::config::{ConfigFile, ConfigReport};
+use crate::config::{ConfigFile, ConfigReport, Files};
 use crate::identity::KeysReload;
 use crate::metrics::{Metrics, ReloadLabels};
 use crate::snapshot::Snapshot;
@@ -177,16 +177,28 @@ impl Reloader {
             .inc();
     }
 
-    /// Build a new snapshot from `file` and swap it in; requests in flight finish on the
-    /// one they started with. An invalid file changes nothing (and is counted as a failed
-    /// reload). The store (and its Redis connections) and the over-limit cache are kept
-    /// when `[store]` did not change.
+    /// Read the files `file` names ([`Files::load`]), build a new snapshot from them and
+    /// swap it in; requests in flight finish on the one they started with. An invalid
+    /// file changes nothing (and is counted as a failed reload). The store (and its Redis
+    /// connections) and the over-limit cache are kept when `[store]` did not change.
     ///
     /// Errors: the [`ConfigReport`] of an invalid file.
     pub fn reload(&self, file: &ConfigFile) -> Result<ReloadOutcome, ConfigReport> {
         let _serial = self.0.reload_lock.lock().unwrap_or_else(|e| e.into_inner());
         let current = self.0.snapshot.load_full();
-        let mut snap = match Snapshot::build(file, Some(&current)) {
+        let files = Files::load(file, Some(&current));
+        self.apply(file, &files, &current)
+    }
+
+    /// [`Reloader::reload`] with the files already loaded against `current`, the running
+    /// snapshot (the caller holds the reload lock, so it is still the running one).
+    fn apply(
+        &self,
+        file: &ConfigFile,
+        files: &Files,
+        current: &Arc<Snapshot>,
+    ) -> Result<ReloadOutcome, ConfigReport> {
+        let mut snap = match Snapshot::build(file, files, Some(current)) {
             Ok(s) => s,
             Err(report) => {
                 self.count("failed");
@@ -283,12 +295,16 @@ impl Reloader {
                 Err(report)
             }
             Ok(file) => {
-                // The config's text and the contents of its TLS files: a changed
-                // certificate is a change to reload even when the text is the same.
+                let _serial = self.0.reload_lock.lock().unwrap_or_else(|e| e.into_inner());
+                let running = self.0.snapshot.load_full();
+                // Every file the config names, read once: the snapshot is built from
+                // these bytes. The config's text and the contents of its TLS files tell
+                // whether there is anything to do: a changed certificate is a change to
+                // reload even when the text is the same.
+                let files = Files::load(&file, Some(&running));
                 let text_hash = crate::snapshot::content_hash(&file.text);
-                let tls_hash = crate::snapshot::tls_digest(&file);
+                let tls_hash = files.tls_digest();
                 let hash = format!("{text_hash}{tls_hash}");
-                let running = self.0.snapshot.load();
                 let running_tls = match (&running.config.server.tls, &running.tls) {
                     (Some(_), Some(tls)) => tls.digest(),
                     _ => "",
@@ -298,7 +314,7 @@ impl Reloader {
                     Ok(ReloadOutcome::Unchanged)
                 } else {
                     notify_systemd_reloading();
-                    let outcome = self.reload(&file);
+                    let outcome = self.apply(&file, &files, &running);
                     notify_systemd(&[sd_notify::NotifyState::Ready]);
                     remember_failure(outcome.is_err().then_some(hash));
                     outcome

@@ -1,5 +1,6 @@
-//! TLS on the proxy listener (`[server.tls]`): certificates loaded from PEM files when a
-//! snapshot is built, chosen by SNI, and optional client certificates.
+//! TLS on the proxy listener (`[server.tls]`): certificates built from the PEM files the
+//! loading step read ([`crate::config::files`]) when a snapshot is built, chosen by SNI,
+//! and optional client certificates.
 //!
 //! Each snapshot carries its own [`Tls`] (a rustls `ServerConfig` with the ring provider,
 //! TLS 1.2 and 1.3 only, ALPN `h2` then `http/1.1`). A new connection's handshake uses the
@@ -15,7 +16,7 @@ mod tests;
 
 pub use der::{not_after, subject_cn};
 
-use crate::config::{ClientAuth, Problems, TlsConfig};
+use crate::config::{ClientAuth, Files, Problems, TlsConfig};
 use rustls::crypto::CryptoProvider;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
@@ -92,26 +93,22 @@ impl TlsInfo {
 }
 
 impl Tls {
-    /// Load every certificate and key of `cfg` (relative paths against `base`, the config
-    /// file's directory) and build the rustls config, recording problems under
-    /// `server.tls.*`. `None` when anything is wrong.
-    pub fn build(cfg: &TlsConfig, base: &Path, problems: &mut Problems) -> Option<Tls> {
+    /// Build the rustls config from every certificate and key of `cfg`, taken from
+    /// `files` (the loading step read them: see [`crate::config::files::server_tls`];
+    /// `base`, the config file's directory, resolves the paths [`Tls::files`] lists),
+    /// recording problems under `server.tls.*`. `None` when anything is wrong.
+    pub fn build(
+        cfg: &TlsConfig,
+        base: &Path,
+        files: &Files,
+        problems: &mut Problems,
+    ) -> Option<Tls> {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let before = problems.errors.len();
-        // Fed each file's bytes as they are read, in the order of `files()`: on success
-        // it is `files_digest` of the loaded contents without reading them again.
-        let mut digest = Sha256::new();
         if cfg.handshake_timeout.0.is_zero() {
             problems.error("server.tls.handshake_timeout", "must be more than 0");
         }
-        let mut default = load_pair(
-            &base.join(&cfg.cert),
-            &base.join(&cfg.key),
-            "server.tls",
-            &provider,
-            &mut digest,
-            problems,
-        );
+        let mut default = load_pair("server.tls", &provider, files, problems);
         let mut expiries = Vec::new();
         let mut expiry = |path: &Path, sni: &str, pair: &CertifiedKey| {
             let Some(leaf) = pair.cert.first() else {
@@ -132,18 +129,15 @@ impl Tls {
         if let Some(pair) = &default {
             expiry(&base.join(&cfg.cert), "default", pair);
         }
-        if let Some(ocsp) = &cfg.ocsp {
-            // Stapled with the default certificate (its bytes digested after the key's).
-            let response = read(&base.join(ocsp), "server.tls.ocsp", problems);
-            if let Some(bytes) = &response {
-                digest_file(&mut digest, bytes);
-                if bytes.is_empty() {
-                    problems.error("server.tls.ocsp", "the OCSP response file is empty");
-                }
+        if cfg.ocsp.is_some() {
+            // Stapled with the default certificate.
+            let response = files.bytes("server.tls.ocsp", problems).map(|(_, b)| b);
+            if response.is_some_and(<[u8]>::is_empty) {
+                problems.error("server.tls.ocsp", "the OCSP response file is empty");
             }
             if let (Some(pair), Some(bytes)) = (default.as_mut(), response) {
                 let mut with_ocsp = CertifiedKey::clone(pair);
-                with_ocsp.ocsp = Some(bytes);
+                with_ocsp.ocsp = Some(bytes.to_vec());
                 *pair = Arc::new(with_ocsp);
             }
         }
@@ -154,14 +148,7 @@ impl Tls {
             if host.is_empty() {
                 problems.error(format!("{at}.host"), "must not be empty");
             }
-            let pair = load_pair(
-                &base.join(&sni.cert),
-                &base.join(&sni.key),
-                &at,
-                &provider,
-                &mut digest,
-                problems,
-            );
+            let pair = load_pair(&at, &provider, files, problems);
             if let Some(pair) = pair {
                 expiry(&base.join(&sni.cert), &host, &pair);
                 if by_host.insert(host, pair).is_some() {
@@ -172,18 +159,14 @@ impl Tls {
                 }
             }
         }
-        // Shared ticket keys (read here, in `files()` order: after the SNI pairs' files).
-        let shared_tickets = cfg.ticket_keys.as_ref().and_then(|path| {
-            let bytes = read(&base.join(path), "server.tls.ticket_keys", problems)?;
-            digest_file(&mut digest, &bytes);
-            let text = String::from_utf8_lossy(&bytes);
+        // Shared ticket keys.
+        let shared_tickets = cfg.ticket_keys.as_ref().and_then(|_| {
+            let (path, bytes) = files.bytes("server.tls.ticket_keys", problems)?;
+            let text = String::from_utf8_lossy(bytes);
             match crate::tickets::SharedTicketer::parse(&text) {
                 Ok(t) => Some(Arc::new(t) as Arc<dyn rustls::server::ProducesTickets>),
                 Err(e) => {
-                    problems.error(
-                        "server.tls.ticket_keys",
-                        format!("{}: {e}", base.join(path).display()),
-                    );
+                    problems.error("server.tls.ticket_keys", format!("{}: {e}", path.display()));
                     None
                 }
             }
@@ -198,11 +181,10 @@ impl Tls {
                 }
                 None
             }
-            Some(ca) => client_verifier(
-                &base.join(ca),
+            Some(_) => client_verifier(
                 cfg.client_auth.unwrap_or_default(),
                 &provider,
-                &mut digest,
+                files,
                 problems,
             ),
         };
@@ -238,8 +220,9 @@ impl Tls {
             config: Arc::new(config),
             resolver,
             handshake_timeout: cfg.handshake_timeout.0,
-            files: files(cfg, base),
-            digest: hex::encode(digest.finalize()),
+            files: self::files(cfg, base),
+            // Every file was read (or the build failed): the digest of their contents.
+            digest: files.tls_digest(),
             expiries,
         })
     }
@@ -310,32 +293,32 @@ fn ticketer(certificates: &str) -> Option<Arc<dyn rustls::server::ProducesTicket
     }
 }
 
-/// Every file `cfg` names, resolved against `base`.
+/// Every file `cfg` names, resolved against `base` (in the order of
+/// [`crate::config::files::server_tls`]).
 pub fn files(cfg: &TlsConfig, base: &Path) -> Vec<PathBuf> {
-    let mut v = vec![base.join(&cfg.cert), base.join(&cfg.key)];
-    if let Some(ocsp) = &cfg.ocsp {
-        v.push(base.join(ocsp));
-    }
-    for s in &cfg.sni {
-        v.push(base.join(&s.cert));
-        v.push(base.join(&s.key));
-    }
-    if let Some(keys) = &cfg.ticket_keys {
-        v.push(base.join(keys));
-    }
-    if let Some(ca) = &cfg.client_ca {
-        v.push(base.join(ca));
-    }
-    v
+    crate::config::files::server_tls(cfg, base)
+        .into_iter()
+        .map(|n| n.path)
+        .collect()
 }
 
 /// SHA-256 over the contents of `files` (an unreadable file counts as its error), hex:
-/// tells a reload whether a certificate file changed.
+/// tells whether a certificate file changed. Reads the files; a reload compares
+/// [`Files::tls_digest`] of what the loading step read instead.
 pub fn files_digest(files: &[PathBuf]) -> String {
+    let read: Vec<_> = files.iter().map(std::fs::read).collect();
+    contents_digest(read.iter().map(|r| r.as_deref()))
+}
+
+/// SHA-256 over files' contents (each file's length, then its bytes; an unreadable
+/// file counts as its error), hex.
+pub(crate) fn contents_digest<'a>(
+    contents: impl Iterator<Item = Result<&'a [u8], &'a std::io::Error>>,
+) -> String {
     let mut h = Sha256::new();
-    for f in files {
-        match std::fs::read(f) {
-            Ok(bytes) => digest_file(&mut h, &bytes),
+    for c in contents {
+        match c {
+            Ok(bytes) => digest_file(&mut h, bytes),
             Err(e) => h.update(format!("error: {e}").as_bytes()),
         }
     }
@@ -357,29 +340,16 @@ pub fn base_dir(config_path: &Path) -> PathBuf {
     }
 }
 
-/// The bytes of `path`; a problem at `at` when it cannot be read.
-pub(crate) fn read(path: &Path, at: &str, problems: &mut Problems) -> Option<Vec<u8>> {
-    match std::fs::read(path) {
-        Ok(b) => Some(b),
-        Err(e) => {
-            problems.error(at, format!("cannot read {}: {e}", path.display()));
-            None
-        }
-    }
-}
-
-/// The PEM certificates of `path`, its bytes fed to `digest`.
-fn load_certs(
-    path: &Path,
+/// The PEM certificates of the file named at `at`, with its path.
+fn load_certs<'f>(
     at: &str,
-    digest: &mut Sha256,
+    files: &'f Files,
     problems: &mut Problems,
-) -> Option<Vec<CertificateDer<'static>>> {
-    let bytes = read(path, at, problems)?;
-    digest_file(digest, &bytes);
-    let certs: Result<Vec<_>, _> = CertificateDer::pem_slice_iter(&bytes).collect();
+) -> Option<(&'f Path, Vec<CertificateDer<'static>>)> {
+    let (path, bytes) = files.bytes(at, problems)?;
+    let certs: Result<Vec<_>, _> = CertificateDer::pem_slice_iter(bytes).collect();
     match certs {
-        Ok(certs) if !certs.is_empty() => Some(certs),
+        Ok(certs) if !certs.is_empty() => Some((path, certs)),
         Ok(_) => {
             problems.error(
                 at,
@@ -397,32 +367,30 @@ fn load_certs(
     }
 }
 
-/// Load a certificate chain and its key (their bytes fed to `digest`, certificate
-/// first); problems go to `{at}.cert` and `{at}.key`.
+/// A certificate chain and its key, from the files named at `{at}.cert` and `{at}.key`;
+/// problems go to those keys.
 fn load_pair(
-    cert: &Path,
-    key: &Path,
     at: &str,
     provider: &CryptoProvider,
-    digest: &mut Sha256,
+    files: &Files,
     problems: &mut Problems,
 ) -> Option<Arc<CertifiedKey>> {
     let (at_cert, at_key) = (format!("{at}.cert"), format!("{at}.key"));
-    let chain = load_certs(cert, &at_cert, digest, problems);
-    let key_der = read(key, &at_key, problems).and_then(|bytes| {
-        digest_file(digest, &bytes);
-        match PrivateKeyDer::from_pem_slice(&bytes) {
-            Ok(k) => Some(k),
-            Err(e) => {
-                problems.error(
-                    &at_key,
-                    format!("{}: no usable PEM private key: {e}", key.display()),
-                );
-                None
-            }
-        }
-    })?;
-    let chain = chain?;
+    let chain = load_certs(&at_cert, files, problems);
+    let (key, key_der) =
+        files.bytes(&at_key, problems).and_then(
+            |(key, bytes)| match PrivateKeyDer::from_pem_slice(bytes) {
+                Ok(k) => Some((key, k)),
+                Err(e) => {
+                    problems.error(
+                        &at_key,
+                        format!("{}: no usable PEM private key: {e}", key.display()),
+                    );
+                    None
+                }
+            },
+        )?;
+    let (cert, chain) = chain?;
     if let Err(e) = webpki_end_entity(&chain[0]) {
         problems.error(&at_cert, format!("{}: {e}", cert.display()));
         return None;
@@ -447,14 +415,13 @@ fn webpki_end_entity(leaf: &CertificateDer<'_>) -> Result<(), String> {
 }
 
 fn client_verifier(
-    ca: &Path,
     auth: ClientAuth,
     provider: &Arc<CryptoProvider>,
-    digest: &mut Sha256,
+    files: &Files,
     problems: &mut Problems,
 ) -> Option<Arc<dyn rustls::server::danger::ClientCertVerifier>> {
     let at = "server.tls.client_ca";
-    let certs = load_certs(ca, at, digest, problems)?;
+    let (ca, certs) = load_certs(at, files, problems)?;
     let roots = ca_roots(certs, ca, at, problems)?;
     let builder = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone());
     let builder = match auth {

@@ -51,10 +51,12 @@ fn build_digest_is_the_files_digest() {
         ticket_keys: None,
     };
     let mut problems = Problems::default();
-    let tls = Tls::build(&cfg, dir.path(), &mut problems).expect("builds");
+    let files = Files::read(crate::config::files::server_tls(&cfg, dir.path()));
+    let tls = Tls::build(&cfg, dir.path(), &files, &mut problems).expect("builds");
     assert!(problems.errors.is_empty(), "{:?}", problems.errors);
     assert_eq!(tls.files().len(), 5);
     assert_eq!(tls.digest(), files_digest(tls.files()));
+    assert_eq!(tls.digest(), files.tls_digest());
 }
 
 #[test]
@@ -88,7 +90,8 @@ fn expiries_are_each_served_certificates_not_after() {
         ticket_keys: None,
     };
     let mut problems = Problems::default();
-    let tls = Tls::build(&cfg, dir.path(), &mut problems).expect("builds");
+    let files = Files::read(crate::config::files::server_tls(&cfg, dir.path()));
+    let tls = Tls::build(&cfg, dir.path(), &files, &mut problems).expect("builds");
     let at = |f: &str| dir.path().join(f).display().to_string();
     assert_eq!(
         tls.expiries(),

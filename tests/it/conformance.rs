@@ -990,7 +990,9 @@ fn handshake_cpu() {
         ticket_keys: None,
     };
     let mut problems = tollgate::config::Problems::default();
-    let tls = tollgate::tls::Tls::build(&cfg, pki.dir.path(), &mut problems).unwrap();
+    let files =
+        tollgate::config::Files::read(tollgate::config::files::server_tls(&cfg, pki.dir.path()));
+    let tls = tollgate::tls::Tls::build(&cfg, pki.dir.path(), &files, &mut problems).unwrap();
     let server_config = tls.acceptor().config().clone();
     let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
 

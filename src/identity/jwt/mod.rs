@@ -2,15 +2,15 @@
 //! (signature, `exp`, `nbf`, and `iss` / `aud` when configured) and names the caller by
 //! one claim and its tier by another.
 //!
-//! Keys are loaded when the config snapshot is built (so a reload re-reads the PEM or
-//! JWKS file); verifying a token does no I/O.
+//! Keys are read by the loading step ([`crate::config::files`]) and built when the
+//! config snapshot is built (so a reload re-reads the PEM or JWKS file); verifying a
+//! token does no I/O.
 
-use crate::config::{JwtConfig, Problems};
+use crate::config::{Files, JwtConfig, Problems};
 use jsonwebtoken::errors::ErrorKind;
 use jsonwebtoken::jwk::JwkSet;
 use jsonwebtoken::{Algorithm, DecodingKey, Validation};
 use std::collections::{BTreeSet, HashMap};
-use std::path::Path;
 use std::sync::Arc;
 
 /// Longest caller id taken from a token, in bytes (it appears in logs and messages).
@@ -82,9 +82,9 @@ pub fn looks_like_jwt(token: &[u8]) -> bool {
 }
 
 impl JwtVerifier {
-    /// Build from `[identity.jwt]`, reading the key files (relative to `base_dir`) and the
-    /// secret's environment variable, and recording problems under `identity.jwt.*`.
-    pub fn build(cfg: &JwtConfig, base_dir: &Path, problems: &mut Problems) -> Option<Self> {
+    /// Build from `[identity.jwt]`, with the key files the loading step read (`files`)
+    /// and the secret's environment variable, recording problems under `identity.jwt.*`.
+    pub fn build(cfg: &JwtConfig, files: &Files, problems: &mut Problems) -> Option<Self> {
         let at = "identity.jwt";
         let before = problems.errors.len();
 
@@ -164,7 +164,7 @@ impl JwtVerifier {
                 );
                 None
             }
-            1 => load_keys(cfg, &algorithms, &base, base_dir, problems),
+            1 => load_keys(cfg, &algorithms, &base, files, problems),
             _ => {
                 problems.error(
                     at,
@@ -294,15 +294,11 @@ fn key_with(
     Some(Key { key, validation })
 }
 
-fn read(path: &str, base_dir: &Path, key: &str, problems: &mut Problems) -> Option<Vec<u8>> {
-    crate::tls::read(&base_dir.join(path), key, problems)
-}
-
 fn load_keys(
     cfg: &JwtConfig,
     allowed: &[Algorithm],
     base: &Validation,
-    base_dir: &Path,
+    files: &Files,
     problems: &mut Problems,
 ) -> Option<Keys> {
     let at = "identity.jwt";
@@ -328,7 +324,7 @@ fn load_keys(
             &format!("{at}.secret"),
             None,
             cfg.secret_file.as_deref(),
-            base_dir,
+            files,
             problems,
         )
         .map(|s| ("secret_file", s)),
@@ -356,10 +352,10 @@ fn load_keys(
         return key.map(|k| Keys::Single(Box::new(k)));
     }
     if let Some(path) = &cfg.public_key {
-        let pem = read(path, base_dir, &format!("{at}.public_key"), problems)?;
-        let decoded = DecodingKey::from_rsa_pem(&pem)
-            .or_else(|_| DecodingKey::from_ec_pem(&pem))
-            .or_else(|_| DecodingKey::from_ed_pem(&pem));
+        let (_, pem) = files.bytes(&format!("{at}.public_key"), problems)?;
+        let decoded = DecodingKey::from_rsa_pem(pem)
+            .or_else(|_| DecodingKey::from_ec_pem(pem))
+            .or_else(|_| DecodingKey::from_ed_pem(pem));
         let Ok(key) = decoded else {
             problems.error(
                 format!("{at}.public_key"),
@@ -374,8 +370,8 @@ fn load_keys(
         return key.map(|k| Keys::Single(Box::new(k)));
     }
     let path = cfg.jwks.as_ref()?;
-    let bytes = read(path, base_dir, &format!("{at}.jwks"), problems)?;
-    let set: JwkSet = match serde_json::from_slice(&bytes) {
+    let (_, bytes) = files.bytes(&format!("{at}.jwks"), problems)?;
+    let set: JwkSet = match serde_json::from_slice(bytes) {
         Ok(set) => set,
         Err(e) => {
             problems.error(

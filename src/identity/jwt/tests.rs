@@ -35,7 +35,15 @@ fn config_errors_name_their_keys() {
         tiers: vec![],
     };
     let mut p = Problems::default();
-    assert!(JwtVerifier::build(&cfg, Path::new("/nonexistent"), &mut p).is_none());
+    let identity = crate::config::IdentityConfig {
+        jwt: Some(cfg.clone()),
+        ..Default::default()
+    };
+    let files = Files::read(crate::config::files::identity(
+        &identity,
+        std::path::Path::new("/nonexistent"),
+    ));
+    assert!(JwtVerifier::build(&cfg, &files, &mut p).is_none());
     let paths: Vec<_> = p.errors.iter().map(|e| e.path.as_str()).collect();
     assert_eq!(
         paths,
@@ -51,7 +59,7 @@ fn config_errors_name_their_keys() {
         ..cfg
     };
     let mut p = Problems::default();
-    assert!(JwtVerifier::build(&none, Path::new("."), &mut p).is_none());
+    assert!(JwtVerifier::build(&none, &Files::default(), &mut p).is_none());
     let paths: Vec<_> = p.errors.iter().map(|e| e.path.as_str()).collect();
     assert_eq!(paths, ["identity.jwt.algorithms", "identity.jwt"]);
 }

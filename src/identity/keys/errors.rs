@@ -50,6 +50,19 @@ impl KeyErrors {
         }
     }
 
+    /// The keys file `file` was not read before the config was built (a [`Files`] made
+    /// for another config or another previous snapshot).
+    ///
+    /// [`Files`]: crate::config::Files
+    pub fn not_read(file: &Path) -> Self {
+        let mut errors = Self::of(Some(file.to_path_buf()));
+        errors.file(
+            0,
+            "the keys file was not read before the config was built (a bug)".into(),
+        );
+        errors
+    }
+
     pub(super) fn push(&mut self, p: KeyProblem) {
         if matches!(p, KeyProblem::Config { .. }) {
             self.problems.push(p);

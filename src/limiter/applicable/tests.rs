@@ -43,7 +43,8 @@ fn snapshot(dir: &Path, prefix: &str, quota: u64) -> Snapshot {
         keys.display()
     );
     let file = crate::config::parse(&dir.join("t.toml"), toml).expect("config parses");
-    Snapshot::build(&file, None).expect("config is valid")
+    let files = crate::config::Files::load(&file, None);
+    Snapshot::build(&file, &files, None).expect("config is valid")
 }
 
 fn caller(snap: &Snapshot, key: Option<&str>, ip: &str) -> Caller {

@@ -8,12 +8,11 @@
 //! connection uses them: a rotated password or certificate needs no new store.
 
 use crate::config::secrets::secret;
-use crate::config::{Problems, StoreConfig};
+use crate::config::{Files, Problems, StoreConfig};
 use arc_swap::ArcSwap;
 use redis::aio::{MultiplexedConnection, PubSub};
 use redis::{AsyncConnectionConfig, RedisConnectionInfo, RedisError, RedisResult};
 use rustls::pki_types::ServerName;
-use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite};
@@ -139,28 +138,28 @@ impl std::fmt::Debug for DialSettings {
 }
 
 impl DialSettings {
-    /// Read `[store]`'s credentials and `[store.tls]`'s files (relative paths against
-    /// `base_dir`, secret files looked up in `$CREDENTIALS_DIRECTORY` first), recording
-    /// problems at their keys. `wants_tls`: some URL is `rediss://`, so a client
-    /// configuration is built even without `[store.tls]` (with the default roots).
+    /// `[store]`'s credentials and `[store.tls]`'s client configuration, from the secret
+    /// and PEM files the loading step read (`files`), recording problems at their keys.
+    /// `wants_tls`: some URL is `rediss://`, so a client configuration is built even
+    /// without `[store.tls]` (with the default roots).
     pub(crate) fn load(
         cfg: &StoreConfig,
         wants_tls: bool,
-        base_dir: &Path,
+        files: &Files,
         problems: &mut Problems,
     ) -> DialSettings {
         let password = secret(
             "store.password",
             cfg.password.as_deref(),
             cfg.password_file.as_deref(),
-            base_dir,
+            files,
             problems,
         );
         let sentinel_password = secret(
             "store.sentinel_password",
             cfg.sentinel_password.as_deref(),
             cfg.sentinel_password_file.as_deref(),
-            base_dir,
+            files,
             problems,
         );
         let tls_cfg = cfg.tls.clone().unwrap_or_default();
@@ -184,15 +183,15 @@ impl DialSettings {
                 }
             });
         let tls = if wants_tls || cfg.tls.is_some() {
-            let files = crate::proxy::tls::ClientTlsFiles {
+            let named = crate::proxy::tls::ClientTlsFiles {
                 ca: tls_cfg.ca.as_deref(),
                 roots: tls_cfg.roots,
                 roots_key: "roots",
                 client_cert: tls_cfg.client_cert.as_deref(),
                 client_key: tls_cfg.client_key.as_deref(),
             };
-            files
-                .client_config("store.tls", base_dir, problems)
+            named
+                .client_config("store.tls", files, problems)
                 .map(Arc::new)
         } else {
             None

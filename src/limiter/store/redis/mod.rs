@@ -48,7 +48,7 @@ mod watch;
 pub use super::status::{BreakerState, NodeReport, ShardReport};
 pub use scripts::{unpack_integers, APPLY_LUA, LEASE_LUA, REFUND_LUA, RESET_LUA};
 
-use crate::config::{Problems, ReadFrom, StoreClock, StoreConfig, StoreMode};
+use crate::config::{Files, Problems, ReadFrom, StoreClock, StoreConfig, StoreMode};
 use crate::limiter::key::{jump_consistent_hash, LimitKey};
 use cluster::Cluster;
 use dial::{DialSettings, Dialer, Endpoint};
@@ -120,19 +120,20 @@ fn check_url(url: &str, at: String, tls: &mut bool, problems: &mut Problems) -> 
 
 impl RedisStore {
     /// Validate `[store]` for Redis (problems under `store.*`) and build the store;
-    /// files named in `[store]` are relative to the working directory.
+    /// the files named in `[store]` are read now, relative to the working directory.
     pub fn from_config(cfg: &StoreConfig, problems: &mut Problems) -> Option<Self> {
-        Self::from_config_in(cfg, std::path::Path::new("."), problems)
+        let dir = std::path::Path::new(".");
+        let mut files = Files::read(crate::config::files::store(cfg, dir));
+        if crate::config::files::store_wants_system_roots(cfg) {
+            files = files.with_system_roots();
+        }
+        Self::from_loaded(cfg, &files, problems)
     }
 
-    /// [`RedisStore::from_config`], reading the secret files (`store.password_file`,
-    /// `store.sentinel_password_file`) and `[store.tls]`'s PEM files now, relative to
-    /// `base_dir` (the config file's directory).
-    pub fn from_config_in(
-        cfg: &StoreConfig,
-        base_dir: &std::path::Path,
-        problems: &mut Problems,
-    ) -> Option<Self> {
+    /// [`RedisStore::from_config`] without I/O: the secret files
+    /// (`store.password_file`, `store.sentinel_password_file`) and `[store.tls]`'s PEM
+    /// files come from `files`, read by the loading step.
+    pub fn from_loaded(cfg: &StoreConfig, files: &Files, problems: &mut Problems) -> Option<Self> {
         let before = problems.errors.len();
         let mut tls = false;
         if cfg.breaker_failures == 0 {
@@ -204,7 +205,7 @@ impl RedisStore {
                 }
             }
         }
-        let settings = DialSettings::load(cfg, tls, base_dir, problems);
+        let settings = DialSettings::load(cfg, tls, files, problems);
         (problems.errors.len() == before).then(|| Self {
             cfg: Box::new(cfg.clone()),
             scripts: Arc::new(Scripts::new()),

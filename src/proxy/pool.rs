@@ -28,6 +28,8 @@
 mod back;
 mod connect;
 mod error;
+#[cfg(test)]
+mod tests;
 
 pub use back::{Affinity, PooledBody};
 pub use error::{PoolError, SendError};
@@ -38,7 +40,7 @@ use crate::clock::Coarse;
 use crate::config::UpstreamProtocol;
 use crate::wire::h2client;
 use back::Back;
-use error::{sent_and_failed, unsent_on_error};
+use connect::IoFacts;
 use http::uri::Authority;
 use http::{Request, Response};
 use http_body::Body as _;
@@ -50,6 +52,8 @@ use tokio_rustls::TlsConnector;
 
 /// How connections to one target are made: TCP, then TLS for `https://` targets.
 pub struct Connector {
+    /// The name of the upstream the target is one of (for its failures).
+    pub upstream: Arc<str>,
     /// `HOST:PORT` of the target.
     pub authority: Authority,
     /// Budget for the TCP connect (the TLS handshake has its own, of the same length).
@@ -67,6 +71,7 @@ pub struct Connector {
 impl std::fmt::Debug for Connector {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Connector")
+            .field("upstream", &self.upstream)
             .field("authority", &self.authority)
             .field("connect_timeout", &self.connect_timeout)
             .field("tls_server_name", &self.tls.as_ref().map(|(_, name)| name))
@@ -100,9 +105,28 @@ struct Part {
 
 #[derive(Debug)]
 struct Idle {
-    tx: http1::SendRequest<RequestBody>,
+    conn: H1,
     /// When it became idle (the coarse clock: its idle timeout is seconds long).
     since: Coarse,
+}
+
+/// An HTTP/1.1 connection: hyper's handle to send on it, and what its socket noted
+/// ([`IoFacts`]), which an exchange that fails on it reads.
+#[derive(Debug)]
+pub(super) struct H1 {
+    tx: http1::SendRequest<RequestBody>,
+    io: Arc<IoFacts>,
+}
+
+impl H1 {
+    /// The failure of an exchange on this connection, as hyper reported it (`error`)
+    /// and the socket noted it.
+    fn failed(&self, error: hyper::Error) -> PoolError {
+        PoolError::Http {
+            error,
+            timed_out: self.io.timed_out(),
+        }
+    }
 }
 
 /// How many times [`Pool::send`] sends an HTTP/2 request that the upstream did not
@@ -184,33 +208,36 @@ impl Pool {
             let body = req.body().state();
             let (part, _) = self.part();
             let kept = affinity.and_then(|a| a.take(self));
-            let back = |tx| Back {
+            let back = |conn| Back {
                 part,
-                tx,
+                conn,
                 body: body.clone(),
                 affinity: affinity.cloned(),
             };
-            for mut tx in kept
+            for mut conn in kept
                 .into_iter()
                 .chain(std::iter::from_fn(|| self.checkout(part)))
             {
-                if !tx.is_ready() && tx.ready().await.is_err() {
+                if !conn.tx.is_ready() && conn.tx.ready().await.is_err() {
                     continue;
                 }
-                match tx.try_send_request(req).await {
-                    Ok(response) => return Ok(self.wrap(response, Some(back(tx)))),
+                match conn.tx.try_send_request(req).await {
+                    Ok(response) => return Ok(self.wrap(response, Some(back(conn)))),
                     Err(mut e) => match e.take_message() {
                         // Not sent: the connection was closing. Try the next one.
                         Some(again) => req = again,
-                        None => return Err(sent_and_failed(e.into_error(), &body)),
+                        None => {
+                            let error = conn.failed(e.into_error());
+                            return Err(self.exchange_failed(error, body.failure(), None));
+                        }
                     },
                 }
             }
             // Boxed: connecting (TCP, TLS, handshake) is rare and its future large.
-            let (mut tx, req) = unsent_on_error(Box::pin(self.connect_h1(budget)).await, req)?;
-            match tx.send_request(req).await {
-                Ok(response) => Ok(self.wrap(response, Some(back(tx)))),
-                Err(e) => Err(sent_and_failed(e, &body)),
+            let (mut conn, req) = self.connected(Box::pin(self.connect_h1(budget)).await, req)?;
+            match conn.tx.send_request(req).await {
+                Ok(response) => Ok(self.wrap(response, Some(back(conn)))),
+                Err(e) => Err(self.exchange_failed(conn.failed(e), body.failure(), None)),
             }
         }
     }
@@ -234,7 +261,7 @@ impl Pool {
         let body_failure = || body.as_ref().and_then(|b| b.failure());
         let mut attempt = 1;
         loop {
-            let ((mut conn, claim), back) = unsent_on_error(self.h2_sender(budget).await, req)?;
+            let ((mut conn, claim), back) = self.connected(self.h2_sender(budget).await, req)?;
             req = back;
             let error = match conn.ready().await {
                 Err(e) => PoolError::H2(e),
@@ -250,13 +277,7 @@ impl Pool {
                     Err(h2client::SendFailure {
                         error,
                         unprocessed: None,
-                    }) => {
-                        return Err(SendError {
-                            error: error.into(),
-                            unsent: None,
-                            body: body_failure(),
-                        })
-                    }
+                    }) => return Err(self.exchange_failed(error.into(), body_failure(), None)),
                 },
             };
             // A refused stream leaves its connection as it was; any other failure
@@ -266,11 +287,7 @@ impl Pool {
                 self.forget_h2(&conn);
             }
             if attempt >= H2_ATTEMPTS {
-                return Err(SendError {
-                    error,
-                    unsent: Some(req),
-                    body: body_failure(),
-                });
+                return Err(self.exchange_failed(error, body_failure(), Some(req)));
             }
             tracing::debug!(
                 addr = %self.connector.authority,
@@ -322,14 +339,14 @@ impl Pool {
         shared.retain(|s| !s.same(conn));
     }
 
-    fn checkout(&self, part: usize) -> Option<http1::SendRequest<RequestBody>> {
+    fn checkout(&self, part: usize) -> Option<H1> {
         let mut idle = self.parts[part]
             .idle
             .lock()
             .unwrap_or_else(|e| e.into_inner());
         while let Some(c) = idle.pop() {
-            if !c.tx.is_closed() && c.since.elapsed() < self.idle_timeout {
-                return Some(c.tx);
+            if !c.conn.tx.is_closed() && c.since.elapsed() < self.idle_timeout {
+                return Some(c.conn);
             }
         }
         None
@@ -339,26 +356,26 @@ impl Pool {
     /// request (at once, nearly always; else when the end of its request body has been
     /// written, within [`CLEAN_WAIT`], or never).
     /// It goes back to `part`, the part it was taken from.
-    fn checkin(self: &Arc<Self>, part: usize, mut tx: http1::SendRequest<RequestBody>) {
-        if tx.is_closed() {
+    fn checkin(self: &Arc<Self>, part: usize, mut conn: H1) {
+        if conn.tx.is_closed() {
             return;
         }
-        if !tx.is_ready() {
+        if !conn.tx.is_ready() {
             let pool = self.clone();
             tokio::spawn(async move {
-                if let Ok(Ok(())) = tokio::time::timeout(CLEAN_WAIT, tx.ready()).await {
-                    pool.keep(part, tx, Coarse::now());
+                if let Ok(Ok(())) = tokio::time::timeout(CLEAN_WAIT, conn.tx.ready()).await {
+                    pool.keep(part, conn, Coarse::now());
                 }
             });
             return;
         }
-        self.keep(part, tx, Coarse::now());
+        self.keep(part, conn, Coarse::now());
     }
 
     /// Put a ready connection, idle `since`, on the idle stack of `part` (unless it has
     /// closed or been idle for `keepalive_timeout`).
-    fn keep(&self, part: usize, tx: http1::SendRequest<RequestBody>, since: Coarse) {
-        if tx.is_closed() || since.elapsed() >= self.idle_timeout {
+    fn keep(&self, part: usize, conn: H1, since: Coarse) {
+        if conn.tx.is_closed() || since.elapsed() >= self.idle_timeout {
             return;
         }
         let mut idle = self.parts[part]
@@ -369,7 +386,7 @@ impl Pool {
             // Make room by dropping the least recently used (the bottom of the stack).
             idle.remove(0);
         }
-        idle.push(Idle { tx, since });
+        idle.push(Idle { conn, since });
     }
 }
 

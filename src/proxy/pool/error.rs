@@ -25,8 +25,9 @@ pub enum PoolError {
     #[error("TLS handshake with {0}: {1}")]
     Tls(Authority, std::io::Error),
     /// The HTTP/1.1 exchange (or handshake) failed (reset, closed early, bad response,
-    /// ...); `timed_out`: the connection's socket saw a read or write time out
-    /// ([`super::connect::IoFacts`]), which hyper's error keeps only as an untyped cause.
+    /// ...); `timed_out`: the connection's socket saw a read or write time out (noted
+    /// as it happened, `IoFacts` in `connect.rs`), which hyper's error keeps only as an
+    /// untyped cause.
     #[error("{error}")]
     Http {
         /// hyper's error.

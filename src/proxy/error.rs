@@ -9,9 +9,10 @@
 //! - connecting, the TLS handshake, the HTTP handshake and the exchange: the pool
 //!   (`src/proxy/pool/error.rs`, [`crate::proxy::pool::PoolError::fault`]) from the
 //!   typed errors of tokio, rustls, hyper and h2;
-//! - an HTTP/1.1 connection whose I/O timed out (hyper keeps that `io::Error` only as
-//!   an untyped cause): its socket notes it as it happens (`src/proxy/pool/connect.rs`,
-//!   `IoFacts`), and the failed exchange reads the note;
+//! - an HTTP/1.1 connection whose I/O timed out: hyper keeps that `io::Error` only as
+//!   an untyped cause, so the pool reads it there once, in the one function that looks
+//!   into an error's causes by type (`io_timed_out` in `src/proxy/pool/error.rs`, whose
+//!   documentation says why), into a typed fact;
 //! - the request body (too large, stopped arriving, unreadable): the body itself, where
 //!   it fails ([`crate::proxy::body::BodyState::failure`]), read by the pool; it decides
 //!   the answer whatever the connection then reports;

@@ -11,7 +11,7 @@ use super::rewrite::{address, respond, respond_switched, respond_upgraded};
 use super::Body;
 use crate::config::UpstreamProtocol;
 use crate::wire::Incoming;
-use http::header::{self, HeaderMap};
+use http::header::{self, HeaderMap, HeaderValue};
 use http::uri::PathAndQuery;
 use http::{Method, Request, Response, StatusCode, Version};
 use http_body::Body as _;
@@ -116,7 +116,6 @@ pub fn forward<'a>(
         }
         let mut tried = None;
         let deadline = tokio::time::Instant::from_std(down.started) + upstream.response_timeout;
-        let request_id = down.request_id.to_str().unwrap_or("-");
         loop {
             let i = upstream.pick(tried);
             let target = &upstream.targets[i].target;
@@ -153,7 +152,7 @@ pub fn forward<'a>(
                         );
                         warn(
                             &failure,
-                            request_id,
+                            &down.request_id,
                             "sent a response head past upstreams.max_response_header_bytes",
                             &format!("{head} bytes, limit {}", upstream.max_response_header_bytes),
                         );
@@ -169,7 +168,7 @@ pub fn forward<'a>(
                             let failure = failure(Fault::Failed, Step::ResponseHead);
                             warn(
                                 &failure,
-                                request_id,
+                                &down.request_id,
                                 "switched protocols without being asked",
                                 &format!("101 with Upgrade {answered:?}, offered {offered:?}"),
                             );
@@ -202,7 +201,7 @@ pub fn forward<'a>(
                             failure(Fault::BadResponse(BadResponse::Framing), Step::ResponseHead);
                         warn(
                             &failure,
-                            request_id,
+                            &down.request_id,
                             "sent a response of unknown length",
                             &e.to_string(),
                         );
@@ -213,7 +212,7 @@ pub fn forward<'a>(
                     let failure = failure(Fault::Timeout, Step::ResponseHead);
                     warn(
                         &failure,
-                        request_id,
+                        &down.request_id,
                         "timed out",
                         &format!("no response headers within {:?}", upstream.response_timeout),
                     );
@@ -242,7 +241,7 @@ pub fn forward<'a>(
                             } else {
                                 warn(
                                     &failure,
-                                    request_id,
+                                    &down.request_id,
                                     "failed; trying another target",
                                     &failure.detail(),
                                 );
@@ -256,7 +255,7 @@ pub fn forward<'a>(
                     failure
                 }
             };
-            log(&failure, request_id);
+            log(&failure, &down.request_id);
             return Err(ProxyError::Forwarded(failure));
         }
     }
@@ -264,7 +263,8 @@ pub fn forward<'a>(
 
 /// The WARN line of a failed exchange: `upstream WHAT`, with the upstream, the target
 /// tried, the request id and `detail` (what said so, as text).
-fn warn(failure: &ForwardError, request_id: &str, what: &str, detail: &str) {
+fn warn(failure: &ForwardError, request_id: &HeaderValue, what: &str, detail: &str) {
+    let request_id = request_id.to_str().unwrap_or("-");
     tracing::warn!(
         upstream = %failure.upstream(),
         addr = %failure.authority(),
@@ -277,7 +277,7 @@ fn warn(failure: &ForwardError, request_id: &str, what: &str, detail: &str) {
 /// The log line of a forwarded request that failed in the pool, by what failed: the
 /// upstream's failures at warn, a spent descriptor budget at warn once a second, the
 /// client's body at debug (or not at all when it was too large).
-fn log(failure: &ForwardError, request_id: &str) {
+fn log(failure: &ForwardError, request_id: &HeaderValue) {
     match failure.fault() {
         Fault::NoDescriptor => {
             static LOG: crate::logging::Throttle = crate::logging::Throttle::new();
@@ -294,12 +294,12 @@ fn log(failure: &ForwardError, request_id: &str) {
         Fault::Body(BodyFailure::TooLarge(_)) => {}
         Fault::Body(BodyFailure::TimedOut(_)) => tracing::debug!(
             upstream = %failure.upstream(),
-            request_id,
+            request_id = request_id.to_str().unwrap_or("-"),
             "request body stopped arriving (server.body_timeout)"
         ),
         Fault::Body(BodyFailure::Unreadable) => tracing::debug!(
             upstream = %failure.upstream(),
-            request_id,
+            request_id = request_id.to_str().unwrap_or("-"),
             error = %failure.detail(),
             "client request body failed"
         ),

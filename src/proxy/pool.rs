@@ -40,7 +40,6 @@ use crate::clock::Coarse;
 use crate::config::UpstreamProtocol;
 use crate::wire::h2client;
 use back::Back;
-use connect::IoFacts;
 use http::uri::Authority;
 use http::{Request, Response};
 use http_body::Body as _;
@@ -105,28 +104,9 @@ struct Part {
 
 #[derive(Debug)]
 struct Idle {
-    conn: H1,
+    tx: http1::SendRequest<RequestBody>,
     /// When it became idle (the coarse clock: its idle timeout is seconds long).
     since: Coarse,
-}
-
-/// An HTTP/1.1 connection: hyper's handle to send on it, and what its socket noted
-/// ([`IoFacts`]), which an exchange that fails on it reads.
-#[derive(Debug)]
-pub(super) struct H1 {
-    tx: http1::SendRequest<RequestBody>,
-    io: Arc<IoFacts>,
-}
-
-impl H1 {
-    /// The failure of an exchange on this connection, as hyper reported it (`error`)
-    /// and the socket noted it.
-    fn failed(&self, error: hyper::Error) -> PoolError {
-        PoolError::Http {
-            error,
-            timed_out: self.io.timed_out(),
-        }
-    }
 }
 
 /// How many times [`Pool::send`] sends an HTTP/2 request that the upstream did not
@@ -208,36 +188,36 @@ impl Pool {
             let body = req.body().state();
             let (part, _) = self.part();
             let kept = affinity.and_then(|a| a.take(self));
-            let back = |conn| Back {
+            let back = |tx| Back {
                 part,
-                conn,
+                tx,
                 body: body.clone(),
                 affinity: affinity.cloned(),
             };
-            for mut conn in kept
+            for mut tx in kept
                 .into_iter()
                 .chain(std::iter::from_fn(|| self.checkout(part)))
             {
-                if !conn.tx.is_ready() && conn.tx.ready().await.is_err() {
+                if !tx.is_ready() && tx.ready().await.is_err() {
                     continue;
                 }
-                match conn.tx.try_send_request(req).await {
-                    Ok(response) => return Ok(self.wrap(response, Some(back(conn)))),
+                match tx.try_send_request(req).await {
+                    Ok(response) => return Ok(self.wrap(response, Some(back(tx)))),
                     Err(mut e) => match e.take_message() {
                         // Not sent: the connection was closing. Try the next one.
                         Some(again) => req = again,
                         None => {
-                            let error = conn.failed(e.into_error());
+                            let error = PoolError::http(e.into_error());
                             return Err(self.exchange_failed(error, body.failure(), None));
                         }
                     },
                 }
             }
             // Boxed: connecting (TCP, TLS, handshake) is rare and its future large.
-            let (mut conn, req) = self.connected(Box::pin(self.connect_h1(budget)).await, req)?;
-            match conn.tx.send_request(req).await {
-                Ok(response) => Ok(self.wrap(response, Some(back(conn)))),
-                Err(e) => Err(self.exchange_failed(conn.failed(e), body.failure(), None)),
+            let (mut tx, req) = self.connected(Box::pin(self.connect_h1(budget)).await, req)?;
+            match tx.send_request(req).await {
+                Ok(response) => Ok(self.wrap(response, Some(back(tx)))),
+                Err(e) => Err(self.exchange_failed(PoolError::http(e), body.failure(), None)),
             }
         }
     }
@@ -339,14 +319,14 @@ impl Pool {
         shared.retain(|s| !s.same(conn));
     }
 
-    fn checkout(&self, part: usize) -> Option<H1> {
+    fn checkout(&self, part: usize) -> Option<http1::SendRequest<RequestBody>> {
         let mut idle = self.parts[part]
             .idle
             .lock()
             .unwrap_or_else(|e| e.into_inner());
         while let Some(c) = idle.pop() {
-            if !c.conn.tx.is_closed() && c.since.elapsed() < self.idle_timeout {
-                return Some(c.conn);
+            if !c.tx.is_closed() && c.since.elapsed() < self.idle_timeout {
+                return Some(c.tx);
             }
         }
         None
@@ -356,26 +336,26 @@ impl Pool {
     /// request (at once, nearly always; else when the end of its request body has been
     /// written, within [`CLEAN_WAIT`], or never).
     /// It goes back to `part`, the part it was taken from.
-    fn checkin(self: &Arc<Self>, part: usize, mut conn: H1) {
-        if conn.tx.is_closed() {
+    fn checkin(self: &Arc<Self>, part: usize, mut tx: http1::SendRequest<RequestBody>) {
+        if tx.is_closed() {
             return;
         }
-        if !conn.tx.is_ready() {
+        if !tx.is_ready() {
             let pool = self.clone();
             tokio::spawn(async move {
-                if let Ok(Ok(())) = tokio::time::timeout(CLEAN_WAIT, conn.tx.ready()).await {
-                    pool.keep(part, conn, Coarse::now());
+                if let Ok(Ok(())) = tokio::time::timeout(CLEAN_WAIT, tx.ready()).await {
+                    pool.keep(part, tx, Coarse::now());
                 }
             });
             return;
         }
-        self.keep(part, conn, Coarse::now());
+        self.keep(part, tx, Coarse::now());
     }
 
     /// Put a ready connection, idle `since`, on the idle stack of `part` (unless it has
     /// closed or been idle for `keepalive_timeout`).
-    fn keep(&self, part: usize, conn: H1, since: Coarse) {
-        if conn.tx.is_closed() || since.elapsed() >= self.idle_timeout {
+    fn keep(&self, part: usize, tx: http1::SendRequest<RequestBody>, since: Coarse) {
+        if tx.is_closed() || since.elapsed() >= self.idle_timeout {
             return;
         }
         let mut idle = self.parts[part]
@@ -386,7 +366,7 @@ impl Pool {
             // Make room by dropping the least recently used (the bottom of the stack).
             idle.remove(0);
         }
-        idle.push(Idle { conn, since });
+        idle.push(Idle { tx, since });
     }
 }
 

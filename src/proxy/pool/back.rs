@@ -2,14 +2,15 @@
 //! for the downstream connection's next request ([`Affinity`]); the response body that
 //! puts it there ([`PooledBody`]).
 
-use super::super::body::{BodyError, BodyState};
-use super::{Pool, H1};
+use super::super::body::{BodyError, BodyState, RequestBody};
+use super::Pool;
 use crate::clock::Coarse;
 use crate::wire::h2client;
 use bytes::Bytes;
 use http::Response;
 use http_body::{Body as HttpBody, Frame, SizeHint};
 use hyper::body::Incoming;
+use hyper::client::conn::http1;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
@@ -18,7 +19,7 @@ use std::task::{Context, Poll};
 /// downstream connection's [`Affinity`]; `body` tells whether its request body was sent.
 pub(super) struct Back {
     pub(super) part: usize,
-    pub(super) conn: H1,
+    pub(super) tx: http1::SendRequest<RequestBody>,
     pub(super) body: Arc<BodyState>,
     pub(super) affinity: Option<Affinity>,
 }
@@ -39,29 +40,29 @@ pub struct Affinity(Arc<KeptCell>);
 struct Kept {
     pool: Arc<Pool>,
     part: usize,
-    conn: H1,
+    tx: http1::SendRequest<RequestBody>,
     /// When it became idle (the coarse clock: its idle timeout is seconds long).
     since: Coarse,
 }
 
 impl Affinity {
     /// The kept connection, when it is `pool`'s, still open and young enough.
-    pub(super) fn take(&self, pool: &Arc<Pool>) -> Option<H1> {
+    pub(super) fn take(&self, pool: &Arc<Pool>) -> Option<http1::SendRequest<RequestBody>> {
         let mut kept = self.0 .0.lock().unwrap_or_else(|e| e.into_inner());
         if !kept.as_ref().is_some_and(|k| Arc::ptr_eq(&k.pool, pool)) {
             return None;
         }
         let k = kept.take()?;
-        (!k.conn.tx.is_closed() && k.since.elapsed() < pool.idle_timeout).then_some(k.conn)
+        (!k.tx.is_closed() && k.since.elapsed() < pool.idle_timeout).then_some(k.tx)
     }
 
-    /// Keep `conn` (ready for another request); the connection kept before goes back to
+    /// Keep `tx` (ready for another request); the connection kept before goes back to
     /// its pool.
-    fn keep(&self, pool: Arc<Pool>, part: usize, conn: H1) {
+    fn keep(&self, pool: Arc<Pool>, part: usize, tx: http1::SendRequest<RequestBody>) {
         let new = Kept {
             pool,
             part,
-            conn,
+            tx,
             since: Coarse::now(),
         };
         let old = self
@@ -71,7 +72,7 @@ impl Affinity {
             .unwrap_or_else(|e| e.into_inner())
             .replace(new);
         if let Some(old) = old {
-            old.pool.keep(old.part, old.conn, old.since);
+            old.pool.keep(old.part, old.tx, old.since);
         }
     }
 }
@@ -85,7 +86,7 @@ impl Drop for KeptCell {
     fn drop(&mut self) {
         let kept = self.0.get_mut().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(k) = kept {
-            k.pool.keep(k.part, k.conn, k.since);
+            k.pool.keep(k.part, k.tx, k.since);
         }
     }
 }
@@ -121,7 +122,7 @@ struct Slot {
     pool: Arc<Pool>,
     /// The pool's part the connection came from (and goes back to).
     part: usize,
-    conn: H1,
+    tx: http1::SendRequest<RequestBody>,
     body: Arc<BodyState>,
     /// The downstream connection's, to keep the connection for its next request.
     affinity: Option<Affinity>,
@@ -137,10 +138,8 @@ impl Slot {
             return;
         }
         match self.affinity {
-            Some(affinity) if self.conn.tx.is_ready() => {
-                affinity.keep(self.pool, self.part, self.conn)
-            }
-            _ => self.pool.checkin(self.part, self.conn),
+            Some(affinity) if self.tx.is_ready() => affinity.keep(self.pool, self.part, self.tx),
+            _ => self.pool.checkin(self.part, self.tx),
         }
     }
 }
@@ -230,7 +229,7 @@ impl Pool {
             slot: h1.map(|back| Slot {
                 pool: self.clone(),
                 part: back.part,
-                conn: back.conn,
+                tx: back.tx,
                 body: back.body,
                 affinity: back.affinity,
             }),

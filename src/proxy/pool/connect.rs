@@ -1,19 +1,13 @@
 //! Opening a connection to a target: TCP (counted in the descriptor budget), then TLS
-//! for `https://` targets, then the HTTP/1.1 or HTTP/2 handshake. An HTTP/1.1
-//! connection's socket notes when its I/O times out ([`IoFacts`]).
+//! for `https://` targets, then the HTTP/1.1 or HTTP/2 handshake.
 
-use super::{Pool, PoolError, H1};
+use super::super::body::RequestBody;
+use super::{Pool, PoolError};
 use crate::budget::{Budget, Counted};
 use crate::wire::h2client;
 use hyper::client::conn::http1;
 use hyper_util::rt::TokioIo;
 use rustls::pki_types::ServerName;
-use std::io;
-use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
-use std::task::{Context, Poll};
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio_rustls::TlsConnector;
 
@@ -58,13 +52,17 @@ impl Pool {
         }
     }
 
-    pub(super) async fn connect_h1(&self, budget: &Budget) -> Result<H1, PoolError> {
+    pub(super) async fn connect_h1(
+        &self,
+        budget: &Budget,
+    ) -> Result<http1::SendRequest<RequestBody>, PoolError> {
         let stream = self.tcp(budget).await?;
         let max = self.connector.max_response_header_bytes;
-        match &self.connector.tls {
-            None => spawn_h1(stream, max).await,
-            Some(tls) => spawn_h1(self.tls(stream, tls).await?, max).await,
-        }
+        let tx = match &self.connector.tls {
+            None => spawn_h1(TokioIo::new(stream), max).await?,
+            Some(tls) => spawn_h1(TokioIo::new(self.tls(stream, tls).await?), max).await?,
+        };
+        Ok(tx)
     }
 
     pub(super) async fn connect_h2(
@@ -87,123 +85,24 @@ impl Pool {
 const H1_DEFAULT_MAX_BUF: usize = 8192 + 4096 * 100;
 
 /// An HTTP/1.1 connection on `io` whose read buffer holds a head of
-/// `max_head_bytes` (and its request line) at least, its I/O watched ([`IoFacts`]).
-pub(super) async fn spawn_h1<T>(io: T, max_head_bytes: usize) -> Result<H1, PoolError>
+/// `max_head_bytes` (and its request line) at least.
+pub(super) async fn spawn_h1<T>(
+    io: TokioIo<T>,
+    max_head_bytes: usize,
+) -> Result<http1::SendRequest<RequestBody>, PoolError>
 where
-    T: AsyncRead + AsyncWrite + Send + Unpin + 'static,
+    T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
 {
-    let facts = Arc::new(IoFacts::default());
-    let io = TokioIo::new(Watched {
-        io,
-        facts: facts.clone(),
-    });
     let (tx, conn) = http1::Builder::new()
         .max_buf_size(max_head_bytes.saturating_add(8192).max(H1_DEFAULT_MAX_BUF))
         .handshake(io)
         .await
-        .map_err(|error| PoolError::Http {
-            error,
-            timed_out: false,
-        })?;
+        .map_err(PoolError::http)?;
     tokio::spawn(async move {
         // With upgrades: a 101 answer hands the connection over to a tunnel (WebSocket).
         if let Err(e) = conn.with_upgrades().await {
             tracing::debug!(error = %e, "upstream connection ended with an error");
         }
     });
-    Ok(H1 { tx, io: facts })
-}
-
-/// What an HTTP/1.1 connection's socket saw that hyper's errors say only as an untyped
-/// cause: whether a read or a write failed because it timed out
-/// (`io::ErrorKind::TimedOut`: the kernel's `ETIMEDOUT`, its retransmissions
-/// unanswered). Noted by the socket ([`Watched`]) as it happens, and read by the
-/// exchange that then fails ([`PoolError::Http`]), which is answered 504 instead of 502,
-/// without looking into hyper's error for an `io::Error`.
-#[derive(Debug, Default)]
-pub(super) struct IoFacts {
-    timed_out: AtomicBool,
-}
-
-impl IoFacts {
-    /// Whether a read or write of the connection timed out.
-    pub(super) fn timed_out(&self) -> bool {
-        self.timed_out.load(Ordering::Acquire)
-    }
-
-    /// Note what a read or write of the connection failed with.
-    #[cold]
-    #[inline(never)]
-    fn failed(&self, error: &io::Error) {
-        if error.kind() == io::ErrorKind::TimedOut {
-            self.timed_out.store(true, Ordering::Release);
-        }
-    }
-}
-
-/// An upstream connection's socket, noting its failures in its [`IoFacts`]; it only
-/// looks at what a read or write returned when it is an error.
-#[derive(Debug)]
-struct Watched<T> {
-    io: T,
-    facts: Arc<IoFacts>,
-}
-
-impl<T> Watched<T> {
-    /// `polled`, noted when it is an error.
-    #[inline(always)]
-    fn note<R>(&self, polled: Poll<io::Result<R>>) -> Poll<io::Result<R>> {
-        if let Poll::Ready(Err(e)) = &polled {
-            self.facts.failed(e);
-        }
-        polled
-    }
-}
-
-impl<T: AsyncRead + Unpin> AsyncRead for Watched<T> {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        let this = self.get_mut();
-        let polled = Pin::new(&mut this.io).poll_read(cx, buf);
-        this.note(polled)
-    }
-}
-
-impl<T: AsyncWrite + Unpin> AsyncWrite for Watched<T> {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        let this = self.get_mut();
-        let polled = Pin::new(&mut this.io).poll_write(cx, buf);
-        this.note(polled)
-    }
-
-    fn poll_write_vectored(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        let this = self.get_mut();
-        let polled = Pin::new(&mut this.io).poll_write_vectored(cx, bufs);
-        this.note(polled)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.io.is_write_vectored()
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        let this = self.get_mut();
-        let polled = Pin::new(&mut this.io).poll_flush(cx);
-        this.note(polled)
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
-    }
+    Ok(tx)
 }

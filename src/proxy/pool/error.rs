@@ -1,7 +1,8 @@
 //! How an exchange with an upstream target failed, read once here into the
 //! [`ForwardError`] the request path answers with ([`SendError`]): from the typed errors
-//! of the connect, rustls, hyper and h2 ([`PoolError`]), from what the connection's
-//! socket noted ([`super::connect::IoFacts`]), and from the request body's own state.
+//! of the connect, rustls, hyper and h2 ([`PoolError`]; an HTTP/1.1 connection whose I/O
+//! timed out from hyper's error's causes, in [`io_timed_out`], the one place that looks
+//! there), and from the request body's own state.
 
 use super::super::body::BodyError;
 use super::super::body::{BodyFailure, RequestBody};
@@ -25,9 +26,8 @@ pub enum PoolError {
     #[error("TLS handshake with {0}: {1}")]
     Tls(Authority, std::io::Error),
     /// The HTTP/1.1 exchange (or handshake) failed (reset, closed early, bad response,
-    /// ...); `timed_out`: the connection's socket saw a read or write time out (noted
-    /// as it happened, `IoFacts` in `connect.rs`), which hyper's error keeps only as an
-    /// untyped cause.
+    /// ...); `timed_out`: the connection's socket had a read or write time out, which
+    /// hyper's error keeps only as an untyped cause (read once, by [`PoolError::http`]).
     #[error("{error}")]
     Http {
         /// hyper's error.
@@ -50,6 +50,13 @@ pub enum PoolError {
 }
 
 impl PoolError {
+    /// An HTTP/1.1 exchange (or handshake) that failed with `error`, with whether its
+    /// connection's I/O timed out ([`io_timed_out`]).
+    pub(super) fn http(error: hyper::Error) -> Self {
+        let timed_out = io_timed_out(&error);
+        PoolError::Http { error, timed_out }
+    }
+
     /// What the failure says about the exchange, read from its typed parts: a timeout
     /// (the connect, or an HTTP/1.1 exchange whose I/O timed out), a response head that
     /// cannot be passed on ([`BadResponse`]), no descriptor, or another failure (a
@@ -82,6 +89,31 @@ impl PoolError {
             PoolError::Http { .. } | PoolError::H2(_) | PoolError::Body(_) => Step::Handshake,
         }
     }
+}
+
+/// Whether an HTTP/1.1 exchange failed because its connection's I/O timed out: an
+/// `io::Error` of kind `TimedOut` among the causes of hyper's error (the kernel's
+/// `ETIMEDOUT`, its retransmissions or keep-alive probes unanswered; nothing of the
+/// gateway's times out an upstream socket's I/O).
+///
+/// The one place the request path looks into an error's causes by their type, kept
+/// because hyper leaves no other way to know: it keeps the `io::Error` its connection's
+/// socket returned only as the untyped cause of its own error (`hyper::Error::is_timeout`
+/// is about hyper's own timers, which a client connection does not run). Noting the fact
+/// where it happens means watching every read and write of every upstream connection,
+/// which the request path pays for: tried in issue 47 as a wrapper of the upstream
+/// socket that noted an `ETIMEDOUT` (its OS error number, checked inline), the check
+/// alone tipped hyper's read path over the inliner's threshold, about +150 instructions
+/// per proxied request (callgrind, `--profile quick`), and the note carried with each
+/// pooled connection about 30 more. A failed exchange is rare: read here, once, where the
+/// error is mapped ([`PoolError::http`]), the fact is typed from then on
+/// ([`PoolError::Http`]'s `timed_out`, which [`PoolError::fault`] reads).
+fn io_timed_out(error: &hyper::Error) -> bool {
+    super::super::error::causes(error).any(|cause| {
+        cause
+            .downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::TimedOut)
+    })
 }
 
 /// A failed [`Pool::send`]: what failed, where, and whether it is safe to send again

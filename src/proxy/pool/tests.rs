@@ -5,6 +5,7 @@ use super::*;
 use crate::proxy::body::BodyFailure;
 use crate::proxy::error::{Fault, ProxyError, Step};
 use crate::wire::Incoming;
+use hyper_util::rt::TokioIo;
 use std::io;
 use std::pin::Pin;
 use std::task::{Context, Poll, Waker};
@@ -34,11 +35,11 @@ fn request() -> Request<RequestBody> {
 }
 
 /// A socket that takes every write and, once something was written, fails its reads
-/// with `kind` (as the kernel does with `ETIMEDOUT` when its retransmissions go
-/// unanswered).
+/// with the OS error `errno` (as the kernel does with `ETIMEDOUT` when its
+/// retransmissions go unanswered).
 #[derive(Default)]
 struct FailingReads {
-    kind: Option<io::ErrorKind>,
+    errno: Option<i32>,
     written: bool,
     reader: Option<Waker>,
 }
@@ -49,8 +50,8 @@ impl AsyncRead for FailingReads {
         cx: &mut Context<'_>,
         _: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        match (self.written, self.kind) {
-            (true, Some(kind)) => Poll::Ready(Err(kind.into())),
+        match (self.written, self.errno) {
+            (true, Some(errno)) => Poll::Ready(Err(io::Error::from_raw_os_error(errno))),
             _ => {
                 self.reader = Some(cx.waker().clone());
                 Poll::Pending
@@ -82,27 +83,37 @@ impl AsyncWrite for FailingReads {
 }
 
 /// An HTTP/1.1 exchange whose socket's read timed out is a timeout (504); one whose
-/// read was reset is a failure (502). The timeout is what the socket noted, not
-/// something looked for among the causes of hyper's error, whose text the log line
-/// still prints whole.
+/// read was reset is a failure (502). The pool reads the timeout from hyper's error
+/// once, into a typed fact (`PoolError::Http`'s `timed_out`) that decides the fault;
+/// the log line still prints the error's text whole.
 #[tokio::test]
 async fn an_exchange_whose_socket_timed_out_is_a_504() {
     let pool = pool();
-    for (kind, fault, status) in [
-        (io::ErrorKind::TimedOut, Fault::Timeout, 504),
-        (io::ErrorKind::ConnectionReset, Fault::Failed, 502),
+    use rustix::io::Errno;
+    for (errno, fault, status) in [
+        (Errno::TIMEDOUT, Fault::Timeout, 504),
+        (Errno::CONNRESET, Fault::Failed, 502),
     ] {
         let socket = FailingReads {
-            kind: Some(kind),
+            errno: Some(errno.raw_os_error()),
             ..Default::default()
         };
-        let mut conn = spawn_h1(socket, 8192).await.expect("a connection");
-        let error = conn.tx.send_request(request()).await.expect_err("fails");
-        assert_eq!(conn.io.timed_out(), kind == io::ErrorKind::TimedOut);
-        let SendError { failure, unsent } = pool.exchange_failed(conn.failed(error), None, None);
+        let mut tx = spawn_h1(TokioIo::new(socket), 8192)
+            .await
+            .expect("a connection");
+        let error = PoolError::http(tx.send_request(request()).await.expect_err("fails"));
+        let timed_out = matches!(
+            error,
+            PoolError::Http {
+                timed_out: true,
+                ..
+            }
+        );
+        assert_eq!(timed_out, errno == Errno::TIMEDOUT);
+        let SendError { failure, unsent } = pool.exchange_failed(error, None, None);
         assert_eq!((failure.fault(), failure.step()), (fault, Step::Send));
         assert!(!failure.retry_safe() && unsent.is_none());
-        let said = io::Error::from(kind).to_string();
+        let said = io::Error::from_raw_os_error(errno.raw_os_error()).to_string();
         assert!(failure.detail().ends_with(&said), "{}", failure.detail());
         assert_eq!(ProxyError::Forwarded(failure).status().as_u16(), status);
     }

@@ -1,4 +1,29 @@
 //! Every way the gateway itself answers a request, with its status and JSON body.
+//!
+//! A request answered before it was forwarded gets one of [`ProxyError`]'s own variants.
+//! A forwarded request that failed gets [`ProxyError::Forwarded`], whose
+//! [`ForwardError`] carries what failed ([`Fault`]), the step ([`Step`]), whether it
+//! may be sent again, and the upstream and target. Each fact is read once, where it is
+//! known, and nothing downstream looks into an error's causes to decide a status:
+//!
+//! - connecting, the TLS handshake, the HTTP handshake and the exchange: the pool
+//!   (`src/proxy/pool/error.rs`, [`crate::proxy::pool::PoolError::fault`]) from the
+//!   typed errors of tokio, rustls, hyper and h2;
+//! - an HTTP/1.1 connection whose I/O timed out: hyper keeps that `io::Error` only as
+//!   an untyped cause, so the pool reads it there once, in the one function that looks
+//!   into an error's causes by type (`io_timed_out` in `src/proxy/pool/error.rs`, whose
+//!   documentation says why), into a typed fact;
+//! - the request body (too large, stopped arriving, unreadable): the body itself, where
+//!   it fails ([`crate::proxy::body::BodyState::failure`]), read by the pool; it decides
+//!   the answer whatever the connection then reports;
+//! - no response head within `response_timeout`, a head past
+//!   `max_response_header_bytes`, an unasked-for 101, a response of unknown length: the
+//!   forward loop (`src/proxy/forward.rs`), which also decides on the one retry from
+//!   [`ForwardError::retry_safe`].
+
+mod forwarded;
+
+pub use forwarded::{BadResponse, Fault, ForwardError, Step};
 
 use super::access::Decision;
 use crate::limiter::Usage;
@@ -38,17 +63,12 @@ pub enum ProxyError {
     /// The store failed and `store.on_error = "deny"`: 503.
     #[error("rate limit store unavailable")]
     StoreUnavailable,
-    /// The upstream refused, reset or could not be reached: 502.
-    #[error("upstream {0:?} unreachable")]
-    UpstreamUnreachable(String, String),
-    /// The upstream (named) answered with a response head that cannot be passed on
-    /// (what was wrong with it is said): 502 `{"message": "invalid response framing
-    /// from upstream \"api\""}` and the like.
-    #[error("{1} from upstream {0:?}")]
-    UpstreamBadResponse(String, BadResponse),
-    /// The upstream took too long to connect or to send response headers: 504.
-    #[error("upstream {0:?} timed out")]
-    UpstreamTimeout(String),
+    /// The request was forwarded and failed: the upstream refused, reset, timed out
+    /// or answered what cannot be passed on (502, 504), no descriptor was left for a
+    /// connection (503), or the request body failed on its way (413, 408, 400). The
+    /// status and message are the failure's ([`ForwardError`]).
+    #[error("{0}")]
+    Forwarded(ForwardError),
     /// The request body is larger than the route's `max_request_bytes` (bytes): 413.
     #[error("request body larger than {0} bytes")]
     BodyTooLarge(u64),
@@ -63,11 +83,9 @@ pub enum ProxyError {
     /// than `chunked`): 501.
     #[error("not implemented: {0}")]
     NotImplemented(String),
-    /// The request body stopped arriving for `server.body_timeout` (the timeout): 408.
-    #[error("request body timed out: nothing arrived for {0:?}")]
-    BodyTimeout(std::time::Duration),
-    /// A budget is spent: the descriptor budget (no upstream socket may be opened) or
-    /// `server.max_tunnels` (what ran out is said): 503 with `Retry-After: 1`.
+    /// A budget is spent: `server.max_tunnels` (what ran out is said): 503 with
+    /// `Retry-After: 1`. (A spent descriptor budget is a forwarded request's
+    /// [`Fault::NoDescriptor`], answered alike.)
     #[error("{0}")]
     Overloaded(&'static str),
     /// The client (its address) holds its share of a bound shared with others (what is
@@ -108,77 +126,6 @@ pub enum Origin {
     Internal,
 }
 
-/// What was wrong with an upstream's response head that made it a 502
-/// ([`ProxyError::UpstreamBadResponse`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-pub enum BadResponse {
-    /// Its length cannot be known: `Content-Length` values that disagree or are no
-    /// number, a transfer coding that is not `chunked`, and the like.
-    #[error("invalid response framing")]
-    Framing,
-    /// Its head is past `upstreams.max_response_header_bytes` (or hyper's buffer).
-    #[error("response headers too large")]
-    HeadersTooLarge,
-    /// Its head is malformed otherwise (a bad status line, header name or value).
-    #[error("malformed response head")]
-    Malformed,
-    /// An HTTP/2 upstream's head that the h2 crate refused, which it does alike (a
-    /// stream reset with `PROTOCOL_ERROR`) for a header list past the limit and for a
-    /// malformed one (a `Content-Length` that is no number, a connection header).
-    #[error("response headers too large or malformed")]
-    TooLargeOrMalformed,
-}
-
-impl BadResponse {
-    /// What an HTTP/1.1 exchange's failure says was wrong with the response head, if it
-    /// was the response head (hyper's parse errors); `None` for everything else.
-    pub fn of_h1(error: &hyper::Error) -> Option<BadResponse> {
-        if error.is_parse_too_large() {
-            return Some(BadResponse::HeadersTooLarge);
-        }
-        if error.is_parse() || error.is_parse_status() {
-            // hyper names the header in its message ("invalid content-length parsed",
-            // "unexpected transfer-encoding parsed"); no predicate does.
-            let text = error.to_string();
-            let framing = text.contains("content-length") || text.contains("transfer-encoding");
-            return Some(if framing {
-                BadResponse::Framing
-            } else {
-                BadResponse::Malformed
-            });
-        }
-        None
-    }
-
-    /// What an HTTP/2 exchange's failure says was wrong with the response head: the h2
-    /// crate's own reset of the stream (`PROTOCOL_ERROR`, for a header list past the
-    /// limit or a malformed head); `None` for everything else (refused, reset by the
-    /// upstream, closed early).
-    pub fn of_h2(error: &h2::Error) -> Option<BadResponse> {
-        (error.is_reset()
-            && error.is_library()
-            && error.reason() == Some(h2::Reason::PROTOCOL_ERROR))
-        .then_some(BadResponse::TooLargeOrMalformed)
-    }
-}
-
-/// What a failed exchange with an upstream says, read once where it failed (the pool,
-/// from its typed errors; the request body, from its own state): it decides the answer
-/// ([`ProxyError::of_fault`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Fault {
-    /// Connecting, the TLS handshake or the exchange timed out: 504.
-    Timeout,
-    /// The upstream answered with a head that cannot be passed on: 502.
-    BadResponse(BadResponse),
-    /// The request body failed (the client's doing): 413, 408 or 400.
-    Body(super::body::BodyFailure),
-    /// No descriptor was left for a connection: 503.
-    NoDescriptor,
-    /// Refused, reset, closed early: 502.
-    Failed,
-}
-
 impl ProxyError {
     /// The HTTP status the caller sees.
     pub fn status(&self) -> StatusCode {
@@ -200,33 +147,12 @@ impl ProxyError {
             },
             ProxyError::UriTooLongToAsk(_) => StatusCode::URI_TOO_LONG,
             ProxyError::HeadersTooLargeToAsk(_) => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
-            ProxyError::UpstreamUnreachable(..) | ProxyError::UpstreamBadResponse(..) => {
-                StatusCode::BAD_GATEWAY
-            }
-            ProxyError::UpstreamTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
+            ProxyError::Forwarded(failure) => failure.status(),
             ProxyError::BadRequest(_) => StatusCode::BAD_REQUEST,
             ProxyError::BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ProxyError::Misdirected(_) => StatusCode::MISDIRECTED_REQUEST,
             ProxyError::NotImplemented(_) => StatusCode::NOT_IMPLEMENTED,
-            ProxyError::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ProxyError::Overloaded(_) => StatusCode::SERVICE_UNAVAILABLE,
-        }
-    }
-
-    /// The answer to an exchange with `upstream` (its name) that failed with `fault`;
-    /// `detail` says how (the error chain, for the 502 of a failed exchange).
-    pub fn of_fault(upstream: &str, fault: Fault, detail: impl FnOnce() -> String) -> ProxyError {
-        use super::body::BodyFailure;
-        match fault {
-            Fault::Body(BodyFailure::TooLarge(max)) => ProxyError::BodyTooLarge(max),
-            Fault::Body(BodyFailure::TimedOut(after)) => ProxyError::BodyTimeout(after),
-            Fault::Body(BodyFailure::Unreadable) => {
-                ProxyError::BadRequest("the request body could not be read".into())
-            }
-            Fault::Timeout => ProxyError::UpstreamTimeout(upstream.to_string()),
-            Fault::BadResponse(bad) => ProxyError::UpstreamBadResponse(upstream.to_string(), bad),
-            Fault::NoDescriptor => ProxyError::Overloaded("too many open connections"),
-            Fault::Failed => ProxyError::UpstreamUnreachable(upstream.to_string(), detail()),
         }
     }
 
@@ -248,11 +174,7 @@ impl ProxyError {
             ProxyError::BodyTooLarge(_) => Decision::TooLarge,
             ProxyError::BadRequest(_) | ProxyError::NotImplemented(_) => Decision::BadRequest,
             ProxyError::Misdirected(_) => Decision::Misdirected,
-            ProxyError::UpstreamUnreachable(..)
-            | ProxyError::UpstreamBadResponse(..)
-            | ProxyError::UpstreamTimeout(_)
-            | ProxyError::BodyTimeout(_)
-            | ProxyError::Overloaded(_) => return None,
+            ProxyError::Forwarded(_) | ProxyError::Overloaded(_) => return None,
         })
     }
 
@@ -270,17 +192,34 @@ impl ProxyError {
             | ProxyError::BadRequest(_)
             | ProxyError::Misdirected(_)
             | ProxyError::NotImplemented(_)
-            | ProxyError::BodyTimeout(_)
             | ProxyError::Busy(_)
             | ProxyError::AuthBusy { per_address: true } => Origin::Client,
-            ProxyError::AuthUnavailable
-            | ProxyError::UpstreamUnreachable(..)
-            | ProxyError::UpstreamBadResponse(..)
-            | ProxyError::UpstreamTimeout(_) => Origin::Upstream,
+            ProxyError::AuthUnavailable => Origin::Upstream,
+            ProxyError::Forwarded(failure) => failure.origin(),
             ProxyError::StoreUnavailable => Origin::Store,
             ProxyError::Overloaded(_) | ProxyError::AuthBusy { per_address: false } => {
                 Origin::Internal
             }
+        }
+    }
+
+    /// Whether nothing of the request reached an upstream, so that sending it (again)
+    /// has no second effect there: true for every answer made before forwarding, and for
+    /// a forwarded request whose failure came before a byte of it was sent
+    /// ([`ForwardError::retry_safe`]).
+    pub fn retry_safe(&self) -> bool {
+        match self {
+            ProxyError::Forwarded(failure) => failure.retry_safe(),
+            _ => true,
+        }
+    }
+
+    /// What failed, for a forwarded request ([`ForwardError::fault`]); `None` for an
+    /// answer made before forwarding.
+    pub fn fault(&self) -> Option<Fault> {
+        match self {
+            ProxyError::Forwarded(failure) => Some(failure.fault()),
+            _ => None,
         }
     }
 
@@ -305,13 +244,15 @@ impl ProxyError {
             bytes
         };
         let mut response = json_bytes_response(status, bytes);
-        match &self {
-            ProxyError::Overloaded(_) | ProxyError::Busy(_) | ProxyError::AuthBusy { .. } => {
-                response
-                    .headers_mut()
-                    .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
-            }
-            _ => {}
+        let overloaded = match &self {
+            ProxyError::Overloaded(_) | ProxyError::Busy(_) | ProxyError::AuthBusy { .. } => true,
+            ProxyError::Forwarded(failure) => failure.fault() == Fault::NoDescriptor,
+            _ => false,
+        };
+        if overloaded {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         }
         response
     }

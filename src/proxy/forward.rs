@@ -5,12 +5,13 @@
 
 use super::body::BodyFailure;
 use super::body::RequestBody;
-use super::error::{error_chain, BadResponse, Fault, ProxyError};
+use super::error::{BadResponse, Fault, ForwardError, ProxyError, Step};
+use super::pool::SendError;
 use super::rewrite::{address, respond, respond_switched, respond_upgraded};
 use super::Body;
 use crate::config::UpstreamProtocol;
 use crate::wire::Incoming;
-use http::header::{self, HeaderMap};
+use http::header::{self, HeaderMap, HeaderValue};
 use http::uri::PathAndQuery;
 use http::{Method, Request, Response, StatusCode, Version};
 use http_body::Body as _;
@@ -22,12 +23,15 @@ pub use super::upstream::{Upstream, COST_WARN_INTERVAL_MS, MAX_EJECTION};
 /// Send `req` to the next target of `upstream` and return its response, whose body
 /// streams from the upstream as the client reads it.
 ///
-/// Errors: [`ProxyError::UpstreamTimeout`] when the connect or the response headers take
-/// longer than configured (504); [`ProxyError::UpstreamUnreachable`] when the target
-/// refuses, resets or cannot be reached (502); [`ProxyError::Overloaded`] when the
-/// descriptor budget has no room for an upstream socket, or `server.max_tunnels` are
-/// open for an upgrade (503); [`ProxyError::BodyTimeout`] when the request body stops
-/// arriving for `server.body_timeout` before the response (408).
+/// Errors: [`ProxyError::Forwarded`] for a request that failed once forwarded (its
+/// [`ForwardError`] says what failed, where, and decides the status): the connect or the
+/// response headers took longer than configured (504); the target refused, reset or
+/// could not be reached, or answered a head that cannot be passed on (502); the
+/// descriptor budget had no room for an upstream socket (503); the request body stopped
+/// arriving for `server.body_timeout` before the response (408), or was too large (413)
+/// or unreadable (400). [`ProxyError::Overloaded`] when `server.max_tunnels` are open
+/// for an upgrade (503); [`ProxyError::BadRequest`] for a request that cannot be
+/// forwarded as sent.
 ///
 /// Not an `async fn`, for the reason [`super::handle`] gives (arguments kept once).
 #[allow(clippy::manual_async_fn)]
@@ -122,15 +126,9 @@ pub fn forward<'a>(
                 host.as_ref(),
                 &mut request,
             )?;
-            let failed = |what: &str, detail: String| {
-                tracing::warn!(
-                    upstream = %upstream.name,
-                    addr = %target.authority,
-                    request_id = down.request_id.to_str().unwrap_or("-"),
-                    error = %detail,
-                    "upstream {what}"
-                );
-            };
+            // A failure the forward loop finds itself (the pool's come with its answer).
+            let failure =
+                |fault, step| ForwardError::new(fault, step, &upstream.name, &target.authority);
             // Pinned where it is built: the timers below take a reference to it, where
             // taking it by value would copy the send's future (about 1 KB) into theirs
             // and theirs again into this future's await (docs/hot-path.md).
@@ -152,14 +150,17 @@ pub fn forward<'a>(
                     if head > upstream.max_response_header_bytes {
                         // HTTP/2 enforces this while decoding; HTTP/1.1 here, on the
                         // parsed head, so that both protocols draw the same line.
-                        failed(
-                            "sent a response head past upstreams.max_response_header_bytes",
-                            format!("{head} bytes, limit {}", upstream.max_response_header_bytes),
+                        let failure = failure(
+                            Fault::BadResponse(BadResponse::HeadersTooLarge),
+                            Step::ResponseHead,
                         );
-                        return Err(ProxyError::UpstreamBadResponse(
-                            upstream.name.to_string(),
-                            BadResponse::HeadersTooLarge,
-                        ));
+                        warn(
+                            &failure,
+                            &down.request_id,
+                            "sent a response head past upstreams.max_response_header_bytes",
+                            &format!("{head} bytes, limit {}", upstream.max_response_header_bytes),
+                        );
+                        return Err(ProxyError::Forwarded(failure));
                     }
                     if response.status() == StatusCode::SWITCHING_PROTOCOLS {
                         let offered = upgrade.as_ref();
@@ -168,14 +169,14 @@ pub fn forward<'a>(
                             .is_some_and(|o| crate::http::upgrade::switched_to_offered(o, answered))
                         {
                             // No tunnel to a protocol that was not asked for (and allowed).
-                            failed(
+                            let failure = failure(Fault::Failed, Step::ResponseHead);
+                            warn(
+                                &failure,
+                                &down.request_id,
                                 "switched protocols without being asked",
-                                format!("101 with Upgrade {answered:?}, offered {offered:?}"),
+                                &format!("101 with Upgrade {answered:?}, offered {offered:?}"),
                             );
-                            return Err(ProxyError::UpstreamUnreachable(
-                                upstream.name.to_string(),
-                                "the upstream switched to a protocol that was not asked for".into(),
-                            ));
+                            return Err(ProxyError::Forwarded(failure));
                         }
                     }
                     if let (Some((client, slot)), StatusCode::SWITCHING_PROTOCOLS) =
@@ -200,23 +201,30 @@ pub fn forward<'a>(
                         return Ok(respond_upgraded(response, downstream_version, down.via));
                     }
                     return respond(response, downstream_version, down.via).map_err(|e| {
-                        failed("sent a response of unknown length", e.to_string());
-                        ProxyError::UpstreamBadResponse(
-                            upstream.name.to_string(),
-                            BadResponse::Framing,
-                        )
+                        let failure =
+                            failure(Fault::BadResponse(BadResponse::Framing), Step::ResponseHead);
+                        warn(
+                            &failure,
+                            &down.request_id,
+                            "sent a response of unknown length",
+                            &e.to_string(),
+                        );
+                        ProxyError::Forwarded(failure)
                     });
                 }
                 None => {
-                    failed(
+                    let failure = failure(Fault::Timeout, Step::ResponseHead);
+                    warn(
+                        &failure,
+                        &down.request_id,
                         "timed out",
-                        format!("no response headers within {:?}", upstream.response_timeout),
+                        &format!("no response headers within {:?}", upstream.response_timeout),
                     );
-                    return Err(ProxyError::UpstreamTimeout(upstream.name.to_string()));
+                    return Err(ProxyError::Forwarded(failure));
                 }
-                Some(Err(mut failure)) => {
-                    if failure.error.is_refusal() {
-                        upstream.eject(i, &failure.error);
+                Some(Err(SendError { failure, unsent })) => {
+                    if failure.is_refusal() {
+                        upstream.eject(i, &failure);
                     }
                     // Sent again, once, to another target: only when nothing of it was
                     // sent and it carries no body that would have to be sent twice.
@@ -224,19 +232,23 @@ pub fn forward<'a>(
                         && failure.fault() != Fault::NoDescriptor
                         && retriable
                         && tried.is_none();
-                    match failure.unsent.take() {
+                    match unsent {
                         Some(back) if again => {
-                            let error = &failure.error;
-                            if error.is_refusal() {
+                            if failure.is_refusal() {
                                 // The refusal was logged (at warn) by the ejection.
                                 tracing::debug!(
-                                    upstream = %upstream.name,
-                                    addr = %target.authority,
-                                    error = %error_chain(error),
+                                    upstream = %failure.upstream(),
+                                    addr = %failure.authority(),
+                                    error = %failure.detail(),
                                     "connect failed before the request was sent; trying another target"
                                 );
                             } else {
-                                failed("failed; trying another target", error_chain(error));
+                                warn(
+                                    &failure,
+                                    &down.request_id,
+                                    "failed; trying another target",
+                                    &failure.detail(),
+                                );
                             }
                             tried = Some(i);
                             request = back;
@@ -247,42 +259,63 @@ pub fn forward<'a>(
                     failure
                 }
             };
-            let error = &failure.error;
-            let fault = failure.fault();
-            match fault {
-                Fault::NoDescriptor => {
-                    static LOG: crate::logging::Throttle = crate::logging::Throttle::new();
-                    if let Some(suppressed) = LOG.due(1_000) {
-                        tracing::warn!(
-                            upstream = %upstream.name,
-                            addr = %target.authority,
-                            suppressed,
-                            "no descriptor left for an upstream connection (open-file limit); answered 503"
-                        );
-                    }
-                }
-                // The client's body went past the route's limit: its fault, not the upstream's.
-                Fault::Body(BodyFailure::TooLarge(_)) => {}
-                Fault::Body(BodyFailure::TimedOut(_)) => tracing::debug!(
-                    upstream = %upstream.name,
-                    request_id = down.request_id.to_str().unwrap_or("-"),
-                    "request body stopped arriving (server.body_timeout)"
-                ),
-                Fault::Body(BodyFailure::Unreadable) => tracing::debug!(
-                    upstream = %upstream.name,
-                    request_id = down.request_id.to_str().unwrap_or("-"),
-                    error = %error_chain(error),
-                    "client request body failed"
-                ),
-                Fault::Timeout => failed("timed out", error_chain(error)),
-                // The upstream answered, with a head that cannot be passed on: say so.
-                Fault::BadResponse(_) => failed("sent a bad response", error_chain(error)),
-                Fault::Failed => failed("failed", error_chain(error)),
-            }
-            return Err(ProxyError::of_fault(&upstream.name, fault, || {
-                error_chain(error)
-            }));
+            log(&failure, &down.request_id);
+            return Err(ProxyError::Forwarded(failure));
         }
+    }
+}
+
+/// The WARN line of a failed exchange: `upstream WHAT`, with the upstream, the target
+/// tried, the request id and `detail` (what said so, as text).
+fn warn(failure: &ForwardError, request_id: &HeaderValue, what: &str, detail: &str) {
+    let request_id = request_id.to_str().unwrap_or("-");
+    tracing::warn!(
+        upstream = %failure.upstream(),
+        addr = %failure.authority(),
+        request_id,
+        error = %detail,
+        "upstream {what}"
+    );
+}
+
+/// The log line of a forwarded request that failed in the pool, by what failed: the
+/// upstream's failures at warn, a spent descriptor budget at warn once a second, the
+/// client's body at debug (or not at all when it was too large).
+fn log(failure: &ForwardError, request_id: &HeaderValue) {
+    match failure.fault() {
+        Fault::NoDescriptor => {
+            static LOG: crate::logging::Throttle = crate::logging::Throttle::new();
+            if let Some(suppressed) = LOG.due(1_000) {
+                tracing::warn!(
+                    upstream = %failure.upstream(),
+                    addr = %failure.authority(),
+                    suppressed,
+                    "no descriptor left for an upstream connection (open-file limit); answered 503"
+                );
+            }
+        }
+        // The client's body went past the route's limit: its fault, not the upstream's.
+        Fault::Body(BodyFailure::TooLarge(_)) => {}
+        Fault::Body(BodyFailure::TimedOut(_)) => tracing::debug!(
+            upstream = %failure.upstream(),
+            request_id = request_id.to_str().unwrap_or("-"),
+            "request body stopped arriving (server.body_timeout)"
+        ),
+        Fault::Body(BodyFailure::Unreadable) => tracing::debug!(
+            upstream = %failure.upstream(),
+            request_id = request_id.to_str().unwrap_or("-"),
+            error = %failure.detail(),
+            "client request body failed"
+        ),
+        Fault::Timeout => warn(failure, request_id, "timed out", &failure.detail()),
+        // The upstream answered, with a head that cannot be passed on: say so.
+        Fault::BadResponse(_) => warn(
+            failure,
+            request_id,
+            "sent a bad response",
+            &failure.detail(),
+        ),
+        Fault::Failed => warn(failure, request_id, "failed", &failure.detail()),
     }
 }
 

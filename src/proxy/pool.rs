@@ -28,6 +28,8 @@
 mod back;
 mod connect;
 mod error;
+#[cfg(test)]
+mod tests;
 
 pub use back::{Affinity, PooledBody};
 pub use error::{PoolError, SendError};
@@ -38,7 +40,6 @@ use crate::clock::Coarse;
 use crate::config::UpstreamProtocol;
 use crate::wire::h2client;
 use back::Back;
-use error::{sent_and_failed, unsent_on_error};
 use http::uri::Authority;
 use http::{Request, Response};
 use http_body::Body as _;
@@ -50,6 +51,8 @@ use tokio_rustls::TlsConnector;
 
 /// How connections to one target are made: TCP, then TLS for `https://` targets.
 pub struct Connector {
+    /// The name of the upstream the target is one of (for its failures).
+    pub upstream: Arc<str>,
     /// `HOST:PORT` of the target.
     pub authority: Authority,
     /// Budget for the TCP connect (the TLS handshake has its own, of the same length).
@@ -67,6 +70,7 @@ pub struct Connector {
 impl std::fmt::Debug for Connector {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Connector")
+            .field("upstream", &self.upstream)
             .field("authority", &self.authority)
             .field("connect_timeout", &self.connect_timeout)
             .field("tls_server_name", &self.tls.as_ref().map(|(_, name)| name))
@@ -202,15 +206,18 @@ impl Pool {
                     Err(mut e) => match e.take_message() {
                         // Not sent: the connection was closing. Try the next one.
                         Some(again) => req = again,
-                        None => return Err(sent_and_failed(e.into_error(), &body)),
+                        None => {
+                            let error = PoolError::http(e.into_error());
+                            return Err(self.exchange_failed(error, body.failure(), None));
+                        }
                     },
                 }
             }
             // Boxed: connecting (TCP, TLS, handshake) is rare and its future large.
-            let (mut tx, req) = unsent_on_error(Box::pin(self.connect_h1(budget)).await, req)?;
+            let (mut tx, req) = self.connected(Box::pin(self.connect_h1(budget)).await, req)?;
             match tx.send_request(req).await {
                 Ok(response) => Ok(self.wrap(response, Some(back(tx)))),
-                Err(e) => Err(sent_and_failed(e, &body)),
+                Err(e) => Err(self.exchange_failed(PoolError::http(e), body.failure(), None)),
             }
         }
     }
@@ -234,7 +241,7 @@ impl Pool {
         let body_failure = || body.as_ref().and_then(|b| b.failure());
         let mut attempt = 1;
         loop {
-            let ((mut conn, claim), back) = unsent_on_error(self.h2_sender(budget).await, req)?;
+            let ((mut conn, claim), back) = self.connected(self.h2_sender(budget).await, req)?;
             req = back;
             let error = match conn.ready().await {
                 Err(e) => PoolError::H2(e),
@@ -250,13 +257,7 @@ impl Pool {
                     Err(h2client::SendFailure {
                         error,
                         unprocessed: None,
-                    }) => {
-                        return Err(SendError {
-                            error: error.into(),
-                            unsent: None,
-                            body: body_failure(),
-                        })
-                    }
+                    }) => return Err(self.exchange_failed(error.into(), body_failure(), None)),
                 },
             };
             // A refused stream leaves its connection as it was; any other failure
@@ -266,11 +267,7 @@ impl Pool {
                 self.forget_h2(&conn);
             }
             if attempt >= H2_ATTEMPTS {
-                return Err(SendError {
-                    error,
-                    unsent: Some(req),
-                    body: body_failure(),
-                });
+                return Err(self.exchange_failed(error, body_failure(), Some(req)));
             }
             tracing::debug!(
                 addr = %self.connector.authority,

@@ -3,8 +3,8 @@
 //! ejected for a while, doubling per refusal in a row), and the cost header an
 //! upstream may answer with.
 
-use super::error::error_chain;
-use super::pool::{Connector, Pool, PoolError};
+use super::error::ForwardError;
+use super::pool::{Connector, Pool};
 use crate::config::{Files, Problems, UpstreamConfig, UpstreamProtocol};
 use crate::http::always_hop_by_hop;
 use http::header::{HeaderMap, HeaderName};
@@ -176,6 +176,7 @@ impl Upstream {
         if problems.errors.len() != before {
             return None;
         }
+        let name: Arc<str> = cfg.name.as_str().into();
         let mut members = Vec::with_capacity(targets.len());
         for (j, t) in targets.into_iter().enumerate() {
             let tls = match (&tls, t.scheme == Scheme::HTTPS) {
@@ -199,6 +200,7 @@ impl Upstream {
                 _ => None,
             };
             let connector = Connector {
+                upstream: name.clone(),
                 authority: t.authority.clone(),
                 connect_timeout: cfg.connect_timeout.0,
                 tls,
@@ -213,7 +215,7 @@ impl Upstream {
             });
         }
         Some(Self {
-            name: cfg.name.as_str().into(),
+            name,
             targets: members,
             next: AtomicUsize::new(0),
             response_timeout: cfg.response_timeout.0,
@@ -278,9 +280,10 @@ impl Upstream {
         fallback.unwrap_or(start)
     }
 
-    /// Record that target `i` refused a connection: eject it for `eject_for`, doubled
-    /// per earlier consecutive refusal, at most [`MAX_EJECTION`].
-    pub(super) fn eject(&self, i: usize, error: &PoolError) {
+    /// Record that target `i` refused a connection (`refusal`: see
+    /// [`ForwardError::is_refusal`]): eject it for `eject_for`, doubled per earlier
+    /// consecutive refusal, at most [`MAX_EJECTION`].
+    pub(super) fn eject(&self, i: usize, refusal: &ForwardError) {
         let m = &self.targets[i];
         let failures = m.failures.fetch_add(1, Ordering::Relaxed).saturating_add(1);
         let back_off = back_off(self.eject_for, failures);
@@ -292,7 +295,7 @@ impl Upstream {
             target = %m.target.authority,
             failures,
             eject_ms = u64::try_from(back_off.as_millis()).unwrap_or(u64::MAX),
-            error = %error_chain(error),
+            error = %refusal.detail(),
             "upstream target ejected"
         );
     }

@@ -10,7 +10,8 @@ use super::Answer;
 use crate::identity::Caller;
 use crate::limiter::most_constrained;
 use crate::proxy::access::AccessLog;
-use crate::proxy::error::ProxyError;
+use crate::proxy::body::BodyFailure;
+use crate::proxy::error::Fault;
 use crate::proxy::forward::Downstream;
 use crate::proxy::peer::Peer;
 use crate::proxy::{Body, Context, Gate};
@@ -68,7 +69,9 @@ pub fn forward<'r, 'c: 'r>(
             // The client stopped sending its body while the upstream had the request:
             // charged like a client that went away (dropping `checked.ticket` charges
             // it; reservations and leased units stand).
-            Err(e @ ProxyError::BodyTimeout(_)) => Err(Answer::keeping_decision(e.into_response())),
+            Err(e) if matches!(e.fault(), Some(Fault::Body(BodyFailure::TimedOut(_)))) => {
+                Err(Answer::keeping_decision(e.into_response()))
+            }
             Err(e) => {
                 let now_ms = ctx.clock.now_ms();
                 let applied = checked.ticket.applied().clone();

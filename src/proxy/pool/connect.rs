@@ -86,7 +86,7 @@ const H1_DEFAULT_MAX_BUF: usize = 8192 + 4096 * 100;
 
 /// An HTTP/1.1 connection on `io` whose read buffer holds a head of
 /// `max_head_bytes` (and its request line) at least.
-async fn spawn_h1<T>(
+pub(super) async fn spawn_h1<T>(
     io: TokioIo<T>,
     max_head_bytes: usize,
 ) -> Result<http1::SendRequest<RequestBody>, PoolError>
@@ -96,7 +96,8 @@ where
     let (tx, conn) = http1::Builder::new()
         .max_buf_size(max_head_bytes.saturating_add(8192).max(H1_DEFAULT_MAX_BUF))
         .handshake(io)
-        .await?;
+        .await
+        .map_err(PoolError::http)?;
     tokio::spawn(async move {
         // With upgrades: a 101 answer hands the connection over to a tunnel (WebSocket).
         if let Err(e) = conn.with_upgrades().await {

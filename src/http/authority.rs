@@ -117,7 +117,9 @@ fn decide(version: Version, uri: &Uri, headers: &HeaderMap) -> Result<Settled, A
 /// borrowed as sent (routes compare hosts in any case). `None` when it is not usable.
 /// (The Host was checked by [`settle`], so it is not checked again: only cut.)
 pub fn host_name(host: &HeaderValue) -> Option<&str> {
-    let text = host.to_str().ok()?;
+    // Its bytes were checked (visible ASCII) by `settle`: UTF-8 is all that is asked
+    // here, which a word-at-a-time scan answers, where `to_str` checks byte by byte.
+    let text = std::str::from_utf8(host.as_bytes()).ok()?;
     let (name, _) = cut(text);
     let name = name.strip_suffix('.').unwrap_or(name);
     (!name.is_empty()).then_some(name)

@@ -53,8 +53,9 @@ pub fn edge(snap: &Gate<'_>, req: &mut Request<Incoming>, peer: &Peer) -> Result
         host,
         tls: req.extensions().get::<crate::tls::TlsInfo>().cloned(),
     };
-    if let (Some(info), Some(host)) = (&edge.tls, edge.host_name()) {
-        if info.misdirected(host) {
+    // The host name only on TLS: a tuple of both would find it for every request.
+    if let Some(info) = &edge.tls {
+        if let Some(host) = edge.host_name().filter(|host| info.misdirected(host)) {
             return Err(ProxyError::Misdirected(host.chars().take(256).collect()).into());
         }
     }

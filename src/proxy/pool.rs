@@ -110,8 +110,14 @@ struct Idle {
 }
 
 /// How many times [`Pool::send`] sends an HTTP/2 request that the upstream did not
-/// process (see [`Pool::send_h2`]), each time on another connection.
-const H2_ATTEMPTS: usize = 5;
+/// process (see [`Pool::send_h2`]), each time on another connection. Ten: one request
+/// may meet several connections going away in a row, each leaving it unprocessed
+/// twice (refused, then above the `GOAWAY` of the connection it was sent again on);
+/// five let one request in about 40 runs of
+/// `a_graceful_goaway_and_refused_streams_cost_no_502` (16 clients, `GOAWAY` every 50
+/// requests, every 7th stream refused) end in a 502. Each attempt costs the upstream
+/// nothing (it did not process the request).
+const H2_ATTEMPTS: usize = 10;
 
 /// How long a connection whose exchange has ended may take to be ready for the next
 /// request (the end of its request body still being written) before it is given up.

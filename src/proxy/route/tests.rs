@@ -55,6 +55,7 @@ fn route(
         limits: LimitSet::new(Vec::new()),
         cost: 1,
         uncharged_statuses: Vec::new(),
+        charged_statuses: None,
         on_request: false,
         upgrades: Vec::new(),
         trust_method_override: false,

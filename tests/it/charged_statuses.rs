@@ -305,3 +305,30 @@ fn both_lists_on_one_route_and_statuses_out_of_range_are_errors() {
         }
     }
 }
+
+/// The example of docs/operations.md's "Stopping password guessing" is a valid config,
+/// and its `/login` route charges 401 and 403 only.
+#[test]
+fn the_password_guessing_example_in_the_docs_is_valid() {
+    let doc = std::fs::read_to_string("docs/operations.md").unwrap();
+    let section = doc
+        .split("## Stopping password guessing")
+        .nth(1)
+        .expect("the section");
+    let example = section
+        .split("```toml\n")
+        .nth(1)
+        .and_then(|s| s.split("```").next())
+        .expect("a TOML example");
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("login.toml");
+    std::fs::write(&path, example).unwrap();
+    if let Err(errors) = check(&path) {
+        panic!("{errors:#?}");
+    }
+    let file = tollgate::config::read(&path).unwrap();
+    let login = &file.config.routes[0];
+    assert_eq!(login.path_prefix, "/login");
+    assert_eq!(login.charged_statuses.as_deref(), Some(&[401, 403][..]));
+    assert_eq!(login.uncharged_statuses, None);
+}

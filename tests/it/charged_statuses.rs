@@ -5,8 +5,7 @@
 //! answer the test picks per request (`/login?status=NNN`) and a real `redis-server`.
 
 use crate::support::{
-    self, capture_logs, get, log_lines, store_toml, Backend, RedisServer, TestGateway,
-    Upstream,
+    self, capture_logs, get, log_lines, store_toml, Backend, RedisServer, TestGateway, Upstream,
 };
 use std::time::Duration;
 
@@ -51,8 +50,9 @@ async fn login(gw: &TestGateway, path: &str, status: u16) -> support::client::Re
 fn count_in(redis: &RedisServer) -> u64 {
     let keys = redis.keys();
     assert!(keys.len() <= 1, "one window: {keys:?}");
-    keys.first()
-        .map_or(0, |k| redis.cmd::<Option<u64>>(&["HGET", k, "count"]).unwrap_or(0))
+    keys.first().map_or(0, |k| {
+        redis.cmd::<Option<u64>>(&["HGET", k, "count"]).unwrap_or(0)
+    })
 }
 
 /// The scenario on `gw` (5 failures a minute allowed): 4 failures, 10
@@ -114,7 +114,11 @@ async fn only_failed_logins_count_on_the_memory_store() {
     let (upstream, gw) = start(&store, "charged_statuses = [401, 403]").await;
     let path = "/login/charged-memory";
     four_failures_ten_successes_one_failure(&gw, path, None).await;
-    assert_eq!(upstream.hits(), 15, "the refused attempt never reached the upstream");
+    assert_eq!(
+        upstream.hits(),
+        15,
+        "the refused attempt never reached the upstream"
+    );
     // A 403 is charged too, once the window has passed.
     gw.clock.advance(Duration::from_secs(60));
     let r = login(&gw, path, 403).await;
@@ -134,7 +138,10 @@ async fn only_failed_logins_count_on_the_memory_store() {
             15 => 429,
             _ => 403,
         };
-        assert!(line.contains(&format!(" status={status} ")), "line {i}: {line}");
+        assert!(
+            line.contains(&format!(" status={status} ")),
+            "line {i}: {line}"
+        );
         match status {
             200 => assert!(not_charged(line), "line {i}: {line}"),
             429 => assert!(
@@ -244,7 +251,8 @@ async fn charged_statuses_replace_the_default_uncharged_304() {
     assert_eq!(login(&gw, path, 401).await.num("x-ratelimit-used"), 1);
     let lines = access_lines(path);
     assert!(
-        lines[0].contains(" cost=0 ") && lines[0].contains(" uncharged=\"status_in_uncharged_statuses\" "),
+        lines[0].contains(" cost=0 ")
+            && lines[0].contains(" uncharged=\"status_in_uncharged_statuses\" "),
         "{lines:#?}"
     );
 }
@@ -294,9 +302,12 @@ fn both_lists_on_one_route_and_statuses_out_of_range_are_errors() {
         );
     }
     // Either list alone is fine.
-    for (i, route) in ["charged_statuses = [401, 403]\n", "uncharged_statuses = [304, 404]\n"]
-        .iter()
-        .enumerate()
+    for (i, route) in [
+        "charged_statuses = [401, 403]\n",
+        "uncharged_statuses = [304, 404]\n",
+    ]
+    .iter()
+    .enumerate()
     {
         let path = dir.path().join(format!("ok{i}.toml"));
         std::fs::write(&path, format!("{head}{route}")).unwrap();

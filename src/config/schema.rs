@@ -1103,9 +1103,15 @@ pub struct RouteConfig {
     /// Units charged per request. Default 1.
     #[serde(default = "default_cost")]
     pub cost: u64,
-    /// Responses with these statuses are not charged. Default `[304]`.
-    #[serde(default = "default_uncharged")]
-    pub uncharged_statuses: Vec<u16>,
+    /// Responses with these statuses are not charged. Default (`None`): `[304]`, unless
+    /// `charged_statuses` is set. Setting both is an error.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uncharged_statuses: Option<Vec<u16>>,
+    /// Only responses with these statuses are charged (e.g. `[401, 403]` on a login
+    /// route: failures count, successes never do); every other status is treated as an
+    /// uncharged one. `None` (default): every status but `uncharged_statuses` is charged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub charged_statuses: Option<Vec<u16>>,
     /// `"after_response"` (default): charged once the response status is known;
     /// `"on_request"`: reserved when the request is admitted (refunded for an uncharged
     /// status).
@@ -1131,9 +1137,8 @@ fn default_cost() -> u64 {
     1
 }
 
-fn default_uncharged() -> Vec<u16> {
-    vec![304]
-}
+/// `uncharged_statuses` when a route sets neither it nor `charged_statuses`.
+pub const DEFAULT_UNCHARGED: [u16; 1] = [304];
 
 /// `[headers]`.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]

@@ -3,7 +3,8 @@
 //! One line per request on the `tollgate::access` target: method, path, route, status,
 //! client (the IP, its keyed hash, or nothing: `log.client_ip`), caller id (`anonymous`
 //! without a key, `-` for a key that matched no client; never a raw key), tier, decision,
-//! limit, remaining, cost (units charged), upstream ms, total ms and request id. The
+//! limit, remaining, cost (units charged), uncharged (why a forwarded request was not
+//! charged), upstream ms, total ms and request id. The
 //! subscriber's timestamp is when the line is written (the response's end), so the
 //! request began `total_ms` before it: `tollgate replay` reads these lines.
 
@@ -94,6 +95,8 @@ pub struct AccessLog {
     /// Units charged to the request's limits (the route's `cost` or the upstream's cost
     /// header); 0 when nothing was charged.
     pub cost: u64,
+    /// Why a forwarded request was not charged (`None`: charged, or not forwarded).
+    pub uncharged: Option<super::route::Uncharged>,
     /// The label of the API key presented (keys file `"label"`), never the key.
     pub key_label: Option<Arc<str>>,
     /// The decision.
@@ -161,6 +164,7 @@ impl AccessLog {
             caller: None,
             tier: None,
             cost: 0,
+            uncharged: None,
             key_label: None,
             decision: Decision::Allowed,
             usage: None,
@@ -303,6 +307,7 @@ fn write_line(this: &AccessLog, route: &str, status: u16) {
         limit = this.usage.as_ref().map(|u| &*u.resource).unwrap_or("-"),
         remaining = this.usage.as_ref().map(|u| u.remaining() as i64).unwrap_or(-1),
         cost = this.cost,
+        uncharged = this.uncharged.map_or("-", |u| u.as_str()),
         upstream_ms = this.upstream_ms.map(|m| (m * 1000.0).round() / 1000.0).unwrap_or(-1.0),
         total_ms = (total_ms * 1000.0).round() / 1000.0,
         request_id = this.request_id.to_str().unwrap_or("-"),

@@ -25,8 +25,11 @@ pub struct Route {
     pub limits: LimitSet,
     /// Units charged per request.
     pub cost: u64,
-    /// Response statuses that are not charged.
+    /// Response statuses that are not charged (`uncharged_statuses`, `[304]` by
+    /// default; empty when `charged_statuses` is set).
     pub uncharged_statuses: Vec<u16>,
+    /// `charged_statuses`: when set, the only response statuses that are charged.
+    pub charged_statuses: Option<Vec<u16>>,
     /// `charge = "on_request"`: reserve `cost` (check and add in one step) before
     /// forwarding and refund it when the status is uncharged or the upstream failed.
     /// Otherwise (`"after_response"`) check first and charge once the status is known.
@@ -54,7 +57,22 @@ impl Route {
 
     /// Whether a response with `status` is charged.
     pub fn charges(&self, status: http::StatusCode) -> bool {
-        !self.uncharged_statuses.contains(&status.as_u16())
+        self.uncharged_by(status).is_none()
+    }
+
+    /// Why a response with `status` is not charged, as the access log's `uncharged`
+    /// field says it: [`Uncharged::StatusNotCharged`] when `charged_statuses` is set
+    /// and does not list it, [`Uncharged::StatusUncharged`] when `uncharged_statuses`
+    /// lists it; `None` when it is charged.
+    pub fn uncharged_by(&self, status: http::StatusCode) -> Option<Uncharged> {
+        let status = status.as_u16();
+        match &self.charged_statuses {
+            Some(charged) => (!charged.contains(&status)).then_some(Uncharged::StatusNotCharged),
+            None => self
+                .uncharged_statuses
+                .contains(&status)
+                .then_some(Uncharged::StatusUncharged),
+        }
     }
 
     /// Build from config, recording problems under `routes[index]`. `declared` holds the
@@ -128,13 +146,28 @@ impl Route {
         if cfg.cost == 0 {
             problems.error(format!("{at}.cost"), "must be at least 1");
         }
-        for (j, s) in cfg.uncharged_statuses.iter().enumerate() {
-            if !(100..=599).contains(s) {
-                problems.error(
-                    format!("{at}.uncharged_statuses[{j}]"),
-                    format!("{s} is not an HTTP status (100-599)"),
-                );
+        for (key, list) in [
+            ("uncharged_statuses", &cfg.uncharged_statuses),
+            ("charged_statuses", &cfg.charged_statuses),
+        ] {
+            for (j, s) in list.iter().flatten().enumerate() {
+                if !(100..=599).contains(s) {
+                    problems.error(
+                        format!("{at}.{key}[{j}]"),
+                        format!("{s} is not an HTTP status (100-599)"),
+                    );
+                }
             }
+        }
+        if cfg.charged_statuses.is_some() && cfg.uncharged_statuses.is_some() {
+            problems.error(
+                format!("{at}.charged_statuses"),
+                format!(
+                    "charged_statuses and uncharged_statuses cannot both be set on a route: \
+                     with charged_statuses only its statuses are charged, so remove \
+                     {at}.uncharged_statuses"
+                ),
+            );
         }
         let mut upgrades = Vec::new();
         for (j, u) in cfg.upgrades.iter().enumerate() {
@@ -155,11 +188,43 @@ impl Route {
             upstream: upstream?,
             limits: LimitSet::new(route_limits),
             cost: cfg.cost,
-            uncharged_statuses: cfg.uncharged_statuses.clone(),
+            uncharged_statuses: match (&cfg.uncharged_statuses, &cfg.charged_statuses) {
+                (Some(listed), _) => listed.clone(),
+                (None, Some(_)) => Vec::new(),
+                (None, None) => crate::config::DEFAULT_UNCHARGED.to_vec(),
+            },
+            charged_statuses: cfg.charged_statuses.clone(),
             on_request: cfg.charge == ChargeAt::OnRequest,
             upgrades,
             trust_method_override: cfg.trust_method_override,
         })
+    }
+}
+
+/// Why a forwarded request was not charged, logged as the access line's `uncharged`
+/// field.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Uncharged {
+    /// Its status is one of the route's `uncharged_statuses`.
+    StatusUncharged,
+    /// The route has `charged_statuses`, and its status is not one of them.
+    StatusNotCharged,
+    /// The upstream said it cost 0 (`upstreams.cost_header`).
+    CostZero,
+    /// Forwarding failed and the gateway answered itself: the upstream failed or timed
+    /// out (502, 503, 504), or the request body was refused on the way (400, 413).
+    ForwardFailed,
+}
+
+impl Uncharged {
+    /// The access log's value.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Uncharged::StatusUncharged => "status_in_uncharged_statuses",
+            Uncharged::StatusNotCharged => "status_not_in_charged_statuses",
+            Uncharged::CostZero => "upstream_cost_0",
+            Uncharged::ForwardFailed => "forward_failed",
+        }
     }
 }
 

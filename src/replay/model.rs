@@ -375,7 +375,8 @@ impl Model {
     }
 
     /// Whether the request's response is charged under this config: its status is not
-    /// one of the route's `uncharged_statuses`, and (tollgate logs) the gateway did not
+    /// one of the route's `uncharged_statuses` (or is one of its `charged_statuses`, when
+    /// it has that list), and (tollgate logs) the gateway did not
     /// find its upstream failing (admitted, nothing charged, 502-504). A request the log
     /// shows refused is assumed to have been served.
     fn charges(route: &Route, req: &Req) -> bool {

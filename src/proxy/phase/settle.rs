@@ -1,5 +1,6 @@
 //! Phase 6, settle: charge every limit once the response status is known, unless the
-//! status is uncharged (then the check's numbers stand, and reservations and lease
+//! status is uncharged (in `uncharged_statuses`, or not in `charged_statuses` when the
+//! route has that list; the access log's `uncharged` field says which; then the check's numbers stand, and reservations and lease
 //! units are given back). The upstream may say what the request cost
 //! (`upstreams.cost_header`, [`crate::proxy::upstream::Upstream::take_cost`]; the header
 //! never reaches the client): that is what limits checked before forwarding are
@@ -9,7 +10,7 @@
 use super::check::Checked;
 use crate::limiter::{Applied, SlotGuard, Usage};
 use crate::proxy::access::AccessLog;
-use crate::proxy::route::Route;
+use crate::proxy::route::{Route, Uncharged};
 use crate::proxy::{Body, Context};
 use http::Response;
 use std::sync::Arc;
@@ -50,10 +51,14 @@ pub fn settle<'r, 'c: 'r>(
         // to the store when `charge` is called, so a client going away from here on does
         // not count it twice.
         let now_ms = ctx.clock.now_ms();
-        let usages = if route.charges(response.status()) && cost > 0 {
+        let uncharged = route
+            .uncharged_by(response.status())
+            .or((cost == 0).then_some(Uncharged::CostZero));
+        let usages = if uncharged.is_none() {
             log.cost = cost;
             ticket.charge(cost, now_ms).await
         } else {
+            log.uncharged = uncharged;
             ticket.release(now_ms)
         };
         Settled {

@@ -55,6 +55,7 @@ fn route(
         limits: LimitSet::new(Vec::new()),
         cost: 1,
         uncharged_statuses: Vec::new(),
+        charged_statuses: None,
         on_request: false,
         upgrades: Vec::new(),
         trust_method_override: false,
@@ -145,4 +146,41 @@ fn matches_a_linear_scan() {
             Ok(())
         })
         .expect("the router agrees with a linear scan");
+}
+
+/// `uncharged_statuses` leaves out the statuses it lists; `charged_statuses`, when set,
+/// charges only those it lists (the uncharged list is then empty), and the reason given
+/// for the access log says which list decided.
+#[test]
+fn charged_statuses_charge_only_what_they_list() {
+    use super::Uncharged;
+    use http::StatusCode;
+    let up = upstream();
+    let mut r = Arc::try_unwrap(route(&up, None, "/login", false, &[])).unwrap();
+    r.uncharged_statuses = vec![304];
+    assert!(r.charges(StatusCode::OK) && r.charges(StatusCode::UNAUTHORIZED));
+    assert_eq!(
+        r.uncharged_by(StatusCode::NOT_MODIFIED),
+        Some(Uncharged::StatusUncharged)
+    );
+    r.uncharged_statuses = Vec::new();
+    r.charged_statuses = Some(vec![401, 403]);
+    for s in [401, 403] {
+        assert_eq!(
+            r.uncharged_by(StatusCode::from_u16(s).unwrap()),
+            None,
+            "{s}"
+        );
+    }
+    for s in [200, 204, 302, 304, 404, 500] {
+        assert_eq!(
+            r.uncharged_by(StatusCode::from_u16(s).unwrap()),
+            Some(Uncharged::StatusNotCharged),
+            "{s}"
+        );
+    }
+    assert_eq!(
+        Uncharged::StatusNotCharged.as_str(),
+        "status_not_in_charged_statuses"
+    );
 }

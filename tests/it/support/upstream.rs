@@ -9,6 +9,8 @@
 //! - `/set-headers?NAME=VALUE&...`: answers with each pair as a response header
 //!   (percent-decoded; a repeated name gives several values), and with the status of a
 //!   `status=NNN` pair (default 200).
+//! - `/login...`: a login endpoint whose outcome the test picks: answers with the
+//!   status of a `status=NNN` query (default 200).
 //! - `/peer`: the port the request's connection comes from (which connection of the
 //!   gateway's carried it).
 //! - anything else: 200 "ok".
@@ -181,6 +183,16 @@ async fn serve(req: Request<Incoming>) -> Result<Response<Body>, Infallible> {
             .and_then(|c| StatusCode::from_u16(c).ok())
             .unwrap_or(StatusCode::OK);
         return Ok(full(status, "slow ok"));
+    }
+    if path.starts_with("/login") {
+        let status = req
+            .uri()
+            .query()
+            .and_then(|q| q.split('&').find_map(|p| p.strip_prefix("status=")))
+            .and_then(|c| c.parse::<u16>().ok())
+            .and_then(|c| StatusCode::from_u16(c).ok())
+            .unwrap_or(StatusCode::OK);
+        return Ok(full(status, "login"));
     }
     if let Some(cost) = path.strip_prefix("/cost/") {
         let mut r = full(StatusCode::OK, "ok");

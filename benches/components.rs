@@ -43,7 +43,7 @@ fn sha256_hex(key: &str) -> String {
 fn snapshot(toml: &str) -> Snapshot {
     let file = tollgate::config::parse(Path::new("bench.toml"), toml.to_string())
         .unwrap_or_else(|r| panic!("bench config does not parse:\n{r}"));
-    let files = tollgate::config::Files::load(&file, None);
+    let files = tollgate::load::Loaded::load(&file, None);
     Snapshot::build(&file, &files, None).unwrap_or_else(|r| panic!("bench config is invalid:\n{r}"))
 }
 

@@ -81,7 +81,7 @@ fn snapshot() -> Snapshot {
     );
     let file = tollgate::config::parse(Path::new("bench.toml"), toml)
         .unwrap_or_else(|r| panic!("bench config does not parse:\n{r}"));
-    let files = tollgate::config::Files::load(&file, None);
+    let files = tollgate::load::Loaded::load(&file, None);
     Snapshot::build(&file, &files, None).unwrap_or_else(|r| panic!("bench config is invalid:\n{r}"))
 }
 

@@ -17,6 +17,7 @@ pub mod http;
 pub mod identity;
 pub mod limiter;
 pub mod lines;
+pub mod load;
 pub mod logging;
 pub mod memo;
 pub mod metrics;

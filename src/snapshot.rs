@@ -4,7 +4,7 @@
 //! snapshot exists only when there are none. Building reads no file: every file the
 //! config names (certificates and keys, the keys file, JWT keys, secret files, and the
 //! system's trusted roots when a key asks for them) is read first, in one loading step
-//! ([`Files::load`]; [`crate::config::files::named`] lists them all), and the builders
+//! ([`Loaded::load`]; [`crate::config::files::named`] lists them all), and the builders
 //! take their contents from what it read. Redis connections are opened by
 //! [`crate::server::Gateway`] when a new store is first used. (The one question asked of
 //! the system is how many CPUs the process may use, for the `per_core` pool parts when
@@ -24,6 +24,7 @@ use crate::limiter::store::memory::MemoryStore;
 use crate::limiter::store::redis::RedisStore;
 use crate::limiter::store::AnyStore;
 use crate::limiter::{Limit, Limiter};
+use crate::load::Loaded;
 use crate::proxy::forward::Upstream;
 use crate::proxy::route::{Route, Router};
 use std::collections::{HashMap, HashSet};
@@ -85,8 +86,8 @@ impl Snapshot {
         }
     }
 
-    /// Build and validate a snapshot from `file` and `files`, the files it names as
-    /// [`Files::load`] read them (with the same `previous`); no I/O. When `previous` runs
+    /// Build and validate a snapshot from `file` and `loaded`, the files it names as
+    /// [`Loaded::load`] read them (with the same `previous`); no I/O. When `previous` runs
     /// with the same `[store]`, its store (and its Redis connections) is reused;
     /// otherwise a new store is built, not yet started.
     ///
@@ -94,10 +95,11 @@ impl Snapshot {
     /// file that could not be read is a problem at the key that names it).
     pub fn build(
         file: &ConfigFile,
-        files: &Files,
+        loaded: &Loaded,
         previous: Option<&Snapshot>,
     ) -> Result<Snapshot, ConfigReport> {
         let cfg = &file.config;
+        let files = &loaded.files;
         // Unknown keys found (and skipped) while parsing come first.
         let mut problems = file.problems.clone();
 
@@ -114,6 +116,7 @@ impl Snapshot {
             cfg,
             &crate::tls::base_dir(&file.path),
             files,
+            loaded.keys.as_ref(),
             previous.map(|p| &p.identities),
             &mut problems,
         );

@@ -10,7 +10,7 @@ use tollgate::snapshot::Snapshot;
 /// `tollgate check`: every error as `PATH:LINE:COLUMN: key.path: message`.
 pub(crate) async fn check(path: &Path, against: Option<&Path>) -> ExitCode {
     let built = config::read(path).and_then(|file| {
-        let files = config::Files::load(&file, None);
+        let files = tollgate::load::Loaded::load(&file, None);
         Snapshot::build(&file, &files, None)
     });
     match built {

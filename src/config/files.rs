@@ -1,5 +1,5 @@
 //! The loading step: every file a config names is read here, once, before its snapshot
-//! is built, so that building ([`crate::snapshot::Snapshot::build`]) does no file I/O.
+//! is built, so that building (`Snapshot::build`, in src/snapshot.rs) does no file I/O.
 //!
 //! [`named`] lists the files (one place to see them all), each with the key that names
 //! it and the path it is read from, resolved as the config's rules say: against the
@@ -7,13 +7,13 @@
 //! PEM files are joined to the directory as written (`""` for a bare file name, so their
 //! errors name `ca.pem` rather than `./ca.pem`), and that a secret file (`*_file`) is
 //! looked up in `$CREDENTIALS_DIRECTORY` first ([`super::secrets::secret_path`]).
-//! [`Files::load`] reads them into a [`Files`]: each file's bytes, or the error that
+//! `Loaded::load` (src/load.rs) reads them into a [`Files`]: each file's bytes, or the error that
 //! kept them, by key. The builders look a file up by its key and report a read error
 //! at that key, in the words they used when they read the file themselves.
 //!
 //! Two things are read here that are not held as bytes: the keys file
 //! (`identity.clients_file`), which can hold millions of keys, is read line by line
-//! straight into its key set ([`crate::identity::read_keys`]), because holding it whole
+//! straight into its key set (`identity::read_keys`), because holding it whole
 //! beside the set would add its size to the peak memory (124 MB for a million keys:
 //! BENCHMARKS.md, "A million API keys"); and the operating system's trusted roots, when
 //! a key asks for them (`upstreams.tls_roots` or `store.tls.roots` = `"system"`).
@@ -22,13 +22,10 @@ use super::secrets::secret_path;
 use super::{
     Config, ConfigFile, IdentityConfig, Problems, StoreConfig, TlsConfig, TlsRoots, UpstreamConfig,
 };
-use crate::identity::keys::{KeyErrors, KeySet, KeySource};
-use crate::snapshot::Snapshot;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
-/// The key of the keys file, which [`Files::load`] reads into its key set.
+/// The key of the keys file, which `Loaded::load` (src/load.rs) reads into its key set.
 pub const KEYS_FILE: &str = "identity.clients_file";
 
 /// One file a config names.
@@ -57,9 +54,6 @@ pub struct Files {
     read: Vec<(String, Loaded)>,
     /// Index into `read` by key.
     at: HashMap<String, usize>,
-    /// The keys file read into its key set; `None` without a keys file, or when the
-    /// snapshot being replaced keeps its set (see [`crate::identity::read_keys`]).
-    keys: Option<Result<Arc<KeySet>, KeyErrors>>,
     /// The operating system's trusted roots, when some key asks for them.
     system_roots: Option<rustls_native_certs::CertificateResult>,
 }
@@ -69,7 +63,7 @@ pub struct Files {
 /// `[store]`'s (its secret files, then `[store.tls]`'s).
 pub fn named(file: &ConfigFile) -> Vec<Named> {
     let cfg = &file.config;
-    let dir = crate::tls::base_dir(&file.path);
+    let dir = base_dir(&file.path);
     let mut out = Vec::new();
     if let Some(tls) = &cfg.server.tls {
         out.extend(server_tls(tls, &dir));
@@ -86,7 +80,7 @@ pub fn named(file: &ConfigFile) -> Vec<Named> {
 
 /// The files of `[server.tls]`, relative to `dir`: `cert`, `key`, `ocsp`, each
 /// `[[server.tls.sni]]` entry's `cert` and `key`, `ticket_keys`, `client_ca` (the order
-/// of [`crate::tls::Tls::digest`]).
+/// of `Tls::digest`).
 pub fn server_tls(tls: &TlsConfig, dir: &Path) -> Vec<Named> {
     let at = "server.tls";
     let mut out = vec![
@@ -216,26 +210,7 @@ fn secret(key: String, file: &Option<String>, dir: &Path) -> Option<Named> {
 }
 
 impl Files {
-    /// The loading step of a whole config: every file [`named`] lists is read, in its
-    /// order (the keys file last, into its key set), and the system's roots when a key
-    /// asks for them.
-    /// `previous` is the snapshot the one to be built replaces: when it keeps its key
-    /// set (same keys file and names), the keys file is not read. Build with the same
-    /// `previous`.
-    pub fn load(file: &ConfigFile, previous: Option<&Snapshot>) -> Files {
-        let cfg = &file.config;
-        let mut files = Files::read(named(file).into_iter().filter(|n| n.key != KEYS_FILE));
-        if wants_system_roots(cfg) {
-            files = files.with_system_roots();
-        }
-        let source = KeySource::of_config(cfg, &crate::tls::base_dir(&file.path));
-        files.with_keys(crate::identity::read_keys(
-            &source,
-            previous.map(|p| &p.identities),
-        ))
-    }
-
-    /// Read each of `named` whole (not the keys file: see [`Files::load`]).
+    /// Read each of `named` whole (not the keys file: see `Loaded::load` (src/load.rs)).
     pub fn read(named: impl IntoIterator<Item = Named>) -> Files {
         let mut files = Files::default();
         for Named { key, path } in named {
@@ -252,12 +227,6 @@ impl Files {
     /// These files with the operating system's trusted roots, read now.
     pub fn with_system_roots(mut self) -> Files {
         self.system_roots = Some(rustls_native_certs::load_native_certs());
-        self
-    }
-
-    /// These files with `keys`, the keys file read into its key set.
-    pub fn with_keys(mut self, keys: Option<Result<Arc<KeySet>, KeyErrors>>) -> Files {
-        self.keys = keys;
         self
     }
 
@@ -301,11 +270,6 @@ impl Files {
         }
     }
 
-    /// The keys file read into its key set (see [`Files::load`]).
-    pub fn keys(&self) -> Option<&Result<Arc<KeySet>, KeyErrors>> {
-        self.keys.as_ref()
-    }
-
     /// The operating system's trusted roots; a problem at `key` when they were not read.
     pub fn system_roots(
         &self,
@@ -319,22 +283,25 @@ impl Files {
         roots
     }
 
-    /// SHA-256 over the contents of the `[server.tls]` files, in their order (an
-    /// unreadable file counts as its error), hex; empty without `[server.tls]`. It is
-    /// what [`crate::tls::Tls::digest`] is when they build, and what
-    /// [`crate::tls::files_digest`] reads: a reload whose config text and TLS files are
-    /// both unchanged has nothing to do.
-    pub fn tls_digest(&self) -> String {
-        let mut tls = self
-            .read
+    /// The contents of the files read at keys that start with `prefix`, in their order
+    /// (each its bytes, or the error that kept them).
+    pub fn contents_under<'a>(
+        &'a self,
+        prefix: &'a str,
+    ) -> impl Iterator<Item = Result<&'a [u8], &'a std::io::Error>> + 'a {
+        self.read
             .iter()
-            .filter(|(key, _)| key.starts_with("server.tls."))
+            .filter(move |(key, _)| key.starts_with(prefix))
             .map(|(_, f)| f.bytes.as_deref())
-            .peekable();
-        if tls.peek().is_none() {
-            return String::new();
-        }
-        crate::tls::contents_digest(tls)
+    }
+}
+
+/// The directory relative paths in a config file are resolved against (`.` for a bare
+/// file name); also the directory a reload watches for a file.
+pub fn base_dir(config_path: &Path) -> PathBuf {
+    match config_path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
     }
 }
 

@@ -14,7 +14,7 @@ use std::net::IpAddr;
 use std::path::Path;
 use std::sync::Arc;
 
-/// The loading step's part for the keys ([`crate::config::Files::load`]): the keys file
+/// The loading step's part for the keys (`crate::load::Loaded::load`): the keys file
 /// of `source` read into its key set, line by line under its size cap (never held
 /// whole: it can hold millions of keys). Clients that `previous`'s set has unchanged
 /// are shared with it. `None` without a keys file, and when `previous` was built from
@@ -42,9 +42,9 @@ impl Identities {
     pub fn build(cfg: &IdentityConfig, problems: &mut Problems) -> Self {
         let dir = Path::new(".");
         let source = KeySource::of_identity(cfg, dir);
-        let files = Files::read(crate::config::files::identity(cfg, dir))
-            .with_keys(read_keys(&source, None));
-        Self::build_with(cfg, source, &files, None, problems)
+        let files = Files::read(crate::config::files::identity(cfg, dir));
+        let keys = read_keys(&source, None);
+        Self::build_with(cfg, source, &files, keys.as_ref(), None, problems)
     }
 
     /// Build the identity part of a whole config, without I/O: the keys file's set and
@@ -58,17 +58,19 @@ impl Identities {
         cfg: &Config,
         base_dir: &Path,
         files: &Files,
+        keys: Option<&Result<Arc<KeySet>, KeyErrors>>,
         previous: Option<&Identities>,
         problems: &mut Problems,
     ) -> Self {
         let source = KeySource::of_config(cfg, base_dir);
-        Self::build_with(&cfg.identity, source, files, previous, problems)
+        Self::build_with(&cfg.identity, source, files, keys, previous, problems)
     }
 
     fn build_with(
         cfg: &IdentityConfig,
         source: KeySource,
         files: &Files,
+        keys: Option<&Result<Arc<KeySet>, KeyErrors>>,
         previous: Option<&Identities>,
         problems: &mut Problems,
     ) -> Self {
@@ -123,7 +125,7 @@ impl Identities {
         let keys = match kept {
             Some(p) => p.keys.clone(),
             None => {
-                let built = match (files.keys(), &source.file) {
+                let built = match (keys, &source.file) {
                     (Some(read), _) => read.clone(),
                     // Inline entries only: building them reads nothing.
                     (None, None) => {

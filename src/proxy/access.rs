@@ -96,7 +96,7 @@ pub struct AccessLog {
     /// header); 0 when nothing was charged.
     pub cost: u64,
     /// Why a forwarded request was not charged (`None`: charged, or not forwarded).
-    pub uncharged: Option<super::route::Uncharged>,
+    pub uncharged: Option<Uncharged>,
     /// The label of the API key presented (keys file `"label"`), never the key.
     pub key_label: Option<Arc<str>>,
     /// The decision.
@@ -362,5 +362,32 @@ impl InFlight {
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.0.dec();
+    }
+}
+
+/// Why a forwarded request was not charged, logged as the access line's `uncharged`
+/// field.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Uncharged {
+    /// Its status is one of the route's `uncharged_statuses`.
+    StatusUncharged,
+    /// The route has `charged_statuses`, and its status is not one of them.
+    StatusNotCharged,
+    /// The upstream said it cost 0 (`upstreams.cost_header`).
+    CostZero,
+    /// Forwarding failed and the gateway answered itself: the upstream failed or timed
+    /// out (502, 503, 504), or the request body was refused on the way (400, 413).
+    ForwardFailed,
+}
+
+impl Uncharged {
+    /// The access log's value.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Uncharged::StatusUncharged => "status_in_uncharged_statuses",
+            Uncharged::StatusNotCharged => "status_not_in_charged_statuses",
+            Uncharged::CostZero => "upstream_cost_0",
+            Uncharged::ForwardFailed => "forward_failed",
+        }
     }
 }

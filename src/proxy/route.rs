@@ -1,5 +1,6 @@
 //! Step 2 of the request path: host and longest path prefix → route.
 
+use super::access::Uncharged;
 use crate::config::{ChargeAt, PathMatch, Problems, RouteConfig};
 use crate::limiter::{Limit, LimitSet};
 use crate::proxy::forward::Upstream;
@@ -198,33 +199,6 @@ impl Route {
             upgrades,
             trust_method_override: cfg.trust_method_override,
         })
-    }
-}
-
-/// Why a forwarded request was not charged, logged as the access line's `uncharged`
-/// field.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Uncharged {
-    /// Its status is one of the route's `uncharged_statuses`.
-    StatusUncharged,
-    /// The route has `charged_statuses`, and its status is not one of them.
-    StatusNotCharged,
-    /// The upstream said it cost 0 (`upstreams.cost_header`).
-    CostZero,
-    /// Forwarding failed and the gateway answered itself: the upstream failed or timed
-    /// out (502, 503, 504), or the request body was refused on the way (400, 413).
-    ForwardFailed,
-}
-
-impl Uncharged {
-    /// The access log's value.
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            Uncharged::StatusUncharged => "status_in_uncharged_statuses",
-            Uncharged::StatusNotCharged => "status_not_in_charged_statuses",
-            Uncharged::CostZero => "upstream_cost_0",
-            Uncharged::ForwardFailed => "forward_failed",
-        }
     }
 }
 

@@ -9,7 +9,7 @@ mod watch;
 pub use watch::{reload_on_sighup, watch_file, watch_keys, SETTLE, SETTLE_LIMIT};
 
 use crate::clock::SharedClock;
-use crate::config::{ConfigFile, ConfigReport, Files};
+use crate::config::{ConfigFile, ConfigReport};
 use crate::identity::KeysReload;
 use crate::metrics::{Metrics, ReloadLabels};
 use crate::snapshot::Snapshot;
@@ -177,7 +177,7 @@ impl Reloader {
             .inc();
     }
 
-    /// Read the files `file` names ([`Files::load`]), build a new snapshot from them and
+    /// Read the files `file` names ([`crate::load::Loaded::load`]), build a new snapshot from them and
     /// swap it in; requests in flight finish on the one they started with. An invalid
     /// file changes nothing (and is counted as a failed reload). The store (and its Redis
     /// connections) and the over-limit cache are kept when `[store]` did not change.
@@ -186,7 +186,7 @@ impl Reloader {
     pub fn reload(&self, file: &ConfigFile) -> Result<ReloadOutcome, ConfigReport> {
         let _serial = self.0.reload_lock.lock().unwrap_or_else(|e| e.into_inner());
         let current = self.0.snapshot.load_full();
-        let files = Files::load(file, Some(&current));
+        let files = crate::load::Loaded::load(file, Some(&current.identities));
         self.apply(file, &files, &current)
     }
 
@@ -195,7 +195,7 @@ impl Reloader {
     fn apply(
         &self,
         file: &ConfigFile,
-        files: &Files,
+        files: &crate::load::Loaded,
         current: &Arc<Snapshot>,
     ) -> Result<ReloadOutcome, ConfigReport> {
         let mut snap = match Snapshot::build(file, files, Some(current)) {
@@ -301,9 +301,9 @@ impl Reloader {
                 // these bytes. The config's text and the contents of its TLS files tell
                 // whether there is anything to do: a changed certificate is a change to
                 // reload even when the text is the same.
-                let files = Files::load(&file, Some(&running));
+                let files = crate::load::Loaded::load(&file, Some(&running.identities));
                 let text_hash = crate::snapshot::content_hash(&file.text);
-                let tls_hash = files.tls_digest();
+                let tls_hash = crate::tls::loaded_digest(&files.files);
                 let hash = format!("{text_hash}{tls_hash}");
                 let running_tls = match (&running.config.server.tls, &running.tls) {
                     (Some(_), Some(tls)) => tls.digest(),

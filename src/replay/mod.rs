@@ -221,7 +221,7 @@ impl Ord for Pending {
 /// Errors: [`Error::Config`] with every problem of the file.
 pub fn load(path: &Path) -> Result<crate::snapshot::Snapshot, Error> {
     let file = crate::config::read(path).map_err(|r| Error::Config(r.to_string()))?;
-    let files = crate::config::Files::load(&file, None);
+    let files = crate::load::Loaded::load(&file, None);
     crate::snapshot::Snapshot::build(&file, &files, None).map_err(|r| {
         let mut s = String::new();
         for l in r.error_lines() {

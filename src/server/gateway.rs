@@ -8,7 +8,7 @@ use super::shared::{Shared, LOG_TARGET};
 use crate::admin;
 use crate::budget::Budget;
 use crate::clock::SharedClock;
-use crate::config::{ConfigFile, ConfigReport, Files, RuntimeShape};
+use crate::config::{ConfigFile, ConfigReport, RuntimeShape};
 use crate::limiter::store::StoreStatus;
 use crate::metrics::{Metrics, ReloadLabels};
 use crate::reload::{ReloadOutcome, Reloader};
@@ -53,13 +53,13 @@ pub struct Gateway {
 }
 
 impl Gateway {
-    /// Read the files `file` names ([`Files::load`]), build its snapshot, start its
+    /// Read the files `file` names ([`crate::load::Loaded::load`]), build its snapshot, start its
     /// store, bind `server.listen` (and `server.admin_listen`) and serve.
     ///
     /// Errors: [`StartError::Config`] for an invalid file, [`StartError::Bind`] when a
     /// listener cannot be bound.
     pub async fn start(file: &ConfigFile, clock: SharedClock) -> Result<Gateway, StartError> {
-        let mut snap = Snapshot::build(file, &Files::load(file, None), None)?;
+        let mut snap = Snapshot::build(file, &crate::load::Loaded::load(file, None), None)?;
         snap.generation = 1;
         for w in &snap.warnings {
             tracing::warn!(target: LOG_TARGET, "{w}");

@@ -222,7 +222,7 @@ impl Tls {
             handshake_timeout: cfg.handshake_timeout.0,
             files: self::files(cfg, base),
             // Every file was read (or the build failed): the digest of their contents.
-            digest: files.tls_digest(),
+            digest: loaded_digest(files),
             expiries,
         })
     }
@@ -304,7 +304,7 @@ pub fn files(cfg: &TlsConfig, base: &Path) -> Vec<PathBuf> {
 
 /// SHA-256 over the contents of `files` (an unreadable file counts as its error), hex:
 /// tells whether a certificate file changed. Reads the files; a reload compares
-/// [`Files::tls_digest`] of what the loading step read instead.
+/// [`loaded_digest`] of what the loading step read instead.
 pub fn files_digest(files: &[PathBuf]) -> String {
     let read: Vec<_> = files.iter().map(std::fs::read).collect();
     contents_digest(read.iter().map(|r| r.as_deref()))
@@ -312,7 +312,20 @@ pub fn files_digest(files: &[PathBuf]) -> String {
 
 /// SHA-256 over files' contents (each file's length, then its bytes; an unreadable
 /// file counts as its error), hex.
-pub(crate) fn contents_digest<'a>(
+/// SHA-256 over the contents of the `[server.tls]` files the loading step read, in
+/// their order (an unreadable file counts as its error), hex; empty without
+/// `[server.tls]`. It is what [`Tls::digest`] is when they build, and what
+/// [`files_digest`] reads: a reload whose config text and TLS files are both unchanged
+/// has nothing to do.
+pub fn loaded_digest(files: &Files) -> String {
+    let mut tls = files.contents_under("server.tls.").peekable();
+    if tls.peek().is_none() {
+        return String::new();
+    }
+    contents_digest(tls)
+}
+
+fn contents_digest<'a>(
     contents: impl Iterator<Item = Result<&'a [u8], &'a std::io::Error>>,
 ) -> String {
     let mut h = Sha256::new();
@@ -331,14 +344,7 @@ fn digest_file(h: &mut Sha256, bytes: &[u8]) {
     h.update(bytes);
 }
 
-/// The directory relative paths in a config file are resolved against (`.` for a bare
-/// file name); also the directory a reload watches for a file.
-pub fn base_dir(config_path: &Path) -> PathBuf {
-    match config_path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    }
-}
+pub use crate::config::files::base_dir;
 
 /// The PEM certificates of the file named at `at`, with its path.
 fn load_certs<'f>(

@@ -56,7 +56,7 @@ fn build_digest_is_the_files_digest() {
     assert!(problems.errors.is_empty(), "{:?}", problems.errors);
     assert_eq!(tls.files().len(), 5);
     assert_eq!(tls.digest(), files_digest(tls.files()));
-    assert_eq!(tls.digest(), files.tls_digest());
+    assert_eq!(tls.digest(), crate::tls::loaded_digest(&files));
 }
 
 #[test]

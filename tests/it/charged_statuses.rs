@@ -262,7 +262,7 @@ async fn charged_statuses_replace_the_default_uncharged_304() {
 /// `Ok` when valid, else its error lines (`PATH:LINE:COLUMN: key.path: message`).
 fn check(path: &std::path::Path) -> Result<(), Vec<String>> {
     let file = tollgate::config::read(path).map_err(|r| r.error_lines())?;
-    let files = tollgate::config::Files::load(&file, None);
+    let files = tollgate::load::Loaded::load(&file, None);
     tollgate::snapshot::Snapshot::build(&file, &files, None)
         .map(drop)
         .map_err(|r| r.error_lines())

@@ -95,7 +95,7 @@ fn every_file_the_config_names_is_listed_at_its_key() {
 fn a_snapshot_builds_from_loaded_files_with_every_file_gone() {
     let dir = tempfile::tempdir().unwrap();
     let file = config(dir.path());
-    let files = Files::load(&file, None);
+    let files = crate::load::Loaded::load(&file, None);
     dir.close().unwrap();
     assert!(!file.path.exists());
 
@@ -103,16 +103,13 @@ fn a_snapshot_builds_from_loaded_files_with_every_file_gone() {
         .unwrap_or_else(|r| panic!("builds without its files:\n{r}"));
     let tls = snap.tls.as_ref().expect("[server.tls] built");
     assert_eq!(tls.expiries().len(), 1);
-    assert_eq!(tls.digest(), files.tls_digest());
+    assert_eq!(tls.digest(), crate::tls::loaded_digest(&files.files));
     assert_eq!(snap.identities.keys().clients(), 1);
     assert_eq!(snap.hash_key_digest, crate::snapshot::content_hash("h4sh"));
     assert!(matches!(&**snap.limiter.store(), AnyStore::Redis(_)));
 
-    let again = Files::load(&file, Some(&snap));
-    assert!(
-        again.keys().is_none(),
-        "the kept key set's file is not read"
-    );
+    let again = crate::load::Loaded::load(&file, Some(&snap.identities));
+    assert!(again.keys.is_none(), "the kept key set's file is not read");
     let err = crate::snapshot::Snapshot::build(&file, &again, Some(&snap))
         .expect_err("the certificates are gone now");
     let lines = err.error_lines().join("\n");
@@ -129,7 +126,7 @@ fn a_missing_file_is_an_error_at_its_key_naming_its_path() {
     for gone in ["a.key", "ca.pem", "keys.jsonl", "jwt.pem", "hash-key"] {
         std::fs::remove_file(dir.path().join(gone)).unwrap();
     }
-    let files = Files::load(&file, None);
+    let files = crate::load::Loaded::load(&file, None);
     let err = crate::snapshot::Snapshot::build(&file, &files, None).expect_err("files missing");
     let lines = err.error_lines();
     let at = |f: &str| dir.path().join(f).display().to_string();

@@ -43,7 +43,7 @@ fn snapshot(dir: &Path, prefix: &str, quota: u64) -> Snapshot {
         keys.display()
     );
     let file = crate::config::parse(&dir.join("t.toml"), toml).expect("config parses");
-    let files = crate::config::Files::load(&file, None);
+    let files = crate::load::Loaded::load(&file, None);
     Snapshot::build(&file, &files, None).expect("config is valid")
 }
 

@@ -5,7 +5,6 @@
 
 use super::Origin;
 use crate::proxy::body::BodyFailure;
-use crate::proxy::pool::PoolError;
 use http::uri::Authority;
 use http::StatusCode;
 use std::fmt;
@@ -151,7 +150,9 @@ pub struct ForwardError {
 struct Context {
     upstream: Arc<str>,
     authority: Authority,
-    cause: Option<PoolError>,
+    /// The pool's own error (a `PoolError`), kept as an error value: the pool maps its
+    /// errors into this type, not the other way round.
+    cause: Option<Box<dyn std::error::Error + Send + Sync>>,
 }
 
 impl ForwardError {
@@ -172,8 +173,8 @@ impl ForwardError {
     }
 
     /// This failure, which `cause` (the connection's or the parser's error) reported.
-    pub fn caused_by(mut self, cause: PoolError) -> Self {
-        self.context.cause = Some(cause);
+    pub fn caused_by(mut self, cause: impl std::error::Error + Send + Sync + 'static) -> Self {
+        self.context.cause = Some(Box::new(cause));
         self
     }
 
@@ -226,8 +227,8 @@ impl ForwardError {
     }
 
     /// The error the connection or the parser gave, if it came from there.
-    pub fn cause(&self) -> Option<&PoolError> {
-        self.context.cause.as_ref()
+    pub fn cause(&self) -> Option<&(dyn std::error::Error + Send + Sync + 'static)> {
+        self.context.cause.as_deref()
     }
 
     /// The cause and its sources as the log lines print them, `: ` between them (empty

@@ -76,7 +76,7 @@ pub fn forward<'r, 'c: 'r>(
                 let now_ms = ctx.clock.now_ms();
                 let applied = checked.ticket.applied().clone();
                 let usages = checked.ticket.release(now_ms);
-                log.uncharged = Some(crate::proxy::route::Uncharged::ForwardFailed);
+                log.uncharged = Some(crate::proxy::access::Uncharged::ForwardFailed);
                 let mut response = e.into_response();
                 if let Some(usage) = most_constrained(&usages) {
                     super::headers::put(snap, &mut response, usage, &applied, now_ms);

@@ -10,7 +10,8 @@
 use super::check::Checked;
 use crate::limiter::{Applied, SlotGuard, Usage};
 use crate::proxy::access::AccessLog;
-use crate::proxy::route::{Route, Uncharged};
+use crate::proxy::access::Uncharged;
+use crate::proxy::route::Route;
 use crate::proxy::{Body, Context};
 use http::Response;
 use std::sync::Arc;

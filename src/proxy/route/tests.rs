@@ -33,7 +33,7 @@ fn upstream() -> Arc<Upstream> {
                 [[routes]]\npath_prefix = \"/\"\nupstream = \"api\"\n";
     let file =
         crate::config::parse(std::path::Path::new("t.toml"), toml.into()).expect("config parses");
-    let files = crate::config::Files::load(&file, None);
+    let files = crate::load::Loaded::load(&file, None);
     let snap = crate::snapshot::Snapshot::build(&file, &files, None).expect("config is valid");
     snap.router.routes[0].upstream.clone()
 }

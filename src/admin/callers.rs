@@ -56,7 +56,7 @@ pub(super) async fn handle(
             &json!({ "message": "bad query: GET /callers/{id} takes no parameters" }),
         );
     }
-    let (named, tier) = match snap.identities.keys().by_id(&id) {
+    let (named, tier) = match snap.identities.keys().client(&id) {
         Some(client) => (Named::Client(client.clone()), client.tier.clone()),
         None => match snap
             .limiter

@@ -147,7 +147,9 @@ impl BadId {
         let message = match self {
             BadId::Empty => "a caller id is one non-empty path segment (percent-encode any /)",
             BadId::Escape => "a caller id is percent-encoded UTF-8",
-            BadId::ControlOrFormat => "a caller id has no control or format characters (Unicode Cc, Cf, such as U+202E)",
+            BadId::ControlOrFormat => {
+                "a caller id has no control or format characters (Unicode Cc, Cf, such as U+202E)"
+            }
         };
         json_response(StatusCode::BAD_REQUEST, &json!({ "message": message }))
     }

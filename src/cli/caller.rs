@@ -80,10 +80,10 @@ pub(crate) async fn caller(
     };
     let v = serde_json::from_slice::<serde_json::Value>(&body).ok();
     if status != http::StatusCode::OK {
-        let message = v
-            .as_ref()
-            .and_then(|v| v["message"].as_str())
-            .map_or_else(|| String::from_utf8_lossy(&body).into_owned(), str::to_string);
+        let message = v.as_ref().and_then(|v| v["message"].as_str()).map_or_else(
+            || String::from_utf8_lossy(&body).into_owned(),
+            str::to_string,
+        );
         eprintln!("tollgate caller: {url} answered {status}: {message}");
         return ExitCode::FAILURE;
     }

@@ -174,7 +174,10 @@ async fn reads_a_keyed_client_and_an_anonymous_caller_on_the_memory_store() {
     assert_eq!(last.header("x-ratelimit-resource"), "search");
     let search = limit(&v, "search");
     assert_eq!(search["algorithm"], "sliding_window");
-    assert_eq!((&search["used"], &search["remaining"]), (&2.into(), &1.into()));
+    assert_eq!(
+        (&search["used"], &search["remaining"]),
+        (&2.into(), &1.into())
+    );
     assert_eq!(search["reset"], last.num("x-ratelimit-reset"));
     // By IP: a client is counted per address, which its id does not tell.
     let perip = limit(&v, "perip");
@@ -219,7 +222,10 @@ async fn reads_a_keyed_client_and_an_anonymous_caller_on_the_memory_store() {
         assert_eq!(limit(&v, "everyone")["used"], 6);
         // A limit on no route still has a quota for the tier: listed, unused.
         let a = limit(&v, "anononly");
-        assert_eq!((&a["used"], &a["remaining"], &a["window"]), (&0.into(), &7.into(), &60.into()));
+        assert_eq!(
+            (&a["used"], &a["remaining"], &a["window"]),
+            (&0.into(), &7.into(), &60.into())
+        );
     }
     // Another address: nothing used.
     let other = read(&admin, "192.0.2.7", Some(TOKEN)).await.json();
@@ -245,7 +251,11 @@ async fn caller_reads_answer_errors_and_follow_the_reset_endpoints_token_rules()
     let r = read(&admin, "nobody", Some(TOKEN)).await;
     assert_eq!(r.status, 404, "{}", r.text());
     assert_eq!(r.header("content-type"), "application/json");
-    assert!(r.json()["message"].as_str().unwrap().contains("nobody"), "{}", r.text());
+    assert!(
+        r.json()["message"].as_str().unwrap().contains("nobody"),
+        "{}",
+        r.text()
+    );
     // Malformed ids: 400, with or without the token.
     for id in ["acme%E2%80%AEtxt", "bad%2", "%ff"] {
         for token in [Some(TOKEN), None] {
@@ -428,9 +438,17 @@ async fn tollgate_caller_prints_the_caller() {
     assert!(lines[1].starts_with("LIMIT"), "{out}");
     let core: Vec<&str> = lines[2].split_whitespace().collect();
     // LIMIT ALGORITHM BY QUOTA USED REMAINING RESET WINDOW LEASES
-    assert_eq!(core[..6], ["core", "fixed_window", "caller", "5", "2", "3"], "{out}");
+    assert_eq!(
+        core[..6],
+        ["core", "fixed_window", "caller", "5", "2", "3"],
+        "{out}"
+    );
     let perip: Vec<&str> = lines[4].split_whitespace().collect();
-    assert_eq!(perip[..6], ["perip", "fixed_window", "ip", "100", "-", "-"], "{out}");
+    assert_eq!(
+        perip[..6],
+        ["perip", "fixed_window", "ip", "100", "-", "-"],
+        "{out}"
+    );
 
     let (code, out, err) = run(&["127.0.0.1", "--json"], Some(TOKEN));
     assert_eq!(code, 0, "{err}");
@@ -455,5 +473,8 @@ async fn tollgate_caller_prints_the_caller() {
     assert!(err.contains("TOLLGATE_ADMIN_TOKEN"), "{err}");
     let (code, _, err) = run(&["acme"], Some("wrong"));
     assert_eq!(code, 1);
-    assert!(err.contains("401") && err.contains("bad admin token"), "{err}");
+    assert!(
+        err.contains("401") && err.contains("bad admin token"),
+        "{err}"
+    );
 }

@@ -10,9 +10,12 @@
 //!   `pending_restart`), with its
 //!   generation and content hash.
 //! - `GET /top[?n=N]`: who is being limited now ([`top_view`]).
+//! - `GET /callers/{id}`: every limit that applies to one caller, read from the store
+//!   without charging, with `server.admin_token_sha256` ([`callers`]).
 //! - `POST /callers/{id}/reset[?limit=NAME]`: clear a client's windows, with
 //!   `server.admin_token_sha256` ([`write`]).
 
+mod callers;
 mod write;
 
 use crate::limiter::store::StoreStatus;
@@ -69,6 +72,12 @@ pub(crate) async fn serve(
                                 write::handle(method, path, query, req.headers(), &snap, peer).await,
                             );
                         }
+                        if path.starts_with("/callers/") {
+                            let (method, query) = (req.method(), req.uri().query());
+                            return Ok(
+                                callers::handle(method, path, query, req.headers(), &snap, peer).await,
+                            );
+                        }
                         if path == "/top" && matches!(*req.method(), Method::GET | Method::HEAD) {
                             let n = top_n(req.uri().query());
                             let now_ms = std::time::SystemTime::now()
@@ -117,7 +126,7 @@ fn route(req: &Request<Incoming>, snap: &Snapshot, metrics: &Metrics) -> Respons
         "/config" => json_response(StatusCode::OK, &config_view(snap)),
         _ => json_response(
             StatusCode::NOT_FOUND,
-            &json!({ "message": "not found; try /healthz, /readyz, /metrics, /config, /top, POST /callers/{id}/reset" }),
+            &json!({ "message": "not found; try /healthz, /readyz, /metrics, /config, /top, GET /callers/{id}, POST /callers/{id}/reset" }),
         ),
     }
 }

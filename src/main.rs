@@ -82,6 +82,18 @@ fn main() -> ExitCode {
             };
             cli::replay::replay(&opts, format == "json")
         }
+        Command::Caller {
+            id,
+            admin,
+            token_file,
+            json,
+        } => runtime.block_on(cli::caller::caller(
+            &cli.config,
+            &id,
+            admin,
+            token_file,
+            json,
+        )),
         Command::Top { admin, n, once } => {
             runtime.block_on(cli::top::top(&cli.config, admin, n, once))
         }

@@ -20,7 +20,8 @@ use subtle::ConstantTimeEq;
 
 /// Whether `path` is one of the write endpoints (answered by [`handle`]).
 pub(super) fn is_write(path: &str) -> bool {
-    path.starts_with("/callers/")
+    path.strip_prefix("/callers/")
+        .is_some_and(|rest| rest.ends_with("/reset"))
 }
 
 /// Answer a request to a write endpoint (`is_write(path)`), from `peer`.
@@ -32,23 +33,24 @@ pub(super) async fn handle(
     snap: &Snapshot,
     peer: SocketAddr,
 ) -> Response<Body> {
-    let Some(id) = path
-        .strip_prefix("/callers/")
-        .and_then(|rest| rest.strip_suffix("/reset"))
-        .filter(|id| !id.is_empty() && !id.contains('/'))
-        .and_then(percent_decode)
-    else {
-        return json_response(
+    let not_found = || {
+        json_response(
             StatusCode::NOT_FOUND,
             &json!({ "message": "not found; try POST /callers/{id}/reset[?limit=NAME]" }),
-        );
+        )
     };
-    if has_control_or_format(&id) {
-        return json_response(
-            StatusCode::BAD_REQUEST,
-            &json!({ "message": "a caller id has no control or format characters (Unicode Cc, Cf, such as U+202E)" }),
-        );
-    }
+    let Some(segment) = path
+        .strip_prefix("/callers/")
+        .and_then(|rest| rest.strip_suffix("/reset"))
+    else {
+        return not_found();
+    };
+    let id = match caller_id(segment) {
+        Ok(id) => id,
+        // As before the id was shared with `GET /callers/{id}`: not a reset path.
+        Err(BadId::Empty | BadId::Escape) => return not_found(),
+        Err(bad) => return bad.response(),
+    };
     if method != Method::POST {
         let mut r = json_response(
             StatusCode::METHOD_NOT_ALLOWED,
@@ -128,9 +130,48 @@ pub(super) async fn handle(
     }
 }
 
-/// Why a write request was refused.
+/// Why the `{id}` of a `/callers/{id}` path names no caller.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Denied {
+pub(super) enum BadId {
+    /// Nothing, or more than one path segment.
+    Empty,
+    /// A bad `%XX` escape, or bytes that are not UTF-8.
+    Escape,
+    /// A control or format character (Unicode Cc, Cf).
+    ControlOrFormat,
+}
+
+impl BadId {
+    /// 400 with a JSON message.
+    pub(super) fn response(self) -> Response<Body> {
+        let message = match self {
+            BadId::Empty => "a caller id is one non-empty path segment (percent-encode any /)",
+            BadId::Escape => "a caller id is percent-encoded UTF-8",
+            BadId::ControlOrFormat => {
+                "a caller id has no control or format characters (Unicode Cc, Cf, such as U+202E)"
+            }
+        };
+        json_response(StatusCode::BAD_REQUEST, &json!({ "message": message }))
+    }
+}
+
+/// The caller id of the path segment `segment` of `/callers/{id}...` (percent-decoded):
+/// the one reading of an id for `POST /callers/{id}/reset` and `GET /callers/{id}`.
+/// Which caller it names is the limiter's business ([`crate::limiter::reset`]).
+pub(super) fn caller_id(segment: &str) -> Result<String, BadId> {
+    if segment.is_empty() || segment.contains('/') {
+        return Err(BadId::Empty);
+    }
+    let id = percent_decode(segment).ok_or(BadId::Escape)?;
+    if has_control_or_format(&id) {
+        return Err(BadId::ControlOrFormat);
+    }
+    Ok(id)
+}
+
+/// Why a request to a token-guarded endpoint was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Denied {
     /// No `server.admin_token_sha256`: write endpoints are off (403).
     Off,
     /// No `Authorization: Bearer TOKEN` (401).
@@ -140,7 +181,7 @@ enum Denied {
 }
 
 impl Denied {
-    fn response(self) -> Response<Body> {
+    pub(super) fn response(self) -> Response<Body> {
         let (status, message) = match self {
             Denied::Off => (
                 StatusCode::FORBIDDEN,
@@ -163,7 +204,7 @@ impl Denied {
 
 /// The token's fingerprint (first 8 hex digits of its SHA-256) when `headers` carry
 /// the admin token, else why not.
-fn authorize(headers: &HeaderMap, snap: &Snapshot) -> Result<String, Denied> {
+pub(super) fn authorize(headers: &HeaderMap, snap: &Snapshot) -> Result<String, Denied> {
     let want = snap
         .config
         .server
@@ -242,6 +283,17 @@ mod tests {
         assert_eq!(limit_param(""), Ok(None));
         assert_eq!(limit_param("limit=a&limit=b"), Err(()));
         assert_eq!(limit_param("n=3"), Err(()));
+    }
+
+    #[test]
+    fn caller_ids_are_one_decoded_segment_without_control_characters() {
+        assert_eq!(caller_id("acme"), Ok("acme".into()));
+        assert_eq!(caller_id("a%2Fb"), Ok("a/b".into()));
+        assert_eq!(caller_id("203.0.113.7"), Ok("203.0.113.7".into()));
+        assert_eq!(caller_id(""), Err(BadId::Empty));
+        assert_eq!(caller_id("a/b"), Err(BadId::Empty));
+        assert_eq!(caller_id("bad%2"), Err(BadId::Escape));
+        assert_eq!(caller_id("a%E2%80%AEb"), Err(BadId::ControlOrFormat));
     }
 
     #[test]

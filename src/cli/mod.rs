@@ -1,5 +1,6 @@
 //! The `tollgate` command line: its arguments, and one module per subcommand.
 
+pub(crate) mod caller;
 pub(crate) mod check;
 pub(crate) mod healthcheck;
 pub(crate) mod key;
@@ -64,6 +65,24 @@ pub(crate) enum Command {
         /// Print once and exit (for scripts).
         #[arg(long)]
         once: bool,
+    },
+    /// One caller's limits now: GET /callers/{id} of a running gateway (read from the
+    /// store, nothing charged). Needs the admin token, in $TOLLGATE_ADMIN_TOKEN or
+    /// --token-file.
+    Caller {
+        /// A client id, or an anonymous caller's address or its keyed hash (as
+        /// `tollgate top` shows it).
+        id: String,
+        /// The admin listener, HOST:PORT. Default: the config's `server.admin_listen`.
+        #[arg(long, value_name = "ADDR")]
+        admin: Option<String>,
+        /// A file holding the admin token (the token whose SHA-256 is
+        /// `server.admin_token_sha256`). Default: $TOLLGATE_ADMIN_TOKEN.
+        #[arg(long, value_name = "PATH")]
+        token_file: Option<PathBuf>,
+        /// Print the JSON answer (pretty) instead of a table.
+        #[arg(long)]
+        json: bool,
     },
     /// What --config would have refused: decide every request of access logs with its
     /// routes, clients and limits, offline, with the logs' timestamps as the clock.

@@ -75,6 +75,11 @@ impl Identities {
         t
     }
 
+    /// `identity.anonymous_tier`: the tier of callers who present no key.
+    pub fn anonymous_tier(&self) -> &Arc<str> {
+        &self.anonymous_tier
+    }
+
     /// The key set in use now (it changes when the keys file is reloaded).
     pub fn keys(&self) -> arc_swap::Guard<Arc<KeySet>> {
         self.keys.load()

@@ -196,6 +196,12 @@ impl LeaseTable {
             .is_some_and(|l| l.usable(now_ms) && l.remaining >= cost)
     }
 
+    /// The unused units this gateway holds of `key`'s window at `now_ms` (0 when it
+    /// holds no lease of it): for `GET /callers/{id}`.
+    pub fn held(&self, key: &LimitKey, now_ms: u64) -> u64 {
+        self.kept(key, now_ms).0
+    }
+
     /// The unused units this gateway holds of `key`'s window, and the window's end (ms
     /// since the epoch; 0 when it holds none).
     fn kept(&self, key: &LimitKey, now_ms: u64) -> (u64, u64) {

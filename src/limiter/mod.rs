@@ -68,6 +68,7 @@ pub mod key;
 mod late;
 pub mod lease;
 mod limit;
+pub mod read;
 pub mod recent;
 pub mod reset;
 mod settle;

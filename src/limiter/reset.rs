@@ -75,7 +75,7 @@ fn not_per_caller(limit: &Limit, anonymous: bool) -> Option<&'static str> {
 
 /// The digest of the anonymous caller `id` names, if any: an address (passed through
 /// `ip_key`, as requests are counted) or the 32 hex digits of an address's keyed hash.
-fn anonymous_digest(
+pub(super) fn anonymous_digest(
     limiter: &Limiter,
     id: &str,
     ip_key: impl Fn(std::net::IpAddr) -> std::net::IpAddr,

@@ -4,7 +4,7 @@
 //! several limits a response reports ([`most_constrained`]).
 
 use super::algorithm::{Algorithm, Op, OpKind, Verdict};
-use super::store::{Item, Store};
+use super::store::{Item, Store, StoreError};
 use super::{Applied, Limiter};
 use std::sync::Arc;
 
@@ -87,6 +87,25 @@ impl Limiter {
     /// usage a request of one unit would see, `None` where the store failed. For the
     /// rate-limit endpoint.
     pub async fn peek(&self, applied: &[Applied], now_ms: u64) -> Vec<Option<Usage>> {
+        self.peek_each(applied, now_ms)
+            .await
+            .into_iter()
+            .map(|r| match r {
+                Ok(u) => Some(u),
+                Err(e) => {
+                    self.warn_gate.warn(&e, "rate-limit endpoint: read failed");
+                    None
+                }
+            })
+            .collect()
+    }
+
+    /// [`Limiter::peek`] with each limit's store error.
+    pub async fn peek_each(
+        &self,
+        applied: &[Applied],
+        now_ms: u64,
+    ) -> Vec<Result<Usage, StoreError>> {
         let items: Vec<Item<'_>> = applied
             .iter()
             .map(|a| Item {
@@ -106,13 +125,7 @@ impl Limiter {
         applied
             .iter()
             .zip(results)
-            .map(|(a, r)| match r {
-                Ok(v) => Some(a.usage(&v)),
-                Err(e) => {
-                    self.warn_gate.warn(&e, "rate-limit endpoint: read failed");
-                    None
-                }
-            })
+            .map(|(a, r)| r.map(|v| a.usage(&v)))
             .collect()
     }
 }

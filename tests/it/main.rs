@@ -12,6 +12,7 @@ mod abuse;
 mod algorithms;
 mod auth_request;
 mod authority;
+mod callers;
 mod charged_statuses;
 mod cli;
 mod cluster_failover;

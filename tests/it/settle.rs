@@ -14,7 +14,12 @@ use std::time::Duration;
 /// A gateway on `store` whose route `/` reserves 10 units (`charge = "on_request"`) of
 /// the limit `tokens` (`algorithm`, 30 units an hour for anonymous callers, `extra`),
 /// the upstream reporting the real cost in `x-tollgate-cost` (`/cost/N`).
-async fn start(store: &str, algorithm: &str, extra: &str, route_extra: &str) -> (Upstream, TestGateway) {
+async fn start(
+    store: &str,
+    algorithm: &str,
+    extra: &str,
+    route_extra: &str,
+) -> (Upstream, TestGateway) {
     let upstream = Upstream::start().await;
     let toml = format!(
         r#"
@@ -96,7 +101,11 @@ async fn reserve_ten_settle_each_way(
     let r = get(&gw.url("/cost/3")).await;
     assert_eq!(r.status, 200, "{what}");
     assert_eq!(r.header("x-tollgate-cost"), "", "{what}: stripped");
-    assert_eq!(r.num("x-ratelimit-used"), 3, "{what}: 10 reserved, 7 refunded");
+    assert_eq!(
+        r.num("x-ratelimit-used"),
+        3,
+        "{what}: 10 reserved, 7 refunded"
+    );
     assert_eq!(r.num("x-ratelimit-remaining"), 27, "{what}");
     settles_at(3).await;
 
@@ -108,7 +117,11 @@ async fn reserve_ten_settle_each_way(
 
     let r = get(&gw.url("/set-headers?status=304&x-tollgate-cost=5")).await;
     assert_eq!(r.status, 304, "{what}");
-    assert_eq!(r.num("x-ratelimit-used"), 13, "{what}: uncharged, all refunded");
+    assert_eq!(
+        r.num("x-ratelimit-used"),
+        13,
+        "{what}: uncharged, all refunded"
+    );
     settles_at(13).await;
 
     // 10 fit (13 + 10 <= 30); the upstream's 25 is settled in full past the quota.
@@ -135,7 +148,10 @@ fn assert_logged_costs(what: &str) {
         })
         .collect();
     for want in ["/cost/3 3", "/plain 10", "/cost/25 25"] {
-        assert!(costs.iter().any(|c| c == want), "{what}: {want} in {costs:#?}");
+        assert!(
+            costs.iter().any(|c| c == want),
+            "{what}: {want} in {costs:#?}"
+        );
     }
 }
 

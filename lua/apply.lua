@@ -236,11 +236,22 @@ local function sliding_log(key, op, quota, w, cost, now, id)
     if not admitted then retry = retry_of() end
     return admitted, used, reset_of(), retry, 0
   elseif op == REFUND then
-    local member = log_member(id, cost)
-    local score = redis.call("ZSCORE", key, member)
-    if score and tonumber(score) + w > now then
-      redis.call("ZREM", key, member)
-      used = used - cost
+    -- The live entry of this id gives back up to `cost` units (part of them when
+    -- a reservation is settled to a smaller cost: the entry is written again
+    -- with what is left, at its time); an entry left with nothing is removed.
+    local prefix = string.format("%d:", id)
+    for i = 1, #entries, 2 do
+      local member = entries[i]
+      if string.sub(member, 1, #prefix) == prefix then
+        local n = costs[(i + 1) / 2]
+        local back = math.min(cost, n)
+        redis.call("ZREM", key, member)
+        if n - back > 0 then
+          redis.call("ZADD", key, entries[i + 1], log_member(id, n - back))
+        end
+        used = used - back
+        break
+      end
     end
     redis.call("ZREMRANGEBYSCORE", key, "-inf", now - w)
     -- The newest entry may have been the one refunded.

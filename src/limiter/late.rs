@@ -13,8 +13,9 @@ use std::sync::Arc;
 #[derive(Debug, Clone, Copy)]
 pub(super) enum Then {
     /// The request is charged: if the reservation landed, only `top_up` more units (the
-    /// upstream said it cost more than was reserved); if it did not, its `cost`.
-    Charge { top_up: u64 },
+    /// upstream said it cost more than was reserved), or `refund` units back (it said
+    /// less); if it did not, its `cost`.
+    Charge { top_up: u64, refund: u64 },
     /// The request is not charged (or was refused): if the reservation landed, refund
     /// it.
     Release,
@@ -81,10 +82,15 @@ pub(super) fn spawn(store: &Arc<AnyStore>, late: Vec<LateHold>, now_ms: u64) {
         for (h, outcome) in late.iter().zip(outcomes) {
             let op = |kind, cost, id| Op { kind, cost, id };
             match (outcome, h.then) {
-                (Late::Landed { .. }, Then::Charge { top_up }) if top_up > 0 => ops.push((
+                (Late::Landed { .. }, Then::Charge { top_up, .. }) if top_up > 0 => ops.push((
                     h.key.clone(),
                     h.policy,
                     op(OpKind::Charge, top_up, next_id()),
+                )),
+                (Late::Landed { epoch }, Then::Charge { refund, .. }) if refund > 0 => ops.push((
+                    h.key.clone(),
+                    h.policy,
+                    op(OpKind::Refund, refund, epoch),
                 )),
                 (Late::NotLanded, Then::Charge { .. }) => ops.push((
                     h.key.clone(),

@@ -278,6 +278,30 @@ impl LeaseTable {
         }
     }
 
+    /// Count `units` more against the window of `key` ending at `reset_at_ms`, for a
+    /// request settled to a higher cost than it took (`upstreams.cost_header`): taken
+    /// from this gateway's lease while it is usable and holds them, and what it does not
+    /// hold counted in its view of the window now. Returns the units the lease did not
+    /// cover, to be charged in the store (past the quota if need be).
+    pub fn take_excess(&self, key: &LimitKey, units: u64, reset_at_ms: u64, now_ms: u64) -> u64 {
+        let mut map = self.leases.shard(key);
+        match map.get_mut(&key.state) {
+            Some(l) if l.reset_at_ms == reset_at_ms => {
+                let from_lease = if l.usable(now_ms) {
+                    l.remaining.min(units)
+                } else {
+                    0
+                };
+                l.remaining -= from_lease;
+                let rest = units - from_lease;
+                l.store_used = l.store_used.saturating_add(rest);
+                l.last_ms = now_ms;
+                rest
+            }
+            _ => units,
+        }
+    }
+
     /// Drop the local lease of `key` without giving its units back: its window was
     /// deleted in the store (`POST /callers/{id}/reset`), and the units with it.
     pub fn forget(&self, key: &LimitKey) {

@@ -17,8 +17,12 @@ impl<'a> Ticket<'a> {
     /// upstream said) to every limit that was only checked, at `now_ms` (epoch
     /// milliseconds), one store call per shard, and return the usage of each applied
     /// limit after the charge; where a charge fails, the usage from the CHECK stands.
-    /// Reserved, leased and concurrency limits were counted by the CHECK and keep its
-    /// usage; a held reservation is topped up by what `cost` exceeds the check's.
+    /// Reserved and leased limits were counted by the CHECK (the route's cost) and are
+    /// SETTLED to `cost`: when it is less, the difference is refunded (a reservation
+    /// through the store's refund, which gives nothing back to a window that has ended
+    /// since; leased units to this gateway's lease of the same window); when it is
+    /// more, the excess is charged, past the quota if need be. Concurrency limits count
+    /// requests in flight, not cost, and keep their slot.
     ///
     /// The charge is handed to the store when this is called (not when the returned
     /// future is first polled), so a request cancelled from here on is counted once;
@@ -41,25 +45,77 @@ impl<'a> Ticket<'a> {
         let limiter = self.limiter;
         let applied = &*self.applied;
         let taken = &self.taken;
-        // Checked limits are charged `cost`; held ones (reserved at the check) the
-        // difference when the upstream said the request cost more than was reserved.
+        // Checked limits are charged `cost`; limits that took the route's cost at the
+        // check (reserved, held or leased) are settled to `cost`: charged the excess
+        // when the upstream said the request cost more, refunded the difference when
+        // it said less.
         let top_up = cost.saturating_sub(taken.cost);
-        let charged: Vec<(usize, u64)> = (0..applied.len())
+        let refund = if was_open {
+            taken.cost.saturating_sub(cost)
+        } else {
+            0
+        };
+        let mut charged: Vec<(usize, u64)> = (0..applied.len())
             .filter(|_| was_open)
             .filter_map(|i| match taken.holds[i].stage {
                 Stage::Peek => Some((i, cost)),
-                Stage::Held if top_up > 0 && taken.holds[i].late.is_none() => Some((i, top_up)),
+                Stage::Reserve | Stage::Held if top_up > 0 && taken.holds[i].late.is_none() => {
+                    Some((i, top_up))
+                }
                 _ => None,
             })
             .collect();
-        // Reservations that timed out: charged once their fate is known.
+        // Leased limits take the excess from this gateway's lease while it holds it
+        // (those units are counted in the window already), and charge the rest.
+        let mut leased_more: Vec<usize> = Vec::new();
+        if was_open && top_up > 0 {
+            for (i, a) in applied.iter().enumerate() {
+                let usage = taken.usages.get(i).and_then(Option::as_ref);
+                if let (Stage::Lease, Some(u)) = (taken.holds[i].stage, usage) {
+                    let rest = limiter
+                        .leases
+                        .take_excess(&a.key, top_up, u.reset_at_ms, now_ms);
+                    if rest > 0 {
+                        charged.push((i, rest));
+                    }
+                    leased_more.push(i);
+                    limiter.cache.forget(&a.key);
+                }
+            }
+        }
+        // The difference refunded: reservations that landed (the store gives nothing
+        // back to a window that has ended since: the refund quotes the reservation's
+        // epoch), and leased units to this gateway's lease of the same window.
+        let mut given_back: Vec<usize> = Vec::new();
+        if refund > 0 {
+            for (i, a) in applied.iter().enumerate() {
+                let hold = &taken.holds[i];
+                let usage = taken.usages.get(i).and_then(Option::as_ref);
+                match (hold.stage, usage) {
+                    (Stage::Lease, Some(u)) => {
+                        limiter.leases.give_back(&a.key, refund, u.reset_at_ms);
+                        given_back.push(i);
+                    }
+                    (Stage::Reserve | Stage::Held, _) if hold.epoch.is_some() => {
+                        given_back.push(i);
+                    }
+                    _ => continue,
+                }
+                limiter.cache.forget(&a.key);
+                limiter.recent.forget(&a.key);
+            }
+            let back = refunds(applied, taken, refund, |st| {
+                matches!(st, Stage::Reserve | Stage::Held)
+            });
+            spawn_refunds(&limiter.store, back, now_ms);
+        }
+        // Reservations that timed out: charged once their fate is known (settled to
+        // `cost` if they landed).
         let late = late::holds(
             applied,
             taken,
             cost,
-            |st| Then::Charge {
-                top_up: if st == Stage::Held { top_up } else { 0 },
-            },
+            |_| Then::Charge { top_up, refund },
             |st| matches!(st, Stage::Reserve | Stage::Held),
         );
         if was_open && !late.is_empty() {
@@ -104,6 +160,18 @@ impl<'a> Ticket<'a> {
         };
         async move {
             let mut usages = std::mem::take(&mut self.taken.usages);
+            for &i in &given_back {
+                if let Some(Some(u)) = usages.get_mut(i) {
+                    self.applied[i].refunded(u, refund, now_ms);
+                }
+            }
+            // A lease's usage is this gateway's view of the window (the units it still
+            // holds not counted): the check's, plus the excess.
+            for &i in &leased_more {
+                if let Some(Some(u)) = usages.get_mut(i) {
+                    u.used = u.used.saturating_add(top_up);
+                }
+            }
             let Some((answers, pending)) = submitted else {
                 return usages;
             };
@@ -118,6 +186,7 @@ impl<'a> Ticket<'a> {
                         .replied(key, sent, cost, after.as_ref(), now_ms);
                 }
                 match result {
+                    Ok(_) if self.taken.holds[i].stage == Stage::Lease => {}
                     Ok(v) => usages[i] = Some(applied[i].usage(&v)),
                     Err(e) => limiter
                         .warn_gate
@@ -269,5 +338,64 @@ mod tests {
             .await
             .expect("admitted");
         assert_eq!(used(&next), Some(3), "charged once, 3 units");
+    }
+
+    /// A reservation settled to a smaller cost gives the difference back to its
+    /// window only: once that window has ended, the new one gets nothing.
+    #[tokio::test]
+    async fn a_settled_reservation_refunds_only_its_own_window() {
+        let toml = "[server]\nlisten = \"127.0.0.1:0\"\n\
+             [store]\nbackend = \"memory\"\n\
+             [[upstreams]]\nname = \"api\"\ntargets = [\"http://127.0.0.1:9\"]\n\
+             [[limits]]\nname = \"core\"\nwindow = \"1m\"\nquota = { anonymous = 100 }\n\
+             [[routes]]\npath_prefix = \"/\"\nupstream = \"api\"\nlimits = [\"core\"]\n";
+        let file =
+            crate::config::parse(std::path::Path::new("t.toml"), toml.to_string()).expect("parses");
+        let files = crate::config::Files::load(&file, None);
+        let snap = crate::snapshot::Snapshot::build(&file, &files, None).expect("valid");
+        let route = snap
+            .router
+            .find(None, "/x", &http::Method::GET)
+            .expect("route");
+        let headers = http::HeaderMap::new();
+        let caller = snap
+            .identities
+            .identify(&headers, "203.0.113.7".parse().unwrap())
+            .expect("caller");
+        let clock: SharedClock = Arc::new(SystemClock);
+        let t0 = clock.now_ms();
+        let applied: Arc<[_]> = snap
+            .limiter
+            .applicable(&route.limits, &caller, &headers)
+            .into();
+        let used = |ticket: &super::Ticket<'_>| ticket.usages()[0].as_ref().map(|u| u.used);
+
+        // Within its window: 10 reserved, settled to 3, 7 back.
+        let mut ticket = snap
+            .limiter
+            .check(&applied, 10, true, &clock, t0)
+            .await
+            .expect("admitted");
+        assert_eq!(used(&ticket), Some(10));
+        let settled = ticket.charge(3, t0).await;
+        assert_eq!(settled[0].as_ref().map(|u| u.used), Some(3));
+        drop(ticket);
+        let mut next = snap
+            .limiter
+            .check(&applied, 10, true, &clock, t0)
+            .await
+            .expect("admitted");
+        assert_eq!(used(&next), Some(13), "3 + the next 10");
+
+        // Settled after its window ended: nothing goes to the new window.
+        let later = t0 + 61_000;
+        next.charge(1, later).await;
+        drop(next);
+        let fresh = snap
+            .limiter
+            .check(&applied, 5, true, &clock, later)
+            .await
+            .expect("admitted");
+        assert_eq!(used(&fresh), Some(5), "the new window holds only its own 5");
     }
 }

@@ -151,7 +151,10 @@ impl Drop for Ticket<'_> {
             &self.applied,
             &self.taken,
             cost,
-            |_| Then::Charge { top_up: 0 },
+            |_| Then::Charge {
+                top_up: 0,
+                refund: 0,
+            },
             |st| matches!(st, Stage::Reserve | Stage::Held),
         );
         for h in &late {

@@ -180,6 +180,13 @@ fn replay(
                     _ => match taken.get(&step.caller).filter(|t| !t.is_empty()) {
                         Some(t) => {
                             let (cost, epoch) = t[step.pick % t.len()];
+                            // Now and then part of it: a reservation settled to a
+                            // smaller cost (`upstreams.cost_header`).
+                            let cost = if step.pick % 3 == 1 && cost > 1 {
+                                cost / 2
+                            } else {
+                                cost
+                            };
                             Op {
                                 kind: OpKind::Refund,
                                 cost,
@@ -233,7 +240,12 @@ fn replay(
             }
             if op.kind == OpKind::Refund {
                 if let Some(t) = taken.get_mut(&caller) {
-                    t.retain(|&(c, e)| (c, e) != (op.cost, op.id));
+                    if let Some(i) = t.iter().position(|&(c, e)| e == op.id && c >= op.cost) {
+                        t[i].0 -= op.cost;
+                        if t[i].0 == 0 {
+                            t.remove(i);
+                        }
+                    }
                 }
             }
         }

@@ -284,20 +284,21 @@ async fn an_invalid_cost_header_is_stripped_and_the_route_cost_charged() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn lease_mode_limits_keep_the_route_cost_taken_before_forwarding() {
+async fn lease_mode_limits_are_settled_to_the_upstreams_cost() {
     let upstream = Upstream::start().await;
     let gw = TestGateway::start(&cost_config(&upstream, "lease = 10")).await;
-    // Lease-mode (like on_request) limits take the route's 2 before forwarding; the
-    // upstream's number does not change what they took.
+    // Lease-mode (like on_request) limits take the route's 2 before forwarding, and
+    // are settled to the upstream's number: 3 more taken for 5.
     let r = get(&gw.url("/cost/5")).await;
-    assert_eq!(r.num("x-ratelimit-used"), 2);
+    assert_eq!(r.num("x-ratelimit-used"), 5);
     assert_eq!(r.header("x-tollgate-cost"), "", "never reaches the client");
-    assert_eq!(get(&gw.url("/cost/1")).await.num("x-ratelimit-used"), 4);
+    // 1: one of the 2 goes back to the lease.
+    assert_eq!(get(&gw.url("/cost/1")).await.num("x-ratelimit-used"), 6);
     // The "/" route costs 1.
-    assert_eq!(get(&gw.url("/")).await.num("x-ratelimit-used"), 5);
+    assert_eq!(get(&gw.url("/")).await.num("x-ratelimit-used"), 7);
     // 0: nothing is charged, the 2 units go back to the lease.
     assert_eq!(get(&gw.url("/cost/0")).await.status, 200);
-    assert_eq!(get(&gw.url("/")).await.num("x-ratelimit-used"), 6);
+    assert_eq!(get(&gw.url("/")).await.num("x-ratelimit-used"), 8);
 }
 
 /// `tollgate check` on `text`: exit code and stderr.

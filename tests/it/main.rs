@@ -39,6 +39,7 @@ mod reset;
 mod resources;
 mod round_trips;
 mod runtime;
+mod settle;
 mod store_clock;
 mod streaming;
 mod support;

@@ -196,8 +196,14 @@ pub(super) fn sliding_log(p: &Policy, state: &mut State, op: Op, now: u64) -> Ve
             }
         }
         OpKind::Refund => {
-            if let Some(i) = log.iter().position(|e| e.2 == op.id && e.1 == op.cost) {
-                log.remove(i);
+            // The entry the charge or reservation made gives back up to `cost` units
+            // (part of them when a reservation is settled to a smaller cost); an
+            // entry left with nothing is removed.
+            if let Some(i) = log.iter().position(|e| e.2 == op.id) {
+                log[i].1 = log[i].1.saturating_sub(op.cost);
+                if log[i].1 == 0 {
+                    log.remove(i);
+                }
             }
             let used: u64 = log.iter().map(|e| e.1).sum();
             let reset_at_ms = reset_of(&log, 0);

@@ -77,6 +77,14 @@ fn sliding_log_is_exact() {
     assert!(apply(&p, &mut s, op(OpKind::Reserve, 1, 3), 1_100).admitted);
     let r = apply(&p, &mut s, op(OpKind::Refund, 1, 3), 1_200);
     assert_eq!(r.used, 1);
+    // A reservation settled to a smaller cost: part of its entry goes back, at its time.
+    let mut s = State::Empty;
+    let p = Policy { quota: 20, ..p };
+    apply(&p, &mut s, op(OpKind::Reserve, 10, 5), 100);
+    assert_eq!(apply(&p, &mut s, op(OpKind::Refund, 7, 5), 200).used, 3);
+    assert_eq!(apply(&p, &mut s, op(OpKind::Peek, 1, 0), 1_099).used, 3);
+    assert_eq!(apply(&p, &mut s, op(OpKind::Peek, 1, 0), 1_100).used, 0);
+    assert_eq!(apply(&p, &mut s, op(OpKind::Refund, 7, 5), 300).used, 0);
 }
 
 #[test]

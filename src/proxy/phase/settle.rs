@@ -4,8 +4,11 @@
 //! units are given back). The upstream may say what the request cost
 //! (`upstreams.cost_header`, [`crate::proxy::upstream::Upstream::take_cost`]; the header
 //! never reaches the client): that is what limits checked before forwarding are
-//! charged. Reserved (`on_request`) and lease-mode limits keep the route's cost, taken
-//! before forwarding.
+//! charged, and what reserved (`on_request`, `reserve_in_flight`) and lease-mode
+//! limits, which took the route's cost before forwarding, are settled to: the
+//! difference refunded when it is less, the excess charged (past the quota) when it
+//! is more ([`crate::limiter::Ticket::charge`]). Without a valid header the route's
+//! cost stands. Concurrency limits count requests, not cost.
 
 use super::check::Checked;
 use crate::limiter::{Applied, SlotGuard, Usage};

@@ -372,10 +372,9 @@ impl ProxyError {
             detail: &detail,
         };
         let mut response = self.into_response();
-        response.headers_mut().insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static(PROBLEM_JSON),
-        );
+        response
+            .headers_mut()
+            .insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
         let (parts, _) = response.into_parts();
         // Serializing a struct of plain fields cannot fail.
         let bytes = serde_json::to_vec(&body).unwrap_or_default();
@@ -483,7 +482,7 @@ mod tests {
                 "violated-policies": [resource],
                 "limit": 5000,
                 "remaining": 0,
-                "reset": 1_767_225_600u64,
+                "reset": usage.reset_epoch_s(),
                 "resource": resource,
                 "retry_after": 42,
             });

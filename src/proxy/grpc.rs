@@ -104,7 +104,10 @@ mod tests {
         };
         let problem =
             crate::proxy::refusal::over_limit(&u, 3, "acme", styles, std::iter::empty(), 0);
-        assert_eq!(problem.headers()["content-type"], "application/problem+json");
+        assert_eq!(
+            problem.headers()["content-type"],
+            "application/problem+json"
+        );
         let r = gateway_error(problem);
         assert_eq!(r.status(), StatusCode::OK);
         assert_eq!(r.headers()["grpc-status"], "8");

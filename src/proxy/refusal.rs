@@ -168,7 +168,10 @@ fn render<'a>(
     now_ms: u64,
 ) -> (HeaderMap, Bytes) {
     let (body, content_type) = if styles.problem_details {
-        (over_limit_problem_body(usage, retry_after_s, caller), PROBLEM_JSON)
+        (
+            over_limit_problem_body(usage, retry_after_s, caller),
+            PROBLEM_JSON,
+        )
     } else {
         (
             over_limit_body(usage, retry_after_s, caller),

@@ -33,7 +33,7 @@ targets = ["{up}"]
 [[limits]]
 name = "core"
 window = "1h"
-quota = {{ anonymous = 2, default = 2 }}
+quota = {{ anonymous = 2 }}
 
 [[routes]]
 path_prefix = "/"
@@ -138,7 +138,14 @@ fn assert_default_429(r: &support::client::Reply) {
         .collect();
     assert_eq!(
         members,
-        ["limit", "message", "remaining", "reset", "resource", "retry_after"],
+        [
+            "limit",
+            "message",
+            "remaining",
+            "reset",
+            "resource",
+            "retry_after"
+        ],
         "{body}"
     );
     assert_eq!(body["message"], "API rate limit exceeded for 127.0.0.1.");
@@ -182,8 +189,7 @@ async fn a_reload_switching_problem_details_changes_the_next_429_even_a_kept_one
 #[tokio::test]
 async fn a_failed_store_denying_answers_503_as_temporary_reduced_capacity() {
     let up = Upstream::start().await;
-    let gw = TestGateway::start(&config(&up, &unreachable_store(), "problem_details = true"))
-        .await;
+    let gw = TestGateway::start(&config(&up, &unreachable_store(), "problem_details = true")).await;
     let r = get(&gw.url("/")).await;
     assert_eq!(r.status, 503, "{}", r.text());
     assert_eq!(r.header("content-type"), "application/problem+json");
@@ -239,14 +245,16 @@ async fn grpc_callers_still_get_resource_exhausted_and_unavailable() {
     }
     let (status, headers, body) = refused.expect("a refused gRPC call");
     assert_eq!(status, 200);
-    assert_eq!(headers["grpc-status"], "8", "RESOURCE_EXHAUSTED: {headers:?}");
+    assert_eq!(
+        headers["grpc-status"], "8",
+        "RESOURCE_EXHAUSTED: {headers:?}"
+    );
     assert_eq!(headers["content-type"], "application/grpc");
     assert_eq!(headers["x-ratelimit-remaining"], "0");
     assert!(headers.get("retry-after").is_some());
     assert!(body.is_empty());
 
-    let gw = TestGateway::start(&config(&up, &unreachable_store(), "problem_details = true"))
-        .await;
+    let gw = TestGateway::start(&config(&up, &unreachable_store(), "problem_details = true")).await;
     let (status, headers, body) = grpc_call(&gw).await;
     assert_eq!(status, 200);
     assert_eq!(headers["grpc-status"], "14", "UNAVAILABLE: {headers:?}");

@@ -82,7 +82,7 @@ impl Snapshot {
             limits: &self.limits,
             rate_limit_path: self.config.rate_limit_endpoint.path.as_deref(),
             log_client_ip: self.config.log.client_ip,
-            headers: crate::proxy::headers::Styles::new(&self.config.headers.style),
+            headers: crate::proxy::headers::Styles::of(&self.config.headers),
         }
     }
 

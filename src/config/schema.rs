@@ -1147,12 +1147,18 @@ pub struct HeadersConfig {
     /// The rate-limit header styles responses carry, each at most once. Default
     /// `["github"]`; an empty list sends no rate-limit headers.
     pub style: Vec<HeaderStyle>,
+    /// Refusals as RFC 9457 problem details (`application/problem+json`, the problem
+    /// types of draft-ietf-httpapi-ratelimit-headers): a caller's 429 as
+    /// `quota-exceeded`, the 503 of a failed store as `temporary-reduced-capacity`.
+    /// Default false: the GitHub-style JSON bodies.
+    pub problem_details: bool,
 }
 
 impl Default for HeadersConfig {
     fn default() -> Self {
         Self {
             style: vec![HeaderStyle::Github],
+            problem_details: false,
         }
     }
 }

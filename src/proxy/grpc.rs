@@ -33,7 +33,8 @@ fn code(status: StatusCode) -> u16 {
     }
 }
 
-/// A gateway error (a JSON answer with a status that is not 2xx) as a gRPC
+/// A gateway error (a JSON answer, or problem details with `headers.problem_details`,
+/// with a status that is not 2xx) as a gRPC
 /// "trailers-only" response: HTTP 200, `grpc-status` and `grpc-message` (the HTTP
 /// status and reason), no body, its other headers (`X-RateLimit-*`, `Retry-After`)
 /// kept. Any other response (the upstream's own) is returned as it is.
@@ -42,7 +43,9 @@ pub fn gateway_error(response: Response<Body>) -> Response<Body> {
     let json = response
         .headers()
         .get(header::CONTENT_TYPE)
-        .is_some_and(|v| v.as_bytes() == b"application/json");
+        .is_some_and(|v| {
+            v.as_bytes() == b"application/json" || v.as_bytes() == b"application/problem+json"
+        });
     if status.is_success() || !json {
         return response;
     }
@@ -87,6 +90,32 @@ mod tests {
             "429 Too Many Requests (tollgate)"
         );
         assert_eq!(r.headers()["x-ratelimit-remaining"], "0");
+        // With `headers.problem_details`, the same refusal as problem details.
+        let u = crate::limiter::Usage {
+            resource: "core".into(),
+            quota: 10,
+            used: 10,
+            reset_at_ms: 2_000_000_000_000,
+            retry_at_ms: 0,
+        };
+        let styles = crate::proxy::headers::Styles {
+            problem_details: true,
+            ..Default::default()
+        };
+        let problem =
+            crate::proxy::refusal::over_limit(&u, 3, "acme", styles, std::iter::empty(), 0);
+        assert_eq!(
+            problem.headers()["content-type"],
+            "application/problem+json"
+        );
+        let r = gateway_error(problem);
+        assert_eq!(r.status(), StatusCode::OK);
+        assert_eq!(r.headers()["grpc-status"], "8");
+        assert_eq!(r.headers()["content-type"], "application/grpc");
+        assert_eq!(r.headers()["x-ratelimit-remaining"], "0");
+        let unavailable =
+            gateway_error(super::super::ProxyError::StoreUnavailable.into_response_with(true));
+        assert_eq!(unavailable.headers()["grpc-status"], "14");
         let mut upstream = Response::new(crate::response::bytes_body(Vec::new()));
         *upstream.status_mut() = StatusCode::NOT_FOUND;
         assert_eq!(gateway_error(upstream).status(), StatusCode::NOT_FOUND);

@@ -37,6 +37,10 @@ pub struct Styles {
     pub github: bool,
     /// The IETF draft's `RateLimit-Policy` and `RateLimit`.
     pub ietf: bool,
+    /// `headers.problem_details`: refusals (a caller's 429, a failed store's 503) as
+    /// RFC 9457 problem details instead of the GitHub-style JSON. Not a header style,
+    /// but what the gateway's refusals look like, read where the styles are.
+    pub problem_details: bool,
 }
 
 impl Styles {
@@ -45,6 +49,15 @@ impl Styles {
         Self {
             github: styles.contains(&HeaderStyle::Github),
             ietf: styles.contains(&HeaderStyle::Ietf),
+            problem_details: false,
+        }
+    }
+
+    /// The `[headers]` section: its styles and `problem_details`.
+    pub fn of(config: &crate::config::HeadersConfig) -> Self {
+        Self {
+            problem_details: config.problem_details,
+            ..Self::new(&config.style)
         }
     }
 }
@@ -55,6 +68,7 @@ impl Default for Styles {
         Self {
             github: true,
             ietf: false,
+            problem_details: false,
         }
     }
 }

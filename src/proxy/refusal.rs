@@ -15,12 +15,15 @@
 //! hold the copy to it); the request id is set afterwards ([`super::access::AccessLog::finish`], in the
 //! line kept for it) and `Date` by hyper.
 //!
-//! Only for `headers.style = ["github"]`, the default: the IETF style's `RateLimit`
-//! counts the seconds to the reset on the clock, so with it every 429 is rendered
-//! afresh, as is one without rate-limit headers.
+//! Only for `headers.style = ["github"]` and `headers.problem_details = false`, the
+//! defaults: the IETF style's `RateLimit` counts the seconds to the reset on the clock,
+//! so with it every 429 is rendered afresh, as is one without rate-limit headers, and
+//! one as problem details (which keeps the default's path as it was). The memo holds
+//! only 429s of the defaults, whose bytes depend on nothing else, so a reload that
+//! switches either key takes effect on the next 429.
 
 use super::access::REQUEST_ID;
-use super::error::over_limit_body;
+use super::error::{over_limit_body, over_limit_problem_body, PROBLEM_JSON};
 use super::headers::{self, Policy, Styles};
 use super::Body;
 use crate::limiter::Usage;
@@ -78,7 +81,8 @@ thread_local! {
 /// The 429 for a caller over the limit `usage` describes: `Retry-After` in whole
 /// seconds (`retry_after_s`), the rate-limit headers of `styles` (`policies`: every
 /// limit that applied, for the IETF style; `now_ms`: milliseconds since the Unix epoch)
-/// and the JSON body naming `caller` (its client id or IP).
+/// and the JSON body naming `caller` (its client id or IP): GitHub-style, or RFC 9457
+/// problem details with `styles.problem_details` (`headers.problem_details`).
 pub fn over_limit<'a>(
     usage: &Usage,
     retry_after_s: u64,
@@ -87,7 +91,7 @@ pub fn over_limit<'a>(
     policies: impl IntoIterator<Item = Policy<'a>>,
     now_ms: u64,
 ) -> Response<Body> {
-    if !styles.github || styles.ietf {
+    if !styles.github || styles.ietf || styles.problem_details {
         let (headers, body) = render(usage, retry_after_s, caller, styles, policies, now_ms);
         return response(headers, body);
     }
@@ -148,7 +152,8 @@ fn render_github(usage: &Usage, retry_after_s: u64, caller: &str) -> (HeaderMap,
 }
 
 /// The headers and body of a 429, in the order the gateway's other answers put them:
-/// `Content-Type`, `Retry-After`, the rate-limit headers of `styles` ([`headers::put`]),
+/// `Content-Type` (`application/json`, or `application/problem+json` with
+/// `styles.problem_details`), `Retry-After`, the rate-limit headers of `styles` ([`headers::put`]),
 /// then `X-Request-Id` with a placeholder value that
 /// [`super::access::AccessLog::finish`] replaces (it puts the request id on every
 /// response, in place where the line is there already). The line is there so that a
@@ -162,10 +167,21 @@ fn render<'a>(
     policies: impl IntoIterator<Item = Policy<'a>>,
     now_ms: u64,
 ) -> (HeaderMap, Bytes) {
-    let body = Bytes::from(over_limit_body(usage, retry_after_s, caller));
+    let (body, content_type) = if styles.problem_details {
+        (
+            over_limit_problem_body(usage, retry_after_s, caller),
+            PROBLEM_JSON,
+        )
+    } else {
+        (
+            over_limit_body(usage, retry_after_s, caller),
+            "application/json",
+        )
+    };
+    let body = Bytes::from(body);
     // Room for every rate-limit header of both styles: no growth.
     let mut headers = HeaderMap::with_capacity(12);
-    headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
     headers.insert(RETRY_AFTER, headers::number(retry_after_s));
     headers::put(&mut headers, styles, usage, policies, now_ms);
     headers.insert(REQUEST_ID.clone(), HeaderValue::from_static("-"));
@@ -196,10 +212,20 @@ mod tests {
         policies: impl IntoIterator<Item = Policy<'a>>,
         now_ms: u64,
     ) -> Response<Body> {
-        let mut response = crate::response::json_bytes_response(
-            StatusCode::TOO_MANY_REQUESTS,
-            over_limit_body(usage, retry_after_s, caller),
-        );
+        let mut response = if styles.problem_details {
+            let mut r = crate::response::json_bytes_response(
+                StatusCode::TOO_MANY_REQUESTS,
+                over_limit_problem_body(usage, retry_after_s, caller),
+            );
+            r.headers_mut()
+                .insert(CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
+            r
+        } else {
+            crate::response::json_bytes_response(
+                StatusCode::TOO_MANY_REQUESTS,
+                over_limit_body(usage, retry_after_s, caller),
+            )
+        };
         response
             .headers_mut()
             .insert(RETRY_AFTER, headers::number(retry_after_s));
@@ -330,14 +356,26 @@ mod tests {
             Styles {
                 github: true,
                 ietf: true,
+                problem_details: false,
             },
             Styles {
                 github: false,
                 ietf: true,
+                problem_details: false,
             },
             Styles {
                 github: false,
                 ietf: false,
+                problem_details: false,
+            },
+            Styles {
+                problem_details: true,
+                ..Styles::default()
+            },
+            Styles {
+                github: true,
+                ietf: true,
+                problem_details: true,
             },
         ] {
             for now_ms in [1_795_798_830_000, 1_795_798_831_000] {
@@ -356,12 +394,50 @@ mod tests {
             Styles {
                 github: false,
                 ietf: true,
+                problem_details: false,
             },
         ] {
             let r = over_limit(&u, 42, "10.0.0.7", styles, std::iter::empty(), 0);
             assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
             assert_eq!(r.headers()[RETRY_AFTER], "42");
             assert_eq!(r.headers()[CONTENT_TYPE], "application/json");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_kept_429_never_answers_for_the_other_body_after_a_switch() {
+        // The same refusal, kept in the default mode, then asked for as problem details
+        // (a reload switching `headers.problem_details`), then in the default mode again.
+        let u = usage("core", 60, 60, 1_795_802_428_000);
+        let problem = Styles {
+            problem_details: true,
+            ..Styles::default()
+        };
+        for styles in [
+            Styles::default(),
+            Styles::default(),
+            Styles::default(),
+            problem,
+            problem,
+            problem,
+            Styles::default(),
+            Styles::default(),
+        ] {
+            let got = wire(over_limit(&u, 5, "acme", styles, std::iter::empty(), 0)).await;
+            let want = wire(by_hand(&u, 5, "acme", styles, std::iter::empty(), 0)).await;
+            assert_eq!(got, want, "{styles:?}");
+            let content_type = &got.1[0].1;
+            assert_eq!(
+                content_type,
+                if styles.problem_details {
+                    "application/problem+json"
+                } else {
+                    "application/json"
+                }
+            );
+            let v: serde_json::Value = serde_json::from_slice(&got.2).expect("valid JSON");
+            assert_eq!(v.get("violated-policies").is_some(), styles.problem_details);
+            assert_eq!(v.get("message").is_some(), !styles.problem_details);
         }
     }
 }

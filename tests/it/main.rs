@@ -28,6 +28,7 @@ mod keys;
 mod limits;
 mod operations;
 mod per_address;
+mod problem_details;
 mod proxy;
 mod redis_acl;
 mod redis_store;

@@ -75,7 +75,7 @@ pub fn check<'g: 'r, 'r>(
             Err(Refusal::OverLimit(usage)) => {
                 return Err(over_limit(snap, ctx, peer, caller, &applied, usage, log))
             }
-            Err(Refusal::StoreDenied(_)) => return Err(ProxyError::StoreUnavailable.into()),
+            Err(Refusal::StoreDenied(_)) => return Err(store_unavailable(snap)),
         };
         snap.limiter
             .count_used(&applied, caller, route.cost, now_ms);
@@ -91,6 +91,19 @@ pub fn check<'g: 'r, 'r>(
         let slots = ticket.slots();
         Ok(Checked { ticket, slots })
     }
+}
+
+/// The 503 of a failed store under `store.on_error = "deny"` (logged
+/// `store_error_denied`): problem details with `headers.problem_details`.
+#[cold]
+fn store_unavailable(snap: &Gate<'_>) -> Answer {
+    let error = ProxyError::StoreUnavailable;
+    let decision = Decision::StoreErrorDenied;
+    debug_assert_eq!(error.decision(), Some(decision));
+    Answer::new(
+        error.into_response_with(snap.headers.problem_details),
+        decision,
+    )
 }
 
 /// The 429 of a caller over the limit `usage` describes (logged `rejected`, counted in

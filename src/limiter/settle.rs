@@ -351,7 +351,7 @@ mod tests {
              [[routes]]\npath_prefix = \"/\"\nupstream = \"api\"\nlimits = [\"core\"]\n";
         let file =
             crate::config::parse(std::path::Path::new("t.toml"), toml.to_string()).expect("parses");
-        let files = crate::config::Files::load(&file, None);
+        let files = crate::load::Loaded::load(&file, None);
         let snap = crate::snapshot::Snapshot::build(&file, &files, None).expect("valid");
         let route = snap
             .router

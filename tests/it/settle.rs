@@ -249,7 +249,7 @@ fn the_metering_example_in_the_docs_is_valid() {
     let path = dir.path().join("model.toml");
     std::fs::write(&path, example).unwrap();
     let file = tollgate::config::read(&path).unwrap_or_else(|r| panic!("{:#?}", r.error_lines()));
-    let files = tollgate::config::Files::load(&file, None);
+    let files = tollgate::load::Loaded::load(&file, None);
     if let Err(r) = tollgate::snapshot::Snapshot::build(&file, &files, None) {
         panic!("{:#?}", r.error_lines());
     }

@@ -288,21 +288,27 @@ impl Limiter {
 #[cfg(test)]
 mod tests {
     use crate::clock::{SharedClock, SystemClock};
+    use crate::limiter::Applied;
+    use crate::snapshot::Snapshot;
     use std::sync::Arc;
 
-    /// A ticket is handed back once: a second `charge` (or a `release` after it)
-    /// counts nothing more, and dropping it afterwards charges nothing.
-    #[tokio::test]
-    async fn a_ticket_counts_once_however_often_it_is_handed_back() {
-        let toml = "[server]\nlisten = \"127.0.0.1:0\"\n\
+    /// A memory-store snapshot with one route and the limit `core` (quota 100 per
+    /// `window`).
+    fn snapshot(window: &str) -> Snapshot {
+        let toml = format!(
+            "[server]\nlisten = \"127.0.0.1:0\"\n\
              [store]\nbackend = \"memory\"\n\
              [[upstreams]]\nname = \"api\"\ntargets = [\"http://127.0.0.1:9\"]\n\
-             [[limits]]\nname = \"core\"\nwindow = \"1h\"\nquota = { anonymous = 100 }\n\
-             [[routes]]\npath_prefix = \"/\"\nupstream = \"api\"\nlimits = [\"core\"]\n";
-        let file =
-            crate::config::parse(std::path::Path::new("t.toml"), toml.to_string()).expect("parses");
+             [[limits]]\nname = \"core\"\nwindow = \"{window}\"\nquota = {{ anonymous = 100 }}\n\
+             [[routes]]\npath_prefix = \"/\"\nupstream = \"api\"\nlimits = [\"core\"]\n"
+        );
+        let file = crate::config::parse(std::path::Path::new("t.toml"), toml).expect("parses");
         let files = crate::load::Loaded::load(&file, None);
-        let snap = crate::snapshot::Snapshot::build(&file, &files, None).expect("valid");
+        Snapshot::build(&file, &files, None).expect("valid")
+    }
+
+    /// The limits of `snap`'s route that apply to an anonymous caller.
+    fn applied(snap: &Snapshot) -> Arc<[Applied]> {
         let route = snap
             .router
             .find(None, "/x", &http::Method::GET)
@@ -312,12 +318,19 @@ mod tests {
             .identities
             .identify(&headers, "203.0.113.7".parse().unwrap())
             .expect("caller");
+        snap.limiter
+            .applicable(&route.limits, &caller, &headers)
+            .into()
+    }
+
+    /// A ticket is handed back once: a second `charge` (or a `release` after it)
+    /// counts nothing more, and dropping it afterwards charges nothing.
+    #[tokio::test]
+    async fn a_ticket_counts_once_however_often_it_is_handed_back() {
+        let snap = snapshot("1h");
         let clock: SharedClock = Arc::new(SystemClock);
         let now_ms = clock.now_ms();
-        let applied: Arc<[_]> = snap
-            .limiter
-            .applicable(&route.limits, &caller, &headers)
-            .into();
+        let applied = applied(&snap);
         let used = |ticket: &super::Ticket<'_>| ticket.usages()[0].as_ref().map(|u| u.used);
 
         let mut ticket = snap
@@ -344,30 +357,10 @@ mod tests {
     /// window only: once that window has ended, the new one gets nothing.
     #[tokio::test]
     async fn a_settled_reservation_refunds_only_its_own_window() {
-        let toml = "[server]\nlisten = \"127.0.0.1:0\"\n\
-             [store]\nbackend = \"memory\"\n\
-             [[upstreams]]\nname = \"api\"\ntargets = [\"http://127.0.0.1:9\"]\n\
-             [[limits]]\nname = \"core\"\nwindow = \"1m\"\nquota = { anonymous = 100 }\n\
-             [[routes]]\npath_prefix = \"/\"\nupstream = \"api\"\nlimits = [\"core\"]\n";
-        let file =
-            crate::config::parse(std::path::Path::new("t.toml"), toml.to_string()).expect("parses");
-        let files = crate::load::Loaded::load(&file, None);
-        let snap = crate::snapshot::Snapshot::build(&file, &files, None).expect("valid");
-        let route = snap
-            .router
-            .find(None, "/x", &http::Method::GET)
-            .expect("route");
-        let headers = http::HeaderMap::new();
-        let caller = snap
-            .identities
-            .identify(&headers, "203.0.113.7".parse().unwrap())
-            .expect("caller");
+        let snap = snapshot("1m");
         let clock: SharedClock = Arc::new(SystemClock);
         let t0 = clock.now_ms();
-        let applied: Arc<[_]> = snap
-            .limiter
-            .applicable(&route.limits, &caller, &headers)
-            .into();
+        let applied = applied(&snap);
         let used = |ticket: &super::Ticket<'_>| ticket.usages()[0].as_ref().map(|u| u.used);
 
         // Within its window: 10 reserved, settled to 3, 7 back.

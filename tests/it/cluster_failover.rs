@@ -373,11 +373,15 @@ async fn a_demoted_master_has_every_charge_land_once_on_its_successor() {
     cluster.wait_replicated(old);
     cluster.nodes[successor].cmd::<()>(&["CLUSTER", "FAILOVER"]);
     let started = Instant::now();
-    // Keep charging through the switch and for a while after it.
+    // Keep charging through the switch and for a while after it, one request every
+    // 20 ms: at most 500 in the 10 s allowed, inside `bulk`'s quota of 1,000 however
+    // long the failover takes (unpaced, a 4 s failover spent the quota and the
+    // 1,001st request was rightly refused).
     while cluster.role(successor).as_deref() != Some("master")
         || started.elapsed() < Duration::from_millis(300)
     {
         charge(as_ip(&gw, "/bulk", &ip).await);
+        tokio::time::sleep(Duration::from_millis(20)).await;
         assert!(
             started.elapsed() < Duration::from_secs(10),
             "the manual failover did not complete"

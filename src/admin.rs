@@ -343,6 +343,13 @@ pub fn config_view(snap: &Snapshot) -> Value {
 const REDACTED: &str = "<redacted>";
 
 fn redact(v: &mut Value) {
+    // The collector's headers (`tracing.headers`) carry its credentials: every value is
+    // a secret.
+    if let Some(Value::Object(headers)) = v.get_mut("tracing").and_then(|t| t.get_mut("headers")) {
+        headers
+            .values_mut()
+            .for_each(|v| *v = Value::String(REDACTED.into()));
+    }
     match v {
         Value::Object(map) => {
             for (k, v) in map.iter_mut() {
@@ -379,8 +386,11 @@ mod tests {
         let mut v = json!({
             "identity": { "clients": [{ "id": "a", "key_sha256": "ab" }] },
             "store": { "hash_key": "s", "shards": [{ "primary": "redis://u:pw@h:1" }] },
+            "tracing": { "headers": { "authorization": "Bearer t0ken" }, "service_name": "gw" },
         });
         redact(&mut v);
+        assert_eq!(v["tracing"]["headers"]["authorization"], REDACTED);
+        assert_eq!(v["tracing"]["service_name"], "gw");
         assert_eq!(v["identity"]["clients"][0]["key_sha256"], REDACTED);
         assert_eq!(v["store"]["hash_key"], REDACTED);
         assert_eq!(

@@ -21,6 +21,7 @@ pub mod load;
 pub mod logging;
 pub mod memo;
 pub mod metrics;
+pub mod otel;
 pub mod proxy;
 pub mod reload;
 pub mod replay;

@@ -66,6 +66,9 @@ pub struct Snapshot {
     /// 1 for the config the gateway started with, +1 per successful reload (set by the
     /// gateway when it swaps the snapshot in).
     pub generation: u64,
+    /// `[tracing]`: the tracer, when tracing is on (kept by a reload that changes
+    /// nothing of it; its exporter is started by the gateway).
+    pub tracer: Option<Arc<crate::otel::Tracer>>,
     /// The `[server]` and `[log]` the process runs with: read at start only, so a reload
     /// carries them over from the snapshot it replaces (`config` has the file's).
     pub running: Arc<(ServerConfig, LogConfig)>,
@@ -83,6 +86,7 @@ impl Snapshot {
             rate_limit_path: self.config.rate_limit_endpoint.path.as_deref(),
             log_client_ip: self.config.log.client_ip,
             headers: crate::proxy::headers::Styles::of(&self.config.headers),
+            tracer: self.tracer.as_ref(),
         }
     }
 
@@ -271,6 +275,12 @@ impl Snapshot {
             .map(|p| p.running.clone())
             .unwrap_or_else(|| Arc::new((cfg.server.clone(), cfg.log.clone())));
         let edge = edge_rules(cfg, &running.0, &mut problems);
+        let tracer = crate::otel::Tracer::build(
+            cfg,
+            files,
+            previous.and_then(|p| p.tracer.as_ref()),
+            &mut problems,
+        );
 
         let report = ConfigReport {
             path: file.path.clone(),
@@ -322,6 +332,7 @@ impl Snapshot {
             generation: 0,
             running,
             edge,
+            tracer,
         })
     }
 

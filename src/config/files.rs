@@ -75,6 +75,28 @@ pub fn named(file: &ConfigFile) -> Vec<Named> {
     }
     out.extend(identity(&cfg.identity, &dir));
     out.extend(store(&cfg.store, &dir));
+    out.extend(tracing(&cfg.tracing, &dir));
+    out
+}
+
+/// The files of `[tracing]`, relative to `dir`: each `headers_file` entry (a secret
+/// file, at `tracing.headers_file.NAME`), then `ca`. None when tracing is off.
+pub fn tracing(cfg: &crate::config::TracingConfig, dir: &Path) -> Vec<Named> {
+    if !cfg.enabled {
+        return Vec::new();
+    }
+    let mut out: Vec<Named> = cfg
+        .headers_file
+        .iter()
+        .flat_map(|(name, f)| {
+            secret(
+                format!("tracing.headers_file.{name}"),
+                &Some(f.clone()),
+                dir,
+            )
+        })
+        .collect();
+    out.extend(cfg.ca.as_ref().map(|f| joined("tracing.ca".into(), f, dir)));
     out
 }
 

@@ -17,6 +17,7 @@ mod locate;
 mod parse;
 pub mod schema;
 pub mod secrets;
+pub mod trace;
 pub mod validate;
 
 pub use choices::{ChargeAt, LimitBy, LimitMode, OnLimit, PathMatch, WindowAlign};
@@ -24,6 +25,7 @@ pub use duration::Dur;
 pub use files::Files;
 pub use parse::{parse, read, MAX_UNKNOWN_KEYS, REFERENCE_HINT};
 pub use schema::*;
+pub use trace::{TracingConfig, TrustIncoming};
 
 use std::fmt;
 use std::path::{Path, PathBuf};

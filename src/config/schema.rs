@@ -40,6 +40,9 @@ pub struct Config {
     /// `[rate_limit_endpoint]`: where callers read their own limits (off by default).
     #[serde(default)]
     pub rate_limit_endpoint: RateLimitEndpointConfig,
+    /// `[tracing]`: OpenTelemetry traces over OTLP/HTTP (off by default).
+    #[serde(default)]
+    pub tracing: super::trace::TracingConfig,
 }
 
 /// `[rate_limit_endpoint]`.

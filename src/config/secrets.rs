@@ -49,28 +49,32 @@ pub fn secret(
             );
             None
         }
-        (None, Some(_)) => {
-            let at = format!("{at}_file");
-            let (path, bytes) = files.bytes(&at, problems)?;
-            match String::from_utf8(bytes.to_vec()) {
-                Err(_) => {
-                    problems.error(at, format!("{} is not UTF-8 text", path.display()));
-                    None
-                }
-                Ok(mut text) => {
-                    if text.ends_with('\n') {
-                        text.pop();
-                        if text.ends_with('\r') {
-                            text.pop();
-                        }
-                    }
-                    if text.is_empty() {
-                        problems.error(at, format!("{} is empty", path.display()));
-                        return None;
-                    }
-                    Some(text)
+        (None, Some(_)) => file_text(&format!("{at}_file"), files, problems),
+    }
+}
+
+/// The text of the secret file named at key `at` (e.g. `tracing.headers_file.NAME`), as
+/// the loading step read it (from `files`), without one trailing newline. Errors,
+/// recorded at `at`: the file missing, unreadable, not UTF-8 or empty.
+pub fn file_text(at: &str, files: &Files, problems: &mut Problems) -> Option<String> {
+    let (path, bytes) = files.bytes(at, problems)?;
+    match String::from_utf8(bytes.to_vec()) {
+        Err(_) => {
+            problems.error(at, format!("{} is not UTF-8 text", path.display()));
+            None
+        }
+        Ok(mut text) => {
+            if text.ends_with('\n') {
+                text.pop();
+                if text.ends_with('\r') {
+                    text.pop();
                 }
             }
+            if text.is_empty() {
+                problems.error(at, format!("{} is empty", path.display()));
+                return None;
+            }
+            Some(text)
         }
     }
 }

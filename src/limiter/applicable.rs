@@ -187,6 +187,18 @@ impl Limiter {
         self.keys.digest(&subject).hex().to_string()
     }
 
+    /// The 32 hex digits that stand for `caller` in storage keys: its client id's keyed
+    /// digest, or (anonymous) its IP key's, as in its by-caller windows; never the id
+    /// or the address itself (for traces, issue 49).
+    pub fn caller_hash(&self, client: Option<&str>, ip_key: std::net::IpAddr) -> String {
+        let mut subject = Vec::with_capacity(48);
+        match client {
+            Some(id) => client_subject(id, &mut subject),
+            None => ip_subject(ip_key, &mut subject),
+        }
+        self.keys.digest(&subject).hex().to_string()
+    }
+
     /// The limits among `limits` that apply to `caller` (those with a quota for its tier,
     /// or its client's own quota).
     pub fn applicable(

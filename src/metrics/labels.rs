@@ -31,7 +31,8 @@ pub struct RejectionLabels {
     pub tier: Arc<str>,
 }
 
-/// Labels of `tollgate_delays_refused_total`.
+/// Labels of `tollgate_delays_refused_total` (and `tollgate_trace_spans_dropped_total`,
+/// whose reasons are `queue_full` and `export_failed`).
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct DelayRefusalLabels {
     /// `max_delayed` (the gateway held `server.max_delayed` requests) or `max_waiting`

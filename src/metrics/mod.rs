@@ -85,6 +85,11 @@ pub struct Metrics {
     /// listener serves expires, UTC epoch seconds; set at start and by every reload (see
     /// [`Metrics::set_tls_certs`]). No rows without `[server.tls]`.
     pub tls_cert_not_after: Family<TlsCertLabels, Gauge>,
+    /// `tollgate_trace_spans_exported_total`: spans the collector accepted (`[tracing]`).
+    pub trace_spans_exported: Counter,
+    /// `tollgate_trace_spans_dropped_total{reason}`: spans not exported, because the
+    /// queue was full (`queue_full`) or their batch failed (`export_failed`).
+    trace_spans_dropped: Family<DelayRefusalLabels, Counter>,
     /// The rows [`Metrics::set_tls_certs`] set last.
     tls_certs_shown: std::sync::Mutex<Vec<TlsCertLabels>>,
 }
@@ -227,6 +232,21 @@ impl Metrics {
             "When each certificate the proxy listener serves expires (notAfter), UTC epoch seconds",
             tls_cert_not_after.clone(),
         );
+        let trace_spans_exported = Counter::default();
+        registry.register(
+            "trace_spans_exported",
+            "Trace spans the OpenTelemetry collector accepted",
+            trace_spans_exported.clone(),
+        );
+        let trace_spans_dropped = Family::<DelayRefusalLabels, Counter>::default();
+        for reason in ["queue_full", "export_failed"] {
+            let _ = trace_spans_dropped.get_or_create(&DelayRefusalLabels { reason });
+        }
+        registry.register(
+            "trace_spans_dropped",
+            "Trace spans not exported: the export queue was full (queue_full) or their batch failed (export_failed)",
+            trace_spans_dropped.clone(),
+        );
         registry.register_collector(Box::new(StoreCollector { store }));
         // Unique per `Metrics` in the process (a test runs several gateways), so that
         // the per-thread memos never hand one gateway's rows to another.
@@ -263,8 +283,18 @@ impl Metrics {
             overload_refusals,
             worker_connections,
             tls_cert_not_after,
+            trace_spans_exported,
+            trace_spans_dropped,
             tls_certs_shown: std::sync::Mutex::default(),
         })
+    }
+
+    /// The row of `tollgate_trace_spans_dropped_total` for `reason` (`queue_full` or
+    /// `export_failed`).
+    pub fn trace_spans_dropped(&self, reason: &'static str) -> Counter {
+        self.trace_spans_dropped
+            .get_or_create(&DelayRefusalLabels { reason })
+            .clone()
     }
 
     /// Make `tollgate_tls_cert_not_after_seconds` show the certificates of `tls` (the

@@ -4,13 +4,15 @@
 //! client (the IP, its keyed hash, or nothing: `log.client_ip`), caller id (`anonymous`
 //! without a key, `-` for a key that matched no client; never a raw key), tier, decision,
 //! limit, remaining, cost (units charged), uncharged (why a forwarded request was not
-//! charged), upstream ms, total ms and request id. The
+//! charged), upstream ms, total ms and request id, and with `[tracing]` on, the trace
+//! and server span ids. The
 //! subscriber's timestamp is when the line is written (the response's end), so the
 //! request began `total_ms` before it: `tollgate replay` reads these lines.
 
 use super::Body;
 use crate::limiter::Usage;
 use crate::metrics::{Metrics, RequestCounts};
+use crate::otel::context::Hex;
 use http::{HeaderName, HeaderValue, Method, Request, Response};
 use prometheus_client::metrics::gauge::Gauge;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -108,6 +110,9 @@ pub struct AccessLog {
     requests: RequestCounts,
     /// Finished ([`AccessLog::finish`]): counted, and its line written or not wanted.
     done: bool,
+    /// The request's trace (`[tracing]`); `None` when tracing is off. Its ids are
+    /// logged as `trace_id` and `span_id`.
+    pub trace: Option<Box<crate::otel::span::Recording>>,
 }
 
 /// The status logged and counted for a request whose client went away before the
@@ -171,6 +176,7 @@ impl AccessLog {
             upstream_ms: None,
             requests: metrics.requests.clone(),
             done: false,
+            trace: None,
         }
     }
 
@@ -214,6 +220,20 @@ impl AccessLog {
             route,
             status,
         })
+    }
+
+    /// The span of this request, answered with `status`, for `tracer` to export when
+    /// it is sampled (or a refusal it exports): see [`crate::otel::Tracer::finish`].
+    pub fn trace_end(
+        &mut self,
+        tracer: &Arc<crate::otel::Tracer>,
+        snap: &super::Gate<'_>,
+        status: u16,
+    ) -> Option<Box<crate::otel::Finishing>> {
+        let mut rec = self.trace.take()?;
+        let span = tracer.finish(&mut rec, snap, self, status);
+        self.trace = Some(rec);
+        span
     }
 
     /// Count the request in `tollgate_requests_total`, answered with `status`; return its
@@ -311,6 +331,8 @@ fn write_line(this: &AccessLog, route: &str, status: u16) {
         upstream_ms = this.upstream_ms.map(|m| (m * 1000.0).round() / 1000.0).unwrap_or(-1.0),
         total_ms = (total_ms * 1000.0).round() / 1000.0,
         request_id = this.request_id.to_str().unwrap_or("-"),
+        trace_id = this.trace.as_ref().map(|t| tracing::field::display(Hex(&t.trace_id))),
+        span_id = this.trace.as_ref().map(|t| tracing::field::display(Hex(&t.span_id))),
         "request"
     );
 }

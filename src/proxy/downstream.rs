@@ -44,4 +44,7 @@ pub struct Downstream<'a> {
     /// When the request was handed to the upstream: `upstreams.response_timeout` counts
     /// from here, over every attempt.
     pub started: std::time::Instant,
+    /// Where the attempts are noted for the request's trace (`[tracing]`); `None` when
+    /// it is not recorded.
+    pub attempts: Option<&'a crate::otel::span::Attempts>,
 }

@@ -118,6 +118,9 @@ pub fn forward<'a>(
         let deadline = tokio::time::Instant::from_std(down.started) + upstream.response_timeout;
         loop {
             let i = upstream.pick(tried);
+            if let Some(attempts) = down.attempts {
+                attempts.attempt(i);
+            }
             let target = &upstream.targets[i].target;
             address(
                 upstream.protocol,

@@ -80,6 +80,8 @@ pub struct Gate<'a> {
     pub log_client_ip: LogClientIp,
     /// `headers.style`: which rate-limit headers responses carry.
     pub headers: Styles,
+    /// `[tracing]`: the tracer; `None` when tracing is off.
+    pub tracer: Option<&'a std::sync::Arc<crate::otel::Tracer>>,
 }
 
 impl Gate<'_> {
@@ -139,6 +141,9 @@ pub fn handle<'a>(
     async move {
         let in_flight = access::InFlight::new(&ctx.metrics.in_flight);
         let mut log = AccessLog::start(&mut req, ctx.metrics);
+        if let Some(tracer) = snap.tracer {
+            log.trace = Some(tracer.begin(&mut req, || snap.identities.trusts(peer.ip())));
+        }
         let grpc = grpc::is_grpc(req.headers());
         // One address holds at most its share of the descriptor budget: a request past
         // it gets 429 before anything else (other addresses are still served).
@@ -155,6 +160,10 @@ pub fn handle<'a>(
             Ok(response) => response,
             Err(answer) => answer.logged(&mut log),
         };
+        let span = match snap.tracer {
+            Some(tracer) => log.trace_end(tracer, snap, response.status().as_u16()),
+            None => None,
+        };
         let line = log.finish(&mut response);
         if grpc {
             // Logged and counted with its HTTP status; a gRPC client reads grpc-status.
@@ -166,6 +175,7 @@ pub fn handle<'a>(
                 _in_flight: in_flight,
                 _line: line.map(Box::new),
                 _share: share.flatten(),
+                _span: span,
             },
         )
     }
@@ -175,8 +185,8 @@ pub fn handle<'a>(
 /// is dropped, and its access line written then. Kept with the response body, so that both
 /// happen when the body has been sent, has failed, or the client went away (held by the
 /// body itself rather than by a second boxed body around it: one allocation less per
-/// request). Two words: the access line, when there is one (`log.level` shows
-/// access lines), is boxed, so that the response body that carries this stays small as
+/// request). Small: the access line, when there is one (`log.level` shows
+/// access lines), and the span, when one is exported, are boxed, so that the response body that carries this stays small as
 /// hyper moves it.
 #[derive(Debug)]
 pub struct Finished {
@@ -184,6 +194,8 @@ pub struct Finished {
     _line: Option<Box<access::AccessLine>>,
     /// The request's place in its address's share of the descriptor budget.
     _share: Option<crate::budget::ShareSlot>,
+    /// The request's span (`[tracing]`, when exported): queued when the response ends.
+    _span: Option<Box<crate::otel::Finishing>>,
 }
 
 /// The request path as a list of phases, one file each under [`phase`]: the response to
@@ -204,6 +216,9 @@ pub fn serve<'a>(
         let edge = phase::edge::edge(snap, &mut req, peer)?;
         // 2. Identify the caller: key, token, certificate, auth service, or client IP.
         let caller = phase::identify::identify(snap, ctx, &req, peer, &edge, log).await?;
+        if let Some(trace) = log.trace.as_deref_mut() {
+            trace.identified(&caller);
+        }
         // 3. Route: the caller's own limits, or the route by host and path prefix.
         if phase::route::asks_own_limits(snap, &req) {
             return Err(phase::route::own_limits(snap, ctx, &req, &caller, log).await);
@@ -211,7 +226,14 @@ pub fn serve<'a>(
         let routed = phase::route::route(snap, &mut req, edge.host_name(), log)?;
         let route = routed.route;
         // 4. Check every limit of the route.
-        let mut checked = phase::check::check(snap, ctx, &req, peer, &caller, route, log).await?;
+        if let Some(trace) = log.trace.as_deref_mut() {
+            trace.check_starts();
+        }
+        let checked = phase::check::check(snap, ctx, &req, peer, &caller, route, log).await;
+        if let Some(trace) = log.trace.as_deref_mut() {
+            trace.checked(checked.is_ok());
+        }
+        let mut checked = checked?;
         // 5. Forward upstream, streaming both bodies.
         let mut response = phase::forward::forward(
             snap,
@@ -226,7 +248,13 @@ pub fn serve<'a>(
         )
         .await?;
         // 6. Settle: charge, or release, once the status is known.
+        if let Some(trace) = log.trace.as_deref_mut() {
+            trace.charge_starts();
+        }
         let settled = phase::settle::settle(ctx, route, &mut checked, &mut response, log).await;
+        if let Some(trace) = log.trace.as_deref_mut() {
+            trace.charged();
+        }
         // 7. Headers: the rate-limit headers; the concurrency slots go with the body.
         Ok(phase::headers::headers(snap, response, settled, log))
     }

@@ -208,6 +208,9 @@ impl Reloader {
         if !Arc::ptr_eq(snap.limiter.store(), current.limiter.store()) {
             (self.0.start_store)(&snap, self.0.clock.clone());
         }
+        if let Some(tracer) = &snap.tracer {
+            tracer.start(&self.0.metrics);
+        }
         let mut warnings = snap.warnings.clone();
         let (running_server, running_log) = &*snap.running;
         // Certificates reload; TLS on or off is decided at start.

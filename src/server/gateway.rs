@@ -110,6 +110,9 @@ impl Gateway {
             Some((snap.limiter.cache().hits(), store))
         }));
         metrics.config_generation.set(1);
+        if let Some(tracer) = &snapshot.load().tracer {
+            tracer.start(&metrics);
+        }
         metrics.set_tls_certs(tls_now.as_deref());
         let _ = metrics
             .reloads

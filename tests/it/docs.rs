@@ -183,6 +183,21 @@ fn full_config() -> Config {
         rate_limit_endpoint: tollgate::config::RateLimitEndpointConfig {
             path: Some("/rate_limit".into()),
         },
+        tracing: TracingConfig {
+            enabled: true,
+            endpoint: "https://otel.example.com:4318".into(),
+            sample_ratio: 0.01,
+            sample_refusals: true,
+            trust_incoming: TrustIncoming::TrustedProxies,
+            service_name: "tollgate".into(),
+            headers: [("x-scope-orgid".to_string(), "acme".to_string())].into(),
+            headers_file: [("authorization".to_string(), "otel-token".to_string())].into(),
+            ca: Some("otel-ca.pem".into()),
+            queue_size: 2048,
+            batch_size: 512,
+            batch_timeout: Dur::from_secs(1),
+            export_timeout: Dur::from_secs(10),
+        },
     }
 }
 
@@ -190,8 +205,9 @@ fn keys(prefix: &str, v: &toml::Value, out: &mut BTreeSet<String>) {
     match v {
         toml::Value::Table(t) => {
             for (k, v) in t {
-                // Quota keys are tier names chosen by the operator, not config keys.
-                if prefix == "limits.quota" {
+                // Quota keys are tier names chosen by the operator, not config keys;
+                // so are the names of the collector's headers.
+                if ["limits.quota", "tracing.headers", "tracing.headers_file"].contains(&prefix) {
                     continue;
                 }
                 let path = if prefix.is_empty() {

@@ -27,6 +27,7 @@ mod jwt;
 mod keys;
 mod limits;
 mod operations;
+mod otel;
 mod per_address;
 mod problem_details;
 mod proxy;

@@ -42,6 +42,16 @@ pub fn forward<'r, 'c: 'r>(
     async move {
         let route = routed.route;
         snap.identities.to_upstream(caller, req.headers_mut());
+        // `[tracing]`: tollgate's traceparent upstream; the attempts noted when recorded.
+        let attempts = crate::otel::span::Attempts::default();
+        let traced = match log.trace.as_deref_mut() {
+            Some(trace) => {
+                let http2 = route.upstream.protocol == crate::config::UpstreamProtocol::Http2;
+                trace.to_upstream(&route.upstream.name, http2, req.headers_mut());
+                trace.recording
+            }
+            None => false,
+        };
         let down = Downstream {
             peer,
             peer_trusted: edge.peer_trusted,
@@ -56,6 +66,7 @@ pub fn forward<'r, 'c: 'r>(
             via: snap.edge.via(),
             informational: ctx.informational,
             started: std::time::Instant::now(),
+            attempts: traced.then_some(&attempts),
         };
         let upstream_started = down.started;
         // Held inline (the whole request's future is boxed once, in place, by the server:
@@ -64,6 +75,17 @@ pub fn forward<'r, 'c: 'r>(
         tokio::pin!(forwarded);
         let forwarded = forwarded.await;
         log.upstream_took(&route.upstream.name, ctx.metrics, upstream_started);
+        if traced {
+            if let Some(trace) = log.trace.as_deref_mut() {
+                let (i, count, retry_ns) = attempts.read();
+                let target = route
+                    .upstream
+                    .targets
+                    .get(i)
+                    .map(|m| std::sync::Arc::from(m.target.authority.as_str()));
+                trace.upstream_done(target.as_ref(), count, retry_ns);
+            }
+        }
         match forwarded {
             Ok(response) => Ok(response),
             // The client stopped sending its body while the upstream had the request:

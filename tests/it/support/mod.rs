@@ -7,6 +7,7 @@ pub mod client;
 pub mod cluster_replicas;
 pub mod forwarder;
 pub mod lag;
+pub mod otlp;
 pub mod raw;
 pub mod redis;
 pub mod tls_redis;

@@ -1,0 +1,190 @@
+//! Spans into the OTLP protobuf messages (the official definitions of the
+//! `opentelemetry-proto` crate), encoded in the exporter's task, never on the request
+//! path. Attributes follow the HTTP semantic conventions; tollgate's own are
+//! `tollgate.*`.
+
+use super::span::{SpanData, Timed, UpstreamCall};
+use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
+use opentelemetry_proto::tonic::common::v1::{any_value, AnyValue, InstrumentationScope, KeyValue};
+use opentelemetry_proto::tonic::resource::v1::Resource;
+use opentelemetry_proto::tonic::trace::v1::span::{Event, SpanKind};
+use opentelemetry_proto::tonic::trace::v1::{status, ResourceSpans, ScopeSpans, Span, Status};
+use prost::Message;
+
+/// The span flags' "sampled" bit (W3C trace flags in the low byte).
+const SAMPLED: u32 = 1;
+/// The flags' bits that say whether the parent is remote (OTLP 1.4).
+const HAS_IS_REMOTE: u32 = 0x100;
+const IS_REMOTE: u32 = 0x200;
+
+/// The protobuf body of one export request carrying `spans` of service
+/// `service_name`.
+pub fn request(service_name: &str, spans: impl Iterator<Item = SpanData>) -> Vec<u8> {
+    let mut out = Vec::new();
+    for s in spans {
+        span_into(s, &mut out);
+    }
+    let request = ExportTraceServiceRequest {
+        resource_spans: vec![ResourceSpans {
+            resource: Some(Resource {
+                attributes: vec![
+                    text("service.name", service_name),
+                    text("service.version", env!("CARGO_PKG_VERSION")),
+                ],
+                ..Resource::default()
+            }),
+            scope_spans: vec![ScopeSpans {
+                scope: Some(InstrumentationScope {
+                    name: "tollgate".into(),
+                    version: env!("CARGO_PKG_VERSION").into(),
+                    ..InstrumentationScope::default()
+                }),
+                spans: out,
+                schema_url: String::new(),
+            }],
+            schema_url: String::new(),
+        }],
+    };
+    request.encode_to_vec()
+}
+
+/// The server span of `s` and its children, appended to `out`.
+fn span_into(s: SpanData, out: &mut Vec<Span>) {
+    let trace_id = s.trace_id.to_vec();
+    let server_id = s.span_id.to_vec();
+    let path = s.uri.path();
+    let mut attributes = vec![
+        text("http.request.method", s.method.as_str()),
+        text("url.path", path),
+        int("http.response.status_code", i64::from(s.status)),
+        text("tollgate.decision", s.decision),
+    ];
+    if let Some(route) = &s.route {
+        attributes.push(text("http.route", route));
+    }
+    if let Some(host) = s.host.as_ref().and_then(crate::http::authority::host_name) {
+        attributes.push(text("server.address", host));
+    }
+    if let Some(client) = &s.client {
+        attributes.push(text("client.address", client));
+    }
+    if let Some(u) = &s.usage {
+        attributes.push(text("tollgate.limit", &u.resource));
+        attributes.push(int("tollgate.quota", u.quota as i64));
+        attributes.push(int("tollgate.remaining", u.remaining() as i64));
+        attributes.push(int("tollgate.reset", u.reset_epoch_s() as i64));
+    }
+    if let Some(tier) = &s.tier {
+        attributes.push(text("tollgate.tier", tier));
+    }
+    if let Some(hash) = &s.caller_hash {
+        attributes.push(text("tollgate.caller.hash", hash));
+    }
+    if s.cost > 0 {
+        attributes.push(int("tollgate.cost", s.cost as i64));
+    }
+    let name = match &s.route {
+        Some(route) => format!("{} {route}", s.method),
+        None => s.method.to_string(),
+    };
+    let remote = s.parent.is_some();
+    out.push(Span {
+        trace_id: trace_id.clone(),
+        span_id: server_id.clone(),
+        trace_state: s
+            .state
+            .as_ref()
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_string(),
+        parent_span_id: s.parent.map(|p| p.to_vec()).unwrap_or_default(),
+        flags: SAMPLED | HAS_IS_REMOTE | if remote { IS_REMOTE } else { 0 },
+        name,
+        kind: SpanKind::Server as i32,
+        start_time_unix_nano: s.start_ns,
+        end_time_unix_nano: s.end_ns,
+        attributes,
+        status: (s.status >= 500).then(|| Status {
+            message: String::new(),
+            code: status::StatusCode::Error as i32,
+        }),
+        ..Span::default()
+    });
+    let child = |name: &str, t: &Timed, kind: SpanKind, attributes: Vec<KeyValue>| Span {
+        trace_id: trace_id.clone(),
+        span_id: t.span_id.to_vec(),
+        parent_span_id: server_id.clone(),
+        flags: SAMPLED | HAS_IS_REMOTE,
+        name: name.into(),
+        kind: kind as i32,
+        start_time_unix_nano: t.start_ns,
+        end_time_unix_nano: t.end_ns.max(t.start_ns),
+        attributes,
+        ..Span::default()
+    };
+    let store = |script: &str| {
+        vec![
+            text("db.system.name", "tollgate"),
+            text("tollgate.store.script", script),
+        ]
+    };
+    if let Some(t) = &s.check {
+        out.push(child("check", t, SpanKind::Internal, store("check")));
+    }
+    if let Some(t) = &s.charge {
+        out.push(child("charge", t, SpanKind::Internal, store("charge")));
+    }
+    if let Some(u) = &s.upstream {
+        let mut span = child("upstream", &u.timed, SpanKind::Client, upstream(u, &s));
+        if u.retry_ns > 0 {
+            span.events.push(Event {
+                time_unix_nano: u.retry_ns,
+                name: "retry".into(),
+                attributes: vec![text(
+                    "tollgate.retry.reason",
+                    "failed before the request was sent",
+                )],
+                dropped_attributes_count: 0,
+            });
+        }
+        out.push(span);
+    }
+}
+
+/// The attributes of an upstream call.
+fn upstream(u: &UpstreamCall, s: &SpanData) -> Vec<KeyValue> {
+    let mut a = vec![
+        text("http.request.method", s.method.as_str()),
+        text("network.protocol.version", u.protocol),
+        int("tollgate.upstream.attempts", i64::from(u.attempts)),
+    ];
+    if let Some(name) = &u.upstream {
+        a.push(text("tollgate.upstream", name));
+    }
+    if let Some(target) = &u.target {
+        match target.rsplit_once(':') {
+            Some((host, port)) if port.parse::<u16>().is_ok() => {
+                a.push(text("server.address", host.trim_matches(['[', ']'])));
+                a.push(int("server.port", port.parse::<i64>().unwrap_or(0)));
+            }
+            _ => a.push(text("server.address", target)),
+        }
+    }
+    a
+}
+
+fn text(key: &str, value: &str) -> KeyValue {
+    attribute(key, any_value::Value::StringValue(value.into()))
+}
+
+fn int(key: &str, value: i64) -> KeyValue {
+    attribute(key, any_value::Value::IntValue(value))
+}
+
+fn attribute(key: &str, value: any_value::Value) -> KeyValue {
+    KeyValue {
+        key: key.into(),
+        value: Some(AnyValue { value: Some(value) }),
+        ..KeyValue::default()
+    }
+}

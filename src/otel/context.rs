@@ -31,6 +31,38 @@ pub struct Parent {
     pub state: Option<HeaderValue>,
 }
 
+/// Remove the trace context from `headers` (one lookup per header) and return it when
+/// `continued` (the peer is trusted with it) and it is valid (see [`read`]).
+pub fn take(headers: &mut HeaderMap, continued: bool) -> Option<Parent> {
+    let parent = match headers.entry(&TRACEPARENT) {
+        http::header::Entry::Vacant(_) => None,
+        http::header::Entry::Occupied(o) => {
+            let mut values = o.remove_entry_mult().1;
+            match (values.next(), values.next()) {
+                (Some(v), None) if continued => parse(v.as_bytes()),
+                _ => None,
+            }
+        }
+    };
+    let state = match headers.entry(&TRACESTATE) {
+        http::header::Entry::Vacant(_) => None,
+        http::header::Entry::Occupied(o) => {
+            let mut values = o.remove_entry_mult().1;
+            match (values.next(), values.next()) {
+                (Some(s), None) if parent.is_some() => Some(s),
+                _ => None,
+            }
+        }
+    };
+    let (trace_id, span_id, flags) = parent?;
+    Some(Parent {
+        trace_id,
+        span_id,
+        sampled: flags & 1 == 1,
+        state: state.filter(|s| s.len() <= MAX_TRACESTATE && !s.is_empty()),
+    })
+}
+
 /// The trace context of `headers`, or `None` when there is none or it is not exactly
 /// one well-formed version-00 `traceparent` (lowercase hex, ids not all zero).
 pub fn read(headers: &HeaderMap) -> Option<Parent> {

@@ -4,7 +4,6 @@
 //! `tollgate.*`.
 
 use super::span::{SpanData, Timed, UpstreamCall};
-use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
 use opentelemetry_proto::tonic::common::v1::{any_value, AnyValue, InstrumentationScope, KeyValue};
 use opentelemetry_proto::tonic::resource::v1::Resource;
 use opentelemetry_proto::tonic::trace::v1::span::{Event, SpanKind};
@@ -18,34 +17,59 @@ const HAS_IS_REMOTE: u32 = 0x100;
 const IS_REMOTE: u32 = 0x200;
 
 /// The protobuf body of one export request carrying `spans` of service
-/// `service_name`.
+/// `service_name`: an `ExportTraceServiceRequest` with one `ResourceSpans` holding one
+/// `ScopeSpans`. Each span is encoded once, as its own message, straight into the
+/// `ScopeSpans`' repeated `spans` field; the three enclosing messages are written around
+/// them with their lengths (encoding the whole request as one message would have prost
+/// measure each span again at every level of nesting: the exporter's instructions per
+/// span fell by about a third).
 pub fn request(service_name: &str, spans: impl Iterator<Item = SpanData>) -> Vec<u8> {
+    use prost::encoding::{encode_key, encode_varint, encoded_len_varint, key_len, WireType};
+    // ScopeSpans.spans (2), each a length-delimited Span.
+    let mut spans_bytes = Vec::new();
     let mut out = Vec::new();
     for s in spans {
         span_into(s, &mut out);
+        for span in out.drain(..) {
+            prost::encoding::message::encode(2, &span, &mut spans_bytes);
+        }
     }
-    let request = ExportTraceServiceRequest {
-        resource_spans: vec![ResourceSpans {
-            resource: Some(Resource {
-                attributes: vec![
-                    text("service.name", service_name),
-                    text("service.version", env!("CARGO_PKG_VERSION")),
-                ],
-                ..Resource::default()
-            }),
-            scope_spans: vec![ScopeSpans {
-                scope: Some(InstrumentationScope {
-                    name: "tollgate".into(),
-                    version: env!("CARGO_PKG_VERSION").into(),
-                    ..InstrumentationScope::default()
-                }),
-                spans: out,
-                schema_url: String::new(),
-            }],
-            schema_url: String::new(),
-        }],
-    };
-    request.encode_to_vec()
+    let scope = ScopeSpans {
+        scope: Some(InstrumentationScope {
+            name: "tollgate".into(),
+            version: env!("CARGO_PKG_VERSION").into(),
+            ..InstrumentationScope::default()
+        }),
+        spans: Vec::new(),
+        schema_url: String::new(),
+    }
+    .encode_to_vec();
+    let scope_len = scope.len() + spans_bytes.len();
+    let resource = ResourceSpans {
+        resource: Some(Resource {
+            attributes: vec![
+                text("service.name", service_name),
+                text("service.version", env!("CARGO_PKG_VERSION")),
+            ],
+            ..Resource::default()
+        }),
+        scope_spans: Vec::new(),
+        schema_url: String::new(),
+    }
+    .encode_to_vec();
+    // ResourceSpans.scope_spans (2) after the resource.
+    let resource_len =
+        resource.len() + key_len(2) + encoded_len_varint(scope_len as u64) + scope_len;
+    let mut body = Vec::with_capacity(resource_len + 16);
+    // ExportTraceServiceRequest.resource_spans (1).
+    encode_key(1, WireType::LengthDelimited, &mut body);
+    encode_varint(resource_len as u64, &mut body);
+    body.extend_from_slice(&resource);
+    encode_key(2, WireType::LengthDelimited, &mut body);
+    encode_varint(scope_len as u64, &mut body);
+    body.extend_from_slice(&scope);
+    body.extend_from_slice(&spans_bytes);
+    body
 }
 
 /// The server span of `s` and its children, appended to `out`.
@@ -62,7 +86,9 @@ fn span_into(s: SpanData, out: &mut Vec<Span>) {
     if let Some(route) = &s.route {
         attributes.push(text("http.route", route));
     }
-    if let Some(host) = s.host.as_ref().and_then(crate::http::authority::host_name) {
+    // The Host header, else (HTTP/2) the request's authority.
+    let host = s.host.as_ref().and_then(crate::http::authority::host_name);
+    if let Some(host) = host.or(s.uri.host()) {
         attributes.push(text("server.address", host));
     }
     if let Some(client) = &s.client {
@@ -186,5 +212,54 @@ fn attribute(key: &str, value: any_value::Value) -> KeyValue {
         key: key.into(),
         value: Some(AnyValue { value: Some(value) }),
         ..KeyValue::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
+
+    fn span(path: &str) -> SpanData {
+        SpanData {
+            trace_id: [1; 16],
+            span_id: [2; 8],
+            parent: Some([3; 8]),
+            state: None,
+            start_ns: 10,
+            end_ns: 20,
+            method: http::Method::GET,
+            uri: path.parse().unwrap(),
+            host: None,
+            route: Some("/".into()),
+            status: 200,
+            client: None,
+            decision: "allowed",
+            usage: None,
+            tier: Some("anonymous".into()),
+            caller_hash: None,
+            cost: 1,
+            check: Some(Timed {
+                span_id: [4; 8],
+                start_ns: 11,
+                end_ns: 12,
+            }),
+            charge: None,
+            upstream: None,
+        }
+    }
+
+    #[test]
+    fn the_framed_request_is_the_messages_own_encoding() {
+        let body = request("svc", [span("/a"), span("/b")].into_iter());
+        let decoded = ExportTraceServiceRequest::decode(&body[..]).unwrap();
+        // Byte for byte what prost writes for the whole message.
+        assert_eq!(decoded.encode_to_vec(), body);
+        let spans = &decoded.resource_spans[0].scope_spans[0].spans;
+        assert_eq!(spans.len(), 4);
+        assert_eq!(spans[0].name, "GET /");
+        assert_eq!(spans[1].name, "check");
+        assert_eq!(spans[1].parent_span_id, vec![2; 8]);
+        assert_eq!(spans[2].trace_id, vec![1; 16]);
     }
 }

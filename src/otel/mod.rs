@@ -194,16 +194,20 @@ impl Tracer {
         }))
     }
 
-    /// Start the exporter's task (once; a tracer kept by a reload is running already).
+    /// Start the exporter's task on the current Tokio runtime (once; a tracer kept by
+    /// a reload is running already). Outside a runtime nothing starts.
     pub fn start(&self, metrics: &crate::metrics::Metrics) {
         let _ = self.dropped.set(metrics.trace_spans_dropped("queue_full"));
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
         let pending = self.pending.lock().ok().and_then(|mut p| p.take());
         if let Some((rx, exporter)) = pending {
             let counts = export::Counts {
                 exported: metrics.trace_spans_exported.clone(),
                 failed: metrics.trace_spans_dropped("export_failed"),
             };
-            tokio::spawn(export::run(exporter, rx, counts));
+            rt.spawn(export::run(exporter, rx, counts));
         }
     }
 
@@ -221,14 +225,7 @@ impl Tracer {
             TrustIncoming::TrustedProxies => peer_trusted(),
             TrustIncoming::None => false,
         };
-        let headers = req.headers_mut();
-        let parent = continued.then(|| context::read(headers)).flatten();
-        if headers.contains_key(&context::TRACEPARENT) {
-            headers.remove(&context::TRACEPARENT);
-        }
-        if headers.contains_key(&context::TRACESTATE) {
-            headers.remove(&context::TRACESTATE);
-        }
+        let parent = context::take(req.headers_mut(), continued);
         let (trace_id, parent_id, sampled, state) = match parent {
             Some(p) => (p.trace_id, Some(p.span_id), p.sampled, p.state),
             None => {
@@ -238,22 +235,27 @@ impl Tracer {
                 (id, None, sampled, None)
             }
         };
-        let recording = sampled || self.sample_refusals;
+        let refusal_watch = !sampled && self.sample_refusals;
         Box::new(Recording {
             trace_id,
             span_id: context::new_span_id(),
             parent: parent_id,
             state,
             sampled,
-            recording,
-            start_ns: if recording { span::now_ns() } else { 0 },
+            refusal_watch,
+            sampled_refusal: false,
+            start_ns: if sampled || refusal_watch {
+                span::now_ns()
+            } else {
+                0
+            },
             method: req.method().clone(),
-            uri: if recording {
+            uri: if sampled {
                 req.uri().clone()
             } else {
                 Uri::default()
             },
-            host: if recording {
+            host: if sampled {
                 req.headers().get(http::header::HOST).cloned()
             } else {
                 None
@@ -276,7 +278,7 @@ impl Tracer {
         status: u16,
     ) -> Option<Box<Finishing>> {
         let refused = log.decision == Decision::Rejected;
-        if !(rec.sampled || (refused && rec.recording && self.sample_refusals)) {
+        if !(rec.sampled || (refused && rec.sampled_refusal)) {
             return None;
         }
         let (client, tier, caller_hash) = match rec.caller.take() {

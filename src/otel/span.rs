@@ -111,11 +111,14 @@ pub struct Recording {
     /// Its `tracestate`, carried on unchanged.
     pub state: Option<HeaderValue>,
     /// Sampled at the start (by the parent's flag or the ratio): exported whatever
-    /// happens, and told upstream.
+    /// happens, told upstream, and recorded as it passes (child spans, caller).
     pub sampled: bool,
-    /// Whether times and attributes are still recorded: sampled, or possibly a refusal
-    /// to export (`tracing.sample_refusals`) until the check has admitted it.
-    pub recording: bool,
+    /// Not sampled, but exported if a limit refuses it (`tracing.sample_refusals`):
+    /// only the start time is kept until then, and the rest is noted at the refusal.
+    pub refusal_watch: bool,
+    /// Not sampled, and noted at a refusal of the check: exported if the request is
+    /// logged `rejected`.
+    pub sampled_refusal: bool,
     /// Start of the server span, nanoseconds since the Unix epoch.
     pub start_ns: u64,
     pub(super) method: Method,
@@ -134,37 +137,54 @@ impl Recording {
     /// Note the caller the identify phase found: its client id, IP and IP key (hashed,
     /// never sent as they are, unless `log.client_ip = "ip"` shows the IP) and tier.
     pub fn identified(&mut self, caller: &crate::identity::Caller) {
-        if self.recording {
-            self.caller = Some(Identified {
-                id: caller.client.as_ref().map(|c| c.id.clone()),
-                ip: caller.ip,
-                ip_key: caller.ip_key,
-                tier: caller.tier.clone(),
-            });
+        if self.sampled {
+            self.note_caller(caller);
         }
+    }
+
+    fn note_caller(&mut self, caller: &crate::identity::Caller) {
+        self.caller = Some(Identified {
+            id: caller.client.as_ref().map(|c| c.id.clone()),
+            ip: caller.ip,
+            ip_key: caller.ip_key,
+            tier: caller.tier.clone(),
+        });
     }
 
     /// The check begins.
     pub fn check_starts(&mut self) {
-        if self.recording {
+        if self.sampled {
             self.check = Some(Timed::starts());
         }
     }
 
-    /// The check has answered; `admitted`: the request goes on, so it will not be a
-    /// refusal (an unsampled trace stops recording).
-    pub fn checked(&mut self, admitted: bool) {
+    /// The check of `req` for `caller` has answered; `admitted`: the request goes on,
+    /// so it will not be a refusal. An unsampled request that was not admitted notes
+    /// what its span shows now, in case it is a refusal to export.
+    #[inline]
+    pub fn checked<B>(
+        &mut self,
+        admitted: bool,
+        req: &http::Request<B>,
+        caller: &crate::identity::Caller,
+    ) {
         if let Some(c) = &mut self.check {
             c.end_ns = now_ns();
         }
-        if admitted && !self.sampled {
-            self.recording = false;
+        if self.refusal_watch {
+            self.refusal_watch = false;
+            if !admitted {
+                self.uri = req.uri().clone();
+                self.host = req.headers().get(http::header::HOST).cloned();
+                self.note_caller(caller);
+                self.sampled_refusal = true;
+            }
         }
     }
 
     /// The charge begins.
     pub fn charge_starts(&mut self) {
-        if self.recording {
+        if self.sampled {
             self.charge = Some(Timed::starts());
         }
     }
@@ -188,7 +208,7 @@ impl Recording {
         if let Some(state) = &self.state {
             headers.insert(&context::TRACESTATE, state.clone());
         }
-        if self.recording {
+        if self.sampled {
             self.upstream = Some(UpstreamCall {
                 timed: Timed {
                     span_id: call_id,

@@ -231,7 +231,7 @@ pub fn serve<'a>(
         }
         let checked = phase::check::check(snap, ctx, &req, peer, &caller, route, log).await;
         if let Some(trace) = log.trace.as_deref_mut() {
-            trace.checked(checked.is_ok());
+            trace.checked(checked.is_ok(), &req, &caller);
         }
         let mut checked = checked?;
         // 5. Forward upstream, streaming both bodies.

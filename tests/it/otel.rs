@@ -83,7 +83,7 @@ async fn with_ratio_0_only_refusals_are_exported_with_their_limit_remaining_and_
     assert!(refused.headers.get("traceparent").is_none());
     assert!(!refused.text().contains(TRACE_ID));
 
-    rx.wait_spans(2).await;
+    rx.wait_spans(1).await;
     // Give a late span of an allowed request the time to show up (it would have been
     // queued before the refusal's, so it would be in the same batch or an earlier one).
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -111,12 +111,10 @@ async fn with_ratio_0_only_refusals_are_exported_with_their_limit_remaining_and_
         .iter()
         .flat_map(|s| &s.attributes)
         .any(|kv| format!("{:?}", kv.value).contains("127.0.0.1") && kv.key != "server.address"));
-    // The check's child span; nothing was forwarded or charged.
-    let check = child(&spans, s, "check");
-    assert!(check.end_time_unix_nano >= check.start_time_unix_nano);
-    assert!(spans
-        .iter()
-        .all(|x| x.name != "upstream" && x.name != "charge"));
+    // Exported for being a refusal, not sampled: the server span alone (nothing was
+    // recorded as it passed, so that unsampled requests cost little).
+    assert_eq!(spans.len(), 1, "{spans:#?}");
+    assert!(s.end_time_unix_nano >= s.start_time_unix_nano);
     // How it was sent: OTLP/HTTP protobuf with the collector's header.
     let export = &rx.exports()[0];
     assert_eq!(export.path, "/v1/traces");

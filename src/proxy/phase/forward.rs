@@ -48,7 +48,7 @@ pub fn forward<'r, 'c: 'r>(
             Some(trace) => {
                 let http2 = route.upstream.protocol == crate::config::UpstreamProtocol::Http2;
                 trace.to_upstream(&route.upstream.name, http2, req.headers_mut());
-                trace.recording
+                trace.sampled
             }
             None => false,
         };

@@ -31,36 +31,22 @@ pub struct Parent {
     pub state: Option<HeaderValue>,
 }
 
-/// Remove the trace context from `headers` (one lookup per header) and return it when
+/// Remove the trace context from `headers` and return it when
 /// `continued` (the peer is trusted with it) and it is valid (see [`read`]).
 pub fn take(headers: &mut HeaderMap, continued: bool) -> Option<Parent> {
-    let parent = match headers.entry(&TRACEPARENT) {
-        http::header::Entry::Vacant(_) => None,
-        http::header::Entry::Occupied(o) => {
-            let mut values = o.remove_entry_mult().1;
-            match (values.next(), values.next()) {
-                (Some(v), None) if continued => parse(v.as_bytes()),
-                _ => None,
-            }
+    // Most requests carry neither: a plain lookup each (an entry would reserve room).
+    let parent = match headers.contains_key(&TRACEPARENT) {
+        false => None,
+        true => {
+            let parent = continued.then(|| read(headers)).flatten();
+            headers.remove(&TRACEPARENT);
+            parent
         }
     };
-    let state = match headers.entry(&TRACESTATE) {
-        http::header::Entry::Vacant(_) => None,
-        http::header::Entry::Occupied(o) => {
-            let mut values = o.remove_entry_mult().1;
-            match (values.next(), values.next()) {
-                (Some(s), None) if parent.is_some() => Some(s),
-                _ => None,
-            }
-        }
-    };
-    let (trace_id, span_id, flags) = parent?;
-    Some(Parent {
-        trace_id,
-        span_id,
-        sampled: flags & 1 == 1,
-        state: state.filter(|s| s.len() <= MAX_TRACESTATE && !s.is_empty()),
-    })
+    if headers.contains_key(&TRACESTATE) {
+        headers.remove(&TRACESTATE);
+    }
+    parent
 }
 
 /// The trace context of `headers`, or `None` when there is none or it is not exactly
@@ -118,12 +104,22 @@ fn hex_into(hex: &[u8], out: &mut [u8]) -> Option<()> {
 
 /// `bytes` as lowercase hex into `out` (twice as long).
 pub fn hex_write(bytes: &[u8], out: &mut [u8]) {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    for (i, b) in bytes.iter().enumerate() {
-        out[2 * i] = DIGITS[usize::from(b >> 4)];
-        out[2 * i + 1] = DIGITS[usize::from(b & 15)];
+    for (pair, b) in out.chunks_exact_mut(2).zip(bytes) {
+        pair.copy_from_slice(&HEX_PAIRS[usize::from(*b)]);
     }
 }
+
+/// Each byte's two lowercase hex digits (one lookup per byte instead of two).
+static HEX_PAIRS: [[u8; 2]; 256] = {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut t = [[0u8; 2]; 256];
+    let mut i = 0;
+    while i < 256 {
+        t[i] = [DIGITS[i >> 4], DIGITS[i & 15]];
+        i += 1;
+    }
+    t
+};
 
 /// The `traceparent` value for a request whose parent span is `span_id` in `trace_id`.
 pub fn traceparent(trace_id: &TraceId, span_id: &SpanId, sampled: bool) -> HeaderValue {

@@ -23,11 +23,12 @@ const IS_REMOTE: u32 = 0x200;
 /// them with their lengths (encoding the whole request as one message would have prost
 /// measure each span again at every level of nesting: the exporter's instructions per
 /// span fell by about a third).
-pub fn request(service_name: &str, spans: impl Iterator<Item = SpanData>) -> Vec<u8> {
+pub fn request(service_name: &str, spans: impl ExactSizeIterator<Item = SpanData>) -> Vec<u8> {
     use prost::encoding::{encode_key, encode_varint, encoded_len_varint, key_len, WireType};
-    // ScopeSpans.spans (2), each a length-delimited Span.
-    let mut spans_bytes = Vec::new();
-    let mut out = Vec::new();
+    // ScopeSpans.spans (2), each a length-delimited Span: a request's spans take about
+    // 1.5 KB, so the buffer rarely grows.
+    let mut spans_bytes = Vec::with_capacity(spans.len() * 1536);
+    let mut out = Vec::with_capacity(4);
     for s in spans {
         span_into(s, &mut out);
         for span in out.drain(..) {

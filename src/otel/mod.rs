@@ -243,27 +243,12 @@ impl Tracer {
             state,
             sampled,
             refusal_watch,
-            sampled_refusal: false,
             start_ns: if sampled || refusal_watch {
                 span::now_ns()
             } else {
                 0
             },
-            method: req.method().clone(),
-            uri: if sampled {
-                req.uri().clone()
-            } else {
-                Uri::default()
-            },
-            host: if sampled {
-                req.headers().get(http::header::HOST).cloned()
-            } else {
-                None
-            },
-            caller: None,
-            check: None,
-            charge: None,
-            upstream: None,
+            details: sampled.then(|| span::Details::of(req)),
         })
     }
 
@@ -278,10 +263,12 @@ impl Tracer {
         status: u16,
     ) -> Option<Box<Finishing>> {
         let refused = log.decision == Decision::Rejected;
-        if !(rec.sampled || (refused && rec.sampled_refusal)) {
+        // A watched request's details exist only once the check refused it.
+        if !(rec.sampled || refused) {
             return None;
         }
-        let (client, tier, caller_hash) = match rec.caller.take() {
+        let d = rec.details.take()?;
+        let (client, tier, caller_hash) = match d.caller {
             Some(c) => (
                 snap.log_client(c.ip),
                 Some(c.tier),
@@ -297,9 +284,9 @@ impl Tracer {
                 state: rec.state.take(),
                 start_ns: rec.start_ns,
                 end_ns: 0,
-                method: rec.method.clone(),
-                uri: std::mem::take(&mut rec.uri),
-                host: rec.host.take(),
+                method: d.method,
+                uri: d.uri,
+                host: d.host,
                 route: log.route.clone(),
                 status,
                 client,
@@ -308,9 +295,9 @@ impl Tracer {
                 tier,
                 caller_hash,
                 cost: log.cost,
-                check: rec.check.take(),
-                charge: rec.charge.take(),
-                upstream: rec.upstream.take(),
+                check: d.check,
+                charge: d.charge,
+                upstream: d.upstream,
             }),
             tracer: self.clone(),
         }))

@@ -99,7 +99,9 @@ pub struct Identified {
     pub tier: Arc<str>,
 }
 
-/// What a request's trace records as it passes, from the start of the request.
+/// What a request's trace records as it passes, from the start of the request: its
+/// ids, and the details of a span to export (`None` until it is known to be exported:
+/// an unsampled request keeps the small part only).
 #[derive(Debug)]
 pub struct Recording {
     /// The trace (continued, or new).
@@ -116,11 +118,16 @@ pub struct Recording {
     /// Not sampled, but exported if a limit refuses it (`tracing.sample_refusals`):
     /// only the start time is kept until then, and the rest is noted at the refusal.
     pub refusal_watch: bool,
-    /// Not sampled, and noted at a refusal of the check: exported if the request is
-    /// logged `rejected`.
-    pub sampled_refusal: bool,
-    /// Start of the server span, nanoseconds since the Unix epoch.
+    /// Start of the server span, nanoseconds since the Unix epoch (0: not recorded).
     pub start_ns: u64,
+    /// What the span shows: from the start when sampled, from a refusal of the check
+    /// when watched for one.
+    pub details: Option<Box<Details>>,
+}
+
+/// The attributes and child spans of a span to export.
+#[derive(Debug)]
+pub struct Details {
     pub(super) method: Method,
     pub(super) uri: Uri,
     pub(super) host: Option<HeaderValue>,
@@ -133,13 +140,18 @@ pub struct Recording {
     pub upstream: Option<UpstreamCall>,
 }
 
-impl Recording {
-    /// Note the caller the identify phase found: its client id, IP and IP key (hashed,
-    /// never sent as they are, unless `log.client_ip = "ip"` shows the IP) and tier.
-    pub fn identified(&mut self, caller: &crate::identity::Caller) {
-        if self.sampled {
-            self.note_caller(caller);
-        }
+impl Details {
+    /// The details of `req` as it arrives.
+    pub fn of<B>(req: &http::Request<B>) -> Box<Self> {
+        Box::new(Details {
+            method: req.method().clone(),
+            uri: req.uri().clone(),
+            host: req.headers().get(http::header::HOST).cloned(),
+            caller: None,
+            check: None,
+            charge: None,
+            upstream: None,
+        })
     }
 
     fn note_caller(&mut self, caller: &crate::identity::Caller) {
@@ -150,11 +162,21 @@ impl Recording {
             tier: caller.tier.clone(),
         });
     }
+}
+
+impl Recording {
+    /// Note the caller the identify phase found: its client id, IP and IP key (hashed,
+    /// never sent as they are, unless `log.client_ip = "ip"` shows the IP) and tier.
+    pub fn identified(&mut self, caller: &crate::identity::Caller) {
+        if let Some(d) = self.details.as_deref_mut() {
+            d.note_caller(caller);
+        }
+    }
 
     /// The check begins.
     pub fn check_starts(&mut self) {
-        if self.sampled {
-            self.check = Some(Timed::starts());
+        if let Some(d) = self.details.as_deref_mut() {
+            d.check = Some(Timed::starts());
         }
     }
 
@@ -168,38 +190,42 @@ impl Recording {
         req: &http::Request<B>,
         caller: &crate::identity::Caller,
     ) {
-        if let Some(c) = &mut self.check {
+        if let Some(c) = self.details.as_deref_mut().and_then(|d| d.check.as_mut()) {
             c.end_ns = now_ns();
         }
         if self.refusal_watch {
             self.refusal_watch = false;
             if !admitted {
-                self.uri = req.uri().clone();
-                self.host = req.headers().get(http::header::HOST).cloned();
-                self.note_caller(caller);
-                self.sampled_refusal = true;
+                let mut d = Details::of(req);
+                d.note_caller(caller);
+                self.details = Some(d);
             }
         }
     }
 
     /// The charge begins.
     pub fn charge_starts(&mut self) {
-        if self.sampled {
-            self.charge = Some(Timed::starts());
+        if let Some(d) = self.details.as_deref_mut() {
+            d.charge = Some(Timed::starts());
         }
     }
 
     /// The charge has answered.
     pub fn charged(&mut self) {
-        if let Some(c) = &mut self.charge {
+        if let Some(c) = self.details.as_deref_mut().and_then(|d| d.charge.as_mut()) {
             c.end_ns = now_ns();
         }
     }
 
     /// The request goes to `upstream`: put this trace's `traceparent` (parent: the
     /// upstream call's span) and the continued `tracestate` on `headers`, replacing
-    /// any the client sent.
-    pub fn to_upstream(&mut self, upstream: &Arc<str>, http2: bool, headers: &mut HeaderMap) {
+    /// any the client sent. Whether the call is recorded.
+    pub fn to_upstream(
+        &mut self,
+        upstream: &Arc<str>,
+        http2: bool,
+        headers: &mut HeaderMap,
+    ) -> bool {
         let call_id = context::new_span_id();
         headers.insert(
             &context::TRACEPARENT,
@@ -208,25 +234,31 @@ impl Recording {
         if let Some(state) = &self.state {
             headers.insert(&context::TRACESTATE, state.clone());
         }
-        if self.sampled {
-            self.upstream = Some(UpstreamCall {
-                timed: Timed {
-                    span_id: call_id,
-                    start_ns: now_ns(),
-                    end_ns: 0,
-                },
-                upstream: Some(upstream.clone()),
-                protocol: if http2 { "2" } else { "1.1" },
-                attempts: 1,
-                ..UpstreamCall::default()
-            });
-        }
+        let Some(d) = self.details.as_deref_mut() else {
+            return false;
+        };
+        d.upstream = Some(UpstreamCall {
+            timed: Timed {
+                span_id: call_id,
+                start_ns: now_ns(),
+                end_ns: 0,
+            },
+            upstream: Some(upstream.clone()),
+            protocol: if http2 { "2" } else { "1.1" },
+            attempts: 1,
+            ..UpstreamCall::default()
+        });
+        true
     }
 
     /// The upstream call has answered (or failed) after `attempts` tries, the last one
     /// to `target`; `retry_ns`: when a second try began (0: none).
     pub fn upstream_done(&mut self, target: Option<&Arc<str>>, attempts: u32, retry_ns: u64) {
-        if let Some(u) = &mut self.upstream {
+        if let Some(u) = self
+            .details
+            .as_deref_mut()
+            .and_then(|d| d.upstream.as_mut())
+        {
             u.timed.end_ns = now_ns();
             u.target = target.cloned();
             u.attempts = attempts.max(1);

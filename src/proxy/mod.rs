@@ -229,11 +229,19 @@ pub fn serve<'a>(
         if let Some(trace) = log.trace.as_deref_mut() {
             trace.check_starts();
         }
-        let checked = phase::check::check(snap, ctx, &req, peer, &caller, route, log).await;
+        let mut checked =
+            match phase::check::check(snap, ctx, &req, peer, &caller, route, log).await {
+                Ok(checked) => checked,
+                Err(answer) => {
+                    if let Some(trace) = log.trace.as_deref_mut() {
+                        trace.checked(false, &req, &caller);
+                    }
+                    return Err(answer);
+                }
+            };
         if let Some(trace) = log.trace.as_deref_mut() {
-            trace.checked(checked.is_ok(), &req, &caller);
+            trace.checked(true, &req, &caller);
         }
-        let mut checked = checked?;
         // 5. Forward upstream, streaming both bodies.
         let mut response = phase::forward::forward(
             snap,

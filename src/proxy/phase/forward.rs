@@ -47,8 +47,7 @@ pub fn forward<'r, 'c: 'r>(
         let traced = match log.trace.as_deref_mut() {
             Some(trace) => {
                 let http2 = route.upstream.protocol == crate::config::UpstreamProtocol::Http2;
-                trace.to_upstream(&route.upstream.name, http2, req.headers_mut());
-                trace.sampled
+                trace.to_upstream(&route.upstream.name, http2, req.headers_mut())
             }
             None => false,
         };

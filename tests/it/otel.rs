@@ -426,3 +426,33 @@ upstream = "api"
     let (code, _, stderr) = support::check(&path);
     assert_eq!(code, 0, "{stderr}");
 }
+
+#[tokio::test]
+async fn a_sampled_refusal_has_its_check_span_and_nothing_forwarded() {
+    let up = Upstream::start().await;
+    let rx = Receiver::start(true).await;
+    let toml = config(&up, 1, &rx.endpoint(), "sample_ratio = 1.0", "");
+    let gw = TestGateway::start(&toml).await;
+    assert_eq!(get_with(&gw.url("/first"), &[]).await.status, 200);
+    let refused = get_with(&gw.url("/second"), &[]).await;
+    assert_eq!(refused.status, 429);
+    // The allowed request's four spans, then the refusal's two.
+    let spans = rx.wait_spans(6).await;
+    let servers = server_spans(&spans);
+    assert_eq!(servers.len(), 2, "{spans:#?}");
+    let s = servers
+        .iter()
+        .find(|s| attr(s, "url.path").as_deref() == Some("/second"))
+        .unwrap();
+    assert_eq!(attr(s, "tollgate.decision").as_deref(), Some("rejected"));
+    assert_eq!(attr(s, "tollgate.remaining").as_deref(), Some("0"));
+    let check = child(&spans, s, "check");
+    assert!(check.start_time_unix_nano >= s.start_time_unix_nano);
+    assert!(check.end_time_unix_nano <= s.end_time_unix_nano);
+    let children: Vec<&str> = spans
+        .iter()
+        .filter(|c| c.parent_span_id == s.span_id)
+        .map(|c| c.name.as_str())
+        .collect();
+    assert_eq!(children, ["check"], "no upstream call, no charge");
+}

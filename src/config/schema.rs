@@ -1034,6 +1034,12 @@ pub struct LimitConfig {
     /// crashed) go back to the window. At least 2s; default 5s.
     #[serde(default = "default_lease_ttl")]
     pub lease_ttl: Dur,
+    /// Once this limit refuses a caller, refuse every request of that caller on this
+    /// limit for this long (from the refusal that started the block), whatever the
+    /// window says; the block is kept in the store, so the whole fleet blocks. Between
+    /// 1s and 1 year; not for `"concurrency"` nor lease mode. Default: off.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_for: Option<Dur>,
 }
 
 fn default_lease_ttl() -> Dur {

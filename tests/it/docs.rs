@@ -155,6 +155,7 @@ fn full_config() -> Config {
             trusted_only: true,
             lease: Some(100),
             lease_ttl: Dur::from_secs(5),
+            block_for: Some(Dur::from_secs(900)),
             mode: LimitMode::Enforce,
             enforce_percent: 25,
             on_limit: OnLimit::Delay,

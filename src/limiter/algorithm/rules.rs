@@ -16,9 +16,10 @@ pub(super) fn fixed_window(p: &Policy, state: &mut State, op: Op, now: u64) -> V
         reset_at_ms: reset_at,
         retry_at_ms: if admitted { 0 } else { reset_at },
         epoch: reset_at,
+        ..Verdict::default()
     };
     match op.kind {
-        OpKind::Peek => verdict(admitted, used),
+        OpKind::Peek | OpKind::Block => verdict(admitted, used),
         OpKind::Reserve if !admitted => verdict(false, used),
         OpKind::Charge | OpKind::Reserve => {
             let used = used.saturating_add(op.cost);
@@ -102,10 +103,11 @@ pub(super) fn sliding_window(p: &Policy, state: &mut State, op: Op, now: u64) ->
             reset_at_ms: reset_of(prev, cur),
             retry_at_ms: if admitted { 0 } else { retry(prev, cur) },
             epoch: start,
+            ..Verdict::default()
         }
     };
     match op.kind {
-        OpKind::Peek => verdict(admitted, prev, cur),
+        OpKind::Peek | OpKind::Block => verdict(admitted, prev, cur),
         OpKind::Reserve if !admitted => verdict(false, prev, cur),
         OpKind::Charge | OpKind::Reserve => {
             let cur = cur.saturating_add(op.cost);
@@ -175,13 +177,14 @@ pub(super) fn sliding_log(p: &Policy, state: &mut State, op: Op, now: u64) -> Ve
             reset_at_ms,
             retry_at_ms,
             epoch: 0,
+            ..Verdict::default()
         };
     }
     // A write keeps only the entries that count.
     log.drain(..live);
     match op.kind {
         // Charges and reservations that fit (peeks answered above).
-        OpKind::Peek | OpKind::Charge | OpKind::Reserve => {
+        OpKind::Peek | OpKind::Block | OpKind::Charge | OpKind::Reserve => {
             let at = log.partition_point(|e| e.0 <= now);
             log.insert(at, (now, op.cost, op.id));
             let used = used.saturating_add(op.cost);
@@ -193,6 +196,7 @@ pub(super) fn sliding_log(p: &Policy, state: &mut State, op: Op, now: u64) -> Ve
                 reset_at_ms,
                 retry_at_ms: if admitted { 0 } else { reset_at_ms },
                 epoch: op.id,
+                ..Verdict::default()
             }
         }
         OpKind::Refund => {
@@ -218,6 +222,7 @@ pub(super) fn sliding_log(p: &Policy, state: &mut State, op: Op, now: u64) -> Ve
                 reset_at_ms,
                 retry_at_ms: 0,
                 epoch: 0,
+                ..Verdict::default()
             }
         }
     }
@@ -245,10 +250,11 @@ pub(super) fn gcra(p: &Policy, state: &mut State, op: Op, now: u64) -> Verdict {
                 new_tat.saturating_sub(cap).max(now)
             },
             epoch: 0,
+            ..Verdict::default()
         }
     };
     match op.kind {
-        OpKind::Peek => verdict(admitted, base),
+        OpKind::Peek | OpKind::Block => verdict(admitted, base),
         OpKind::Reserve if !admitted => verdict(false, base),
         OpKind::Charge | OpKind::Reserve => {
             *state = State::Gcra { tat: new_tat };
@@ -282,10 +288,11 @@ pub(super) fn concurrency(p: &Policy, state: &mut State, op: Op, now: u64) -> Ve
             now + CONCURRENCY_RETRY_MS
         },
         epoch,
+        ..Verdict::default()
     };
     match op.kind {
         // A request in flight is counted by its slot; a charge adds nothing.
-        OpKind::Peek | OpKind::Charge => verdict(admitted, &slots, 0),
+        OpKind::Peek | OpKind::Block | OpKind::Charge => verdict(admitted, &slots, 0),
         OpKind::Reserve if !admitted => verdict(false, &slots, 0),
         OpKind::Reserve => {
             slots.push((op.id, now + p.window_ms));

@@ -114,6 +114,7 @@ impl RedisStore {
                     p.window_ms,
                     p.burst,
                     p.align.code(),
+                    p.block_ms,
                     op.cost,
                     now_ms,
                     op.id,

@@ -40,6 +40,9 @@ struct Plan<'a> {
     counted: Option<InFlightGuard<'a>>,
     /// Whether a limit is in lease mode (the last stage has work).
     leased: bool,
+    /// The enforced limits with `block_for` that refused without a block on: a BLOCK
+    /// follows the refusal ([`Limiter::start_blocks`]).
+    to_block: SmallVec<[usize; 1]>,
 }
 
 impl Limiter {
@@ -91,6 +94,12 @@ impl Limiter {
         };
         if let Err(refusal) = self.judge(applied, &mut plan, answers, &pending, &mut taken, now_ms)
         {
+            let refusal = if plan.to_block.is_empty() {
+                refusal
+            } else {
+                self.start_blocks(applied, &plan.to_block, refusal, cost, now_ms)
+                    .await
+            };
             self.give_back(applied, &taken, now_ms);
             return Err(refusal);
         }
@@ -141,7 +150,9 @@ impl Limiter {
             if holds[i].stage != Stage::Peek {
                 continue;
             }
-            if let Some(slot) = viewed.get_mut(i) {
+            // A block kept in the store is not in the view: limits with `block_for`
+            // are read.
+            if let Some(slot) = viewed.get_mut(i).filter(|_| a.policy.block_ms == 0) {
                 let fixed = a.policy.algorithm == Algorithm::FixedWindow;
                 let quota = a.policy.limit();
                 *slot = self.in_flight.enter_viewed(&a.key, cost, || {
@@ -172,6 +183,7 @@ impl Limiter {
             ids,
             counted: self.in_flight.guard(counted, cost),
             leased: holds.iter().any(|h| h.stage == Stage::Lease),
+            to_block: SmallVec::new(),
         }
     }
 
@@ -309,8 +321,13 @@ impl Limiter {
                         // that a held reservation judged by a quota tightened by them)
                         // may not last: they can be released. Keep only what the store
                         // alone refuses.
-                        if in_flight_before == 0 && hold.stage != Stage::Held {
+                        if v.blocked {
+                            self.remember_block(a, &u, now_ms);
+                        } else if in_flight_before == 0 && hold.stage != Stage::Held {
                             self.remember_refusal(a, &u, cost, now_ms);
+                        }
+                        if a.policy.block_ms > 0 && !v.blocked {
+                            plan.to_block.push(i);
                         }
                         let frees = |u: &Usage| u.retry_at_ms.max(u.reset_at_ms);
                         if over.as_ref().is_none_or(|o| frees(&u) > frees(o)) {

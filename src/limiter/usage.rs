@@ -24,6 +24,9 @@ pub struct Usage {
     /// When the refused cost would be admitted, milliseconds since the Unix epoch; 0
     /// when admitted (then `Retry-After` falls back to the reset).
     pub retry_at_ms: u64,
+    /// The end of the `block_for` block that refuses the caller, milliseconds since the
+    /// Unix epoch (then also `reset_at_ms` and `retry_at_ms`); 0 when not blocked.
+    pub blocked_until_ms: u64,
 }
 
 impl Usage {
@@ -57,6 +60,7 @@ impl Applied {
             used: v.used,
             reset_at_ms: v.reset_at_ms,
             retry_at_ms: v.retry_at_ms,
+            blocked_until_ms: if v.blocked { v.reset_at_ms } else { 0 },
         }
     }
 
@@ -78,6 +82,7 @@ impl Applied {
             used,
             reset_at_ms,
             retry_at_ms: 0,
+            blocked_until_ms: 0,
         }
     }
 }
@@ -152,6 +157,7 @@ mod tests {
             used: 12,
             reset_at_ms: 5_001,
             retry_at_ms: 0,
+            blocked_until_ms: 0,
         };
         assert_eq!(u.remaining(), 0);
         assert_eq!(u.reset_epoch_s(), 6);
@@ -168,6 +174,7 @@ mod tests {
             used: 2,
             reset_at_ms: 1,
             retry_at_ms: 0,
+            blocked_until_ms: 0,
         };
         let b = Usage {
             resource: "b".into(),
@@ -175,6 +182,7 @@ mod tests {
             used: 2,
             reset_at_ms: 1,
             retry_at_ms: 0,
+            blocked_until_ms: 0,
         };
         let all = vec![Some(a), None, Some(b.clone())];
         assert_eq!(most_constrained(&all), Some(&b));

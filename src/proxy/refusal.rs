@@ -199,6 +199,7 @@ mod tests {
             used,
             reset_at_ms,
             retry_at_ms: 0,
+            blocked_until_ms: 0,
         }
     }
 

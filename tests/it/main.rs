@@ -12,6 +12,7 @@ mod abuse;
 mod algorithms;
 mod auth_request;
 mod authority;
+mod block_for;
 mod callers;
 mod charged_statuses;
 mod cli;

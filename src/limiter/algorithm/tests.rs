@@ -101,3 +101,57 @@ fn concurrency_slots_expire() {
     apply(&p, &mut s, op(OpKind::Refund, 1, 8), 5_001);
     assert!(apply(&p, &mut s, op(OpKind::Peek, 1, 0), 5_002).admitted);
 }
+
+/// `block_for`: a BLOCK the window refuses starts a block; until its end every peek and
+/// reservation is refused with the block's end, even in a new window; a charge is still
+/// counted; a refusal during the block does not move its end; then the window rules.
+#[test]
+fn a_block_outlasts_the_window_and_ends_on_time() {
+    let p = Policy {
+        block_ms: 5_000,
+        ..Policy::fixed(2, 1_000)
+    };
+    let mut s = State::Empty;
+    for t in [0, 1] {
+        assert!(apply(&p, &mut s, op(OpKind::Reserve, 1, t + 1), t).admitted);
+    }
+    let peek = apply(&p, &mut s, op(OpKind::Peek, 1, 0), 10);
+    assert!(
+        !peek.admitted && !peek.blocked,
+        "the window refuses, no block yet"
+    );
+    let b = apply(&p, &mut s, op(OpKind::Block, 1, 0), 10);
+    assert!(b.blocked && b.block_started);
+    assert_eq!((b.reset_at_ms, b.retry_at_ms, b.used), (5_010, 5_010, 2));
+    let again = apply(&p, &mut s, op(OpKind::Block, 1, 0), 20);
+    assert!(again.blocked && !again.block_started);
+    assert_eq!(
+        again.reset_at_ms, 5_010,
+        "a refusal during the block keeps its end"
+    );
+    // A new window: the window alone admits, the block refuses.
+    let r = apply(&p, &mut s, op(OpKind::Reserve, 1, 9), 2_000);
+    assert!(!r.admitted && r.blocked);
+    assert_eq!(
+        (r.retry_at_ms, r.used),
+        (5_010, 2),
+        "Remaining 0 while blocked"
+    );
+    let c = apply(&p, &mut s, op(OpKind::Charge, 1, 10), 2_000);
+    assert!(
+        !c.admitted && c.blocked,
+        "a charge is counted and answered blocked"
+    );
+    assert_eq!(
+        s.expires_at(p.window_ms),
+        5_010,
+        "kept until the block's end"
+    );
+    let after = apply(&p, &mut s, op(OpKind::Reserve, 1, 11), 5_010);
+    assert!(after.admitted && !after.blocked, "the block is over");
+    assert!(matches!(s, State::Fixed { .. }), "and no longer stored");
+    // A BLOCK the window admits writes nothing.
+    let mut fresh = State::Empty;
+    assert!(apply(&p, &mut fresh, op(OpKind::Block, 1, 0), 0).admitted);
+    assert_eq!(fresh, State::Empty);
+}

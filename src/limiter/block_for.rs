@@ -62,7 +62,8 @@ impl Limiter {
     /// After a refusal: a BLOCK of `cost` for each limit of `applied` at `refused`
     /// (enforced, with `block_for`, not blocked yet), in one store call per shard. Each
     /// that answers blocked is kept in the over-limit cache and, when it started the
-    /// block, counted; the refusal returned is the one that frees latest. A store error
+    /// block, counted; the refusal returned is the block's when it is of the refusing
+    /// limit, else the one that frees latest. A store error
     /// keeps `refusal` as it was (the next refusal tries again).
     pub(super) async fn start_blocks(
         &self,
@@ -105,7 +106,12 @@ impl Limiter {
                 );
             }
             self.remember_block(a, &u, now_ms);
-            if u.reset_at_ms >= over.retry_at_ms.max(over.reset_at_ms) {
+            // The block replaces the refusal of its own limit (even when the window
+            // frees later: the block is what the store now says); another limit's
+            // refusal stays if it frees later.
+            if u.resource == over.resource
+                || u.reset_at_ms >= over.retry_at_ms.max(over.reset_at_ms)
+            {
                 over = u;
             }
         }

@@ -241,3 +241,41 @@ async fn a_block_started_on_one_gateway_holds_on_the_other_until_reset() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// Memory store: a reload that shortens `block_for` keeps the stored block's end (the
+/// new length applies to the next block); `POST /callers/{id}/reset` lifts a block at
+/// once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_keeps_a_blocks_end_and_a_reset_lifts_it_on_the_memory_store() {
+    let up = Upstream::start().await;
+    let gw = TestGateway::start(&config("", &up, "30s")).await;
+    for i in 1..=3 {
+        assert_eq!(as_acme(&gw).await.status, 200, "request {i}");
+    }
+    let until_s = as_acme(&gw).await.num("x-ratelimit-reset");
+    gw.reload(&config("", &up, "5s")).expect("the reload takes");
+    gw.clock.advance(Duration::from_secs(11));
+    let r = as_acme(&gw).await;
+    assert_blocked(&r, until_s, 19, "after a reload to block_for = 5s");
+
+    let r = admin(Method::POST, &gw, "/callers/acme/reset").await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let r = as_acme(&gw).await;
+    assert_eq!(r.status, 200, "reset lifts the block: {}", r.text());
+    assert_eq!(r.num("x-ratelimit-used"), 1);
+
+    // The next block is the reloaded length.
+    for i in 2..=3 {
+        assert_eq!(as_acme(&gw).await.status, 200, "request {i}");
+    }
+    let before = gw.clock.now_ms();
+    let r = as_acme(&gw).await;
+    let until_s = r.num("x-ratelimit-reset");
+    assert!(
+        until_s >= (before + 5_000).div_ceil(1000) && until_s <= (before + 6_000).div_ceil(1000),
+        "a block of 5 s: {until_s}, refused at {before} ms: {:?}",
+        r.text()
+    );
+    assert_blocked(&r, until_s, 5, "the new block");
+    assert_eq!(blocks_started(&gw), 2, "two blocks, across the reload");
+}

@@ -279,3 +279,43 @@ async fn a_reload_keeps_a_blocks_end_and_a_reset_lifts_it_on_the_memory_store() 
     assert_blocked(&r, until_s, 5, "the new block");
     assert_eq!(blocks_started(&gw), 2, "two blocks, across the reload");
 }
+
+/// A replicated shard whose checks read the replica: gateway A's refusal writes the
+/// block on the primary (its checks are peeks, on the replica); once replicated,
+/// gateway B's check, a peek on the replica, refuses with the block's end and writes
+/// nothing (no call reaches the primary).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peek_on_a_replica_refuses_with_the_block() {
+    use crate::support::topology::{evalsha_calls, ReplicatedShard};
+    let shard = ReplicatedShard::start(1);
+    let store = format!(
+        "[store]\nbackend = \"redis\"\non_error = \"deny\"\ntimeout = \"1s\"\n[[store.shards]]\nprimary = \"{}\"\nreplicas = [\"{}\"]\n",
+        shard.primary.url(),
+        shard.replicas[0].url()
+    );
+    let up = Upstream::start().await;
+    let toml = config(&store, &up, "1m");
+    let (a, b) = (
+        TestGateway::start(&toml).await,
+        TestGateway::start(&toml).await,
+    );
+    wait_connected(&a).await;
+    wait_connected(&b).await;
+    for i in 1..=3 {
+        assert_eq!(as_acme(&a).await.status, 200, "request {i} on A");
+    }
+    let until_s = as_acme(&a).await.num("x-ratelimit-reset");
+    shard.wait_replicated();
+    let key = client_key("acme");
+    let on_replica: Option<u64> = shard.replicas[0].cmd(&["HGET", &key, "block"]);
+    assert_eq!(on_replica.map(|ms| ms.div_ceil(1000)), Some(until_s));
+
+    let primary_calls = evalsha_calls(&shard.primary);
+    let r = as_acme(&b).await;
+    assert_blocked(&r, until_s, 60, "B, reading the replica");
+    assert_eq!(
+        evalsha_calls(&shard.primary),
+        primary_calls,
+        "B's blocked check read the replica and wrote nothing"
+    );
+}

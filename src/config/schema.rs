@@ -1152,6 +1152,10 @@ pub struct HeadersConfig {
     /// `quota-exceeded`, the 503 of a failed store as `temporary-reduced-capacity`.
     /// Default false: the GitHub-style JSON bodies.
     pub problem_details: bool,
+    /// With `style = ["ietf"]`: `RateLimit-Policy` and `RateLimit` carry `pk`, each
+    /// limit's partition key: the caller's keyed hash (the digest in its storage keys)
+    /// as an sf-binary, never a raw key, id or address. Default false.
+    pub partition_key: bool,
 }
 
 impl Default for HeadersConfig {
@@ -1159,6 +1163,7 @@ impl Default for HeadersConfig {
         Self {
             style: vec![HeaderStyle::Github],
             problem_details: false,
+            partition_key: false,
         }
     }
 }

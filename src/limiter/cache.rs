@@ -162,6 +162,7 @@ mod tests {
             used,
             reset_at_ms,
             retry_at_ms: 0,
+            more_at_ms: 0,
         }
     }
 

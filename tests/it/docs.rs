@@ -179,6 +179,7 @@ fn full_config() -> Config {
         headers: HeadersConfig {
             style: vec![HeaderStyle::Github, HeaderStyle::Ietf],
             problem_details: true,
+            partition_key: true,
         },
         rate_limit_endpoint: tollgate::config::RateLimitEndpointConfig {
             path: Some("/rate_limit".into()),

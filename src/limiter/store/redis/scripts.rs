@@ -203,13 +203,16 @@ pub fn unpack_integers(bytes: &[u8]) -> Result<Vec<i64>, StoreError> {
 }
 
 /// The integers per key that `lua/apply.lua` answers ([`batch::REPLY_WIDTH`]), as
-/// verdicts: `[used, reset_at ms, epoch]` when admitted, `[-(used + 1), reset_at ms,
-/// retry_at ms]` when refused (a refusal's epoch is 0, an admission's retry_at 0).
+/// verdicts: `[used, reset_at ms, epoch, more_at ms]` when admitted, `[-(used + 1),
+/// reset_at ms, retry_at ms, more_at ms]` when refused (a refusal's epoch is 0, an
+/// admission's retry_at 0).
 pub(super) fn verdicts(reply: &[i64]) -> Vec<Result<Verdict, StoreError>> {
     reply
         .chunks(batch::REPLY_WIDTH)
         .map(|v| match *v {
-            [signed_used, reset_at, third] if reset_at >= 0 && third >= 0 => {
+            [signed_used, reset_at, third, more_at]
+                if reset_at >= 0 && third >= 0 && more_at >= 0 =>
+            {
                 let admitted = signed_used >= 0;
                 let (used, retry_at, epoch) = if admitted {
                     (signed_used, 0, third)
@@ -222,6 +225,7 @@ pub(super) fn verdicts(reply: &[i64]) -> Vec<Result<Verdict, StoreError>> {
                     reset_at_ms: reset_at as u64,
                     retry_at_ms: retry_at as u64,
                     epoch: epoch as u64,
+                    more_at_ms: more_at as u64,
                 })
             }
             ref other => Err(StoreError::BadReply(format!("{other:?}"))),

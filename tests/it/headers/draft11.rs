@@ -4,10 +4,12 @@
 //! end), `Retry-After` is never earlier than `t` on a refusal, a concurrency limit says
 //! `qu="concurrent-requests"`, and `headers.partition_key = true` adds `pk`, the
 //! caller's keyed hash as a byte sequence (the digits the access log shows), never
-//! otherwise. Every field is parsed as an RFC 9651 List.
+//! otherwise. Every field is parsed as an RFC 9651 List. The `t` tests run on the memory
+//! store and on a real `redis-server` (`lua/apply.lua` answers `more_at`).
 
 use crate::support::client::Reply;
-use crate::support::{capture_logs, get, log_lines, TestGateway, Upstream};
+use crate::support::redis::RedisServer;
+use crate::support::{capture_logs, get, log_lines, store_section, TestGateway, Upstream};
 use base64::Engine as _;
 use std::time::Duration;
 
@@ -15,19 +17,34 @@ use std::time::Duration;
 /// concurrency limit `c`, the upstream's path that answers late), each with its one
 /// limit.
 fn config(upstream: &Upstream, partition_key: bool) -> String {
+    config_on(upstream, partition_key, None)
+}
+
+/// [`config`] on the memory store (`None`) or a Redis server.
+fn config_on(upstream: &Upstream, partition_key: bool, redis: Option<&RedisServer>) -> String {
     let limit = |name: &str, body: &str| {
         let prefix = if name == "c" { "slow" } else { name };
         format!("[[limits]]\nname = \"{name}\"\n{body}\n\n[[routes]]\npath_prefix = \"/{prefix}\"\nupstream = \"api\"\nlimits = [\"{name}\"]\n\n")
     };
     format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\n\n[headers]\nstyle = [\"github\", \"ietf\"]\npartition_key = {partition_key}\n\n[[upstreams]]\nname = \"api\"\ntargets = [\"{up}\"]\n\n{}{}{}{}{}",
+        "[server]\nlisten = \"127.0.0.1:0\"\n\n{store}\n[headers]\nstyle = [\"github\", \"ietf\"]\npartition_key = {partition_key}\n\n[[upstreams]]\nname = \"api\"\ntargets = [\"{up}\"]\n\n{}{}{}{}{}",
         limit("fw", "window = \"1m\"\nquota = { anonymous = 1 }"),
         limit("sw", "algorithm = \"sliding_window\"\nwindow = \"10s\"\nquota = { anonymous = 4 }"),
         limit("sl", "algorithm = \"sliding_log\"\nwindow = \"10s\"\nquota = { anonymous = 3 }"),
         limit("g", "algorithm = \"gcra\"\nwindow = \"1m\"\nquota = { anonymous = 6 }\nburst = 3"),
         limit("c", "algorithm = \"concurrency\"\nwindow = \"30s\"\nquota = { anonymous = 1 }"),
         up = upstream.url(),
+        store = store_section(redis),
     )
+}
+
+/// A gateway on each store in turn: memory, then a fresh `redis-server`.
+async fn on_each_store(upstream: &Upstream, mut test: impl AsyncFnMut(TestGateway, &str)) {
+    test(TestGateway::start(&config(upstream, false)).await, "memory").await;
+    let redis = RedisServer::start();
+    let gw = TestGateway::start(&config_on(upstream, false, Some(&redis))).await;
+    crate::support::wait_connected(&gw).await;
+    test(gw, "redis").await;
 }
 
 /// A parameter's bare item, as RFC 9651 has them (the kinds these fields use).
@@ -183,72 +200,78 @@ fn to_window_offset(gw: &TestGateway, window_ms: u64, offset_ms: u64) -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gcra_t_is_the_time_until_the_next_unit_is_regained() {
     let upstream = Upstream::start().await;
-    let gw = TestGateway::start(&config(&upstream, false)).await;
-    // 6 a minute: one unit every 10 s, 3 at once. Each of three requests leaves the
-    // next unit 10 s away (the old t, the TAT, was 10, 20, then 30).
-    for left in [2, 1, 0] {
+    on_each_store(&upstream, async |gw, store| {
+        // 6 a minute: one unit every 10 s, 3 at once. Each of three requests leaves the
+        // next unit 10 s away (the old t, the TAT, was 10, 20, then 30).
+        for left in [2, 1, 0] {
+            let r = get(&gw.url("/g")).await;
+            assert_eq!(r.status, 200, "{store}");
+            assert_eq!(ratelimit(&r), ("g".into(), left, 10), "{store}");
+        }
+        let (retry, t) = refused(&get(&gw.url("/g")).await, "g");
+        assert_eq!((retry, t), (10, 10), "{store}");
+        gw.clock.advance(Duration::from_secs(4));
+        let (retry, t) = refused(&get(&gw.url("/g")).await, "g");
+        assert_eq!((retry, t), (6, 6), "{store}");
+        gw.clock.advance(Duration::from_secs(6));
         let r = get(&gw.url("/g")).await;
-        assert_eq!(r.status, 200);
-        assert_eq!(ratelimit(&r), ("g".into(), left, 10));
-    }
-    let (retry, t) = refused(&get(&gw.url("/g")).await, "g");
-    assert_eq!((retry, t), (10, 10));
-    gw.clock.advance(Duration::from_secs(4));
-    let (retry, t) = refused(&get(&gw.url("/g")).await, "g");
-    assert_eq!((retry, t), (6, 6));
-    gw.clock.advance(Duration::from_secs(6));
-    let r = get(&gw.url("/g")).await;
-    assert_eq!(r.status, 200, "one unit back");
-    assert_eq!(ratelimit(&r), ("g".into(), 0, 10));
-    assert_eq!(upstream.hits(), 4);
+        assert_eq!(r.status, 200, "{store}: one unit back");
+        assert_eq!(ratelimit(&r), ("g".into(), 0, 10), "{store}");
+    })
+    .await;
+    assert_eq!(upstream.hits(), 8);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sliding_window_t_is_the_time_until_the_estimate_drops_one_unit() {
     let upstream = Upstream::start().await;
-    let gw = TestGateway::start(&config(&upstream, false)).await;
-    // 4 per 10 s, all four at 0.5 s into a window: they fade over the next window, and
-    // the estimate is 3 at 12.5 s (4 * (20 - t) / 10 <= 3), 11.5 s... after t=0.5 s
-    // plus the time the requests take (well under a second).
-    to_window_offset(&gw, 10_000, 500);
-    let mut last = None;
-    for left in [3, 2, 1, 0] {
+    on_each_store(&upstream, async |gw, _store| {
+        // 4 per 10 s, all four at 0.5 s into a window: they fade over the next window,
+        // and the estimate is 3 at 12.5 s (4 * (20 - t) / 10 <= 3), about 12 s after
+        // them (they take well under a second).
+        to_window_offset(&gw, 10_000, 500);
+        let mut last = None;
+        for left in [3, 2, 1, 0] {
+            let r = get(&gw.url("/sw")).await;
+            assert_eq!(r.status, 200);
+            let (_, rem, t) = ratelimit(&r);
+            assert_eq!(rem, left);
+            last = Some(t);
+        }
+        assert_eq!(
+            last,
+            Some(12),
+            "one unit back at 12.5 s, not at the reset (19.5 s)"
+        );
+        let (retry, t) = refused(&get(&gw.url("/sw")).await, "sw");
+        assert_eq!((retry, t), (12, 12));
+        // 5 s into the next window: the four weigh 2; one more request makes 3 (1 left),
+        // and the estimate is 2 again once 4 * (10 - e) / 10 <= 1: at 7.5 s, 2.5 s away
+        // (the old t, the reset, was 15).
+        to_window_offset(&gw, 10_000, 5_000);
         let r = get(&gw.url("/sw")).await;
         assert_eq!(r.status, 200);
-        let (_, rem, t) = ratelimit(&r);
-        assert_eq!(rem, left);
-        last = Some(t);
-    }
-    assert_eq!(
-        last,
-        Some(12),
-        "one unit back at 12.5 s, not at the reset (19.5 s)"
-    );
-    let (retry, t) = refused(&get(&gw.url("/sw")).await, "sw");
-    assert_eq!((retry, t), (12, 12));
-    // 5 s into the next window: the four weigh 2; one more request makes 3 (1 left),
-    // and the estimate is 2 again once 4 * (10 - e) / 10 <= 1: at 7.5 s, 2.5 s away
-    // (the old t, the reset, was 15).
-    to_window_offset(&gw, 10_000, 5_000);
-    let r = get(&gw.url("/sw")).await;
-    assert_eq!(r.status, 200);
-    assert_eq!(ratelimit(&r), ("sw".into(), 1, 3));
+        assert_eq!(ratelimit(&r), ("sw".into(), 1, 3));
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sliding_log_t_is_the_time_until_the_oldest_charge_leaves_the_window() {
     let upstream = Upstream::start().await;
-    let gw = TestGateway::start(&config(&upstream, false)).await;
-    // 3 per 10 s, at 0, 2 and 4 s: the first leaves at 10 s, 6 s after the third.
-    for (left, t) in [(2, 10), (1, 8), (0, 6)] {
-        let r = get(&gw.url("/sl")).await;
-        assert_eq!(r.status, 200);
-        assert_eq!(ratelimit(&r), ("sl".into(), left, t));
-        gw.clock.advance(Duration::from_secs(2));
-    }
-    // At 6 s: refused until the first leaves, 4 s away.
-    let (retry, t) = refused(&get(&gw.url("/sl")).await, "sl");
-    assert_eq!((retry, t), (4, 4));
+    on_each_store(&upstream, async |gw, _store| {
+        // 3 per 10 s, at 0, 2 and 4 s: the first leaves at 10 s, 6 s after the third.
+        for (left, t) in [(2, 10), (1, 8), (0, 6)] {
+            let r = get(&gw.url("/sl")).await;
+            assert_eq!(r.status, 200);
+            assert_eq!(ratelimit(&r), ("sl".into(), left, t));
+            gw.clock.advance(Duration::from_secs(2));
+        }
+        // At 6 s: refused until the first leaves, 4 s away.
+        let (retry, t) = refused(&get(&gw.url("/sl")).await, "sl");
+        assert_eq!((retry, t), (4, 4));
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -97,8 +97,9 @@ pub struct Policy<'a> {
     /// The quota unit (`qu`) when it is not the draft's default, `"request"`:
     /// [`QU_CONCURRENT`] for a concurrency limit.
     pub unit: Option<&'static str>,
-    /// The caller's partition of this limit: the 32 hex digits of the keyed digest in
-    /// its storage key (`pk` with `headers.partition_key`); `None` when unknown.
+    /// The caller's partition of this limit: its storage key (`prefix:limit:{HEX}`),
+    /// whose keyed digest is `pk` with `headers.partition_key` (read only then);
+    /// `None` when unknown.
     pub partition: Option<&'a str>,
 }
 
@@ -106,7 +107,7 @@ impl<'a> Policy<'a> {
     /// The policy of a limit as it applied to one request (the caller's tier's quota).
     pub fn of(applied: &'a Applied) -> Self {
         Self {
-            partition: partition_of(&applied.key().key),
+            partition: Some(&applied.key().key),
             ..Self::of_limit(applied.limit(), applied.quota())
         }
     }
@@ -272,8 +273,8 @@ pub fn policy_value<'a>(
         }
         let _ = write!(out, ";w={}", p.window_s().min(SF_INTEGER_MAX));
         if pk {
-            if let Some(hex) = p.partition {
-                push_pk(&mut out, hex);
+            if let Some(key) = p.partition {
+                push_pk(&mut out, key);
             }
         }
     }
@@ -286,7 +287,7 @@ pub fn policy_value<'a>(
 /// `"burst";r=42;t=17`: remaining units, and `t`, whole seconds from `now_ms` until
 /// the caller has one unit more ([`Usage::more_at_s`]: the window's end for a fixed
 /// window, the next regained unit for GCRA and the sliding algorithms; never more than
-/// `Retry-After` on a refusal); with a `partition` (32 hex digits), `;pk=:BASE64:`
+/// `Retry-After` on a refusal); with a `partition` (a storage key), `;pk=:BASE64:`
 /// last. `None` for a name that is not printable ASCII.
 pub fn ratelimit_value(usage: &Usage, now_ms: u64, partition: Option<&str>) -> Option<HeaderValue> {
     let mut out = String::with_capacity(32);
@@ -297,18 +298,21 @@ pub fn ratelimit_value(usage: &Usage, now_ms: u64, partition: Option<&str>) -> O
         usage.remaining().min(SF_INTEGER_MAX),
         usage.more_at_s(now_ms).min(SF_INTEGER_MAX)
     );
-    if let Some(hex) = partition {
-        push_pk(&mut out, hex);
+    if let Some(key) = partition {
+        push_pk(&mut out, key);
     }
     HeaderValue::try_from(out).ok()
 }
 
-/// Append `;pk=:BASE64:`, the RFC 9651 byte sequence of the 16 bytes whose hex digits
-/// are `hex` (a storage key's digest, never a raw key, id or address); nothing when
-/// `hex` is not 32 hex digits.
-fn push_pk(out: &mut String, hex: &str) {
+/// Append `;pk=:BASE64:`, the RFC 9651 byte sequence of the 16 bytes of the keyed
+/// digest in the storage key `key` (never a raw key, id or address); nothing when
+/// `key` holds no digest.
+fn push_pk(out: &mut String, key: &str) {
     use base64::Engine as _;
     let mut bytes = [0u8; 16];
+    let Some(hex) = partition_of(key) else {
+        return;
+    };
     if hex::decode_to_slice(hex, &mut bytes).is_err() {
         return;
     }

@@ -183,9 +183,9 @@ fn a_concurrency_limit_names_its_unit() {
 
 #[test]
 fn the_partition_key_is_the_digest_as_a_byte_sequence() {
-    let hex = "000102030405060708090a0b0c0d0e0f";
+    let key = "tollgate:core:{000102030405060708090a0b0c0d0e0f}";
     let p = Policy {
-        partition: Some(hex),
+        partition: Some(key),
         ..policy("core", 100, 60_000)
     };
     // base64 of bytes 0..16.
@@ -200,12 +200,12 @@ fn the_partition_key_is_the_digest_as_a_byte_sequence() {
     );
     let u = usage("core", 100, 1, 5_000);
     assert_eq!(
-        ratelimit_value(&u, 0, Some(hex)).unwrap().to_str().unwrap(),
+        ratelimit_value(&u, 0, Some(key)).unwrap().to_str().unwrap(),
         format!(r#""core";r=99;t=5;pk=:{pk}:"#)
     );
     // put: pk only with `headers.partition_key`, on both fields, for the limit described.
     let other = Policy {
-        partition: Some("ffffffffffffffffffffffffffffffff"),
+        partition: Some("tollgate:daily:{ffffffffffffffffffffffffffffffff}"),
         ..policy("daily", 1000, 86_400_000)
     };
     let styles = Styles {
@@ -229,6 +229,15 @@ fn the_partition_key_is_the_digest_as_a_byte_sequence() {
     put(&mut h, Styles::new(&[HeaderStyle::Ietf]), &u, [other, p], 0);
     assert!(!h["ratelimit"].to_str().unwrap().contains("pk="));
     assert!(!h["ratelimit-policy"].to_str().unwrap().contains("pk="));
+    // A key without a digest gives no pk.
+    let odd = Policy {
+        partition: Some("tollgate:core"),
+        ..p
+    };
+    assert_eq!(
+        policy_value([odd], true).unwrap().to_str().unwrap(),
+        r#""core";q=100;w=60"#
+    );
 }
 
 #[test]

@@ -238,13 +238,23 @@ local function sliding_log(key, op, quota, w, cost, now, id)
     end
     return reset_of()
   end
-  -- When the oldest entries have freed one unit of the `u` counted.
-  local function more_of(u)
+  -- When the oldest entries have freed one unit of the `u` counted; a charge
+  -- just added counts as an entry at now (after every one not later than now).
+  local function more_of(u, added)
     if u == 0 then return now end
     local below, acc = math.min(u, quota) - 1, u
     for i = 1, #times do
+      if added and times[i] > now then
+        acc = acc - added
+        if acc <= below then return now + w end
+        added = nil
+      end
       acc = acc - costs[i]
       if acc <= below then return times[i] + w end
+    end
+    if added then
+      acc = acc - added
+      if acc <= below then return now + w end
     end
     return reset_of()
   end
@@ -286,19 +296,9 @@ local function sliding_log(key, op, quota, w, cost, now, id)
   redis.call("PEXPIREAT", key, now + w + 1000)
   used = used + cost
   if not newest or now > newest then newest = now end
-  -- The new entry among the others, after every one not later than now.
-  local at = #times + 1
-  for i = 1, #times do
-    if times[i] > now then
-      at = i
-      break
-    end
-  end
-  table.insert(times, at, now)
-  table.insert(costs, at, cost)
   local retry = 0
   if not admitted then retry = reset_of() end
-  return admitted, used, reset_of(), retry, id, more_of(used)
+  return admitted, used, reset_of(), retry, id, more_of(used, cost)
 end
 
 local function gcra(key, op, quota, w, burst, cost, now)

@@ -196,12 +196,11 @@ fn fleet(cfg: &StoreConfig, problems: &mut Problems) {
             "store.fleet_size",
             format!("{s:?}: must be a number of gateways (at least 1) or \"auto\""),
         ),
-        Some(super::FleetSize::Named(_)) if cfg.backend == super::Backend::Memory => {
-            problems.error(
+        Some(super::FleetSize::Named(_)) if cfg.backend == super::Backend::Memory => problems
+            .error(
                 "store.fleet_size",
                 "\"auto\" counts gateways in Redis: it needs backend = \"redis\"",
-            )
-        }
+            ),
         Some(_) if cfg.on_error != super::OnError::Local => problems.warn(
             "store.fleet_size",
             "ignored: it divides quotas only with on_error = \"local\"",

@@ -121,7 +121,11 @@ limits = ["core"]
 
     /// How many lines of its log contain `needle`.
     fn logged(&self, needle: &str) -> usize {
-        self.bin.logs().lines().filter(|l| l.contains(needle)).count()
+        self.bin
+            .logs()
+            .lines()
+            .filter(|l| l.contains(needle))
+            .count()
     }
 
     /// Send `n` requests one after the other; their statuses.
@@ -190,11 +194,7 @@ async fn with_redis_down_each_gateway_holds_its_share_and_returns_when_redis_doe
         assert_eq!(gw.decisions("local", 429).await, 4);
         assert_eq!(gw.decisions("store_error_allowed", 200).await, 0);
         assert_eq!(gw.logged(ENTERED), 1, "{}", gw.bin.logs());
-        assert!(
-            gw.bin.logs().contains("divided by 2"),
-            "{}",
-            gw.bin.logs()
-        );
+        assert!(gw.bin.logs().contains("divided by 2"), "{}", gw.bin.logs());
     }
 
     redis.restart();
@@ -218,9 +218,11 @@ async fn with_redis_down_each_gateway_holds_its_share_and_returns_when_redis_doe
     for gw in &gws {
         assert_eq!(gw.statuses(2).await, [200, 200], "{}", gw.bin.logs());
     }
-    wait_until(Duration::from_secs(5), "the four requests counted in Redis", || {
-        count_on(&redis) == before + 4
-    })
+    wait_until(
+        Duration::from_secs(5),
+        "the four requests counted in Redis",
+        || count_on(&redis) == before + 4,
+    )
     .await;
     assert_eq!(
         gws[0].decisions("local", 200).await + gws[0].decisions("local", 429).await,
@@ -243,24 +245,38 @@ async fn with_fleet_size_auto_the_gateways_alive_before_the_fault_share_the_quot
         Gw::start(&redis, fleet, 9, &upstream),
     ];
     let alive = |redis: &RedisServer| redis.cmd::<u64>(&["ZCARD", "tollgate:gateways"]);
-    wait_until(Duration::from_secs(5), "two heartbeats", || alive(&redis) == 2).await;
+    wait_until(Duration::from_secs(5), "two heartbeats", || {
+        alive(&redis) == 2
+    })
+    .await;
     for gw in &gws {
         gw.wait_ready().await;
         let started = Instant::now();
         while gw.logged("gateways=2") == 0 {
-            assert!(started.elapsed() < Duration::from_secs(5), "{}", gw.bin.logs());
+            assert!(
+                started.elapsed() < Duration::from_secs(5),
+                "{}",
+                gw.bin.logs()
+            );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
     gws.push(Gw::start(&redis, fleet, 9, &upstream));
-    wait_until(Duration::from_secs(5), "three heartbeats", || alive(&redis) == 3).await;
+    wait_until(Duration::from_secs(5), "three heartbeats", || {
+        alive(&redis) == 3
+    })
+    .await;
     let ttl: i64 = redis.cmd(&["PTTL", "tollgate:gateways"]);
     assert!((1..=300).contains(&ttl), "three heartbeats' TTL: {ttl}");
     for gw in &gws {
         gw.wait_ready().await;
         let started = Instant::now();
         while gw.logged("gateways=3") == 0 {
-            assert!(started.elapsed() < Duration::from_secs(5), "{}", gw.bin.logs());
+            assert!(
+                started.elapsed() < Duration::from_secs(5),
+                "{}",
+                gw.bin.logs()
+            );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
@@ -284,8 +300,14 @@ fn fleet_size_zero_is_an_error_at_its_line() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("tollgate.toml");
     for (value, says) in [
-        ("0", "store.fleet_size: 0 gateways: must be at least 1, or \"auto\""),
-        ("\"all\"", "store.fleet_size: \"all\": must be a number of gateways"),
+        (
+            "0",
+            "store.fleet_size: 0 gateways: must be at least 1, or \"auto\"",
+        ),
+        (
+            "\"all\"",
+            "store.fleet_size: \"all\": must be a number of gateways",
+        ),
     ] {
         std::fs::write(
             &path,

@@ -318,7 +318,11 @@ impl Fallback {
                 Ok([n]) if *n >= 1 => {
                     let before = self.shards[i].seen.swap(*n as u64, Ordering::Relaxed);
                     if before != *n as u64 {
-                        tracing::info!(shard = i, gateways = n, "gateways alive sharing the store (store.fleet_size = \"auto\")");
+                        tracing::info!(
+                            shard = i,
+                            gateways = n,
+                            "gateways alive sharing the store (store.fleet_size = \"auto\")"
+                        );
                     }
                 }
                 Ok(other) => {

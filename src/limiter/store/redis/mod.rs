@@ -281,7 +281,11 @@ impl RedisStore {
     /// Start the background task of `on_error = "local"` (the local stores' sweep
     /// every `sweep_every`, the heartbeats of `fleet_size = "auto"`), after
     /// [`RedisStore::start`]; nothing without it. Calling it again does nothing.
-    pub fn start_fallback(&self, clock: crate::clock::SharedClock, sweep_every: std::time::Duration) {
+    pub fn start_fallback(
+        &self,
+        clock: crate::clock::SharedClock,
+        sweep_every: std::time::Duration,
+    ) {
         if let (Some(fb), Some(live)) = (&self.fallback, self.live.get()) {
             fb.start(live, self.scripts.clone(), clock, sweep_every);
         }
@@ -297,7 +301,9 @@ impl RedisStore {
     /// With `on_error = "local"`: whether each shard is enforced locally now, in
     /// order; empty otherwise.
     pub fn fallback_actives(&self) -> Vec<bool> {
-        self.fallback.as_ref().map_or_else(Vec::new, |fb| fb.actives())
+        self.fallback
+            .as_ref()
+            .map_or_else(Vec::new, |fb| fb.actives())
     }
 
     fn start_shards(&self) -> Vec<Arc<Shard>> {

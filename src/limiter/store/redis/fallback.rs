@@ -75,6 +75,8 @@ pub(super) struct Fallback {
     key: String,
     /// The background task was started.
     started: AtomicBool,
+    /// Failed heartbeats are logged at most once a minute.
+    beat_warnings: crate::logging::Throttle,
 }
 
 impl Fallback {
@@ -102,6 +104,7 @@ impl Fallback {
             heartbeat: cfg.fleet_heartbeat.0,
             key: format!("{}gateways", cfg.key_prefix),
             started: AtomicBool::new(false),
+            beat_warnings: crate::logging::Throttle::new(),
         })
     }
 
@@ -306,7 +309,10 @@ impl Fallback {
         for (i, t) in targets.iter().enumerate() {
             let reply = match t {
                 Target::Shard(w) => match w.upgrade() {
-                    Some(s) => s.on_primary(&scripts.heartbeat, &[&self.key], &args).await,
+                    Some(s) => {
+                        s.on_primary_aside(&scripts.heartbeat, &[&self.key], &args)
+                            .await
+                    }
                     None => return false,
                 },
                 Target::Cluster(w) => match w.upgrade() {
@@ -328,7 +334,16 @@ impl Fallback {
                 Ok(other) => {
                     tracing::debug!(shard = i, reply = ?other, "heartbeat: unexpected reply")
                 }
-                Err(e) => tracing::debug!(shard = i, error = %e, "heartbeat failed"),
+                // Unreachable: what local mode is for, and logged by it.
+                Err(e) if e.suggests_failover() || matches!(e, StoreError::BreakerOpen(_)) => {
+                    tracing::debug!(shard = i, error = %e, "heartbeat failed")
+                }
+                // Refused (an ACL without ZCARD or PEXPIRE, say): worth a warning.
+                Err(e) => {
+                    if let Some(suppressed) = self.beat_warnings.due(60_000) {
+                        tracing::warn!(shard = i, error = %e, suppressed, "heartbeat failed (store.fleet_size = \"auto\"): the gateways alive are not counted until it succeeds");
+                    }
+                }
             }
         }
         true

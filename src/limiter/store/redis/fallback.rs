@@ -422,6 +422,42 @@ mod tests {
         );
     }
 
+    /// Every algorithm runs by the model under the divided policy: GCRA's burst of 10
+    /// is 5 on each of 2 gateways; a lease grants at most the divided quota.
+    #[test]
+    fn gcra_bursts_and_leases_are_divided_too() {
+        let fb = Fallback::new(&cfg(Some(FleetSize::Count(2))), 1).unwrap();
+        let key = KeyScheme::new("t:", None).key("core", "ip:1.2.3.4");
+        let gcra = Policy {
+            algorithm: crate::limiter::algorithm::Algorithm::Gcra,
+            ..Policy::fixed(10, 60_000)
+        };
+        let reserve = Op {
+            kind: OpKind::Reserve,
+            cost: 1,
+            id: 1,
+        };
+        let copies = [(0, key.state, gcra, reserve)];
+        let admitted = (0..8)
+            .filter(|_| {
+                let mut answers: Answers = vec![Err(StoreError::Timeout(50))];
+                fb.answer(&mut answers, &copies, 1_000);
+                answers[0].as_ref().unwrap().admitted
+            })
+            .count();
+        assert_eq!(admitted, 5, "a burst of 10 / 2 at one instant");
+        let other = KeyScheme::new("t:", None).key("lease", "ip:1.2.3.4");
+        let grant = fb
+            .lease(
+                0,
+                Err(StoreError::Timeout(50)),
+                &other,
+                (100, 10, 60_000, 1_000),
+            )
+            .unwrap();
+        assert_eq!(grant.granted, 5, "a lease of 100 gets the quota's share");
+    }
+
     /// `"auto"` divides by the gateways seen before the fault (1 before any).
     #[test]
     fn auto_divides_by_the_gateways_last_seen() {

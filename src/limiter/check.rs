@@ -144,7 +144,7 @@ impl Limiter {
             }
             if let Some(slot) = viewed.get_mut(i) {
                 let fixed = a.policy.algorithm == Algorithm::FixedWindow;
-                let quota = a.policy.limit();
+                let quota = self.local_limit(a);
                 *slot = self.in_flight.enter_viewed(&a.key, cost, || {
                     self.recent.admits(&a.key, quota, cost, fixed, now_ms)
                 });
@@ -427,6 +427,19 @@ impl Limiter {
             }
             None => false,
         }
+    }
+
+    /// `a`'s limit (`X-RateLimit-Limit`), or its local share while its shard is enforced
+    /// by `store.on_error = "local"`.
+    #[inline]
+    fn local_limit(&self, a: &Applied) -> u64 {
+        let limit = a.policy.limit();
+        if self.on_error != crate::config::OnError::Local {
+            return limit;
+        }
+        self.store
+            .local_divisor(&a.key)
+            .map_or(limit, |d| (limit / d).max(1))
     }
 
     /// Whether any of `applied` is enforced by `store.on_error = "local"` now (its

@@ -25,6 +25,18 @@ impl Gw {
     /// `fleet_size` and `fleet_heartbeat` lines): route `/` limited by `core`, `quota` an
     /// hour for the anonymous caller (the test).
     fn start(redis: &RedisServer, fleet: &str, quota: u64, upstream: &Upstream) -> Gw {
+        Gw::start_with(redis, fleet, quota, upstream, "", "")
+    }
+
+    /// [`Gw::start`] with more lines in the `core` limit and in the route.
+    fn start_with(
+        redis: &RedisServer,
+        fleet: &str,
+        quota: u64,
+        upstream: &Upstream,
+        limit: &str,
+        route: &str,
+    ) -> Gw {
         let dir = tempfile::tempdir().unwrap();
         let (port, admin) = (free_port(), free_port());
         let text = format!(
@@ -52,11 +64,13 @@ targets = ["{up}"]
 name = "core"
 window = "1h"
 quota = {{ anonymous = {quota} }}
+{limit}
 
 [[routes]]
 path_prefix = "/"
 upstream = "api"
 limits = ["core"]
+{route}
 "#,
             redis = redis.url(),
             up = upstream.url()
@@ -292,6 +306,35 @@ async fn with_fleet_size_auto_the_gateways_alive_before_the_fault_share_the_quot
         assert!(gw.bin.logs().contains("divided by 3"), "{}", gw.bin.logs());
         assert_eq!(gw.fallback_active().await.as_deref(), Some("1"));
     }
+}
+
+/// Another algorithm and reservations (`charge = "on_request"`) are enforced locally
+/// too, by the same rules: a sliding window of 6 on a fleet of 3 admits 2 per gateway.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sliding_window_reserved_on_request_holds_its_share_too() {
+    let mut redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    let gw = Gw::start_with(
+        &redis,
+        "fleet_size = 3",
+        6,
+        &upstream,
+        "algorithm = \"sliding_window\"",
+        "charge = \"on_request\"",
+    );
+    gw.wait_ready().await;
+    assert_eq!(gw.statuses(1).await, [200]);
+    redis.kill();
+    assert_eq!(
+        gw.statuses(4).await,
+        [200, 200, 429, 429],
+        "6 / 3, afresh\n{}",
+        gw.bin.logs()
+    );
+    let refused = gw.get().await;
+    assert_eq!(refused.header("x-ratelimit-limit"), "2");
+    assert!(refused.num("retry-after") >= 1);
+    assert_eq!(gw.decisions("local", 429).await, 3);
 }
 
 /// `store.fleet_size` must be a count of at least 1, or `"auto"`: an error at its line.

@@ -156,7 +156,13 @@ impl Limiter {
         applied
             .iter()
             .zip(results)
-            .map(|(a, r)| r.map(|v| a.usage(&v)))
+            .map(|(a, r)| {
+                r.map(|v| {
+                    let mut u = a.usage(&v);
+                    self.local_share(a, &mut u);
+                    u
+                })
+            })
             .collect()
     }
 }

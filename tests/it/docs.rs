@@ -54,6 +54,8 @@ fn full_config() -> Config {
             backend: Backend::Redis,
             timeout: Dur::from_millis(50),
             on_error: OnError::Allow,
+            fleet_size: Some(FleetSize::Named("auto".into())),
+            fleet_heartbeat: Dur::from_secs(1),
             key_prefix: "tollgate:".into(),
             hash_key: Some("s".into()),
             hash_key_file: Some("hash-key".into()),

@@ -14,6 +14,8 @@ pub static LEASE_LUA: &str = include_str!("../../../../lua/lease.lua");
 pub static REFUND_LUA: &str = include_str!("../../../../lua/refund.lua");
 /// `lua/reset.lua`: delete a caller's windows (`POST /callers/{id}/reset`).
 pub static RESET_LUA: &str = include_str!("../../../../lua/reset.lua");
+/// `lua/heartbeat.lua`: this gateway is alive; how many are (`store.fleet_size = "auto"`).
+pub static HEARTBEAT_LUA: &str = include_str!("../../../../lua/heartbeat.lua");
 
 /// Integers per key in `lua/apply.lua`'s arguments: kind, algorithm, quota, window,
 /// burst, align, cost, now, id (see `RedisStore::call_group`).
@@ -26,6 +28,7 @@ pub(crate) struct Scripts {
     pub(super) lease: LuaScript,
     pub(super) refund: LuaScript,
     pub(super) reset: LuaScript,
+    pub(super) heartbeat: LuaScript,
 }
 
 impl Scripts {
@@ -35,11 +38,18 @@ impl Scripts {
             lease: LuaScript::new(LEASE_LUA, ArgStyle::Decimal, ReplyStyle::Integers),
             refund: LuaScript::new(REFUND_LUA, ArgStyle::Decimal, ReplyStyle::Integers),
             reset: LuaScript::new(RESET_LUA, ArgStyle::Decimal, ReplyStyle::Integers),
+            heartbeat: LuaScript::new(HEARTBEAT_LUA, ArgStyle::Decimal, ReplyStyle::Integers),
         }
     }
 
-    pub(super) fn all(&self) -> [&LuaScript; 4] {
-        [&self.apply, &self.lease, &self.refund, &self.reset]
+    pub(super) fn all(&self) -> [&LuaScript; 5] {
+        [
+            &self.apply,
+            &self.lease,
+            &self.refund,
+            &self.reset,
+            &self.heartbeat,
+        ]
     }
 }
 

@@ -201,6 +201,7 @@ fn header_rendering(c: &mut Criterion) {
         reset_at_ms: NOW_MS + WINDOW_MS,
         retry_at_ms: 0,
         blocked_until_ms: 0,
+        more_at_ms: 0,
     };
     // A typical upstream response's headers, which put_usage adds to.
     let mut upstream = HeaderMap::new();

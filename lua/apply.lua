@@ -40,15 +40,17 @@
 --                  15 keys costs Redis about a third less (BENCHMARKS.md,
 --                  issue 16, twelfth round).
 --
--- Returns 3 integers per key, key by key, packed into one string (8 bytes
+-- Returns 4 integers per key, key by key, packed into one string (8 bytes
 -- each, signed, little-endian: struct.pack "<i8"):
---   admitted: used, reset_at ms, epoch (what a refund quotes);
---   refused:  -(used + 1), reset_at ms, retry_at ms.
--- (retry_at is 0 when admitted and a refusal takes nothing to refund, so five
--- fields travel as three. One string instead of an array of integers: redis-rs
+--   admitted: used, reset_at ms, epoch (what a refund quotes), more_at ms;
+--   refused:  -(used + 1), reset_at ms, retry_at ms, more_at ms.
+-- (more_at: when the caller next has one unit more than now, RateLimit's t;
+-- now when nothing is counted. retry_at is 0 when admitted and a refusal takes
+-- nothing to refund, so six fields travel as four. One string instead of an array of integers: redis-rs
 -- parses each value of a reply, about 800 instructions apiece, so a call of
 -- one key costs it one value instead of three; BENCHMARKS.md, issue 16,
--- eighteenth round.) A refusal by a block answers -reset_at (the block's end),
+-- eighteenth round.) A refusal by a block answers -reset_at (the block's end,
+-- which is also its retry_at and more_at),
 -- and the BLOCK that started it also -retry_at.
 --
 -- Blocks (block ms > 0, [[limits]].block_for; the rule of
@@ -165,7 +167,9 @@ local function fixed_window(key, op, quota, window, align, block, cost, now, id)
   end
   local retry = 0
   if not admitted then retry = reset_at end
-  return admitted, used, reset_at, retry, reset_at
+  local more = now
+  if used > 0 then more = reset_at end
+  return admitted, used, reset_at, retry, reset_at, more
 end
 
 -- Write what the call's items did to each fixed window (see `windows`).
@@ -212,7 +216,8 @@ local function sliding_window(key, op, quota, w, cost, now, id)
     if pv > 0 then return start + w end
     return now
   end
-  local function retry_of(pv, cu)
+  -- When a cost of `cost` fits: retry_at, and with remaining + 1, more_at.
+  local function retry_of(pv, cu, cost)
     if cost > quota then return reset_of(pv, cu) end
     local room = quota - cost - cu
     if room >= 0 and pv > 0 then
@@ -224,7 +229,7 @@ local function sliding_window(key, op, quota, w, cost, now, id)
   local admitted = estimate(prev, cur) + cost <= quota
   local retry = 0
   if op == PEEK or (op == RESERVE and not admitted) then
-    if not admitted then retry = retry_of(prev, cur) end
+    if not admitted then retry = retry_of(prev, cur, cost) end
   elseif op == REFUND then
     local wrote = true
     if id == start then
@@ -244,7 +249,10 @@ local function sliding_window(key, op, quota, w, cost, now, id)
     expire(key, start + 2 * w + 1000)
     if not admitted then retry = reset_of(prev, cur) end
   end
-  return admitted, math.ceil(estimate(prev, cur)), reset_of(prev, cur), retry, start
+  local used = math.ceil(estimate(prev, cur))
+  local more = now
+  if used > 0 then more = retry_of(prev, cur, quota - math.min(used, quota) + 1) end
+  return admitted, used, reset_of(prev, cur), retry, start, more
 end
 
 -- The member of one entry: "ID:COST", both written as integers.
@@ -279,10 +287,30 @@ local function sliding_log(key, op, quota, w, cost, now, id)
     end
     return reset_of()
   end
+  -- When the oldest entries have freed one unit of the `u` counted; a charge
+  -- just added counts as an entry at now (after every one not later than now).
+  local function more_of(u, added)
+    if u == 0 then return now end
+    local below, acc = math.min(u, quota) - 1, u
+    for i = 1, #times do
+      if added and times[i] > now then
+        acc = acc - added
+        if acc <= below then return now + w end
+        added = nil
+      end
+      acc = acc - costs[i]
+      if acc <= below then return times[i] + w end
+    end
+    if added then
+      acc = acc - added
+      if acc <= below then return now + w end
+    end
+    return reset_of()
+  end
   if op == PEEK or (op == RESERVE and not admitted) then
     local retry = 0
     if not admitted then retry = retry_of() end
-    return admitted, used, reset_of(), retry, 0
+    return admitted, used, reset_of(), retry, 0, more_of(used)
   elseif op == REFUND then
     -- The live entry of this id gives back up to `cost` units (part of them when
     -- a reservation is settled to a smaller cost: the entry is written again
@@ -293,6 +321,7 @@ local function sliding_log(key, op, quota, w, cost, now, id)
       if string.sub(member, 1, #prefix) == prefix then
         local n = costs[(i + 1) / 2]
         local back = math.min(cost, n)
+        costs[(i + 1) / 2] = n - back
         redis.call("ZREM", key, member)
         if n - back > 0 then
           redis.call("ZADD", key, entries[i + 1], log_member(id, n - back))
@@ -309,7 +338,7 @@ local function sliding_log(key, op, quota, w, cost, now, id)
       local t = tonumber(last[i])
       if not newest or t > newest then newest = t end
     end
-    return true, used, reset_of(), 0, 0
+    return true, used, reset_of(), 0, 0, more_of(used)
   end
   redis.call("ZREMRANGEBYSCORE", key, 0, now - w)
   redis.call("ZADD", key, now, log_member(id, cost))
@@ -318,7 +347,7 @@ local function sliding_log(key, op, quota, w, cost, now, id)
   if not newest or now > newest then newest = now end
   local retry = 0
   if not admitted then retry = reset_of() end
-  return admitted, used, reset_of(), retry, id
+  return admitted, used, reset_of(), retry, id, more_of(used, cost)
 end
 
 local function gcra(key, op, quota, w, burst, cost, now)
@@ -332,7 +361,10 @@ local function gcra(key, op, quota, w, burst, cost, now)
     tat = math.max(tat, now)
     local retry = 0
     if not adm then retry = math.max(new_tat - cap, now) end
-    return adm, math.ceil((tat - now) / t), tat, retry, 0
+    local used = math.ceil((tat - now) / t)
+    local more = now
+    if used > 0 then more = math.max(tat - (math.min(used, burst) - 1) * t, now) end
+    return adm, used, tat, retry, 0, more
   end
   if op == PEEK or (op == RESERVE and not admitted) then
     return answer(admitted, base)
@@ -373,7 +405,7 @@ local function concurrency(key, op, quota, w, now, id)
   if #top == 2 then reset_at = tonumber(top[2]) end
   local retry = 0
   if not admitted then retry = now + CONCURRENCY_RETRY_MS end
-  return admitted, used, reset_at, retry, epoch
+  return admitted, used, reset_at, retry, epoch, reset_at
 end
 
 -- now = 0 in ARGV: this node's clock, TIME (seconds, microseconds) floored to
@@ -430,7 +462,7 @@ local function write_block(key, alg, until_at, reset_at)
 end
 
 local FIELDS = "<I8I8I8I8I8I8I8I8I8I8"
-local VERDICT = "<i8i8i8"
+local VERDICT = "<i8i8i8i8"
 local args, at = ARGV[1] or "", 1
 if #args ~= 80 * #KEYS then
   return redis.error_reply("apply.lua: ARGV[1] holds " .. #args .. " bytes for " .. #KEYS .. " keys (80 a key)")
@@ -441,10 +473,10 @@ for i = 1, #KEYS do
   at = next_at
   local now = now_of(now_ms)
   local key = KEYS[i]
-  local admitted, used, reset_at, retry, epoch
+  local admitted, used, reset_at, retry, epoch, more
   local blocked, started = false, false
   if block == 0 then
-    admitted, used, reset_at, retry, epoch = run(key, op, alg, quota, window, burst, align, block, cost, now, id)
+    admitted, used, reset_at, retry, epoch, more = run(key, op, alg, quota, window, burst, align, block, cost, now, id)
   else
     local until_at = read_block(key, alg, block)
     keep = 0
@@ -455,7 +487,7 @@ for i = 1, #KEYS do
       admitted, used = run(key, o, alg, quota, window, burst, align, block, cost, now, id)
       blocked = true
     else
-      admitted, used, reset_at, retry, epoch = run(key, op, alg, quota, window, burst, align, block, cost, now, id)
+      admitted, used, reset_at, retry, epoch, more = run(key, op, alg, quota, window, burst, align, block, cost, now, id)
       if op == BLOCK and not admitted then
         until_at = now + block
         write_block(key, alg, until_at, reset_at)
@@ -466,16 +498,16 @@ for i = 1, #KEYS do
     if blocked then
       local limit = quota
       if alg == 3 then limit = burst end
-      admitted, used, reset_at, retry = false, math.max(used, limit), until_at, until_at
+      admitted, used, reset_at, retry, more = false, math.max(used, limit), until_at, until_at, until_at
     end
   end
   if admitted then
-    out[i] = struct.pack(VERDICT, used, reset_at, epoch)
+    out[i] = struct.pack(VERDICT, used, reset_at, epoch, more)
   elseif blocked then
     if started then retry = -retry end
-    out[i] = struct.pack(VERDICT, -used - 1, -reset_at, retry)
+    out[i] = struct.pack(VERDICT, -used - 1, -reset_at, retry, more)
   else
-    out[i] = struct.pack(VERDICT, -used - 1, reset_at, retry)
+    out[i] = struct.pack(VERDICT, -used - 1, reset_at, retry, more)
   end
 end
 write_windows()

@@ -193,6 +193,14 @@ pub struct Verdict {
     pub reset_at_ms: u64,
     /// When `cost` would be admitted, ms since the epoch (`Retry-After`); 0 when admitted.
     pub retry_at_ms: u64,
+    /// When the caller next has one unit more than now (`RateLimit`'s `t`), ms since
+    /// the epoch: when a cost of `remaining + 1` would be admitted; `now` when nothing
+    /// is counted. The fixed window's end; for GCRA the TAT less the units still
+    /// counted after one is regained; for the sliding window the instant the estimate
+    /// drops by one unit; for the sliding log the expiry of the oldest entries that
+    /// free one unit; for concurrency the last slot's expiry (the reset: a slot is
+    /// given back when its response ends, which no store knows in advance).
+    pub more_at_ms: u64,
     /// What a refund must quote to undo this charge or reservation: the fixed window's
     /// end, the sliding window's start, the log entry's or slot's id (GCRA: 0); 0 when
     /// not admitted (a refusal is never refunded).

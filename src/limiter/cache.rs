@@ -163,6 +163,7 @@ mod tests {
             reset_at_ms,
             retry_at_ms: 0,
             blocked_until_ms: 0,
+            more_at_ms: 0,
         }
     }
 

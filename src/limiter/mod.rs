@@ -252,18 +252,31 @@ impl Limiter {
     }
 
     /// Apply `store.on_error` to a failed store call: `Ok` to go on unlimited (allow),
-    /// or the refusal (deny). Logs at most once per 10 s.
+    /// or the refusal (deny). Logs at most once per 10 s. With `"local"` a failed
+    /// Redis call is answered locally and never gets here: what does (the memory store
+    /// full, or the local store's own bound reached) goes on unlimited, as `"allow"`.
     fn store_failed(&self, e: StoreError) -> Result<(), Refusal> {
-        if self.on_error == OnError::Deny {
-            self.decision_gate
-                .warn(&e, "denying request (store.on_error = \"deny\")");
-            return Err(Refusal::StoreDenied(e));
+        match self.on_error {
+            OnError::Deny => {
+                self.decision_gate
+                    .warn(&e, "denying request (store.on_error = \"deny\")");
+                Err(Refusal::StoreDenied(e))
+            }
+            OnError::Allow => {
+                self.decision_gate.warn(
+                    &e,
+                    "forwarding without limiting (store.on_error = \"allow\")",
+                );
+                Ok(())
+            }
+            OnError::Local => {
+                self.decision_gate.warn(
+                    &e,
+                    "forwarding without limiting (store.on_error = \"local\" could not answer it locally)",
+                );
+                Ok(())
+            }
         }
-        self.decision_gate.warn(
-            &e,
-            "forwarding without limiting (store.on_error = \"allow\")",
-        );
-        Ok(())
     }
 
     /// Give back every unit this gateway holds in leases (at shutdown). Returns the

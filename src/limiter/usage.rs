@@ -27,6 +27,10 @@ pub struct Usage {
     /// The end of the `block_for` block that refuses the caller, milliseconds since the
     /// Unix epoch (then also `reset_at_ms` and `retry_at_ms`); 0 when not blocked.
     pub blocked_until_ms: u64,
+    /// When the caller next has one unit more than now, milliseconds since the Unix
+    /// epoch (`RateLimit`'s `t`, see [`Verdict::more_at_ms`]); 0 when unknown (then
+    /// `t` falls back to the reset).
+    pub more_at_ms: u64,
 }
 
 impl Usage {
@@ -50,6 +54,23 @@ impl Usage {
         };
         at.saturating_sub(now_ms).div_ceil(1000).max(1)
     }
+
+    /// Whole seconds from `now_ms` until the caller has one unit more (`RateLimit`'s
+    /// `t`, rounded up, at least 0): from `more_at_ms`, or the reset when it is
+    /// unknown; on a refusal never more than [`Usage::retry_after_s`].
+    pub fn more_at_s(&self, now_ms: u64) -> u64 {
+        let at = if self.more_at_ms > 0 {
+            self.more_at_ms
+        } else {
+            self.reset_at_ms
+        };
+        let t = at.saturating_sub(now_ms).div_ceil(1000);
+        if self.retry_at_ms > 0 {
+            t.min(self.retry_after_s(now_ms))
+        } else {
+            t
+        }
+    }
 }
 
 impl Applied {
@@ -61,6 +82,7 @@ impl Applied {
             reset_at_ms: v.reset_at_ms,
             retry_at_ms: v.retry_at_ms,
             blocked_until_ms: if v.blocked { v.reset_at_ms } else { 0 },
+            more_at_ms: v.more_at_ms,
         }
     }
 
@@ -70,8 +92,16 @@ impl Applied {
     pub(super) fn refunded(&self, u: &mut Usage, cost: u64, now_ms: u64) {
         u.used = u.used.saturating_sub(cost);
         if self.policy.algorithm == Algorithm::Gcra {
-            let back = cost.saturating_mul(self.policy.emission_ms());
+            let e = self.policy.emission_ms();
+            let back = cost.saturating_mul(e);
             u.reset_at_ms = u.reset_at_ms.saturating_sub(back).max(now_ms);
+            if u.used > 0 && u.more_at_ms > 0 {
+                let counted = u.used.min(self.policy.burst) - 1;
+                u.more_at_ms = u.reset_at_ms.saturating_sub(counted * e).max(now_ms);
+            }
+        }
+        if u.used == 0 && u.more_at_ms > 0 {
+            u.more_at_ms = now_ms;
         }
     }
 
@@ -83,6 +113,7 @@ impl Applied {
             reset_at_ms,
             retry_at_ms: 0,
             blocked_until_ms: 0,
+            more_at_ms: 0,
         }
     }
 }
@@ -130,7 +161,13 @@ impl Limiter {
         applied
             .iter()
             .zip(results)
-            .map(|(a, r)| r.map(|v| a.usage(&v)))
+            .map(|(a, r)| {
+                r.map(|v| {
+                    let mut u = a.usage(&v);
+                    self.local_share(a, &mut u);
+                    u
+                })
+            })
             .collect()
     }
 }
@@ -158,6 +195,7 @@ mod tests {
             reset_at_ms: 5_001,
             retry_at_ms: 0,
             blocked_until_ms: 0,
+            more_at_ms: 0,
         };
         assert_eq!(u.remaining(), 0);
         assert_eq!(u.reset_epoch_s(), 6);
@@ -175,6 +213,7 @@ mod tests {
             reset_at_ms: 1,
             retry_at_ms: 0,
             blocked_until_ms: 0,
+            more_at_ms: 0,
         };
         let b = Usage {
             resource: "b".into(),
@@ -183,6 +222,7 @@ mod tests {
             reset_at_ms: 1,
             retry_at_ms: 0,
             blocked_until_ms: 0,
+            more_at_ms: 0,
         };
         let all = vec![Some(a), None, Some(b.clone())];
         assert_eq!(most_constrained(&all), Some(&b));

@@ -27,6 +27,7 @@ mod headers;
 mod jwt;
 mod keys;
 mod limits;
+mod local_fallback;
 mod operations;
 mod per_address;
 mod problem_details;

@@ -2,7 +2,7 @@
 //! policy with [`Policy::block_ms`], or a state that holds a block).
 //!
 //! - While a block is on (`until > now`), a peek, a reservation and a block are refused
-//!   with the block's end as `reset_at` and `retry_at`, and `used` at least the limit
+//!   with the block's end as `reset_at`, `retry_at` and `more_at`, and `used` at least the limit
 //!   (Remaining 0); the window is read, not changed. A charge is still added to the
 //!   window (the request was served) and answered the same way. A refund is the
 //!   algorithm's alone.
@@ -30,6 +30,7 @@ pub(super) fn apply_blocking(p: &Policy, state: &mut State, op: Op, now: u64) ->
         reset_at_ms: until,
         retry_at_ms: until,
         epoch: 0,
+        more_at_ms: until,
         blocked: true,
         block_started: started,
     };

@@ -319,3 +319,24 @@ async fn a_peek_on_a_replica_refuses_with_the_block() {
         "B's blocked check read the replica and wrote nothing"
     );
 }
+
+/// A route that reserves before forwarding (`charge = "on_request"`): the refused
+/// reservation is followed by the BLOCK as a refused peek is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_reservation_blocks_too() {
+    let up = Upstream::start().await;
+    let toml = config("", &up, "30s").replace(
+        "limits = [\"core\"]\n",
+        "limits = [\"core\"]\ncharge = \"on_request\"\n",
+    );
+    let gw = TestGateway::start(&toml).await;
+    for i in 1..=3 {
+        assert_eq!(get(&gw.url("/x")).await.status, 200, "request {i}");
+    }
+    let refused = get(&gw.url("/x")).await;
+    let until_s = refused.num("x-ratelimit-reset");
+    assert_blocked(&refused, until_s, 30, "the refused reservation");
+    gw.clock.advance(Duration::from_secs(11));
+    assert_blocked(&get(&gw.url("/x")).await, until_s, 19, "past the window");
+    assert_eq!(blocks_started(&gw), 1);
+}

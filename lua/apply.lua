@@ -22,11 +22,13 @@
 -- (src/limiter/store/redis/batch.rs).
 --
 -- KEYS[i]          one limit's state for one subject; by algorithm:
---                  0 fixed_window   hash  count, reset_at
---                  1 sliding_window hash  start, prev, cur
+--                  0 fixed_window   hash  count, reset_at (+ block)
+--                  1 sliding_window hash  start, prev, cur (+ block)
 --                  2 sliding_log    zset  member "ID:COST", score = charge time
---                  3 gcra           hash  tat
+--                                         (+ member "block", score = -end)
+--                  3 gcra           hash  tat (+ block)
 --                  4 concurrency    zset  member "ID", score = slot expiry
+--                  (block: a block_for block's end, epoch ms; see "Blocks")
 -- ARGV[1]          10 integers per key, key by key, each 8 bytes, unsigned,
 --                  little-endian (read with struct.unpack "<I8"): op,
 --                  algorithm, quota, window ms, burst, align (0 first request,

@@ -98,8 +98,8 @@ impl Limiter {
             let refusal = if plan.to_block.is_empty() {
                 refusal
             } else {
-                self.start_blocks(applied, &plan.to_block, refusal, cost, now_ms)
-                    .await
+                // Boxed: kept out of the size of every request's future.
+                Box::pin(self.start_blocks(applied, &plan.to_block, refusal, cost, now_ms)).await
             };
             self.give_back(applied, &taken, now_ms);
             return Err(refusal);

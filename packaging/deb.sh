@@ -122,6 +122,7 @@ cleanup() {
   if [ "$installed" = 1 ]; then
     echo "deb: cleaning up: dpkg -P tollgate" >&2
     [ -f "$work/tollgate.toml.orig" ] && $SUDO cp -p "$work/tollgate.toml.orig" "$CONFIG"
+    $SUDO rm -rf /etc/systemd/system/tollgate.service.d
     $SUDO dpkg -P tollgate >/dev/null 2>&1 || echo "deb: dpkg -P tollgate failed; purge it by hand" >&2
   fi
   rm -rf "$work"
@@ -266,13 +267,25 @@ kill -0 "$gateway_pid" 2>/dev/null || fail "the running gateway died in the fail
 code=$(curl -sS -o /dev/null -w '%{http_code}' "http://127.0.0.1:$listen/healthz")
 [ "$code" = 200 ] || fail "after the failed upgrade the gateway answers $code"
 say "the upgrade failed with the check's error; the running gateway still answers 200"
+# The fixed config reads store.hash_key_file = "hash-key", a systemd credential of a
+# drop-in (LoadCredential=, from a root-only file): the postinst's check must find it in
+# $CREDENTIALS_DIRECTORY as the service would, or it fails.
+dropin=/etc/systemd/system/tollgate.service.d
+printf '%s\n' "a-hash-key-for-the-check" >"$work/hash-key"
+chmod 0600 "$work/hash-key"
+$SUDO mkdir -p "$dropin"
+printf '[Service]\nLoadCredential=hash-key:%s\n' "$work/hash-key" | $SUDO tee "$dropin/check.conf" >/dev/null
 $SUDO cp -p "$work/tollgate.toml.orig" "$CONFIG"
+$SUDO sed -i 's/^key_prefix = "tollgate:"$/&\nhash_key_file = "hash-key"/' "$CONFIG"
+$SUDO grep -q '^hash_key_file = "hash-key"$' "$CONFIG" || fail "could not add hash_key_file to $CONFIG"
 run "dpkg --configure tollgate with the config fixed" $SUDO dpkg --configure tollgate
+$SUDO rm -r "$dropin"
+$SUDO cp -p "$work/tollgate.toml.orig" "$CONFIG"
 [ "$(dpkg-query -W -f='${Status} ${Version}' tollgate)" = "install ok installed $version+check" ] ||
   fail "after dpkg --configure tollgate is $(dpkg-query -W -f='${Status} ${Version}' tollgate)"
 perms=$(stat -c '%U:%G %a' "$CONFIG")
 [ "$perms" = "root:tollgate 640" ] || fail "after the upgrade $CONFIG is $perms"
-say "config fixed: dpkg --configure finished the upgrade to $version+check"
+say "config fixed (its hash key a LoadCredential= of a drop-in): dpkg --configure finished the upgrade to $version+check"
 
 # 7. The installed unit.
 say "systemd-analyze verify /lib/systemd/system/tollgate.service"

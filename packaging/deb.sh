@@ -228,8 +228,9 @@ $SUDO cat "$CONFIG" |
     -e "s|^targets = \\[\"http://127.0.0.1:9000\"\\]|targets = [\"http://127.0.0.1:$admin\"]|" \
     >"$work/gateway.toml"
 chmod 0644 "$work/gateway.toml"
-grep -q "127.0.0.1:$listen" "$work/gateway.toml" && grep -q "http://127.0.0.1:$admin" "$work/gateway.toml" ||
+if ! grep -q "127.0.0.1:$listen" "$work/gateway.toml" || ! grep -q "http://127.0.0.1:$admin" "$work/gateway.toml"; then
   fail "config/tollgate.toml's listen, admin_listen or targets lines changed; update this script"
+fi
 say "starting /usr/bin/tollgate as the tollgate user (proxy 127.0.0.1:$listen, admin 127.0.0.1:$admin)"
 $SUDO setpriv --reuid=tollgate --regid=tollgate --init-groups \
   /usr/bin/tollgate run --config "$work/gateway.toml" >"$work/gateway.log" 2>&1 &
@@ -327,7 +328,7 @@ getent passwd tollgate >/dev/null && left="$left user:tollgate"
 getent group tollgate >/dev/null && left="$left group:tollgate"
 for d in /etc/systemd/system /var/lib/systemd/deb-systemd-helper-enabled /var/lib/systemd/deb-systemd-helper-masked; do
   [ -d "$d" ] || continue
-  for f in $(find "$d" -name '*tollgate*'); do left="$left $f"; done
+  while read -r f; do left="$left $f"; done < <(find "$d" -name '*tollgate*')
 done
 for f in /var/lib/dpkg/info/tollgate.*; do [ -e "$f" ] && left="$left $f"; done
 dpkg-statoverride --list | grep -q tollgate && left="$left statoverride"

@@ -27,6 +27,7 @@ mod jwt;
 mod keys;
 mod limits;
 mod operations;
+mod packaging;
 mod per_address;
 mod problem_details;
 mod proxy;

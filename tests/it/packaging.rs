@@ -22,7 +22,8 @@ fn the_packaged_unit_is_the_manual_one_with_the_binary_in_usr_bin() {
          run `bash packaging/deb.sh --sync-unit`"
     );
     assert!(!PACKAGED_UNIT.contains("/usr/local"));
-    assert!(PACKAGED_UNIT.contains("\nExecStart=/usr/bin/tollgate run --config /etc/tollgate/tollgate.toml\n"));
+    assert!(PACKAGED_UNIT
+        .contains("\nExecStart=/usr/bin/tollgate run --config /etc/tollgate/tollgate.toml\n"));
 }
 
 /// `[package.metadata.deb]`'s `assets` as (source, destination, mode).
@@ -66,7 +67,10 @@ fn the_package_puts_binary_unit_and_config_where_the_unit_looks() {
         "config/prometheus/alerts.yml",
         "README.md",
     ] {
-        assert!(dest(source).0.starts_with("usr/share/doc/tollgate/"), "{source}");
+        assert!(
+            dest(source).0.starts_with("usr/share/doc/tollgate/"),
+            "{source}"
+        );
     }
     // Every source but the built binary is a file of the repository (a glob: a file of its
     // directory ending as the glob does).

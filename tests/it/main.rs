@@ -29,6 +29,7 @@ mod keys;
 mod limits;
 mod local_fallback;
 mod operations;
+mod packaging;
 mod per_address;
 mod problem_details;
 mod proxy;

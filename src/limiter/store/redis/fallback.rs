@@ -407,6 +407,7 @@ mod tests {
             used: 1,
             reset_at_ms: 61_000,
             retry_at_ms: 0,
+            more_at_ms: 61_000,
             epoch: 61_000,
             ..Verdict::default()
         };

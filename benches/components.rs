@@ -200,6 +200,8 @@ fn header_rendering(c: &mut Criterion) {
         used: 1234,
         reset_at_ms: NOW_MS + WINDOW_MS,
         retry_at_ms: 0,
+        blocked_until_ms: 0,
+        more_at_ms: 0,
     };
     // A typical upstream response's headers, which put_usage adds to.
     let mut upstream = HeaderMap::new();
@@ -454,9 +456,11 @@ fn redis_scripts(c: &mut Criterion) {
     // Live windows for CHECK to read; a window with a count that refunds of 1 unit
     // cannot use up, so every REFUND takes the HINCRBY path.
     // lua/apply.lua's integers per key: op, algorithm (0: fixed window), quota, window,
-    // burst, align, cost, now, id; all of a call's in ARGV[1], 8 bytes little-endian each.
-    let op_args = |op: u64, cost: u64| [op, 0, HUGE_QUOTA, WINDOW_MS, HUGE_QUOTA, 0, cost, now, 0];
-    let packed = |ops: &[[u64; 9]]| -> Vec<u8> {
+    // burst, align, block (0: none), cost, now, id; all of a call's in ARGV[1], 8 bytes
+    // little-endian each.
+    let op_args =
+        |op: u64, cost: u64| [op, 0, HUGE_QUOTA, WINDOW_MS, HUGE_QUOTA, 0, 0, cost, now, 0];
+    let packed = |ops: &[[u64; 10]]| -> Vec<u8> {
         ops.iter().flatten().flat_map(|a| a.to_le_bytes()).collect()
     };
     let mut setup = apply.prepare_invoke();

@@ -116,7 +116,7 @@ rc() {
   "$CLI" -h 127.0.0.1 -p "$PORT" "$@"
 }
 
-# lua/apply.lua reads its 9 integers per key packed in ARGV[1] (8 bytes each, as the gateway
+# lua/apply.lua reads its 10 integers per key packed in ARGV[1] (8 bytes each, as the gateway
 # sends them); redis-cli sends text, so the script loaded here is apply.lua behind one line
 # that packs the decimal arguments of each EVALSHA line first (struct.pack, exact below 2^53).
 PACK='local p = {} for i = 1, #ARGV do p[i] = struct.pack("<I8", tonumber(ARGV[i])) ARGV[i] = nil end ARGV[1] = table.concat(p)'
@@ -167,7 +167,7 @@ commands() {
           keys = keys " " sprintf(keyfmt, j)
           t = same ? now : now + j
           # times and ids as %.0f: exact below 2^53, where %d may be 32-bit in some awks
-          args = args sprintf(" %d %d %d %d %d 0 %d %.0f %.0f", op, code, quota, window, quota, cost, t, base + j)
+          args = args sprintf(" %d %d %d %d %d 0 0 %d %.0f %.0f", op, code, quota, window, quota, cost, t, base + j)
         }
         print "EVALSHA " sha " " m keys args
       }

@@ -13,42 +13,71 @@
 --
 -- Operations: 0 PEEK (read only: safe on a replica), 1 CHARGE (add whatever
 -- the state), 2 RESERVE (add only if admitted; concurrency: take a slot),
--- 3 REFUND (undo a charge or reservation; concurrency: give the slot back).
+-- 3 REFUND (undo a charge or reservation; concurrency: give the slot back),
+-- 4 BLOCK (block_for limits, after a refusal, on the primary: a peek that, if
+-- the window refuses, starts a block; see "Blocks" below).
 --
 -- One call handles any number of keys on one shard: every limit of a request
 -- that lives there, and the operations of concurrent requests batched together
 -- (src/limiter/store/redis/batch.rs).
 --
 -- KEYS[i]          one limit's state for one subject; by algorithm:
---                  0 fixed_window   hash  count, reset_at
---                  1 sliding_window hash  start, prev, cur
+--                  0 fixed_window   hash  count, reset_at (+ block)
+--                  1 sliding_window hash  start, prev, cur (+ block)
 --                  2 sliding_log    zset  member "ID:COST", score = charge time
---                  3 gcra           hash  tat
+--                                         (+ member "block", score = -end)
+--                  3 gcra           hash  tat (+ block)
 --                  4 concurrency    zset  member "ID", score = slot expiry
--- ARGV[1]          9 integers per key, key by key, each 8 bytes, unsigned,
+--                  (block: a block_for block's end, epoch ms; see "Blocks")
+-- ARGV[1]          10 integers per key, key by key, each 8 bytes, unsigned,
 --                  little-endian (read with struct.unpack "<I8"): op,
 --                  algorithm, quota, window ms, burst, align (0 first request,
---                  1 epoch multiples, 2 UTC month), cost, now ms (0: read
---                  TIME), id (the entry / slot id for CHARGE and RESERVE; the
---                  epoch the charge reported for REFUND). One binary argument
---                  instead of 9 decimal ones per key: Redis makes a string
+--                  1 epoch multiples, 2 UTC month), block ms (block_for; 0:
+--                  none), cost, now ms (0: read TIME), id (the entry / slot id
+--                  for CHARGE and RESERVE; the epoch the charge reported for
+--                  REFUND). One binary argument
+--                  instead of 10 decimal ones per key: Redis makes a string
 --                  object and a Lua string of each argument, and Lua's
 --                  tonumber parses a decimal with strtod; packed, a call of
 --                  15 keys costs Redis about a third less (BENCHMARKS.md,
 --                  issue 16, twelfth round).
 --
--- Returns 3 integers per key, key by key, packed into one string (8 bytes
+-- Returns 4 integers per key, key by key, packed into one string (8 bytes
 -- each, signed, little-endian: struct.pack "<i8"):
---   admitted: used, reset_at ms, epoch (what a refund quotes);
---   refused:  -(used + 1), reset_at ms, retry_at ms.
--- (retry_at is 0 when admitted and a refusal takes nothing to refund, so five
--- fields travel as three. One string instead of an array of integers: redis-rs
+--   admitted: used, reset_at ms, epoch (what a refund quotes), more_at ms;
+--   refused:  -(used + 1), reset_at ms, retry_at ms, more_at ms.
+-- (more_at: when the caller next has one unit more than now, RateLimit's t;
+-- now when nothing is counted. retry_at is 0 when admitted and a refusal takes
+-- nothing to refund, so six fields travel as four. One string instead of an array of integers: redis-rs
 -- parses each value of a reply, about 800 instructions apiece, so a call of
 -- one key costs it one value instead of three; BENCHMARKS.md, issue 16,
--- eighteenth round.)
+-- eighteenth round.) A refusal by a block answers -reset_at (the block's end,
+-- which is also its retry_at and more_at),
+-- and the BLOCK that started it also -retry_at.
+--
+-- Blocks (block ms > 0, [[limits]].block_for; the rule of
+-- src/limiter/algorithm/block.rs). The block's end (epoch ms, never a TTL) is
+-- kept in the limit's own key, so a call reads it with the state and the
+-- packed ARGV keeps one key per limit: the hash's "block" field (fixed_window,
+-- sliding_window, gcra) or, in the sorted sets, a member "block" whose score
+-- is minus the end (entries' scores are times, > 0; clean-ups remove scores
+-- from 0 up, so the member stays). A limit without block_for never reads or
+-- writes it. While a block is on, PEEK, RESERVE and BLOCK are refused with the
+-- block's end as reset and retry (used at least the limit) and write nothing;
+-- CHARGE is still added (the request was served); REFUND is the algorithm's.
+-- Otherwise a BLOCK is a PEEK that, refused, writes the block: now + block ms.
+-- Every PEXPIREAT of a blocked key keeps it at least until the block's end
+-- (`keep`, `expire`).
 
-local PEEK, CHARGE, RESERVE, REFUND = 0, 1, 2, 3
+local PEEK, CHARGE, RESERVE, REFUND, BLOCK = 0, 1, 2, 3, 4
 local CONCURRENCY_RETRY_MS = 1000
+
+-- The current item's block end + 1000 while it is on, else 0: clean-up expiries
+-- never drop a blocked key before its block ends.
+local keep = 0
+local function expire(key, at)
+  redis.call("PEXPIREAT", key, math.max(at, keep))
+end
 
 -- Days since 1970-01-01 -> year, month (Howard Hinnant's civil_from_days).
 local function civil_from_days(z)
@@ -94,14 +123,27 @@ end
 -- answers are those of the items applied one by one.
 local windows, window_keys = {}, {}
 
-local function fixed_window(key, op, quota, window, align, cost, now, id)
+-- The fixed window of `key` in this call (read on first use; its block too when
+-- the limit has one).
+local function fixed_entry(key, block)
   local w = windows[key]
   if not w then
-    local f = redis.call("HMGET", key, "count", "reset_at")
-    w = { count = tonumber(f[1]), reset_at = tonumber(f[2]), fresh = false, dirty = false }
+    local f
+    if block > 0 then
+      f = redis.call("HMGET", key, "count", "reset_at", "block")
+    else
+      f = redis.call("HMGET", key, "count", "reset_at")
+    end
+    w = { count = tonumber(f[1]), reset_at = tonumber(f[2]), block = tonumber(f[3]) or 0,
+          fresh = false, dirty = false, block_dirty = false }
     windows[key] = w
     window_keys[#window_keys + 1] = key
   end
+  return w
+end
+
+local function fixed_window(key, op, quota, window, align, block, cost, now, id)
+  local w = fixed_entry(key, block)
   local used, reset_at = w.count, w.reset_at
   local live = used and reset_at and reset_at > now
   if not live then
@@ -127,7 +169,9 @@ local function fixed_window(key, op, quota, window, align, cost, now, id)
   end
   local retry = 0
   if not admitted then retry = reset_at end
-  return admitted, used, reset_at, retry, reset_at
+  local more = now
+  if used > 0 then more = reset_at end
+  return admitted, used, reset_at, retry, reset_at, more
 end
 
 -- Write what the call's items did to each fixed window (see `windows`).
@@ -136,10 +180,20 @@ local function write_windows()
     local w = windows[key]
     if w.fresh then
       redis.call("DEL", key)
-      redis.call("HSET", key, "count", w.count, "reset_at", w.reset_at)
-      redis.call("PEXPIREAT", key, w.reset_at + 1000)
-    elseif w.dirty then
-      redis.call("HSET", key, "count", w.count)
+      if w.block > 0 then
+        redis.call("HSET", key, "count", w.count, "reset_at", w.reset_at, "block", w.block)
+      else
+        redis.call("HSET", key, "count", w.count, "reset_at", w.reset_at)
+      end
+      redis.call("PEXPIREAT", key, math.max(w.reset_at, w.block) + 1000)
+    else
+      if w.dirty then
+        redis.call("HSET", key, "count", w.count)
+      end
+      if w.block_dirty then
+        redis.call("HSET", key, "block", w.block)
+        redis.call("PEXPIREAT", key, math.max(w.reset_at or 0, w.block) + 1000)
+      end
     end
   end
 end
@@ -164,7 +218,8 @@ local function sliding_window(key, op, quota, w, cost, now, id)
     if pv > 0 then return start + w end
     return now
   end
-  local function retry_of(pv, cu)
+  -- When a cost of `cost` fits: retry_at, and with remaining + 1, more_at.
+  local function retry_of(pv, cu, cost)
     if cost > quota then return reset_of(pv, cu) end
     local room = quota - cost - cu
     if room >= 0 and pv > 0 then
@@ -176,7 +231,7 @@ local function sliding_window(key, op, quota, w, cost, now, id)
   local admitted = estimate(prev, cur) + cost <= quota
   local retry = 0
   if op == PEEK or (op == RESERVE and not admitted) then
-    if not admitted then retry = retry_of(prev, cur) end
+    if not admitted then retry = retry_of(prev, cur, cost) end
   elseif op == REFUND then
     local wrote = true
     if id == start then
@@ -193,10 +248,13 @@ local function sliding_window(key, op, quota, w, cost, now, id)
   else
     cur = cur + cost
     redis.call("HSET", key, "start", start, "prev", prev, "cur", cur)
-    redis.call("PEXPIREAT", key, start + 2 * w + 1000)
+    expire(key, start + 2 * w + 1000)
     if not admitted then retry = reset_of(prev, cur) end
   end
-  return admitted, math.ceil(estimate(prev, cur)), reset_of(prev, cur), retry, start
+  local used = math.ceil(estimate(prev, cur))
+  local more = now
+  if used > 0 then more = retry_of(prev, cur, quota - math.min(used, quota) + 1) end
+  return admitted, used, reset_of(prev, cur), retry, start, more
 end
 
 -- The member of one entry: "ID:COST", both written as integers.
@@ -231,10 +289,30 @@ local function sliding_log(key, op, quota, w, cost, now, id)
     end
     return reset_of()
   end
+  -- When the oldest entries have freed one unit of the `u` counted; a charge
+  -- just added counts as an entry at now (after every one not later than now).
+  local function more_of(u, added)
+    if u == 0 then return now end
+    local below, acc = math.min(u, quota) - 1, u
+    for i = 1, #times do
+      if added and times[i] > now then
+        acc = acc - added
+        if acc <= below then return now + w end
+        added = nil
+      end
+      acc = acc - costs[i]
+      if acc <= below then return times[i] + w end
+    end
+    if added then
+      acc = acc - added
+      if acc <= below then return now + w end
+    end
+    return reset_of()
+  end
   if op == PEEK or (op == RESERVE and not admitted) then
     local retry = 0
     if not admitted then retry = retry_of() end
-    return admitted, used, reset_of(), retry, 0
+    return admitted, used, reset_of(), retry, 0, more_of(used)
   elseif op == REFUND then
     -- The live entry of this id gives back up to `cost` units (part of them when
     -- a reservation is settled to a smaller cost: the entry is written again
@@ -245,6 +323,7 @@ local function sliding_log(key, op, quota, w, cost, now, id)
       if string.sub(member, 1, #prefix) == prefix then
         local n = costs[(i + 1) / 2]
         local back = math.min(cost, n)
+        costs[(i + 1) / 2] = n - back
         redis.call("ZREM", key, member)
         if n - back > 0 then
           redis.call("ZADD", key, entries[i + 1], log_member(id, n - back))
@@ -253,7 +332,7 @@ local function sliding_log(key, op, quota, w, cost, now, id)
         break
       end
     end
-    redis.call("ZREMRANGEBYSCORE", key, "-inf", now - w)
+    redis.call("ZREMRANGEBYSCORE", key, 0, now - w)
     -- The newest entry may have been the one refunded.
     local last = redis.call("ZRANGEBYSCORE", key, "(" .. (now - w), "+inf", "WITHSCORES")
     newest = nil
@@ -261,16 +340,16 @@ local function sliding_log(key, op, quota, w, cost, now, id)
       local t = tonumber(last[i])
       if not newest or t > newest then newest = t end
     end
-    return true, used, reset_of(), 0, 0
+    return true, used, reset_of(), 0, 0, more_of(used)
   end
-  redis.call("ZREMRANGEBYSCORE", key, "-inf", now - w)
+  redis.call("ZREMRANGEBYSCORE", key, 0, now - w)
   redis.call("ZADD", key, now, log_member(id, cost))
-  redis.call("PEXPIREAT", key, now + w + 1000)
+  expire(key, now + w + 1000)
   used = used + cost
   if not newest or now > newest then newest = now end
   local retry = 0
   if not admitted then retry = reset_of() end
-  return admitted, used, reset_of(), retry, id
+  return admitted, used, reset_of(), retry, id, more_of(used, cost)
 end
 
 local function gcra(key, op, quota, w, burst, cost, now)
@@ -284,7 +363,10 @@ local function gcra(key, op, quota, w, burst, cost, now)
     tat = math.max(tat, now)
     local retry = 0
     if not adm then retry = math.max(new_tat - cap, now) end
-    return adm, math.ceil((tat - now) / t), tat, retry, 0
+    local used = math.ceil((tat - now) / t)
+    local more = now
+    if used > 0 then more = math.max(tat - (math.min(used, burst) - 1) * t, now) end
+    return adm, used, tat, retry, 0, more
   end
   if op == PEEK or (op == RESERVE and not admitted) then
     return answer(admitted, base)
@@ -292,11 +374,11 @@ local function gcra(key, op, quota, w, burst, cost, now)
     if stored <= now then return answer(true, now) end
     local tat = math.max(stored - cost * t, now)
     redis.call("HSET", key, "tat", tat)
-    redis.call("PEXPIREAT", key, tat + 1000)
+    expire(key, tat + 1000)
     return answer(true, tat)
   end
   redis.call("HSET", key, "tat", new_tat)
-  redis.call("PEXPIREAT", key, new_tat + 1000)
+  expire(key, new_tat + 1000)
   return answer(admitted, new_tat)
 end
 
@@ -305,7 +387,7 @@ local function concurrency(key, op, quota, w, now, id)
   -- written with 14 significant digits).
   local slot = string.format("%d", id)
   if op ~= PEEK and op ~= CHARGE then
-    redis.call("ZREMRANGEBYSCORE", key, "-inf", now)
+    redis.call("ZREMRANGEBYSCORE", key, 0, now)
   end
   if op == REFUND then
     redis.call("ZREM", key, slot)
@@ -315,7 +397,7 @@ local function concurrency(key, op, quota, w, now, id)
   local epoch = 0
   if op == RESERVE and admitted then
     redis.call("ZADD", key, now + w, slot)
-    redis.call("PEXPIREAT", key, now + w + 1000)
+    expire(key, now + w + 1000)
     used = used + 1
     epoch = id
   end
@@ -325,7 +407,7 @@ local function concurrency(key, op, quota, w, now, id)
   if #top == 2 then reset_at = tonumber(top[2]) end
   local retry = 0
   if not admitted then retry = now + CONCURRENCY_RETRY_MS end
-  return admitted, used, reset_at, retry, epoch
+  return admitted, used, reset_at, retry, epoch, reset_at
 end
 
 -- now = 0 in ARGV: this node's clock, TIME (seconds, microseconds) floored to
@@ -340,34 +422,94 @@ local function now_of(n)
   return redis_now
 end
 
-local FIELDS = "<I8I8I8I8I8I8I8I8I8"
-local VERDICT = "<i8i8i8"
+-- One operation of one algorithm (BLOCK is read as a PEEK here).
+local function run(key, op, alg, quota, window, burst, align, block, cost, now, id)
+  if op == BLOCK then op = PEEK end
+  if alg == 0 then
+    return fixed_window(key, op, quota, window, align, block, cost, now, id)
+  elseif alg == 1 then
+    return sliding_window(key, op, quota, window, cost, now, id)
+  elseif alg == 2 then
+    return sliding_log(key, op, quota, window, cost, now, id)
+  elseif alg == 3 then
+    return gcra(key, op, quota, window, burst, cost, now)
+  end
+  return concurrency(key, op, quota, window, now, id)
+end
+
+-- The stored block's end of `key` (ms; 0: none), by algorithm.
+local function read_block(key, alg, block)
+  if alg == 0 then
+    return fixed_entry(key, block).block
+  elseif alg == 2 or alg == 4 then
+    local score = redis.call("ZSCORE", key, "block")
+    return score and -tonumber(score) or 0
+  end
+  return tonumber(redis.call("HGET", key, "block")) or 0
+end
+
+-- Start a block of `key` until `until_at`; the key lives until the later of the
+-- block's end and the state's (`reset_at`, as the refusing peek reported it).
+local function write_block(key, alg, until_at, reset_at)
+  if alg == 0 then
+    local w = windows[key]
+    w.block, w.block_dirty = until_at, true
+    return
+  elseif alg == 2 or alg == 4 then
+    redis.call("ZADD", key, -until_at, "block")
+  else
+    redis.call("HSET", key, "block", until_at)
+  end
+  redis.call("PEXPIREAT", key, math.max(reset_at, until_at) + 1000)
+end
+
+local FIELDS = "<I8I8I8I8I8I8I8I8I8I8"
+local VERDICT = "<i8i8i8i8"
 local args, at = ARGV[1] or "", 1
-if #args ~= 72 * #KEYS then
-  return redis.error_reply("apply.lua: ARGV[1] holds " .. #args .. " bytes for " .. #KEYS .. " keys (72 a key)")
+if #args ~= 80 * #KEYS then
+  return redis.error_reply("apply.lua: ARGV[1] holds " .. #args .. " bytes for " .. #KEYS .. " keys (80 a key)")
 end
 local out = {}
 for i = 1, #KEYS do
-  local op, alg, quota, window, burst, align, cost, now_ms, id, next_at = struct.unpack(FIELDS, args, at)
+  local op, alg, quota, window, burst, align, block, cost, now_ms, id, next_at = struct.unpack(FIELDS, args, at)
   at = next_at
   local now = now_of(now_ms)
   local key = KEYS[i]
-  local admitted, used, reset_at, retry, epoch
-  if alg == 0 then
-    admitted, used, reset_at, retry, epoch = fixed_window(key, op, quota, window, align, cost, now, id)
-  elseif alg == 1 then
-    admitted, used, reset_at, retry, epoch = sliding_window(key, op, quota, window, cost, now, id)
-  elseif alg == 2 then
-    admitted, used, reset_at, retry, epoch = sliding_log(key, op, quota, window, cost, now, id)
-  elseif alg == 3 then
-    admitted, used, reset_at, retry, epoch = gcra(key, op, quota, window, burst, cost, now)
+  local admitted, used, reset_at, retry, epoch, more
+  local blocked, started = false, false
+  if block == 0 then
+    admitted, used, reset_at, retry, epoch, more = run(key, op, alg, quota, window, burst, align, block, cost, now, id)
   else
-    admitted, used, reset_at, retry, epoch = concurrency(key, op, quota, window, now, id)
+    local until_at = read_block(key, alg, block)
+    keep = 0
+    if until_at > now then keep = until_at + 1000 end
+    if until_at > now and op ~= REFUND then
+      local o = PEEK
+      if op == CHARGE then o = CHARGE end
+      admitted, used = run(key, o, alg, quota, window, burst, align, block, cost, now, id)
+      blocked = true
+    else
+      admitted, used, reset_at, retry, epoch, more = run(key, op, alg, quota, window, burst, align, block, cost, now, id)
+      if op == BLOCK and not admitted then
+        until_at = now + block
+        write_block(key, alg, until_at, reset_at)
+        blocked, started = true, true
+      end
+    end
+    keep = 0
+    if blocked then
+      local limit = quota
+      if alg == 3 then limit = burst end
+      admitted, used, reset_at, retry, more = false, math.max(used, limit), until_at, until_at, until_at
+    end
   end
   if admitted then
-    out[i] = struct.pack(VERDICT, used, reset_at, epoch)
+    out[i] = struct.pack(VERDICT, used, reset_at, epoch, more)
+  elseif blocked then
+    if started then retry = -retry end
+    out[i] = struct.pack(VERDICT, -used - 1, -reset_at, retry, more)
   else
-    out[i] = struct.pack(VERDICT, -used - 1, reset_at, retry)
+    out[i] = struct.pack(VERDICT, -used - 1, reset_at, retry, more)
   end
 end
 write_windows()

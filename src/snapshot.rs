@@ -322,6 +322,11 @@ impl Snapshot {
                     previous
                         .map(|p| p.limiter.blocked().clone())
                         .unwrap_or_default(),
+                )
+                .with_blocks_started(
+                    previous
+                        .map(|p| p.limiter.blocks_started().clone())
+                        .unwrap_or_default(),
                 ),
             listen,
             admin_listen,

@@ -66,7 +66,7 @@ def main():
             conn.call("CONFIG", "RESETSTAT")
             now = int(time.time() * 1000)
             # op CHARGE, fixed window, quota, window ms, burst, align, cost, now ms, id
-            args = struct.pack("<9Q", 1, 0, 10**15, 3_600_000, 10**15, 0, 1, now, 0) * keys
+            args = struct.pack("<10Q", 1, 0, 10**15, 3_600_000, 10**15, 0, 0, 1, now, 0) * keys
             one = conn.encode("EVALSHA", sha, keys, *names, args)
             batch = 500
             for sent in range(0, calls, batch):

@@ -98,7 +98,9 @@ pub(super) async fn handle(
                         "remaining": u.map(|u| u.remaining()),
                         "reset": u.map(|u| u.reset_epoch_s()),
                         "window": l.limit.window_ms.div_ceil(1000),
-                        "blocked_until": null,
+                        "blocked_until": u
+                            .filter(|u| u.blocked_until_ms > 0)
+                            .map(|u| u.blocked_until_ms.div_ceil(1000)),
                         "leases": l.leased,
                     })
                 })

@@ -132,12 +132,21 @@ fn table(v: &serde_json::Value) -> String {
         }
     );
     out.push_str(&format!(
-        "{:<16} {:<14} {:<12} {:>10} {:>10} {:>10} {:>12} {:>8} {:>7}\n",
-        "LIMIT", "ALGORITHM", "BY", "QUOTA", "USED", "REMAINING", "RESET", "WINDOW", "LEASES"
+        "{:<16} {:<14} {:<12} {:>10} {:>10} {:>10} {:>12} {:>8} {:>7} {:>13}\n",
+        "LIMIT",
+        "ALGORITHM",
+        "BY",
+        "QUOTA",
+        "USED",
+        "REMAINING",
+        "RESET",
+        "WINDOW",
+        "LEASES",
+        "BLOCKED_UNTIL"
     ));
     for l in v["limits"].as_array().into_iter().flatten() {
         out.push_str(&format!(
-            "{:<16} {:<14} {:<12} {:>10} {:>10} {:>10} {:>12} {:>8} {:>7}\n",
+            "{:<16} {:<14} {:<12} {:>10} {:>10} {:>10} {:>12} {:>8} {:>7} {:>13}\n",
             s(&l["name"]),
             s(&l["algorithm"]),
             s(&l["by"]),
@@ -147,6 +156,7 @@ fn table(v: &serde_json::Value) -> String {
             s(&l["reset"]),
             s(&l["window"]),
             s(&l["leases"]),
+            s(&l["blocked_until"]),
         ));
     }
     out
@@ -171,7 +181,7 @@ mod tests {
             "limits": [
                 {"name": "core", "algorithm": "fixed_window", "by": "caller", "quota": 5,
                  "used": 2, "remaining": 3, "reset": 1700000000, "window": 3600,
-                 "blocked_until": null, "leases": 0},
+                 "blocked_until": 1700000900, "leases": 0},
                 {"name": "perip", "algorithm": "fixed_window", "by": "ip", "quota": 100,
                  "used": null, "remaining": null, "reset": null, "window": 3600,
                  "blocked_until": null, "leases": 0},
@@ -181,6 +191,8 @@ mod tests {
         let lines: Vec<&str> = t.lines().collect();
         assert_eq!(lines[0], "caller acme (tier gold)");
         assert!(lines[2].starts_with("core ") && lines[2].contains(" 1700000000 "));
+        assert!(lines[1].ends_with(" BLOCKED_UNTIL"), "{}", lines[1]);
+        assert!(lines[2].ends_with(" 1700000900"), "{}", lines[2]);
         assert!(lines[3].starts_with("perip ") && lines[3].contains(" - "));
     }
 }

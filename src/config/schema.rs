@@ -327,8 +327,18 @@ pub struct StoreConfig {
     pub clock: StoreClock,
     /// Budget for one store call; past it the call counts as failed. Default 50 ms.
     pub timeout: Dur,
-    /// What to do when the store fails or is slow: fail open or fail closed.
+    /// What to do when the store fails or is slow: fail open, fail closed, or enforce
+    /// the failing shard's limits in this gateway's memory (`"local"`).
     pub on_error: OnError,
+    /// With `on_error = "local"`: how many gateways share the store, the divisor of each
+    /// quota while a shard is enforced locally; a count (>= 1) or `"auto"` (counted from
+    /// the gateways' heartbeats in Redis). Default: `"auto"` when `on_error = "local"`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fleet_size: Option<FleetSize>,
+    /// With `fleet_size = "auto"`: how often each gateway writes its heartbeat to every
+    /// shard's primary (and reads the count of gateways alive); a gateway unheard of for
+    /// three of these is no longer counted. Default 1 s.
+    pub fleet_heartbeat: Dur,
     /// Prefix of every Redis key. Default `"tollgate:"`.
     pub key_prefix: String,
     /// Secret for the keyed hash of caller identities (Redis keys and shard choice).
@@ -408,6 +418,8 @@ impl Default for StoreConfig {
             clock: StoreClock::Gateway,
             timeout: Dur::from_millis(50),
             on_error: OnError::Allow,
+            fleet_size: None,
+            fleet_heartbeat: Dur::from_secs(1),
             key_prefix: "tollgate:".into(),
             hash_key: None,
             hash_key_file: None,
@@ -524,6 +536,19 @@ pub enum OnError {
     Allow,
     /// Fail closed: answer 503.
     Deny,
+    /// Enforce the limits of a shard whose store calls fail in this gateway's memory,
+    /// each quota divided by `store.fleet_size`, until the shard answers again.
+    Local,
+}
+
+/// `store.fleet_size`: a count of gateways, or `"auto"` (as written: validated later).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(untagged)]
+pub enum FleetSize {
+    /// This many gateways share the store (must be at least 1).
+    Count(i64),
+    /// `"auto"`: counted from heartbeats (any other text is an error).
+    Named(String),
 }
 
 /// `[[store.shards]]`: one Redis primary and its replicas, given directly or found
@@ -1037,6 +1062,12 @@ pub struct LimitConfig {
     /// crashed) go back to the window. At least 2s; default 5s.
     #[serde(default = "default_lease_ttl")]
     pub lease_ttl: Dur,
+    /// Once this limit refuses a caller, refuse every request of that caller on this
+    /// limit for this long (from the refusal that started the block), whatever the
+    /// window says; the block is kept in the store, so the whole fleet blocks. Between
+    /// 1s and 1 year; not for `"concurrency"` nor lease mode. Default: off.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_for: Option<Dur>,
 }
 
 fn default_lease_ttl() -> Dur {
@@ -1155,6 +1186,10 @@ pub struct HeadersConfig {
     /// `quota-exceeded`, the 503 of a failed store as `temporary-reduced-capacity`.
     /// Default false: the GitHub-style JSON bodies.
     pub problem_details: bool,
+    /// With `style = ["ietf"]`: `RateLimit-Policy` and `RateLimit` carry `pk`, each
+    /// limit's partition key: the caller's keyed hash (the digest in its storage keys)
+    /// as an sf-binary, never a raw key, id or address. Default false.
+    pub partition_key: bool,
 }
 
 impl Default for HeadersConfig {
@@ -1162,6 +1197,7 @@ impl Default for HeadersConfig {
         Self {
             style: vec![HeaderStyle::Github],
             problem_details: false,
+            partition_key: false,
         }
     }
 }

@@ -168,6 +168,7 @@ pub fn store(cfg: &StoreConfig, problems: &mut Problems) {
     if cfg.sweep_interval.0.is_zero() {
         problems.error("store.sweep_interval", "must be more than 0");
     }
+    fleet(cfg, problems);
     if cfg.backend == super::Backend::Memory {
         if !cfg.shards.is_empty() {
             problems.warn("store.shards", "ignored: backend is \"memory\"");
@@ -181,6 +182,33 @@ pub fn store(cfg: &StoreConfig, problems: &mut Problems) {
         if cfg.max_callers == 0 {
             problems.error("store.max_callers", "must be at least 1");
         }
+    }
+}
+
+/// `store.fleet_size` and `store.fleet_heartbeat` (`on_error = "local"`).
+fn fleet(cfg: &StoreConfig, problems: &mut Problems) {
+    match &cfg.fleet_size {
+        Some(super::FleetSize::Count(n)) if *n < 1 => problems.error(
+            "store.fleet_size",
+            format!("{n} gateways: must be at least 1, or \"auto\""),
+        ),
+        Some(super::FleetSize::Named(s)) if s != "auto" => problems.error(
+            "store.fleet_size",
+            format!("{s:?}: must be a number of gateways (at least 1) or \"auto\""),
+        ),
+        Some(super::FleetSize::Named(_)) if cfg.backend == super::Backend::Memory => problems
+            .error(
+                "store.fleet_size",
+                "\"auto\" counts gateways in Redis: it needs backend = \"redis\"",
+            ),
+        Some(_) if cfg.on_error != super::OnError::Local => problems.warn(
+            "store.fleet_size",
+            "ignored: it divides quotas only with on_error = \"local\"",
+        ),
+        _ => {}
+    }
+    if cfg.fleet_heartbeat.0 < std::time::Duration::from_millis(10) {
+        problems.error("store.fleet_heartbeat", "must be at least 10ms");
     }
 }
 

@@ -18,7 +18,13 @@
 //!   arrival time (TAT), as in Ramp's write-up; emission interval `ceil(window/quota)` ms.
 //! - [`Algorithm::Concurrency`]: at most `quota` requests in flight; each holds a slot
 //!   (a lease that expires after `window`) until its response ends.
+//!
+//! A policy with [`Policy::block_ms`] (`[[limits]].block_for`) adds one rule on top of
+//! every algorithm ([`block`]): an [`OpKind::Block`] that the window refuses starts a
+//! block (its end stored with the state, [`State::Blocked`]), and until that end every
+//! peek and reservation is refused, whatever the window says.
 
+mod block;
 mod rules;
 
 use rules::{concurrency, fixed_window, gcra, sliding_log, sliding_window};
@@ -88,6 +94,10 @@ pub struct Policy {
     pub burst: u64,
     /// Where fixed windows start.
     pub align: Align,
+    /// `block_for`, milliseconds: how long a caller stays refused once a
+    /// [`OpKind::Block`] found it over the limit; 0 for no block (a stored block is then
+    /// not read).
+    pub block_ms: u64,
 }
 
 impl Policy {
@@ -99,6 +109,7 @@ impl Policy {
             window_ms,
             burst: quota,
             align: Align::FirstRequest,
+            block_ms: 0,
         }
     }
 
@@ -138,6 +149,11 @@ pub enum OpKind {
     /// Take back `cost` added by a charge or reservation whose [`Verdict::epoch`] was
     /// `id`; concurrency: give the slot `id` back.
     Refund,
+    /// After a refusal, on the primary (`block_for` limits only): if `cost` is refused
+    /// now, by the window or an existing block, the caller stays refused until a block's
+    /// end; a refusal of the window starts a block of [`Policy::block_ms`]. Admitted:
+    /// answers as a peek and writes nothing.
+    Block,
 }
 
 impl OpKind {
@@ -148,6 +164,7 @@ impl OpKind {
             OpKind::Charge => 1,
             OpKind::Reserve => 2,
             OpKind::Refund => 3,
+            OpKind::Block => 4,
         }
     }
 }
@@ -176,10 +193,22 @@ pub struct Verdict {
     pub reset_at_ms: u64,
     /// When `cost` would be admitted, ms since the epoch (`Retry-After`); 0 when admitted.
     pub retry_at_ms: u64,
+    /// When the caller next has one unit more than now (`RateLimit`'s `t`), ms since
+    /// the epoch: when a cost of `remaining + 1` would be admitted; `now` when nothing
+    /// is counted. The fixed window's end; for GCRA the TAT less the units still
+    /// counted after one is regained; for the sliding window the instant the estimate
+    /// drops by one unit; for the sliding log the expiry of the oldest entries that
+    /// free one unit; for concurrency the last slot's expiry (the reset: a slot is
+    /// given back when its response ends, which no store knows in advance).
+    pub more_at_ms: u64,
     /// What a refund must quote to undo this charge or reservation: the fixed window's
     /// end, the sliding window's start, the log entry's or slot's id (GCRA: 0); 0 when
     /// not admitted (a refusal is never refunded).
     pub epoch: u64,
+    /// Refused by a `block_for` block: `reset_at_ms` and `retry_at_ms` are its end.
+    pub blocked: bool,
+    /// This operation (an [`OpKind::Block`]) started the block.
+    pub block_started: bool,
 }
 
 /// How long a concurrency refusal asks the caller to wait: one second.
@@ -215,6 +244,14 @@ pub enum State {
     },
     /// Concurrency: (slot id, expiry ms) per request in flight.
     Slots(Vec<(u64, u64)>),
+    /// A `block_for` block over the algorithm's state: the caller is refused until
+    /// `until` (ms since the epoch). Kept only while the block is on.
+    Blocked {
+        /// The block's end, ms since the epoch.
+        until: u64,
+        /// The algorithm's state under the block.
+        inner: Box<State>,
+    },
 }
 
 impl State {
@@ -228,6 +265,7 @@ impl State {
             State::Log(log) => log.back().map_or(0, |e| e.0) + window_ms,
             State::Gcra { tat } => *tat,
             State::Slots(slots) => slots.iter().map(|s| s.1).max().unwrap_or(0),
+            State::Blocked { until, inner } => inner.expires_at(window_ms).max(*until),
         }
     }
 }
@@ -235,6 +273,22 @@ impl State {
 /// Apply `op` to `state` under `policy` at `now_ms`: the reference rules. Returns the
 /// verdict; `state` is updated in place (never for [`OpKind::Peek`]).
 pub fn apply(policy: &Policy, state: &mut State, op: Op, now_ms: u64) -> Verdict {
+    if policy.block_ms > 0 || matches!(state, State::Blocked { .. }) {
+        return block::apply_blocking(policy, state, op, now_ms);
+    }
+    apply_window(policy, state, op, now_ms)
+}
+
+/// [`apply`] without the `block_for` rule: the algorithm alone. [`OpKind::Block`] is a
+/// peek here.
+fn apply_window(policy: &Policy, state: &mut State, op: Op, now_ms: u64) -> Verdict {
+    let op = match op.kind {
+        OpKind::Block => Op {
+            kind: OpKind::Peek,
+            ..op
+        },
+        _ => op,
+    };
     let v = match policy.algorithm {
         Algorithm::FixedWindow => fixed_window(policy, state, op, now_ms),
         Algorithm::SlidingWindow => sliding_window(policy, state, op, now_ms),

@@ -83,6 +83,8 @@ mod tests {
             used: 5,
             reset_at_ms: 2_000,
             retry_at_ms: 0,
+            blocked_until_ms: 0,
+            more_at_ms: 0,
         };
         assert!(b.get(ip, 1_000).is_none());
         b.insert(ip, usage, 1_000);

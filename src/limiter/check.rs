@@ -40,6 +40,9 @@ struct Plan<'a> {
     counted: Option<InFlightGuard<'a>>,
     /// Whether a limit is in lease mode (the last stage has work).
     leased: bool,
+    /// The enforced limits with `block_for` that refused without a block on: a BLOCK
+    /// follows the refusal ([`Limiter::start_blocks`]).
+    to_block: SmallVec<[usize; 1]>,
 }
 
 impl Limiter {
@@ -77,6 +80,7 @@ impl Limiter {
                 .collect(),
             shadowed: Vec::new(),
             cost,
+            local: false,
         };
         // Peeked limits count their units in flight and hand their call to the store
         // under one lock (see `InFlightUnits`).
@@ -91,6 +95,12 @@ impl Limiter {
         };
         if let Err(refusal) = self.judge(applied, &mut plan, answers, &pending, &mut taken, now_ms)
         {
+            let refusal = if plan.to_block.is_empty() {
+                refusal
+            } else {
+                // Boxed: kept out of the size of every request's future.
+                Box::pin(self.start_blocks(applied, &plan.to_block, refusal, cost, now_ms)).await
+            };
             self.give_back(applied, &taken, now_ms);
             return Err(refusal);
         }
@@ -141,9 +151,11 @@ impl Limiter {
             if holds[i].stage != Stage::Peek {
                 continue;
             }
-            if let Some(slot) = viewed.get_mut(i) {
+            // A block kept in the store is not in the view: limits with `block_for`
+            // are read.
+            if let Some(slot) = viewed.get_mut(i).filter(|_| a.policy.block_ms == 0) {
                 let fixed = a.policy.algorithm == Algorithm::FixedWindow;
-                let quota = a.policy.limit();
+                let quota = self.local_limit(a);
                 *slot = self.in_flight.enter_viewed(&a.key, cost, || {
                     self.recent.admits(&a.key, quota, cost, fixed, now_ms)
                 });
@@ -172,6 +184,7 @@ impl Limiter {
             ids,
             counted: self.in_flight.guard(counted, cost),
             leased: holds.iter().any(|h| h.stage == Stage::Lease),
+            to_block: SmallVec::new(),
         }
     }
 
@@ -283,6 +296,8 @@ impl Limiter {
                     // more than the store holds and the quota: what the store alone
                     // refuses shows the store's count.
                     let mut u = a.usage(&v);
+                    let local = self.local_share(a, &mut u);
+                    taken.local |= local;
                     u.used = if v.admitted {
                         u.used.saturating_add(in_flight_before)
                     } else if u.used.saturating_add(cost) > u.quota {
@@ -309,8 +324,15 @@ impl Limiter {
                         // that a held reservation judged by a quota tightened by them)
                         // may not last: they can be released. Keep only what the store
                         // alone refuses.
-                        if in_flight_before == 0 && hold.stage != Stage::Held {
+                        if v.blocked && !local {
+                            self.remember_block(a, &u, now_ms);
+                        } else if in_flight_before == 0 && hold.stage != Stage::Held && !local {
                             self.remember_refusal(a, &u, cost, now_ms);
+                        }
+                        // Blocks are kept in the store: none is started while the
+                        // shard is enforced locally (`on_error = "local"`).
+                        if a.policy.block_ms > 0 && !v.blocked && !local {
+                            plan.to_block.push(i);
                         }
                         let frees = |u: &Usage| u.retry_at_ms.max(u.reset_at_ms);
                         if over.as_ref().is_none_or(|o| frees(&u) > frees(o)) {
@@ -406,6 +428,46 @@ impl Limiter {
             return Err(refusal);
         }
         Ok(())
+    }
+
+    /// With `store.on_error = "local"`, while `a`'s shard is enforced in this gateway's
+    /// memory: `u` reports the local share of the quota (divided by the fleet size) and
+    /// the answer is local (true). False, `u` untouched, otherwise (a branch without
+    /// `"local"`).
+    #[inline]
+    pub(super) fn local_share(&self, a: &Applied, u: &mut Usage) -> bool {
+        if self.on_error != crate::config::OnError::Local {
+            return false;
+        }
+        match self.store.local_divisor(&a.key) {
+            Some(d) => {
+                u.quota = (u.quota / d).max(1);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// `a`'s limit (`X-RateLimit-Limit`), or its local share while its shard is enforced
+    /// by `store.on_error = "local"`.
+    #[inline]
+    fn local_limit(&self, a: &Applied) -> u64 {
+        let limit = a.policy.limit();
+        if self.on_error != crate::config::OnError::Local {
+            return limit;
+        }
+        self.store
+            .local_divisor(&a.key)
+            .map_or(limit, |d| (limit / d).max(1))
+    }
+
+    /// Whether any of `applied` is enforced by `store.on_error = "local"` now (its
+    /// shard's calls fail): a refusal of them was decided locally.
+    pub fn decided_locally(&self, applied: &[Applied]) -> bool {
+        self.on_error == crate::config::OnError::Local
+            && applied
+                .iter()
+                .any(|a| self.store.local_divisor(&a.key).is_some())
     }
 
     /// Keep a refusal that the store's count alone made (see [`Limiter::check`]) in the

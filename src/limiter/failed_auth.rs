@@ -27,6 +27,7 @@ impl Limiter {
                 enforce_percent: 100,
                 max_delay_ms: 0,
                 max_waiting: 1,
+                block_ms: 0,
             })
         });
         self

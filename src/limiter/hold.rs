@@ -67,4 +67,6 @@ pub(super) struct Taken {
     pub(super) shadowed: Vec<Usage>,
     /// The units the check took or counted (the route's `cost`).
     pub(super) cost: u64,
+    /// A limit was answered by `store.on_error = "local"`'s local enforcement.
+    pub(super) local: bool,
 }

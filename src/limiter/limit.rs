@@ -67,6 +67,37 @@ pub struct Limit {
     pub max_delay_ms: u64,
     /// `on_limit = "delay"`: requests of one subject held at once on this gateway.
     pub max_waiting: u32,
+    /// `block_for` in milliseconds: how long a caller this limit refused stays refused
+    /// (0: off).
+    pub block_ms: u64,
+}
+
+/// `block_for` in milliseconds (0 when not set), recording its problems under `at`:
+/// between 1s and a year, and not for concurrency limits (a slot frees when a request
+/// ends, so a refusal there says nothing about the caller) nor lease mode (leased units
+/// are admitted without the store, where the block is kept).
+fn block_ms(at: &str, cfg: &LimitConfig, algorithm: Algorithm, problems: &mut Problems) -> u64 {
+    let Some(block_for) = cfg.block_for else {
+        return 0;
+    };
+    let ms = block_for.as_millis();
+    if !(1_000..=366 * 86_400_000).contains(&ms) {
+        problems.error(
+            format!("{at}.block_for"),
+            "must be between 1s and 1 year (\"366d\")",
+        );
+    } else if algorithm == Algorithm::Concurrency {
+        problems.error(
+            format!("{at}.block_for"),
+            "is not for concurrency limits (a slot frees when a request ends, so a refusal says nothing about the caller): use a rate limit with block_for",
+        );
+    } else if cfg.lease.is_some() {
+        problems.error(
+            format!("{at}.block_for"),
+            "is not for lease mode (leased units are admitted without the store, where blocks are kept): remove lease or block_for",
+        );
+    }
+    ms
 }
 
 /// `window = "1mo"` in milliseconds (humantime's month: 30.44 days).
@@ -242,6 +273,7 @@ impl Limit {
                 "is for limits with by = \"header:NAME\" only",
             );
         }
+        let block_ms = block_ms(&at, cfg, algorithm, problems);
         if cfg.lease == Some(0) {
             problems.error(
                 format!("{at}.lease"),
@@ -261,6 +293,7 @@ impl Limit {
             enforce_percent,
             max_delay_ms,
             max_waiting: cfg.max_waiting,
+            block_ms,
             key_name: match algorithm {
                 Algorithm::FixedWindow => cfg.name.as_str().into(),
                 other => format!("{}:{}", cfg.name, other.name()).into(),
@@ -276,6 +309,7 @@ impl Limit {
             window_ms: self.window_ms,
             burst: self.burst.unwrap_or(quota),
             align: self.align,
+            block_ms: self.block_ms,
         }
     }
 

@@ -47,6 +47,8 @@
 //!   ([`most_constrained`]), and the read of the rate-limit endpoint ([`Limiter::peek`]).
 //! - [`delayed`]: `on_limit = "delay"` ([`Limiter::check_or_delay`], `max_waiting`, and
 //!   the gateway-wide `server.max_delayed`).
+//! - [`block_for`]: `[[limits]].block_for` (a refusal that blocks the caller for a
+//!   while, on every gateway) and the count of blocks started.
 //! - `failed_auth.rs`: the built-in limit on failed authentications
 //!   ([`Limiter::failed_auth`]) and [`blocked`] the addresses past it.
 //! - [`algorithm`] (the reference model of every algorithm), [`store`] (memory and
@@ -57,6 +59,7 @@
 
 pub mod algorithm;
 mod applicable;
+pub mod block_for;
 pub mod blocked;
 pub mod cache;
 mod check;
@@ -135,6 +138,9 @@ pub struct Limiter {
     top: Arc<top::Top>,
     /// `store.check_from_charge`: CHECKs answered from this gateway's last CHARGE reply.
     recent: Arc<RecentCharges>,
+    /// Blocks this gateway's refusals started (`tollgate_blocked_total`); kept across
+    /// reloads.
+    blocks_started: Arc<block_for::BlocksStarted>,
 }
 
 /// The longest a refusal is answered from the over-limit cache without asking the store
@@ -169,6 +175,7 @@ impl Limiter {
             reserve_in_flight: false,
             top: Arc::default(),
             recent: Arc::new(RecentCharges::new(0, 0)),
+            blocks_started: Arc::default(),
         }
     }
 
@@ -245,18 +252,31 @@ impl Limiter {
     }
 
     /// Apply `store.on_error` to a failed store call: `Ok` to go on unlimited (allow),
-    /// or the refusal (deny). Logs at most once per 10 s.
+    /// or the refusal (deny). Logs at most once per 10 s. With `"local"` a failed
+    /// Redis call is answered locally and never gets here: what does (the memory store
+    /// full, or the local store's own bound reached) goes on unlimited, as `"allow"`.
     fn store_failed(&self, e: StoreError) -> Result<(), Refusal> {
-        if self.on_error == OnError::Deny {
-            self.decision_gate
-                .warn(&e, "denying request (store.on_error = \"deny\")");
-            return Err(Refusal::StoreDenied(e));
+        match self.on_error {
+            OnError::Deny => {
+                self.decision_gate
+                    .warn(&e, "denying request (store.on_error = \"deny\")");
+                Err(Refusal::StoreDenied(e))
+            }
+            OnError::Allow => {
+                self.decision_gate.warn(
+                    &e,
+                    "forwarding without limiting (store.on_error = \"allow\")",
+                );
+                Ok(())
+            }
+            OnError::Local => {
+                self.decision_gate.warn(
+                    &e,
+                    "forwarding without limiting (store.on_error = \"local\" could not answer it locally)",
+                );
+                Ok(())
+            }
         }
-        self.decision_gate.warn(
-            &e,
-            "forwarding without limiting (store.on_error = \"allow\")",
-        );
-        Ok(())
     }
 
     /// Give back every unit this gateway holds in leases (at shutdown). Returns the

@@ -217,6 +217,8 @@ mod tests {
             used,
             reset_at_ms,
             retry_at_ms: 0,
+            blocked_until_ms: 0,
+            more_at_ms: 0,
         }
     }
 

@@ -187,7 +187,11 @@ impl<'a> Ticket<'a> {
                 }
                 match result {
                     Ok(_) if self.taken.holds[i].stage == Stage::Lease => {}
-                    Ok(v) => usages[i] = Some(applied[i].usage(&v)),
+                    Ok(v) => {
+                        let mut u = applied[i].usage(&v);
+                        limiter.local_share(&applied[i], &mut u);
+                        usages[i] = Some(u);
+                    }
                     Err(e) => limiter
                         .warn_gate
                         .warn(&e, "charge failed; the request was not counted"),

@@ -75,6 +75,12 @@ impl<'a> Ticket<'a> {
         &self.taken.usages
     }
 
+    /// Whether a limit was answered by `store.on_error = "local"`'s enforcement in
+    /// this gateway's memory (its Redis shard failing).
+    pub fn local(&self) -> bool {
+        self.taken.local
+    }
+
     /// Refusals of limits in shadow mode (or outside their `enforce_percent`): the
     /// request was let through; report them ("would reject").
     pub fn shadowed(&self) -> &[Usage] {

@@ -24,6 +24,13 @@ pub struct Usage {
     /// When the refused cost would be admitted, milliseconds since the Unix epoch; 0
     /// when admitted (then `Retry-After` falls back to the reset).
     pub retry_at_ms: u64,
+    /// The end of the `block_for` block that refuses the caller, milliseconds since the
+    /// Unix epoch (then also `reset_at_ms` and `retry_at_ms`); 0 when not blocked.
+    pub blocked_until_ms: u64,
+    /// When the caller next has one unit more than now, milliseconds since the Unix
+    /// epoch (`RateLimit`'s `t`, see [`Verdict::more_at_ms`]); 0 when unknown (then
+    /// `t` falls back to the reset).
+    pub more_at_ms: u64,
 }
 
 impl Usage {
@@ -47,6 +54,23 @@ impl Usage {
         };
         at.saturating_sub(now_ms).div_ceil(1000).max(1)
     }
+
+    /// Whole seconds from `now_ms` until the caller has one unit more (`RateLimit`'s
+    /// `t`, rounded up, at least 0): from `more_at_ms`, or the reset when it is
+    /// unknown; on a refusal never more than [`Usage::retry_after_s`].
+    pub fn more_at_s(&self, now_ms: u64) -> u64 {
+        let at = if self.more_at_ms > 0 {
+            self.more_at_ms
+        } else {
+            self.reset_at_ms
+        };
+        let t = at.saturating_sub(now_ms).div_ceil(1000);
+        if self.retry_at_ms > 0 {
+            t.min(self.retry_after_s(now_ms))
+        } else {
+            t
+        }
+    }
 }
 
 impl Applied {
@@ -57,6 +81,8 @@ impl Applied {
             used: v.used,
             reset_at_ms: v.reset_at_ms,
             retry_at_ms: v.retry_at_ms,
+            blocked_until_ms: if v.blocked { v.reset_at_ms } else { 0 },
+            more_at_ms: v.more_at_ms,
         }
     }
 
@@ -66,8 +92,16 @@ impl Applied {
     pub(super) fn refunded(&self, u: &mut Usage, cost: u64, now_ms: u64) {
         u.used = u.used.saturating_sub(cost);
         if self.policy.algorithm == Algorithm::Gcra {
-            let back = cost.saturating_mul(self.policy.emission_ms());
+            let e = self.policy.emission_ms();
+            let back = cost.saturating_mul(e);
             u.reset_at_ms = u.reset_at_ms.saturating_sub(back).max(now_ms);
+            if u.used > 0 && u.more_at_ms > 0 {
+                let counted = u.used.min(self.policy.burst) - 1;
+                u.more_at_ms = u.reset_at_ms.saturating_sub(counted * e).max(now_ms);
+            }
+        }
+        if u.used == 0 && u.more_at_ms > 0 {
+            u.more_at_ms = now_ms;
         }
     }
 
@@ -78,6 +112,8 @@ impl Applied {
             used,
             reset_at_ms,
             retry_at_ms: 0,
+            blocked_until_ms: 0,
+            more_at_ms: 0,
         }
     }
 }
@@ -125,7 +161,13 @@ impl Limiter {
         applied
             .iter()
             .zip(results)
-            .map(|(a, r)| r.map(|v| a.usage(&v)))
+            .map(|(a, r)| {
+                r.map(|v| {
+                    let mut u = a.usage(&v);
+                    self.local_share(a, &mut u);
+                    u
+                })
+            })
             .collect()
     }
 }
@@ -152,6 +194,8 @@ mod tests {
             used: 12,
             reset_at_ms: 5_001,
             retry_at_ms: 0,
+            blocked_until_ms: 0,
+            more_at_ms: 0,
         };
         assert_eq!(u.remaining(), 0);
         assert_eq!(u.reset_epoch_s(), 6);
@@ -168,6 +212,8 @@ mod tests {
             used: 2,
             reset_at_ms: 1,
             retry_at_ms: 0,
+            blocked_until_ms: 0,
+            more_at_ms: 0,
         };
         let b = Usage {
             resource: "b".into(),
@@ -175,6 +221,8 @@ mod tests {
             used: 2,
             reset_at_ms: 1,
             retry_at_ms: 0,
+            blocked_until_ms: 0,
+            more_at_ms: 0,
         };
         let all = vec![Some(a), None, Some(b.clone())];
         assert_eq!(most_constrained(&all), Some(&b));

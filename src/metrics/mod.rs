@@ -348,11 +348,20 @@ impl Metrics {
     }
 }
 
-/// Where the store metrics come from at scrape time: the over-limit cache's hits and
-/// the current store (`None` once the gateway is gone).
-pub type StoreSource = Box<dyn Fn() -> Option<(u64, Arc<dyn StoreStatus>)> + Send + Sync>;
+/// Where the store metrics come from at scrape time (`None` once the gateway is gone).
+pub type StoreSource = Box<dyn Fn() -> Option<StoreMetrics> + Send + Sync>;
 
-/// Reads the over-limit cache's hits and the store's own families
+/// What [`StoreSource`] answers at scrape time.
+pub struct StoreMetrics {
+    /// The over-limit cache's hits (`tollgate_local_cache_hits_total`).
+    pub cache_hits: u64,
+    /// Blocks started by this gateway's refusals, by limit (`tollgate_blocked_total`).
+    pub blocks_started: Vec<(Arc<str>, u64)>,
+    /// The current store.
+    pub store: Arc<dyn StoreStatus>,
+}
+
+/// Reads the over-limit cache's hits, the blocks started and the store's own families
 /// ([`StoreStatus::encode_metrics`]) at scrape time.
 struct StoreCollector {
     store: StoreSource,
@@ -366,7 +375,12 @@ impl std::fmt::Debug for StoreCollector {
 
 impl prometheus_client::collector::Collector for StoreCollector {
     fn encode(&self, mut enc: DescriptorEncoder) -> std::fmt::Result {
-        let Some((cache_hits, store)) = (self.store)() else {
+        let Some(StoreMetrics {
+            cache_hits,
+            blocks_started,
+            store,
+        }) = (self.store)()
+        else {
             return Ok(());
         };
         let me = enc.encode_descriptor(
@@ -377,6 +391,16 @@ impl prometheus_client::collector::Collector for StoreCollector {
         )?;
         // No labels: no `{}` after the name.
         ConstCounter::new(cache_hits).encode(me)?;
+        let mut me = enc.encode_descriptor(
+            "blocked",
+            "Blocks started by this gateway's refusals of limits with block_for, by limit (a refusal while a block is on is not counted)",
+            None,
+            MetricType::Counter,
+        )?;
+        for (limit, n) in &blocks_started {
+            let labels = [("limit", &**limit)];
+            ConstCounter::new(*n).encode(me.encode_family(&labels)?)?;
+        }
         store.encode_metrics(&mut enc)
     }
 }

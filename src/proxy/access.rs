@@ -38,6 +38,9 @@ pub enum Decision {
     StoreErrorAllowed,
     /// The store failed and `on_error = "deny"` answered 503.
     StoreErrorDenied,
+    /// The limits' Redis shard failed and `on_error = "local"` decided it (admitted or
+    /// 429) in this gateway's memory, by its share of each quota.
+    Local,
     /// An unknown API key (401).
     Unauthenticated,
     /// No route matched (404).
@@ -65,6 +68,7 @@ impl Decision {
             Decision::RateLimitStatus => "rate_limit_status",
             Decision::StoreErrorAllowed => "store_error_allowed",
             Decision::StoreErrorDenied => "store_error_denied",
+            Decision::Local => "local",
             Decision::Unauthenticated => "unauthenticated",
             Decision::NoRoute => "no_route",
             Decision::TooLarge => "too_large",
@@ -294,7 +298,12 @@ fn refused_budget(decision: Decision) -> Option<&'static crate::logging::Budget>
 /// Write the access line of `this`, answered with `status` on `route` (within
 /// [`REFUSED_LINES_PER_SECOND`] for refused requests).
 fn write_line(this: &AccessLog, route: &str, status: u16) {
-    if let Some(budget) = refused_budget(this.decision) {
+    // A 429 decided by `store.on_error = "local"` shares the 429s' budget.
+    let refused = match this.decision {
+        Decision::Local if status == 429 => Decision::Rejected,
+        d => d,
+    };
+    if let Some(budget) = refused_budget(refused) {
         match budget.take(REFUSED_LINES_PER_SECOND) {
             None => return,
             Some(0) => {}

@@ -97,6 +97,8 @@ mod tests {
             used: 10,
             reset_at_ms: 2_000_000_000_000,
             retry_at_ms: 0,
+            blocked_until_ms: 0,
+            more_at_ms: 0,
         };
         let styles = crate::proxy::headers::Styles {
             problem_details: true,

@@ -1,6 +1,9 @@
 //! Step 6 of the request path: the rate-limit headers, in the styles `headers.style`
 //! selects: GitHub's `X-RateLimit-*`, and the IETF draft's `RateLimit-Policy` and
-//! `RateLimit` (draft-ietf-httpapi-ratelimit-headers, RFC 8941 structured fields).
+//! `RateLimit` (draft-ietf-httpapi-ratelimit-headers-11, RFC 9651 structured fields):
+//! `t` is the seconds until the caller has more quota (for every algorithm, not only a
+//! window's end), concurrency limits carry `qu="concurrent-requests"`, and
+//! `headers.partition_key` adds `pk`, the caller's keyed hash as a byte sequence.
 
 use crate::config::HeaderStyle;
 use crate::limiter::{Applied, Limit, Usage};
@@ -21,14 +24,17 @@ pub static RESET: HeaderName = HeaderName::from_static("x-ratelimit-reset");
 /// `X-RateLimit-Resource`: the limit's name.
 pub static RESOURCE: HeaderName = HeaderName::from_static("x-ratelimit-resource");
 /// `RateLimit-Policy` (IETF): every limit that applied, as a list of
-/// `"name";q=QUOTA;w=WINDOW_SECONDS`.
+/// `"name";q=QUOTA;w=WINDOW_SECONDS` (and `qu`, `pk`: see [`policy_value`]).
 pub static RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
 /// `RateLimit` (IETF): the most constrained limit, as
-/// `"name";r=REMAINING;t=SECONDS_UNTIL_RESET`.
+/// `"name";r=REMAINING;t=SECONDS_UNTIL_MORE_QUOTA` (and `pk`: see [`ratelimit_value`]).
 pub static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 
 /// The largest integer an RFC 8941 sf-integer may hold (15 digits).
 const SF_INTEGER_MAX: u64 = 999_999_999_999_999;
+
+/// The draft's quota unit (`qu`) of a concurrency limit: requests in flight.
+pub const QU_CONCURRENT: &str = "concurrent-requests";
 
 /// Which rate-limit header styles responses carry (`headers.style`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,6 +47,9 @@ pub struct Styles {
     /// RFC 9457 problem details instead of the GitHub-style JSON. Not a header style,
     /// but what the gateway's refusals look like, read where the styles are.
     pub problem_details: bool,
+    /// `headers.partition_key`: the IETF fields carry `pk`, the caller's keyed hash
+    /// (the digest in its storage keys) as an sf-binary.
+    pub partition_key: bool,
 }
 
 impl Styles {
@@ -50,13 +59,15 @@ impl Styles {
             github: styles.contains(&HeaderStyle::Github),
             ietf: styles.contains(&HeaderStyle::Ietf),
             problem_details: false,
+            partition_key: false,
         }
     }
 
-    /// The `[headers]` section: its styles and `problem_details`.
+    /// The `[headers]` section: its styles, `problem_details` and `partition_key`.
     pub fn of(config: &crate::config::HeadersConfig) -> Self {
         Self {
             problem_details: config.problem_details,
+            partition_key: config.partition_key,
             ..Self::new(&config.style)
         }
     }
@@ -69,6 +80,7 @@ impl Default for Styles {
             github: true,
             ietf: false,
             problem_details: false,
+            partition_key: false,
         }
     }
 }
@@ -82,12 +94,22 @@ pub struct Policy<'a> {
     pub quota: u64,
     /// The window's length in milliseconds (the header gives whole seconds, rounded up).
     pub window_ms: u64,
+    /// The quota unit (`qu`) when it is not the draft's default, `"request"`:
+    /// [`QU_CONCURRENT`] for a concurrency limit.
+    pub unit: Option<&'static str>,
+    /// The caller's partition of this limit: its storage key (`prefix:limit:{HEX}`),
+    /// whose keyed digest is `pk` with `headers.partition_key` (read only then);
+    /// `None` when unknown.
+    pub partition: Option<&'a str>,
 }
 
 impl<'a> Policy<'a> {
     /// The policy of a limit as it applied to one request (the caller's tier's quota).
     pub fn of(applied: &'a Applied) -> Self {
-        Self::of_limit(applied.limit(), applied.quota())
+        Self {
+            partition: Some(&applied.key().key),
+            ..Self::of_limit(applied.limit(), applied.quota())
+        }
     }
 
     /// The policy of `limit` for a caller whose quota in it is `quota` units per window.
@@ -96,6 +118,9 @@ impl<'a> Policy<'a> {
             name: &limit.name,
             quota,
             window_ms: limit.window_ms,
+            unit: (limit.algorithm == crate::config::Algorithm::Concurrency)
+                .then_some(QU_CONCURRENT),
+            partition: None,
         }
     }
 
@@ -103,6 +128,12 @@ impl<'a> Policy<'a> {
     pub fn window_s(&self) -> u64 {
         self.window_ms.div_ceil(1000)
     }
+}
+
+/// The 32 hex digits of the keyed digest in a storage key (`prefix:limit:{HEX}`).
+fn partition_of(key: &str) -> Option<&str> {
+    let hex = key.strip_suffix('}')?.rsplit_once('{')?.1;
+    (hex.len() == 32).then_some(hex)
 }
 
 /// Put the rate-limit headers of one request on its response, in the styles `styles`
@@ -122,7 +153,7 @@ pub fn put<'a>(
         put_usage(headers, usage);
     }
     if styles.ietf {
-        put_ietf(headers, usage, policies, now_ms);
+        put_ietf(headers, usage, policies, now_ms, styles.partition_key);
     }
 }
 
@@ -195,40 +226,57 @@ fn resource_value(name: &Arc<str>) -> Option<HeaderValue> {
 }
 
 /// Put `RateLimit-Policy` (every limit in `policies`) and `RateLimit` (`usage`, with the
-/// seconds from `now_ms` until its reset) on a response, replacing any the upstream
-/// sent. A field that cannot be serialized (a name that is not printable ASCII) is
-/// removed instead.
+/// seconds from `now_ms` until more quota) on a response, replacing any the upstream
+/// sent; with `pk`, both carry each limit's partition key. A field that cannot be
+/// serialized (a name that is not printable ASCII) is removed instead.
 pub fn put_ietf<'a>(
     headers: &mut HeaderMap,
     usage: &Usage,
     policies: impl IntoIterator<Item = Policy<'a>>,
     now_ms: u64,
+    pk: bool,
 ) {
-    match policy_value(policies) {
+    // The partition of the limit `RateLimit` describes, seen on the way.
+    let mut partition = None;
+    let policies = policies.into_iter().inspect(|p| {
+        if pk && partition.is_none() && p.name == &*usage.resource {
+            partition = p.partition;
+        }
+    });
+    match policy_value(policies, pk) {
         Some(v) => headers.insert(RATELIMIT_POLICY.clone(), v),
         None => headers.remove(&RATELIMIT_POLICY),
     };
-    match ratelimit_value(usage, now_ms) {
+    match ratelimit_value(usage, now_ms, partition) {
         Some(v) => headers.insert(RATELIMIT.clone(), v),
         None => headers.remove(&RATELIMIT),
     };
 }
 
-/// `"burst";q=100;w=60, "daily";q=1000;w=86400`; `None` for an empty list or a name that
-/// is not printable ASCII.
-pub fn policy_value<'a>(policies: impl IntoIterator<Item = Policy<'a>>) -> Option<HeaderValue> {
+/// `"burst";q=100;w=60, "daily";q=1000;w=86400`, with `;qu="concurrent-requests"` after
+/// `q` for a concurrency limit and, with `pk`, `;pk=:BASE64:` last for a limit whose
+/// partition is known; `None` for an empty list or a name that is not printable ASCII.
+pub fn policy_value<'a>(
+    policies: impl IntoIterator<Item = Policy<'a>>,
+    pk: bool,
+) -> Option<HeaderValue> {
     let mut out = String::with_capacity(64);
     for p in policies {
         if !out.is_empty() {
             out.push_str(", ");
         }
         push_sf_string(&mut out, p.name)?;
-        let _ = write!(
-            out,
-            ";q={};w={}",
-            p.quota.min(SF_INTEGER_MAX),
-            p.window_s().min(SF_INTEGER_MAX)
-        );
+        let _ = write!(out, ";q={}", p.quota.min(SF_INTEGER_MAX));
+        if let Some(unit) = p.unit {
+            out.push_str(";qu=");
+            push_sf_string(&mut out, unit)?;
+        }
+        let _ = write!(out, ";w={}", p.window_s().min(SF_INTEGER_MAX));
+        if pk {
+            if let Some(key) = p.partition {
+                push_pk(&mut out, key);
+            }
+        }
     }
     if out.is_empty() {
         return None;
@@ -236,19 +284,45 @@ pub fn policy_value<'a>(policies: impl IntoIterator<Item = Policy<'a>>) -> Optio
     HeaderValue::try_from(out).ok()
 }
 
-/// `"burst";r=42;t=17`: remaining units, and whole seconds from `now_ms` until the
-/// reset (rounded up, at least 0); `None` for a name that is not printable ASCII.
-pub fn ratelimit_value(usage: &Usage, now_ms: u64) -> Option<HeaderValue> {
+/// `"burst";r=42;t=17`: remaining units, and `t`, whole seconds from `now_ms` until
+/// the caller has one unit more ([`Usage::more_at_s`]: the window's end for a fixed
+/// window, the next regained unit for GCRA and the sliding algorithms; never more than
+/// `Retry-After` on a refusal); with a `partition` (a storage key), `;pk=:BASE64:`
+/// last. `None` for a name that is not printable ASCII.
+pub fn ratelimit_value(usage: &Usage, now_ms: u64, partition: Option<&str>) -> Option<HeaderValue> {
     let mut out = String::with_capacity(32);
     push_sf_string(&mut out, &usage.resource)?;
-    let t = usage.reset_at_ms.saturating_sub(now_ms).div_ceil(1000);
     let _ = write!(
         out,
         ";r={};t={}",
         usage.remaining().min(SF_INTEGER_MAX),
-        t.min(SF_INTEGER_MAX)
+        usage.more_at_s(now_ms).min(SF_INTEGER_MAX)
     );
+    if let Some(key) = partition {
+        push_pk(&mut out, key);
+    }
     HeaderValue::try_from(out).ok()
+}
+
+/// Append `;pk=:BASE64:`, the RFC 9651 byte sequence of the 16 bytes of the keyed
+/// digest in the storage key `key` (never a raw key, id or address); nothing when
+/// `key` holds no digest.
+fn push_pk(out: &mut String, key: &str) {
+    use base64::Engine as _;
+    let mut bytes = [0u8; 16];
+    let Some(hex) = partition_of(key) else {
+        return;
+    };
+    if hex::decode_to_slice(hex, &mut bytes).is_err() {
+        return;
+    }
+    let mut b64 = [0u8; 24];
+    let Ok(n) = base64::engine::general_purpose::STANDARD.encode_slice(bytes, &mut b64) else {
+        return;
+    };
+    out.push_str(";pk=:");
+    out.push_str(std::str::from_utf8(&b64[..n]).unwrap_or_default());
+    out.push(':');
 }
 
 /// Whether `name` can be written as an RFC 8941 sf-string (printable ASCII only).
@@ -274,127 +348,4 @@ fn push_sf_string(out: &mut String, s: &str) -> Option<()> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn usage(name: &str, quota: u64, used: u64, reset_at_ms: u64) -> Usage {
-        Usage {
-            resource: name.into(),
-            quota,
-            used,
-            reset_at_ms,
-            retry_at_ms: 0,
-        }
-    }
-
-    fn policy(name: &str, quota: u64, window_ms: u64) -> Policy<'_> {
-        Policy {
-            name,
-            quota,
-            window_ms,
-        }
-    }
-
-    #[test]
-    fn policy_lists_every_limit() {
-        let v = policy_value([
-            policy("burst", 100, 60_000),
-            policy("daily", 1000, 86_400_000),
-        ]);
-        assert_eq!(
-            v.unwrap().to_str().unwrap(),
-            r#""burst";q=100;w=60, "daily";q=1000;w=86400"#
-        );
-        assert_eq!(policy_value([]), None);
-        // Whole seconds, rounded up.
-        let v = policy_value([policy("x", 1, 1_500)]).unwrap();
-        assert_eq!(v.to_str().unwrap(), r#""x";q=1;w=2"#);
-    }
-
-    #[test]
-    fn ratelimit_counts_seconds_up_and_never_below_zero() {
-        let u = usage("burst", 100, 58, 17_000);
-        assert_eq!(ratelimit_value(&u, 0).unwrap(), r#""burst";r=42;t=17"#);
-        assert_eq!(ratelimit_value(&u, 16_001).unwrap(), r#""burst";r=42;t=1"#);
-        assert_eq!(ratelimit_value(&u, 17_000).unwrap(), r#""burst";r=42;t=0"#);
-        assert_eq!(ratelimit_value(&u, 20_000).unwrap(), r#""burst";r=42;t=0"#);
-        let over = usage("burst", 100, 130, 17_000);
-        assert_eq!(ratelimit_value(&over, 0).unwrap(), r#""burst";r=0;t=17"#);
-    }
-
-    #[test]
-    fn names_are_escaped_and_non_ascii_is_refused() {
-        let v = policy_value([policy(r#"a"b\c"#, 1, 1_000)]).unwrap();
-        assert_eq!(v.to_str().unwrap(), r#""a\"b\\c";q=1;w=1"#);
-        assert_eq!(policy_value([policy("café", 1, 1_000)]), None);
-        assert_eq!(ratelimit_value(&usage("café", 1, 0, 0), 0), None);
-    }
-
-    #[test]
-    fn integers_are_clamped_to_the_sf_integer_range() {
-        let v = policy_value([policy("x", u64::MAX, u64::MAX)]).unwrap();
-        assert_eq!(
-            v.to_str().unwrap(),
-            r#""x";q=999999999999999;w=999999999999999"#
-        );
-    }
-
-    #[test]
-    fn styles_select_the_fields() {
-        let u = usage("core", 10, 3, 5_000);
-        let p = [policy("core", 10, 60_000)];
-        let mut h = HeaderMap::new();
-        h.insert("ratelimit", HeaderValue::from_static("upstream"));
-        put(&mut h, Styles::new(&[HeaderStyle::Ietf]), &u, p, 1_000);
-        assert_eq!(h["ratelimit"], r#""core";r=7;t=4"#, "replaced");
-        assert_eq!(h["ratelimit-policy"], r#""core";q=10;w=60"#);
-        assert!(h.get("x-ratelimit-limit").is_none());
-
-        let mut h = HeaderMap::new();
-        put(&mut h, Styles::new(&[]), &u, p, 1_000);
-        assert!(h.is_empty());
-
-        let mut h = HeaderMap::new();
-        put(&mut h, Styles::default(), &u, p, 1_000);
-        assert_eq!(h["x-ratelimit-remaining"], "7");
-        assert!(h.get("ratelimit").is_none());
-    }
-
-    #[test]
-    fn numbers_are_written_as_http_writes_them() {
-        for n in [
-            0,
-            1,
-            9,
-            10,
-            99,
-            1000,
-            4_294_967_296,
-            999_999_999_999_999,
-            u64::MAX,
-        ] {
-            assert_eq!(number(n), HeaderValue::from(n), "{n}");
-        }
-    }
-
-    #[test]
-    fn remembered_numbers_are_the_numbers() {
-        for n in [60, 60, 61, 60, 0, u64::MAX, u64::MAX, 1_700_000_000] {
-            assert_eq!(remembered(Remembered::Quota, n), number(n));
-            assert_eq!(remembered(Remembered::Reset, n / 2), number(n / 2));
-        }
-    }
-
-    #[test]
-    fn the_resource_memo_gives_each_name_its_own_value() {
-        let (a, b): (Arc<str>, Arc<str>) = ("burst".into(), "daily".into());
-        for name in [&a, &a, &b, &a, &b, &b] {
-            assert_eq!(resource_value(name).unwrap(), name.as_ref());
-        }
-        // The same text in another allocation (a reload) gives the same value.
-        assert_eq!(resource_value(&Arc::from("daily")).unwrap(), "daily");
-        // A name that cannot be a header value gives none, and forgets nothing wrong.
-        assert!(resource_value(&Arc::from("bad\nname")).is_none());
-        assert_eq!(resource_value(&b).unwrap(), "daily");
-    }
-}
+mod tests;

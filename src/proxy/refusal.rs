@@ -199,6 +199,8 @@ mod tests {
             used,
             reset_at_ms,
             retry_at_ms: 0,
+            blocked_until_ms: 0,
+            more_at_ms: 0,
         }
     }
 
@@ -351,22 +353,27 @@ mod tests {
             name: "core",
             quota: 60,
             window_ms: 3_600_000,
+            unit: None,
+            partition: None,
         };
         for styles in [
             Styles {
                 github: true,
                 ietf: true,
                 problem_details: false,
+                partition_key: false,
             },
             Styles {
                 github: false,
                 ietf: true,
                 problem_details: false,
+                partition_key: false,
             },
             Styles {
                 github: false,
                 ietf: false,
                 problem_details: false,
+                partition_key: false,
             },
             Styles {
                 problem_details: true,
@@ -376,6 +383,7 @@ mod tests {
                 github: true,
                 ietf: true,
                 problem_details: true,
+                partition_key: false,
             },
         ] {
             for now_ms in [1_795_798_830_000, 1_795_798_831_000] {
@@ -395,6 +403,7 @@ mod tests {
                 github: false,
                 ietf: true,
                 problem_details: false,
+                partition_key: false,
             },
         ] {
             let r = over_limit(&u, 42, "10.0.0.7", styles, std::iter::empty(), 0);

@@ -258,12 +258,25 @@ impl Model {
                 cost: route.cost,
                 id: 0,
             };
-            let verdict = match self.states.get_mut(&key) {
+            let mut verdict = match self.states.get_mut(&key) {
                 Some(state) => algorithm::apply(&policy, state, op, now),
                 None => algorithm::apply(&policy, &mut State::Empty, op, now),
             };
             if !verdict.admitted {
                 if enforced(limit, key) {
+                    if policy.block_ms > 0 && !verdict.blocked {
+                        // `block_for`: the refusal starts a block, as the gateway's
+                        // BLOCK call does (`crate::limiter::block_for`).
+                        let block = Op {
+                            kind: OpKind::Block,
+                            ..op
+                        };
+                        let state = self.states.entry(key).or_insert(State::Empty);
+                        let b = algorithm::apply(&policy, state, block, now);
+                        if b.blocked {
+                            verdict = b;
+                        }
+                    }
                     if refusal.is_none_or(|(_, at)| verdict.retry_at_ms > at) {
                         refusal = Some((li, verdict.retry_at_ms));
                     }

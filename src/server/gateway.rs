@@ -107,7 +107,11 @@ impl Gateway {
         let metrics = Metrics::new(Box::new(move || {
             let snap = current.upgrade()?.load_full();
             let store: Arc<dyn StoreStatus> = snap.limiter.store().clone();
-            Some((snap.limiter.cache().hits(), store))
+            Some(crate::metrics::StoreMetrics {
+                cache_hits: snap.limiter.cache().hits(),
+                blocks_started: snap.limiter.blocks_started().rows(),
+                store,
+            })
         }));
         metrics.config_generation.set(1);
         if let Some(tracer) = &snapshot.load().tracer {

@@ -4,7 +4,7 @@
 //! Random timelines of (time step, caller, cost, operation) are replayed against the pure
 //! model (`tollgate::limiter::algorithm::apply`), the memory store and the Redis store
 //! (`lua/apply.lua` on a real `redis-server`); every verdict (admitted, used, reset_at,
-//! retry_at, epoch) must be identical. proptest shrinks a failing timeline to the
+//! retry_at, epoch, blocked, block_started) must be identical. proptest shrinks a failing timeline to the
 //! smallest one that still disagrees.
 
 use crate::support;
@@ -25,7 +25,8 @@ struct Step {
     dt: u64,
     caller: usize,
     cost: u64,
-    /// 0 peek, 1 charge, 2 reserve, 3 refund (of an earlier charge or reservation).
+    /// 0 peek, 1 charge, 2 reserve, 3 refund (of an earlier charge or reservation),
+    /// 4 block (a refusal's BLOCK, `block_for`).
     op: u8,
     /// Which earlier charge or reservation a refund takes back (modulo how many).
     pick: usize,
@@ -33,7 +34,7 @@ struct Step {
 
 fn steps() -> impl Strategy<Value = Vec<Step>> {
     prop::collection::vec(
-        (0u64..700, 0usize..3, 1u64..4, 0u8..4, 0usize..16).prop_map(
+        (0u64..700, 0usize..3, 1u64..4, 0u8..5, 0usize..16).prop_map(
             |(dt, caller, cost, op, pick)| Step {
                 dt,
                 caller,
@@ -53,8 +54,22 @@ fn policies() -> Vec<Policy> {
         window_ms,
         burst: quota,
         align: Align::FirstRequest,
+        block_ms: 0,
     };
+    // `block_for` on every algorithm it is allowed for: shorter than the window, and
+    // longer (a block outlives the state under it).
+    let blocking = |p: Policy, block_ms| Policy { block_ms, ..p };
     vec![
+        blocking(base(Algorithm::FixedWindow, 3, 2_000), 1_500),
+        blocking(base(Algorithm::FixedWindow, 3, 1_000), 4_000),
+        blocking(base(Algorithm::SlidingWindow, 4, 1_000), 2_500),
+        blocking(base(Algorithm::SlidingLog, 3, 1_500), 1_000),
+        blocking(base(Algorithm::SlidingLog, 3, 1_000), 3_000),
+        blocking(base(Algorithm::Gcra, 3, 1_000), 2_000),
+        Policy {
+            burst: 2,
+            ..blocking(base(Algorithm::Gcra, 5, 3_000), 1_200)
+        },
         base(Algorithm::FixedWindow, 5, 2_000),
         Policy {
             align: Align::Epoch,
@@ -162,6 +177,11 @@ fn replay(
                 let op = match code {
                     0 => Op {
                         kind: OpKind::Peek,
+                        cost: step.cost,
+                        id: 0,
+                    },
+                    4 => Op {
+                        kind: OpKind::Block,
                         cost: step.cost,
                         id: 0,
                     },

@@ -437,7 +437,7 @@ async fn tollgate_caller_prints_the_caller() {
     assert_eq!(lines[0], "caller acme (tier gold)", "{out}");
     assert!(lines[1].starts_with("LIMIT"), "{out}");
     let core: Vec<&str> = lines[2].split_whitespace().collect();
-    // LIMIT ALGORITHM BY QUOTA USED REMAINING RESET WINDOW LEASES
+    // LIMIT ALGORITHM BY QUOTA USED REMAINING RESET WINDOW LEASES BLOCKED_UNTIL
     assert_eq!(
         core[..6],
         ["core", "fixed_window", "caller", "5", "2", "3"],

@@ -125,6 +125,9 @@ fn check_rejects_syntax_unknown_keys_bad_durations_and_unsupported_features() {
         ("[store]\nbackend = \"redis\"\n", "store.shards: backend \"redis\" needs at least one"),
         ("[server]\nmax_delayed = 0\n", "server.max_delayed: must be between 1 and 1000000"),
         ("[[limits]]\nname = \"x\"\nwindow = \"1m\"\nby = \"ip\"\ntrusted_only = true\nquota = { anonymous = 1 }\n", "limits[0].trusted_only: is for limits with by = \"header:NAME\" only"),
+        ("[[limits]]\nname = \"x\"\nwindow = \"1m\"\nblock_for = \"0s\"\nquota = { anonymous = 1 }\n", ":4:1: limits[0].block_for: must be between 1s and 1 year"),
+        ("[[limits]]\nname = \"x\"\nalgorithm = \"concurrency\"\nwindow = \"1m\"\nblock_for = \"15m\"\nquota = { anonymous = 1 }\n", ":5:1: limits[0].block_for: is not for concurrency limits"),
+        ("[[limits]]\nname = \"x\"\nwindow = \"1m\"\nlease = 10\nblock_for = \"15m\"\nquota = { anonymous = 1 }\n", ":5:1: limits[0].block_for: is not for lease mode"),
     ];
     for (i, (text, expected)) in cases.iter().enumerate() {
         let path = write(dir.path(), &format!("case{i}.toml"), text);

@@ -54,6 +54,8 @@ fn full_config() -> Config {
             backend: Backend::Redis,
             timeout: Dur::from_millis(50),
             on_error: OnError::Allow,
+            fleet_size: Some(FleetSize::Named("auto".into())),
+            fleet_heartbeat: Dur::from_secs(1),
             key_prefix: "tollgate:".into(),
             hash_key: Some("s".into()),
             hash_key_file: Some("hash-key".into()),
@@ -155,6 +157,7 @@ fn full_config() -> Config {
             trusted_only: true,
             lease: Some(100),
             lease_ttl: Dur::from_secs(5),
+            block_for: Some(Dur::from_secs(900)),
             mode: LimitMode::Enforce,
             enforce_percent: 25,
             on_limit: OnLimit::Delay,
@@ -179,6 +182,7 @@ fn full_config() -> Config {
         headers: HeadersConfig {
             style: vec![HeaderStyle::Github, HeaderStyle::Ietf],
             problem_details: true,
+            partition_key: true,
         },
         rate_limit_endpoint: tollgate::config::RateLimitEndpointConfig {
             path: Some("/rate_limit".into()),

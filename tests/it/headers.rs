@@ -368,4 +368,5 @@ limits = ["café"]
     assert_eq!(code, 0, "{stderr}");
 }
 
+mod draft11;
 mod upstream_framing;

@@ -360,6 +360,7 @@ async fn one_call_reads_time_once_for_every_algorithm() {
         window_ms: W,
         burst: 60,
         align: Align::FirstRequest,
+        block_ms: 0,
     };
     let algorithms = [
         Algorithm::FixedWindow,

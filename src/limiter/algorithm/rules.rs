@@ -16,9 +16,11 @@ pub(super) fn fixed_window(p: &Policy, state: &mut State, op: Op, now: u64) -> V
         reset_at_ms: reset_at,
         retry_at_ms: if admitted { 0 } else { reset_at },
         epoch: reset_at,
+        more_at_ms: if used > 0 { reset_at } else { now },
+        ..Verdict::default()
     };
     match op.kind {
-        OpKind::Peek => verdict(admitted, used),
+        OpKind::Peek | OpKind::Block => verdict(admitted, used),
         OpKind::Reserve if !admitted => verdict(false, used),
         OpKind::Charge | OpKind::Reserve => {
             let used = used.saturating_add(op.cost);
@@ -76,9 +78,10 @@ pub(super) fn sliding_window(p: &Policy, state: &mut State, op: Op, now: u64) ->
             now
         }
     };
-    let retry = |prev: u64, cur: u64| -> u64 {
-        let c = op.cost as f64;
-        if op.cost > p.quota {
+    // When a cost of `cost` fits: `Retry-After`, and with `remaining + 1`, `more_at`.
+    let retry = |prev: u64, cur: u64, cost: u64| -> u64 {
+        let c = cost as f64;
+        if cost > p.quota {
             return reset_of(prev, cur);
         }
         let room = q - c - (cur as f64);
@@ -96,16 +99,27 @@ pub(super) fn sliding_window(p: &Policy, state: &mut State, op: Op, now: u64) ->
     };
     let verdict = |admitted: bool, prev: u64, cur: u64| {
         let e = sliding_estimate(w, start, prev, cur, now);
+        let used = e.ceil() as u64;
         Verdict {
             admitted,
-            used: e.ceil() as u64,
+            used,
             reset_at_ms: reset_of(prev, cur),
-            retry_at_ms: if admitted { 0 } else { retry(prev, cur) },
+            retry_at_ms: if admitted {
+                0
+            } else {
+                retry(prev, cur, op.cost)
+            },
             epoch: start,
+            more_at_ms: if used == 0 {
+                now
+            } else {
+                retry(prev, cur, p.quota - used.min(p.quota) + 1)
+            },
+            ..Verdict::default()
         }
     };
     match op.kind {
-        OpKind::Peek => verdict(admitted, prev, cur),
+        OpKind::Peek | OpKind::Block => verdict(admitted, prev, cur),
         OpKind::Reserve if !admitted => verdict(false, prev, cur),
         OpKind::Charge | OpKind::Reserve => {
             let cur = cur.saturating_add(op.cost);
@@ -150,6 +164,20 @@ pub(super) fn sliding_log(p: &Policy, state: &mut State, op: Op, now: u64) -> Ve
     let reset_of = |log: &VecDeque<(u64, u64, u64)>, from: usize| {
         log.range(from..).next_back().map_or(now, |e| e.0 + w)
     };
+    // When the oldest entries have freed one unit (`used` counted from `from` on).
+    let more_of = |log: &VecDeque<(u64, u64, u64)>, from: usize, used: u64| {
+        if used == 0 {
+            return now;
+        }
+        let below = used.min(p.quota) - 1;
+        let mut acc = used;
+        log.range(from..)
+            .find_map(|e| {
+                acc = acc.saturating_sub(e.1);
+                (acc <= below).then_some(e.0 + w)
+            })
+            .unwrap_or_else(|| reset_of(log, from))
+    };
     // Read only, or a reservation that does not fit: nothing changes.
     if op.kind == OpKind::Peek || (op.kind == OpKind::Reserve && !admitted) {
         let reset_at_ms = reset_of(&log, live);
@@ -166,6 +194,7 @@ pub(super) fn sliding_log(p: &Policy, state: &mut State, op: Op, now: u64) -> Ve
                 })
                 .unwrap_or(reset_at_ms)
         };
+        let more_at_ms = more_of(&log, live, used);
         if was_log {
             *state = State::Log(log);
         }
@@ -175,17 +204,20 @@ pub(super) fn sliding_log(p: &Policy, state: &mut State, op: Op, now: u64) -> Ve
             reset_at_ms,
             retry_at_ms,
             epoch: 0,
+            more_at_ms,
+            ..Verdict::default()
         };
     }
     // A write keeps only the entries that count.
     log.drain(..live);
     match op.kind {
         // Charges and reservations that fit (peeks answered above).
-        OpKind::Peek | OpKind::Charge | OpKind::Reserve => {
+        OpKind::Peek | OpKind::Block | OpKind::Charge | OpKind::Reserve => {
             let at = log.partition_point(|e| e.0 <= now);
             log.insert(at, (now, op.cost, op.id));
             let used = used.saturating_add(op.cost);
             let reset_at_ms = reset_of(&log, 0);
+            let more_at_ms = more_of(&log, 0, used);
             *state = State::Log(log);
             Verdict {
                 admitted,
@@ -193,6 +225,8 @@ pub(super) fn sliding_log(p: &Policy, state: &mut State, op: Op, now: u64) -> Ve
                 reset_at_ms,
                 retry_at_ms: if admitted { 0 } else { reset_at_ms },
                 epoch: op.id,
+                more_at_ms,
+                ..Verdict::default()
             }
         }
         OpKind::Refund => {
@@ -207,6 +241,7 @@ pub(super) fn sliding_log(p: &Policy, state: &mut State, op: Op, now: u64) -> Ve
             }
             let used: u64 = log.iter().map(|e| e.1).sum();
             let reset_at_ms = reset_of(&log, 0);
+            let more_at_ms = more_of(&log, 0, used);
             *state = if log.is_empty() {
                 State::Empty
             } else {
@@ -218,6 +253,8 @@ pub(super) fn sliding_log(p: &Policy, state: &mut State, op: Op, now: u64) -> Ve
                 reset_at_ms,
                 retry_at_ms: 0,
                 epoch: 0,
+                more_at_ms,
+                ..Verdict::default()
             }
         }
     }
@@ -235,9 +272,10 @@ pub(super) fn gcra(p: &Policy, state: &mut State, op: Op, now: u64) -> Verdict {
     let admitted = new_tat - now <= cap;
     let verdict = |admitted: bool, tat: u64| {
         let tat = tat.max(now);
+        let used = (tat - now).div_ceil(t);
         Verdict {
             admitted,
-            used: (tat - now).div_ceil(t),
+            used,
             reset_at_ms: tat,
             retry_at_ms: if admitted {
                 0
@@ -245,10 +283,18 @@ pub(super) fn gcra(p: &Policy, state: &mut State, op: Op, now: u64) -> Verdict {
                 new_tat.saturating_sub(cap).max(now)
             },
             epoch: 0,
+            // The TAT less the units still counted once one is regained (past the
+            // burst after a charge: once the burst less one is).
+            more_at_ms: if used == 0 {
+                now
+            } else {
+                tat.saturating_sub((used.min(p.burst) - 1) * t).max(now)
+            },
+            ..Verdict::default()
         }
     };
     match op.kind {
-        OpKind::Peek => verdict(admitted, base),
+        OpKind::Peek | OpKind::Block => verdict(admitted, base),
         OpKind::Reserve if !admitted => verdict(false, base),
         OpKind::Charge | OpKind::Reserve => {
             *state = State::Gcra { tat: new_tat };
@@ -272,20 +318,25 @@ pub(super) fn concurrency(p: &Policy, state: &mut State, op: Op, now: u64) -> Ve
     };
     let used = slots.len() as u64;
     let admitted = used < p.quota;
-    let verdict = |admitted: bool, slots: &[(u64, u64)], epoch: u64| Verdict {
-        admitted,
-        used: slots.len() as u64,
-        reset_at_ms: slots.iter().map(|s| s.1).max().unwrap_or(now),
-        retry_at_ms: if admitted {
-            0
-        } else {
-            now + CONCURRENCY_RETRY_MS
-        },
-        epoch,
+    let verdict = |admitted: bool, slots: &[(u64, u64)], epoch: u64| {
+        let reset_at_ms = slots.iter().map(|s| s.1).max().unwrap_or(now);
+        Verdict {
+            admitted,
+            used: slots.len() as u64,
+            reset_at_ms,
+            retry_at_ms: if admitted {
+                0
+            } else {
+                now + CONCURRENCY_RETRY_MS
+            },
+            epoch,
+            more_at_ms: reset_at_ms,
+            ..Verdict::default()
+        }
     };
     match op.kind {
         // A request in flight is counted by its slot; a charge adds nothing.
-        OpKind::Peek | OpKind::Charge => verdict(admitted, &slots, 0),
+        OpKind::Peek | OpKind::Block | OpKind::Charge => verdict(admitted, &slots, 0),
         OpKind::Reserve if !admitted => verdict(false, &slots, 0),
         OpKind::Reserve => {
             slots.push((op.id, now + p.window_ms));

@@ -11,8 +11,8 @@
 
 use super::{Grant, Item, Store, StoreError, WindowState};
 use crate::clock::SharedClock;
-use crate::limiter::algorithm::{self, State, Verdict};
-use crate::limiter::key::LimitKey;
+use crate::limiter::algorithm::{self, Op, Policy, State, Verdict};
+use crate::limiter::key::{LimitKey, StateKey};
 use crate::limiter::sharded::{ShardedMap, SHARDS};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -110,15 +110,27 @@ impl MemoryStore {
     /// holds `store.max_callers` (also for a peek, so that `on_error` decides at the
     /// check).
     pub fn apply_now(&self, item: &Item<'_>, now_ms: u64) -> Result<Verdict, StoreError> {
-        let mut map = self.windows.shard(item.key);
-        match map.get_mut(&item.key.state) {
+        self.apply_state(&item.key.state, item.policy, item.op, now_ms)
+    }
+
+    /// [`MemoryStore::apply_now`] for the state kept under `state` (the compact form of
+    /// a storage key: all this store keys its states by).
+    pub fn apply_state(
+        &self,
+        state: &StateKey,
+        policy: &Policy,
+        op: Op,
+        now_ms: u64,
+    ) -> Result<Verdict, StoreError> {
+        let mut map = self.windows.shard_of(state);
+        match map.get_mut(state) {
             Some(held) => {
                 // In place: a peek never changes the state.
-                let verdict = algorithm::apply(item.policy, &mut held.state, item.op, now_ms);
+                let verdict = algorithm::apply(policy, &mut held.state, op, now_ms);
                 if held.state == State::Empty {
-                    map.remove(&item.key.state);
-                } else if item.op.kind != algorithm::OpKind::Peek {
-                    held.expires_at = held.state.expires_at(item.policy.window_ms);
+                    map.remove(state);
+                } else if op.kind != algorithm::OpKind::Peek {
+                    held.expires_at = held.state.expires_at(policy.window_ms);
                 }
                 Ok(verdict)
             }
@@ -126,11 +138,17 @@ impl MemoryStore {
                 if map.len() >= self.max_per_shard {
                     return Err(StoreError::Full(self.max_callers));
                 }
-                let mut state = State::Empty;
-                let verdict = algorithm::apply(item.policy, &mut state, item.op, now_ms);
-                if state != State::Empty {
-                    let expires_at = state.expires_at(item.policy.window_ms);
-                    map.insert(item.key.state, Held { state, expires_at });
+                let mut state_now = State::Empty;
+                let verdict = algorithm::apply(policy, &mut state_now, op, now_ms);
+                if state_now != State::Empty {
+                    let expires_at = state_now.expires_at(policy.window_ms);
+                    map.insert(
+                        *state,
+                        Held {
+                            state: state_now,
+                            expires_at,
+                        },
+                    );
                 }
                 Ok(verdict)
             }
@@ -204,6 +222,11 @@ impl MemoryStore {
         drop_expired(&self.windows, now_ms)
     }
 
+    /// Drop every state held; returns how many were dropped.
+    pub fn clear(&self) -> usize {
+        self.windows.retain(|_| false)
+    }
+
     /// Number of windows held (live or not yet swept).
     pub fn len(&self) -> usize {
         self.windows.len()
@@ -263,7 +286,7 @@ impl Store for MemoryStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::limiter::algorithm::{Op, OpKind, Policy};
+    use crate::limiter::algorithm::OpKind;
     use crate::limiter::key::KeyScheme;
 
     fn charge(s: &MemoryStore, k: &LimitKey, cost: u64, window_ms: u64, now: u64) -> Verdict {

@@ -288,7 +288,10 @@ impl StoreStatus for AnyStore {
     fn start(&self, clock: SharedClock, sweep_every: std::time::Duration) {
         match self {
             AnyStore::Memory(m) => m.start_sweeper(sweep_every, clock),
-            AnyStore::Redis(r) => r.start(),
+            AnyStore::Redis(r) => {
+                r.start();
+                r.start_fallback(clock, sweep_every);
+            }
         }
     }
 
@@ -331,6 +334,17 @@ pub enum AnyStore {
     Memory(memory::MemoryStore),
     /// `backend = "redis"`.
     Redis(redis::RedisStore),
+}
+
+impl AnyStore {
+    /// With `store.on_error = "local"`, the divisor of each quota of `key`'s limits
+    /// while its Redis shard is enforced in this gateway's memory; `None` otherwise.
+    pub fn local_divisor(&self, key: &LimitKey) -> Option<u64> {
+        match self {
+            AnyStore::Memory(_) => None,
+            AnyStore::Redis(r) => r.local_divisor(key),
+        }
+    }
 }
 
 impl Store for AnyStore {

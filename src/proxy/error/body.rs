@@ -170,6 +170,8 @@ mod tests {
                 used: 5001,
                 reset_at_ms: 1_767_225_600_123,
                 retry_at_ms: 0,
+                blocked_until_ms: 0,
+                more_at_ms: 0,
             };
             let body = over_limit_problem_body(&usage, 42, caller);
             let v: serde_json::Value = serde_json::from_slice(&body).expect("valid JSON");
@@ -241,6 +243,8 @@ mod tests {
                 used: 5001,
                 reset_at_ms: 1_767_225_600_123,
                 retry_at_ms: 0,
+                blocked_until_ms: 0,
+                more_at_ms: 0,
             };
             for retry in [0, 1, 3600, u64::MAX] {
                 let ours = over_limit_body(&usage, retry, caller);

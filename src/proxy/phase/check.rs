@@ -34,10 +34,12 @@ pub struct Checked<'r> {
 
 /// Check every limit of `route` for `caller`, and note the decision of an admitted
 /// request in `log` (`allowed`, `store_error_allowed` when the store failed for a limit
-/// and `store.on_error = "allow"`, `shadow_rejected` when a limit in shadow mode would
+/// and `store.on_error = "allow"`, `local` when `store.on_error = "local"` decided a
+/// limit in this gateway's memory, `shadow_rejected` when a limit in shadow mode would
 /// have refused it).
 ///
-/// Errors: 429 with the rate-limit headers of the limit that refused (`rejected`); 503
+/// Errors: 429 with the rate-limit headers of the limit that refused (`rejected`, or
+/// `local` when decided by `store.on_error = "local"`); 503
 /// when the store failed and `store.on_error = "deny"` (`store_error_denied`).
 ///
 /// Not an `async fn`, for the reason [`crate::proxy::handle`] gives (arguments kept once).
@@ -81,6 +83,8 @@ pub fn check<'g: 'r, 'r>(
             .count_used(&applied, caller, route.cost, now_ms);
         if ticket.usages().iter().any(Option::is_none) {
             log.decision = Decision::StoreErrorAllowed;
+        } else if ticket.local() {
+            log.decision = Decision::Local;
         }
         for usage in ticket.shadowed() {
             log.decision = Decision::ShadowRejected;
@@ -138,7 +142,12 @@ fn over_limit(
         now_ms,
     );
     log.usage = Some(usage);
-    Answer::new(response, Decision::Rejected)
+    let decision = if snap.limiter.decided_locally(applied) {
+        Decision::Local
+    } else {
+        Decision::Rejected
+    };
+    Answer::new(response, decision)
 }
 
 /// A limit in shadow mode (or outside its `enforce_percent`) would have refused this

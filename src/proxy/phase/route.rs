@@ -139,22 +139,29 @@ fn believed_override<'r>(
 
 /// The answer of the rate-limit endpoint: `{"resources": {NAME: {...}}, "rate": {...}}`
 /// with, per limit that applies to the caller, its `algorithm`, `limit`, `used`,
-/// `remaining`, `reset` (UTC epoch seconds) and `window` (seconds); `rate` is the most
-/// constrained one (like GitHub's `GET /rate_limit`). A limit whose store failed is
-/// left out.
+/// `remaining`, `reset` (UTC epoch seconds) and `window` (seconds), and for a limit
+/// with `block_for` its `blocked_until` (UTC epoch seconds, `null` when not blocked;
+/// `reset` is then the block's end); `rate` is the most constrained one (like GitHub's
+/// `GET /rate_limit`). A limit whose store failed is left out.
 fn rate_limit_status(
     applied: &[Applied],
     usages: &[Option<Usage>],
 ) -> Response<crate::proxy::Body> {
     let entry = |a: &Applied, u: &Usage| {
-        serde_json::json!({
+        let mut e = serde_json::json!({
             "algorithm": a.policy().algorithm.name(),
             "limit": u.quota,
             "used": u.used,
             "remaining": u.remaining(),
             "reset": u.reset_epoch_s(),
             "window": a.limit().window_ms.div_ceil(1000),
-        })
+        });
+        if a.limit().block_ms > 0 {
+            e["blocked_until"] = (u.blocked_until_ms > 0)
+                .then(|| u.blocked_until_ms.div_ceil(1000))
+                .into();
+        }
+        e
     };
     let mut resources = serde_json::Map::new();
     for (a, u) in applied.iter().zip(usages) {

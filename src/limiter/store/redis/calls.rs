@@ -3,6 +3,7 @@
 //! reset on the primaries; and the late answers of reservations whose calls timed out.
 
 use super::batch;
+use super::fallback::Copied;
 use super::scripts::{verdicts, LuaScript};
 use super::shard::Kind;
 use super::{RedisStore, Topology, LATE_BOUND_FACTOR};
@@ -114,6 +115,7 @@ impl RedisStore {
                     p.window_ms,
                     p.burst,
                     p.align.code(),
+                    p.block_ms,
                     op.cost,
                     now_ms,
                     op.id,
@@ -175,48 +177,8 @@ impl RedisStore {
         }
     }
 
-    /// Delete `keys` on the primaries that hold them (`lua/reset.lua`): one call per
-    /// shard (per hash tag in cluster mode). Returns how many keys existed; the first
-    /// failing call's error when any fails (the other shards' keys are deleted anyway).
-    async fn reset_keys(&self, keys: &[LimitKey]) -> Result<u64, StoreError> {
-        let live = self.live.get().ok_or(StoreError::NotStarted)?;
-        let mut groups: Vec<(u64, Vec<&str>)> = Vec::new();
-        for k in keys {
-            let g = match live {
-                Topology::Cluster(_) => k.shard_hash(),
-                Topology::Sharded(_) => self.shard_of(k) as u64,
-            };
-            match groups.iter_mut().find(|(id, _)| *id == g) {
-                Some((_, names)) => names.push(&k.key),
-                None => groups.push((g, vec![&k.key])),
-            }
-        }
-        let calls = groups.iter().map(|(g, names)| async move {
-            match live {
-                Topology::Cluster(c) => c.call(&self.scripts.reset, names, &[]).await,
-                Topology::Sharded(shards) => match shards.get(*g as usize) {
-                    None => Err(StoreError::NotStarted),
-                    Some(shard) => shard.on_primary(&self.scripts.reset, names, &[]).await,
-                },
-            }
-        });
-        let mut deleted = 0;
-        for reply in join_all(calls).await {
-            match reply?.as_slice() {
-                [n] if *n >= 0 => deleted += *n as u64,
-                other => return Err(StoreError::BadReply(format!("{other:?}"))),
-            }
-        }
-        Ok(deleted)
-    }
-}
-
-impl Store for RedisStore {
-    fn submit(&self, items: &[Item<'_>], now_ms: u64) -> Submitted {
-        self.submit_many(items, self.now_arg(now_ms))
-    }
-
-    async fn lease(
+    /// `lua/lease.lua` on the primary holding `key` (see [`Store::lease`]).
+    async fn lease_on_primary(
         &self,
         key: &LimitKey,
         want: u64,
@@ -255,7 +217,8 @@ impl Store for RedisStore {
         }
     }
 
-    async fn refund(
+    /// `lua/refund.lua` on the primary holding `key` (see [`Store::refund`]).
+    async fn refund_on_primary(
         &self,
         key: &LimitKey,
         units: u64,
@@ -274,7 +237,104 @@ impl Store for RedisStore {
         }
     }
 
+    /// Delete `keys` on the primaries that hold them (`lua/reset.lua`): one call per
+    /// shard (per hash tag in cluster mode). Returns how many keys existed; the first
+    /// failing call's error when any fails (the other shards' keys are deleted anyway).
+    async fn reset_keys(&self, keys: &[LimitKey]) -> Result<u64, StoreError> {
+        let live = self.live.get().ok_or(StoreError::NotStarted)?;
+        let mut groups: Vec<(u64, Vec<&str>)> = Vec::new();
+        for k in keys {
+            let g = match live {
+                Topology::Cluster(_) => k.shard_hash(),
+                Topology::Sharded(_) => self.shard_of(k) as u64,
+            };
+            match groups.iter_mut().find(|(id, _)| *id == g) {
+                Some((_, names)) => names.push(&k.key),
+                None => groups.push((g, vec![&k.key])),
+            }
+        }
+        let calls = groups.iter().map(|(g, names)| async move {
+            match live {
+                Topology::Cluster(c) => c.call(&self.scripts.reset, names, &[]).await,
+                Topology::Sharded(shards) => match shards.get(*g as usize) {
+                    None => Err(StoreError::NotStarted),
+                    Some(shard) => shard.on_primary(&self.scripts.reset, names, &[]).await,
+                },
+            }
+        });
+        let mut deleted = 0;
+        for reply in join_all(calls).await {
+            match reply?.as_slice() {
+                [n] if *n >= 0 => deleted += *n as u64,
+                other => return Err(StoreError::BadReply(format!("{other:?}"))),
+            }
+        }
+        Ok(deleted)
+    }
+}
+
+impl Store for RedisStore {
+    fn submit(&self, items: &[Item<'_>], now_ms: u64) -> Submitted {
+        let submitted = self.submit_many(items, self.now_arg(now_ms));
+        let Some(fb) = &self.fallback else {
+            return submitted;
+        };
+        // `on_error = "local"`: what a failed answer is answered with instead.
+        let copies: Vec<Copied> = items
+            .iter()
+            .map(|i| (self.shard_of(i.key), i.key.state, *i.policy, i.op))
+            .collect();
+        let fb = fb.clone();
+        Submitted::Waiting(Box::pin(async move {
+            let mut answers = submitted.await;
+            fb.answer(&mut answers, &copies, now_ms);
+            answers
+        }))
+    }
+
+    async fn lease(
+        &self,
+        key: &LimitKey,
+        want: u64,
+        quota: u64,
+        window_ms: u64,
+        now_ms: u64,
+        lessee: &Lessee,
+    ) -> Result<Grant, StoreError> {
+        let result = self
+            .lease_on_primary(key, want, quota, window_ms, now_ms, lessee)
+            .await;
+        match &self.fallback {
+            None => result,
+            Some(fb) => fb.lease(
+                self.shard_of(key),
+                result,
+                key,
+                (want, quota, window_ms, now_ms),
+            ),
+        }
+    }
+
+    async fn refund(
+        &self,
+        key: &LimitKey,
+        units: u64,
+        reset_at_ms: u64,
+        gateway: u64,
+    ) -> Result<WindowState, StoreError> {
+        let result = self
+            .refund_on_primary(key, units, reset_at_ms, gateway)
+            .await;
+        match &self.fallback {
+            None => result,
+            Some(fb) => fb.refund(self.shard_of(key), result, key, units, reset_at_ms),
+        }
+    }
+
     async fn reset(&self, keys: &[LimitKey]) -> Result<u64, StoreError> {
+        if let Some(fb) = &self.fallback {
+            fb.reset(keys);
+        }
         self.reset_keys(keys).await
     }
 

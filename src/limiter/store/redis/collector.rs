@@ -1,7 +1,8 @@
 //! The Redis store's metric families (`tollgate_store_*`), written at scrape time from
 //! its report: calls, errors, timeouts, breaker rejections and changes, breaker state,
 //! connection and serving state and latency per node; replica fallbacks and
-//! writability per shard. Nodes that come and go (Sentinel replicas, a reload's new
+//! writability per shard; with `on_error = "local"`, whether each shard is enforced
+//! locally. Nodes that come and go (Sentinel replicas, a reload's new
 //! store) need no registration.
 
 use super::RedisStore;
@@ -145,6 +146,20 @@ impl RedisStore {
             "0 while writes to the shard's primary fail (its checks then follow store.on_error)",
             &writable,
         )?;
+        let local = self.fallback_actives();
+        if !local.is_empty() {
+            let rows: Vec<(Labels, i64)> = local
+                .iter()
+                .enumerate()
+                .map(|(i, &on)| (vec![("shard", i.to_string())], i64::from(on)))
+                .collect();
+            gauge_family(
+                enc,
+                "store_fallback_active",
+                "1 while the shard's limits are enforced in this gateway's memory (store.on_error = \"local\")",
+                &rows,
+            )?;
+        }
         let mut me = enc.encode_descriptor(
             "store_latency_seconds",
             "Store call latency per Redis node",

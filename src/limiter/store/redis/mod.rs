@@ -35,6 +35,7 @@ mod calls;
 mod cluster;
 mod collector;
 mod dial;
+mod fallback;
 mod freshness;
 mod late;
 mod node;
@@ -46,7 +47,7 @@ mod stats;
 mod watch;
 
 pub use super::status::{BreakerState, NodeReport, ShardReport};
-pub use scripts::{unpack_integers, APPLY_LUA, LEASE_LUA, REFUND_LUA, RESET_LUA};
+pub use scripts::{unpack_integers, APPLY_LUA, HEARTBEAT_LUA, LEASE_LUA, REFUND_LUA, RESET_LUA};
 
 use crate::config::{Files, Problems, ReadFrom, StoreClock, StoreConfig, StoreMode};
 use crate::limiter::key::{jump_consistent_hash, LimitKey};
@@ -86,6 +87,8 @@ pub struct RedisStore {
     live: OnceLock<Topology>,
     /// Credentials and TLS settings every new connection reads (see [`dial`]).
     dialer: Arc<Dialer>,
+    /// `on_error = "local"`: the local enforcement of failing shards; `None` otherwise.
+    fallback: Option<Arc<fallback::Fallback>>,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -206,7 +209,12 @@ impl RedisStore {
             }
         }
         let settings = DialSettings::load(cfg, tls, files, problems);
+        let shard_count = match cfg.mode {
+            StoreMode::Cluster => 1,
+            StoreMode::Sharded => cfg.shards.len(),
+        };
         (problems.errors.len() == before).then(|| Self {
+            fallback: fallback::Fallback::new(cfg, shard_count).map(Arc::new),
             cfg: Box::new(cfg.clone()),
             scripts: Arc::new(Scripts::new()),
             live: OnceLock::new(),
@@ -268,6 +276,34 @@ impl RedisStore {
             }
             StoreMode::Sharded => Topology::Sharded(self.start_shards()),
         });
+    }
+
+    /// Start the background task of `on_error = "local"` (the local stores' sweep
+    /// every `sweep_every`, the heartbeats of `fleet_size = "auto"`), after
+    /// [`RedisStore::start`]; nothing without it. Calling it again does nothing.
+    pub fn start_fallback(
+        &self,
+        clock: crate::clock::SharedClock,
+        sweep_every: std::time::Duration,
+    ) {
+        if let (Some(fb), Some(live)) = (&self.fallback, self.live.get()) {
+            fb.start(live, self.scripts.clone(), clock, sweep_every);
+        }
+    }
+
+    /// With `on_error = "local"`, the divisor of each quota of `key`'s limits while its
+    /// shard is enforced in this gateway's memory; `None` when it is not (or without
+    /// `"local"`).
+    pub fn local_divisor(&self, key: &LimitKey) -> Option<u64> {
+        self.fallback.as_ref()?.active_divisor(self.shard_of(key))
+    }
+
+    /// With `on_error = "local"`: whether each shard is enforced locally now, in
+    /// order; empty otherwise.
+    pub fn fallback_actives(&self) -> Vec<bool> {
+        self.fallback
+            .as_ref()
+            .map_or_else(Vec::new, |fb| fb.actives())
     }
 
     fn start_shards(&self) -> Vec<Arc<Shard>> {

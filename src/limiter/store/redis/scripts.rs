@@ -14,10 +14,12 @@ pub static LEASE_LUA: &str = include_str!("../../../../lua/lease.lua");
 pub static REFUND_LUA: &str = include_str!("../../../../lua/refund.lua");
 /// `lua/reset.lua`: delete a caller's windows (`POST /callers/{id}/reset`).
 pub static RESET_LUA: &str = include_str!("../../../../lua/reset.lua");
+/// `lua/heartbeat.lua`: this gateway is alive; how many are (`store.fleet_size = "auto"`).
+pub static HEARTBEAT_LUA: &str = include_str!("../../../../lua/heartbeat.lua");
 
 /// Integers per key in `lua/apply.lua`'s arguments: kind, algorithm, quota, window,
-/// burst, align, cost, now, id (see `RedisStore::call_group`).
-pub(super) const ARGS_PER_KEY: usize = 9;
+/// burst, align, block, cost, now, id (see `RedisStore::call_group`); the id last.
+pub(super) const ARGS_PER_KEY: usize = 10;
 
 /// Every script the store runs, loaded on each new connection.
 #[derive(Debug)]
@@ -26,6 +28,7 @@ pub(crate) struct Scripts {
     pub(super) lease: LuaScript,
     pub(super) refund: LuaScript,
     pub(super) reset: LuaScript,
+    pub(super) heartbeat: LuaScript,
 }
 
 impl Scripts {
@@ -35,11 +38,18 @@ impl Scripts {
             lease: LuaScript::new(LEASE_LUA, ArgStyle::Decimal, ReplyStyle::Integers),
             refund: LuaScript::new(REFUND_LUA, ArgStyle::Decimal, ReplyStyle::Integers),
             reset: LuaScript::new(RESET_LUA, ArgStyle::Decimal, ReplyStyle::Integers),
+            heartbeat: LuaScript::new(HEARTBEAT_LUA, ArgStyle::Decimal, ReplyStyle::Integers),
         }
     }
 
-    pub(super) fn all(&self) -> [&LuaScript; 4] {
-        [&self.apply, &self.lease, &self.refund, &self.reset]
+    pub(super) fn all(&self) -> [&LuaScript; 5] {
+        [
+            &self.apply,
+            &self.lease,
+            &self.refund,
+            &self.reset,
+            &self.heartbeat,
+        ]
     }
 }
 
@@ -203,25 +213,32 @@ pub fn unpack_integers(bytes: &[u8]) -> Result<Vec<i64>, StoreError> {
 }
 
 /// The integers per key that `lua/apply.lua` answers ([`batch::REPLY_WIDTH`]), as
-/// verdicts: `[used, reset_at ms, epoch]` when admitted, `[-(used + 1), reset_at ms,
-/// retry_at ms]` when refused (a refusal's epoch is 0, an admission's retry_at 0).
+/// verdicts: `[used, reset_at ms, epoch, more_at ms]` when admitted, `[-(used + 1),
+/// reset_at ms, retry_at ms, more_at ms]` when refused (a refusal's epoch is 0, an
+/// admission's retry_at 0). A refusal by a `block_for` block answers `-reset_at`, and
+/// the refusal that started it also `-retry_at` (see the top of `lua/apply.lua`).
 pub(super) fn verdicts(reply: &[i64]) -> Vec<Result<Verdict, StoreError>> {
     reply
         .chunks(batch::REPLY_WIDTH)
         .map(|v| match *v {
-            [signed_used, reset_at, third] if reset_at >= 0 && third >= 0 => {
+            [signed_used, reset_at, third, more_at]
+                if more_at >= 0 && (signed_used < 0 || (reset_at >= 0 && third >= 0)) =>
+            {
                 let admitted = signed_used >= 0;
                 let (used, retry_at, epoch) = if admitted {
                     (signed_used, 0, third)
                 } else {
-                    (-(signed_used + 1), third, 0)
+                    (-(signed_used + 1), third.unsigned_abs() as i64, 0)
                 };
                 Ok(Verdict {
                     admitted,
                     used: used as u64,
-                    reset_at_ms: reset_at as u64,
+                    reset_at_ms: reset_at.unsigned_abs(),
                     retry_at_ms: retry_at as u64,
                     epoch: epoch as u64,
+                    blocked: !admitted && reset_at < 0,
+                    block_started: !admitted && third < 0,
+                    more_at_ms: more_at as u64,
                 })
             }
             ref other => Err(StoreError::BadReply(format!("{other:?}"))),
@@ -250,7 +267,7 @@ mod tests {
     /// batch of peeks is refused while the primary's writes fail (and cannot clear it).
     #[test]
     fn a_batch_writes_unless_every_operation_is_a_peek() {
-        let key = |kind: OpKind| [kind.code(), 0, 3, 60_000, 0, 0, 1, 1_800_000_000_000, 7];
+        let key = |kind: OpKind| [kind.code(), 0, 3, 60_000, 0, 0, 0, 1, 1_800_000_000_000, 7];
         let peeks: Vec<u64> = [key(OpKind::Peek), key(OpKind::Peek)].concat();
         let mixed: Vec<u64> = [key(OpKind::Peek), key(OpKind::Charge)].concat();
         assert!(!apply_writes(&peeks));

@@ -275,6 +275,22 @@ impl Shard {
         result
     }
 
+    /// Run `script` on the primary outside the bookkeeping of its writes (a failure does
+    /// not make the shard's checks fail, a success does not clear that), failing at once
+    /// while it is disconnected: the heartbeat of `store.fleet_size = "auto"`
+    /// ([`super::fallback`]), whose refusal (an ACL without its commands) must not
+    /// decide how requests are answered.
+    pub(super) async fn on_primary_aside(
+        &self,
+        script: &LuaScript,
+        keys: &[&str],
+        args: &[u64],
+    ) -> Result<Vec<i64>, StoreError> {
+        self.primary
+            .call(script, keys, args, WhenDisconnected::FailFast)
+            .await
+    }
+
     /// A failure on the primary that a failover explains: ask Sentinel.
     fn after_primary<T>(&self, result: &Result<T, StoreError>) {
         if let (Err(e), Some(sentinel)) = (result, &self.sentinel) {

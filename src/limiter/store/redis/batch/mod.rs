@@ -46,7 +46,7 @@ use tokio::time::Instant;
 pub(super) const MAX_KEYS: usize = 256;
 
 /// Integers `lua/apply.lua` answers per key (see [`super::scripts::verdicts`]).
-pub(super) const REPLY_WIDTH: usize = 3;
+pub(super) const REPLY_WIDTH: usize = 4;
 
 /// A script call under way: [`REPLY_WIDTH`] integers per key, or the error.
 type Call = Pin<Box<dyn Future<Output = Result<Vec<i64>, StoreError>> + Send>>;

@@ -97,7 +97,7 @@ impl Limiter {
             Some(submitted) => {
                 let answered = submitted.await;
                 if let Some(n) = note.as_deref_mut() {
-                    n.noted(answered.call, &self.store);
+                    n.noted(answered.call, answered.calls, &self.store);
                 }
                 answered.answers
             }
@@ -411,7 +411,7 @@ impl Limiter {
             .await;
             // A refill was asked for: note its call (shard, node, breaker).
             if let Some(n) = note.as_deref_mut().filter(|n| Some(n.lease) != refills) {
-                n.noted(self.store.lease_call(&a.key, &took), &self.store);
+                n.noted(self.store.lease_call(&a.key, &took), 1, &self.store);
             }
             let refusal = match took {
                 Ok(Take::Taken { used, reset_at_ms }) => {

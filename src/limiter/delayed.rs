@@ -110,7 +110,9 @@ impl Limiter {
     /// the time of the first check (epoch milliseconds).
     ///
     /// Errors: as [`Limiter::check`]; a request that cannot wait gets the refusal of
-    /// its latest check.
+    /// its latest check. `note` (a sampled request's trace) is told of the first
+    /// check's store calls.
+    #[allow(clippy::too_many_arguments)]
     pub async fn check_or_delay<'a>(
         &'a self,
         applied: &Arc<[Applied]>,

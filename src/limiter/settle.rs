@@ -192,7 +192,7 @@ impl<'a> Ticket<'a> {
             let answered = answers.await;
             let (limiter, applied) = (self.limiter, &*self.applied);
             if let Some(n) = note {
-                n.noted(answered.call, &limiter.store);
+                n.noted(answered.call, answered.calls, &limiter.store);
             }
             let results = answered.answers;
             for (n, (&(i, cost), result)) in charged.iter().zip(results).enumerate() {

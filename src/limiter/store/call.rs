@@ -159,9 +159,10 @@ pub struct CallNote {
 }
 
 impl CallNote {
-    /// Note `call`, answered now, made through `store` (which names its node).
-    pub fn noted(&mut self, call: StoreCall, store: &AnyStore) {
-        self.calls += 1;
+    /// Note `call` (the first of `calls` calls), answered now, made through `store`
+    /// (which names its node).
+    pub fn noted(&mut self, call: StoreCall, calls: u32, store: &AnyStore) {
+        self.calls += calls;
         if self.first.is_none() {
             self.first = Some(call);
             self.node = store.node_addr(call.shard, call.node);

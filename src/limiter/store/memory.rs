@@ -249,6 +249,7 @@ impl Store for MemoryStore {
         super::Submitted::Ready(Some(super::Answered {
             answers: items.iter().map(|i| self.apply_now(i, now_ms)).collect(),
             call: super::StoreCall::memory(items.len()),
+            calls: 1,
         }))
     }
 

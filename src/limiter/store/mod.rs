@@ -31,6 +31,8 @@ pub struct Answered {
     pub answers: Answers,
     /// The (first) call that answered them: shard, node, script, batch.
     pub call: StoreCall,
+    /// Calls made: one per shard (and kind) the items live on.
+    pub calls: u32,
 }
 
 /// The answers of a call handed to the store ([`Store::submit`]): one result per item.

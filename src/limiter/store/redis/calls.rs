@@ -41,6 +41,7 @@ impl RedisStore {
             return Submitted::Ready(Some(Answered {
                 answers: (0..n).map(|_| Err(StoreError::NotStarted)).collect(),
                 call: StoreCall::default(),
+                calls: 0,
             }));
         };
         // Group items: by kind, and by shard or by hash tag (the subject's digest) in
@@ -64,9 +65,11 @@ impl RedisStore {
                 let (kind, group) = first;
                 let members = &FIRST_INDICES[..items.len()];
                 let call = self.call_group(live, kind, group, items, members, now_ms);
-                return Submitted::Waiting(Box::pin(
-                    call.map(|(answers, call)| Answered { answers, call }),
-                ));
+                return Submitted::Waiting(Box::pin(call.map(|(answers, call)| Answered {
+                    answers,
+                    call,
+                    calls: 1,
+                })));
             }
         }
         let mut groups: Vec<((Kind, u64), Vec<usize>)> = Vec::new();
@@ -92,6 +95,7 @@ impl RedisStore {
             // The trace shows the first call's shard and node, and a breaker any call
             // found open.
             let mut first: Option<StoreCall> = None;
+            let calls = replies.len() as u32;
             for (members, (results, call)) in members.iter().zip(replies) {
                 let f = first.get_or_insert(call);
                 if f.breaker == BreakerSeen::No {
@@ -107,6 +111,7 @@ impl RedisStore {
                     .map(|r| r.unwrap_or(Err(StoreError::NotStarted)))
                     .collect(),
                 call: first.unwrap_or_default(),
+                calls,
             }
         }))
     }

@@ -189,3 +189,39 @@ impl CallNote {
         });
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A refusal by the breaker, a failure after which it is open, and a check refused
+    /// because the primary's writes fail while its breaker is open are told apart; an
+    /// answer, or a failure with the breaker closed, shows nothing.
+    #[test]
+    fn a_call_tells_how_it_found_the_breaker() {
+        let node = NodeRole::Primary;
+        let ok: Result<(), StoreError> = Ok(());
+        let open = || true;
+        assert_eq!(BreakerSeen::of(node, &ok, open), BreakerSeen::No);
+        let refused: Result<(), _> = Err(StoreError::BreakerOpen("n".into()));
+        assert_eq!(
+            BreakerSeen::of(node, &refused, || false),
+            BreakerSeen::Refused(node)
+        );
+        let timeout: Result<(), _> = Err(StoreError::Timeout(50));
+        assert_eq!(
+            BreakerSeen::of(node, &timeout, open),
+            BreakerSeen::Opened(node)
+        );
+        assert_eq!(BreakerSeen::of(node, &timeout, || false), BreakerSeen::No);
+        let unwritable: Result<(), _> = Err(StoreError::NotWritable("n".into()));
+        assert_eq!(
+            BreakerSeen::of(node, &unwritable, open),
+            BreakerSeen::Refused(node)
+        );
+        assert_eq!(
+            BreakerSeen::of(node, &unwritable, || false),
+            BreakerSeen::No
+        );
+    }
+}

@@ -330,7 +330,7 @@ fn limiter_memory(c: &mut Criterion) {
                     .applicable(&route.limits, black_box(&caller), &headers)
                     .into();
                 let mut ticket = limiter
-                    .check(&applied, route.cost, false, &clock, NOW_MS)
+                    .check(&applied, route.cost, false, &clock, NOW_MS, None)
                     .await
                     .expect("admitted");
                 black_box(ticket.charge(route.cost, NOW_MS).await)

@@ -288,6 +288,7 @@ impl Gateway {
                 &self.clock,
                 &self.delayed,
                 now_ms,
+                None,
             ),
         )
         .unwrap_or_else(|_| panic!("admitted"));

@@ -8,7 +8,7 @@ use super::algorithm::{Algorithm, Op, OpKind, Policy, Verdict};
 use super::hold::{Hold, Stage, Taken};
 use super::in_flight::{InFlightGuard, Keys};
 use super::lease::{self, Ask, Take};
-use super::store::{Item, Store, StoreError, Submitted};
+use super::store::{CallNote, Item, Store, StoreError, Submitted};
 use super::ticket::Ticket;
 use super::{next_id, Applied, Limiter, Usage, CACHE_TRUST_MS};
 use crate::clock::SharedClock;
@@ -57,6 +57,9 @@ impl Limiter {
     /// Errors: [`Refusal::OverLimit`] with the usage of the limit that refused (the one
     /// that frees latest when several do); [`Refusal::StoreDenied`] when the store
     /// failed and `on_error = "deny"`.
+    ///
+    /// `note`: where a sampled request's trace keeps its store calls (shard, node,
+    /// script, batch, breaker and lease-refill events); `None` when it is not traced.
     pub async fn check<'a>(
         &'a self,
         applied: &Arc<[Applied]>,
@@ -64,6 +67,7 @@ impl Limiter {
         on_request: bool,
         clock: &'a SharedClock,
         now_ms: u64,
+        mut note: Option<&mut CallNote>,
     ) -> Result<Ticket<'a>, Refusal> {
         if let Some(usage) = self.cached_refusal(applied, cost, now_ms) {
             return Err(Refusal::OverLimit(usage));
@@ -90,7 +94,13 @@ impl Limiter {
         let (submitted, pending) = self.submit(applied, &taken.holds, &plan, cost, now_ms);
         drop(order);
         let answers = match submitted {
-            Some(answers) => answers.await,
+            Some(submitted) => {
+                let answered = submitted.await;
+                if let Some(n) = note.as_deref_mut() {
+                    n.noted(answered.call, answered.calls, &self.store);
+                }
+                answered.answers
+            }
             None => Vec::new(),
         };
         if let Err(refusal) = self.judge(applied, &mut plan, answers, &pending, &mut taken, now_ms)
@@ -105,7 +115,7 @@ impl Limiter {
             return Err(refusal);
         }
         if plan.leased {
-            self.take_leases(applied, &mut taken, now_ms).await?;
+            self.take_leases(applied, &mut taken, now_ms, note).await?;
         }
         Ok(Ticket::new(
             self,
@@ -376,12 +386,14 @@ impl Limiter {
         applied: &[Applied],
         taken: &mut Taken,
         now_ms: u64,
+        mut note: Option<&mut CallNote>,
     ) -> Result<(), Refusal> {
         let cost = taken.cost;
         for (i, a) in applied.iter().enumerate() {
             if taken.holds[i].stage != Stage::Lease {
                 continue;
             }
+            let refills = note.as_ref().map(|n| n.lease);
             // Boxed: kept out of the size of every request's future.
             let took = Box::pin(self.leases.take(
                 &*self.store,
@@ -394,8 +406,13 @@ impl Limiter {
                     window_ms: a.limit.window_ms,
                 },
                 now_ms,
+                note.as_deref_mut(),
             ))
             .await;
+            // A refill was asked for: note its call (shard, node, breaker).
+            if let Some(n) = note.as_deref_mut().filter(|n| Some(n.lease) != refills) {
+                n.noted(self.store.lease_call(&a.key, &took), 1, &self.store);
+            }
             let refusal = match took {
                 Ok(Take::Taken { used, reset_at_ms }) => {
                     taken.usages[i] = Some(a.usage_at(used, reset_at_ms));

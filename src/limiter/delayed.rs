@@ -110,7 +110,9 @@ impl Limiter {
     /// the time of the first check (epoch milliseconds).
     ///
     /// Errors: as [`Limiter::check`]; a request that cannot wait gets the refusal of
-    /// its latest check.
+    /// its latest check. `note` (a sampled request's trace) is told of the first
+    /// check's store calls.
+    #[allow(clippy::too_many_arguments)]
     pub async fn check_or_delay<'a>(
         &'a self,
         applied: &Arc<[Applied]>,
@@ -119,8 +121,12 @@ impl Limiter {
         clock: &'a SharedClock,
         delayed: &DelayBudget,
         started: u64,
+        note: Option<&mut super::store::CallNote>,
     ) -> Result<Ticket<'a>, Refusal> {
-        match self.check(applied, cost, on_request, clock, started).await {
+        match self
+            .check(applied, cost, on_request, clock, started, note)
+            .await
+        {
             Err(Refusal::OverLimit(refusal))
                 if applied
                     .iter()
@@ -174,7 +180,7 @@ impl Limiter {
             tokio::time::sleep(std::time::Duration::from_millis(at - now_ms)).await;
             let now_ms = w.clock.now_ms();
             refusal = match self
-                .check(w.applied, w.cost, w.on_request, w.clock, now_ms)
+                .check(w.applied, w.cost, w.on_request, w.clock, now_ms, None)
                 .await
             {
                 Err(Refusal::OverLimit(u)) => u,

@@ -79,7 +79,7 @@ impl Limiter {
                 .key_for(&limit.key_name, &self.keys.digest(&subject)),
             policy: limit.policy(quota),
         }]);
-        match self.check(&applied, 1, false, clock, now_ms).await {
+        match self.check(&applied, 1, false, clock, now_ms, None).await {
             Ok(mut ticket) => {
                 let charged = ticket.charge(1, now_ms).await;
                 if let Some(usage) = charged.into_iter().flatten().next() {

@@ -129,11 +129,15 @@ impl LeaseTable {
     /// give back, lost to the window until it ends.)
     ///
     /// Errors: the store's, when a grant was needed and the store failed.
+    ///
+    /// `note`: a sampled request's trace, told of the refill when one is asked for
+    /// (`None`: nothing is noted).
     pub async fn take(
         &self,
         store: &impl Store,
         ask: Ask<'_>,
         now_ms: u64,
+        note: Option<&mut super::store::CallNote>,
     ) -> Result<Take, StoreError> {
         let _asking = loop {
             if let Some(t) = self.take_local(ask.key, ask.cost, now_ms) {
@@ -174,16 +178,14 @@ impl LeaseTable {
             kept,
             kept_reset_at_ms,
         };
+        let want = ask.lease.max(ask.cost).saturating_sub(kept);
         let grant = store
-            .lease(
-                ask.key,
-                ask.lease.max(ask.cost).saturating_sub(kept),
-                ask.quota,
-                ask.window_ms,
-                now_ms,
-                &lessee,
-            )
-            .await?;
+            .lease(ask.key, want, ask.quota, ask.window_ms, now_ms, &lessee)
+            .await;
+        if let Some(note) = note {
+            note.refilled(want, grant.as_ref().map_or(0, |g| g.granted));
+        }
+        let grant = grant?;
         let valid_until_ms = now_ms.saturating_add(ask.lease_ttl_ms / 2);
         Ok(self.add_and_take(ask.key, grant, ask.cost, now_ms, valid_until_ms))
     }

@@ -7,7 +7,7 @@ use super::algorithm::{Op, OpKind};
 use super::hold::{Stage, Taken};
 use super::late::{self, Then};
 use super::slots::{refunds, spawn_refunds};
-use super::store::{Item, Store};
+use super::store::{CallNote, Item, Store};
 use super::ticket::Ticket;
 use super::{next_id, Applied, Limiter, Usage};
 use std::future::Future;
@@ -35,6 +35,20 @@ impl<'a> Ticket<'a> {
         &'t mut self,
         cost: u64,
         now_ms: u64,
+    ) -> impl Future<Output = Vec<Option<Usage>>> + Send + use<'a, 't>
+    where
+        'a: 't,
+    {
+        self.charge_noted(cost, now_ms, None)
+    }
+
+    /// [`Ticket::charge`], noting its store call in `note` (a sampled request's trace:
+    /// shard, node, script, batch, a breaker found open).
+    pub fn charge_noted<'t>(
+        &'t mut self,
+        cost: u64,
+        now_ms: u64,
+        note: Option<&'t mut CallNote>,
     ) -> impl Future<Output = Vec<Option<Usage>>> + Send + use<'a, 't>
     where
         'a: 't,
@@ -175,8 +189,12 @@ impl<'a> Ticket<'a> {
             let Some((answers, pending)) = submitted else {
                 return usages;
             };
-            let results = answers.await;
+            let answered = answers.await;
             let (limiter, applied) = (self.limiter, &*self.applied);
+            if let Some(n) = note {
+                n.noted(answered.call, answered.calls, &limiter.store);
+            }
+            let results = answered.answers;
             for (n, (&(i, cost), result)) in charged.iter().zip(results).enumerate() {
                 if let Some(&sent) = pending.get(n) {
                     let after = result.as_ref().ok().map(|v| applied[i].usage(v));
@@ -339,7 +357,7 @@ mod tests {
 
         let mut ticket = snap
             .limiter
-            .check(&applied, 3, false, &clock, now_ms)
+            .check(&applied, 3, false, &clock, now_ms, None)
             .await
             .expect("admitted");
         assert_eq!(used(&ticket), Some(0));
@@ -351,7 +369,7 @@ mod tests {
 
         let next = snap
             .limiter
-            .check(&applied, 1, false, &clock, now_ms)
+            .check(&applied, 1, false, &clock, now_ms, None)
             .await
             .expect("admitted");
         assert_eq!(used(&next), Some(3), "charged once, 3 units");
@@ -370,7 +388,7 @@ mod tests {
         // Within its window: 10 reserved, settled to 3, 7 back.
         let mut ticket = snap
             .limiter
-            .check(&applied, 10, true, &clock, t0)
+            .check(&applied, 10, true, &clock, t0, None)
             .await
             .expect("admitted");
         assert_eq!(used(&ticket), Some(10));
@@ -379,7 +397,7 @@ mod tests {
         drop(ticket);
         let mut next = snap
             .limiter
-            .check(&applied, 10, true, &clock, t0)
+            .check(&applied, 10, true, &clock, t0, None)
             .await
             .expect("admitted");
         assert_eq!(used(&next), Some(13), "3 + the next 10");
@@ -390,7 +408,7 @@ mod tests {
         drop(next);
         let fresh = snap
             .limiter
-            .check(&applied, 5, true, &clock, later)
+            .check(&applied, 5, true, &clock, later, None)
             .await
             .expect("admitted");
         assert_eq!(used(&fresh), Some(5), "the new window holds only its own 5");

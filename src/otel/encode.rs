@@ -4,6 +4,8 @@
 //! `tollgate.*`.
 
 use super::span::{SpanData, Timed, UpstreamCall};
+use crate::limiter::store::call::NodeRole;
+use crate::limiter::store::CallNote;
 use opentelemetry_proto::tonic::common::v1::{any_value, AnyValue, InstrumentationScope, KeyValue};
 use opentelemetry_proto::tonic::resource::v1::Resource;
 use opentelemetry_proto::tonic::trace::v1::span::{Event, SpanKind};
@@ -149,17 +151,12 @@ fn span_into(s: SpanData, out: &mut Vec<Span>) {
         attributes,
         ..Span::default()
     };
-    let store = |script: &str| {
-        vec![
-            text("db.system.name", "tollgate"),
-            text("tollgate.store.script", script),
-        ]
-    };
-    if let Some(t) = &s.check {
-        out.push(child("check", t, SpanKind::Internal, store("check")));
-    }
-    if let Some(t) = &s.charge {
-        out.push(child("charge", t, SpanKind::Internal, store("charge")));
+    for (name, t) in [("check", &s.check), ("charge", &s.charge)] {
+        if let Some(t) = t {
+            let mut span = child(name, t, SpanKind::Internal, store(&t.store));
+            span.events = store_events(&t.store);
+            out.push(span);
+        }
     }
     if let Some(u) = &s.upstream {
         let mut span = child("upstream", &u.timed, SpanKind::Client, upstream(u, &s));
@@ -176,6 +173,70 @@ fn span_into(s: SpanData, out: &mut Vec<Span>) {
         }
         out.push(span);
     }
+}
+
+/// The attributes of a check or charge span: its (first) store call's shard, node,
+/// script and batch, and how many calls it made.
+fn store(n: &CallNote) -> Vec<KeyValue> {
+    let Some(c) = &n.first else {
+        // Nothing asked of the store (answered from the over-limit cache, a lease held
+        // here, or the recent-charge view).
+        return vec![int("tollgate.store.calls", 0)];
+    };
+    let mut a = vec![
+        text(
+            "db.system.name",
+            if c.node == NodeRole::Memory {
+                "tollgate"
+            } else {
+                "redis"
+            },
+        ),
+        text("tollgate.store.node", &n.node),
+        text("tollgate.store.role", c.node.as_str()),
+        text("tollgate.store.script", c.script.as_str()),
+        int("tollgate.store.batch.operations", i64::from(c.operations)),
+        int("tollgate.store.batch.requests", i64::from(c.requests)),
+        int("tollgate.store.calls", i64::from(n.calls)),
+    ];
+    if c.node != NodeRole::Memory {
+        a.push(text("tollgate.store.shard", &c.shard.to_string()));
+    }
+    a
+}
+
+/// The events of a check or charge span: each breaker its calls found open, and the
+/// lease refill.
+fn store_events(n: &CallNote) -> Vec<Event> {
+    let mut events: Vec<Event> = n
+        .breakers
+        .iter()
+        .map(|b| Event {
+            time_unix_nano: b.at_ns,
+            name: "breaker_open".into(),
+            attributes: vec![
+                text("tollgate.store.shard", &b.shard.to_string()),
+                text("tollgate.store.node", &b.node),
+                text(
+                    "tollgate.breaker.cause",
+                    if b.opened { "opened" } else { "refused" },
+                ),
+            ],
+            dropped_attributes_count: 0,
+        })
+        .collect();
+    if let Some(l) = &n.lease {
+        events.push(Event {
+            time_unix_nano: l.at_ns,
+            name: "lease_refill".into(),
+            attributes: vec![
+                int("tollgate.lease.wanted", l.wanted as i64),
+                int("tollgate.lease.granted", l.granted as i64),
+            ],
+            dropped_attributes_count: 0,
+        });
+    }
+    events
 }
 
 /// The attributes of an upstream call.
@@ -244,6 +305,7 @@ mod tests {
                 span_id: [4; 8],
                 start_ns: 11,
                 end_ns: 12,
+                store: CallNote::default(),
             }),
             charge: None,
             upstream: None,

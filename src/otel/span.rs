@@ -2,6 +2,7 @@
 //! access log) and the span handed to the exporter when it ends ([`SpanData`]).
 
 use super::context::{self, SpanId, TraceId};
+use crate::limiter::store::CallNote;
 use http::{HeaderMap, HeaderValue, Method, Uri};
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -22,6 +23,8 @@ pub struct Timed {
     pub start_ns: u64,
     /// End, nanoseconds since the Unix epoch (0 while under way).
     pub end_ns: u64,
+    /// Its store calls (check and charge spans): shard, node, script, batch, events.
+    pub store: CallNote,
 }
 
 impl Timed {
@@ -30,6 +33,7 @@ impl Timed {
             span_id: context::new_span_id(),
             start_ns: now_ns(),
             end_ns: 0,
+            store: CallNote::default(),
         }
     }
 }
@@ -203,6 +207,14 @@ impl Recording {
         }
     }
 
+    /// Where the check's (`check`) or the charge's store calls are noted: `None` when
+    /// the request is not sampled (then nothing is noted).
+    pub fn store_note(&mut self, check: bool) -> Option<&mut CallNote> {
+        let d = self.details.as_deref_mut()?;
+        let span = if check { &mut d.check } else { &mut d.charge };
+        span.as_mut().map(|t| &mut t.store)
+    }
+
     /// The charge begins.
     pub fn charge_starts(&mut self) {
         if let Some(d) = self.details.as_deref_mut() {
@@ -242,6 +254,7 @@ impl Recording {
                 span_id: call_id,
                 start_ns: now_ns(),
                 end_ns: 0,
+                store: CallNote::default(),
             },
             upstream: Some(upstream.clone()),
             protocol: if http2 { "2" } else { "1.1" },

@@ -30,6 +30,7 @@ mod limits;
 mod local_fallback;
 mod operations;
 mod otel;
+mod otel_store;
 mod packaging;
 mod per_address;
 mod problem_details;

@@ -44,14 +44,14 @@ limits = ["core"]
     )
 }
 
-fn server_spans(spans: &[Span]) -> Vec<&Span> {
+pub(crate) fn server_spans(spans: &[Span]) -> Vec<&Span> {
     spans
         .iter()
         .filter(|s| s.kind == SpanKind::Server as i32)
         .collect()
 }
 
-fn child<'a>(spans: &'a [Span], parent: &Span, name: &str) -> &'a Span {
+pub(crate) fn child<'a>(spans: &'a [Span], parent: &Span, name: &str) -> &'a Span {
     spans
         .iter()
         .find(|s| s.name == name && s.parent_span_id == parent.span_id)

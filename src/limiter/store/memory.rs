@@ -246,9 +246,11 @@ fn drop_expired(windows: &ShardedMap<Held>, now_ms: u64) -> usize {
 impl Store for MemoryStore {
     /// Applied at once: the answers are ready.
     fn submit(&self, items: &[Item<'_>], now_ms: u64) -> super::Submitted {
-        super::Submitted::Ready(Some(
-            items.iter().map(|i| self.apply_now(i, now_ms)).collect(),
-        ))
+        super::Submitted::Ready(Some(super::Answered {
+            answers: items.iter().map(|i| self.apply_now(i, now_ms)).collect(),
+            call: super::StoreCall::memory(items.len()),
+            calls: 1,
+        }))
     }
 
     async fn apply(&self, items: &[Item<'_>], now_ms: u64) -> Vec<Result<Verdict, StoreError>> {

@@ -8,10 +8,12 @@
 //! has its own two calls, [`Store::lease`] and [`Store::refund`]; [`Store::reset`]
 //! deletes a caller's windows.
 
+pub mod call;
 pub mod memory;
 pub mod redis;
 pub mod status;
 
+pub use call::{CallNote, StoreCall};
 pub use status::{primaries_ready, shard_unready, StoreStatus};
 
 use super::algorithm::{Op, Policy, Verdict};
@@ -22,13 +24,24 @@ use std::future::Future;
 /// One answer per item of a store call.
 pub type Answers = Vec<Result<Verdict, StoreError>>;
 
+/// The answers of a store call and where it went (for the request's trace).
+#[derive(Debug, Default)]
+pub struct Answered {
+    /// One result per item, in order.
+    pub answers: Answers,
+    /// The (first) call that answered them: shard, node, script, batch.
+    pub call: StoreCall,
+    /// Calls made: one per shard (and kind) the items live on.
+    pub calls: u32,
+}
+
 /// The answers of a call handed to the store ([`Store::submit`]): one result per item.
 /// The memory store's are ready at once (no allocation); Redis's arrive later.
 pub enum Submitted {
     /// Answered already (taken by the first poll).
-    Ready(Option<Answers>),
+    Ready(Option<Answered>),
     /// On its way.
-    Waiting(std::pin::Pin<Box<dyn Future<Output = Answers> + Send>>),
+    Waiting(std::pin::Pin<Box<dyn Future<Output = Answered> + Send>>),
 }
 
 impl std::fmt::Debug for Submitted {
@@ -41,7 +54,7 @@ impl std::fmt::Debug for Submitted {
 }
 
 impl Future for Submitted {
-    type Output = Answers;
+    type Output = Answered;
 
     fn poll(
         self: std::pin::Pin<&mut Self>,
@@ -234,7 +247,8 @@ pub trait Store: Send + Sync {
         items: &[Item<'_>],
         now_ms: u64,
     ) -> impl Future<Output = Vec<Result<Verdict, StoreError>>> + Send {
-        self.submit(items, now_ms)
+        let submitted = self.submit(items, now_ms);
+        async move { submitted.await.answers }
     }
 
     /// Take up to `want` units of `key`'s window for local admission (lease mode),
@@ -337,6 +351,28 @@ pub enum AnyStore {
 }
 
 impl AnyStore {
+    /// The address of `node` of shard `shard` as it is now (`"127.0.0.1:6381"`), or
+    /// `"memory"`, `"cluster"`: for a sampled request's trace only (it takes a lock
+    /// and makes a string).
+    pub fn node_addr(&self, shard: u16, node: call::NodeRole) -> String {
+        match self {
+            AnyStore::Memory(_) => node.as_str().to_string(),
+            AnyStore::Redis(r) => r.node_addr(shard, node),
+        }
+    }
+
+    /// The call a lease refill of `key` made and what it found (`result`): for a
+    /// sampled request's trace only.
+    pub fn lease_call<T>(&self, key: &LimitKey, result: &Result<T, StoreError>) -> StoreCall {
+        match self {
+            AnyStore::Memory(_) => StoreCall {
+                script: call::Script::Lease,
+                ..StoreCall::memory(1)
+            },
+            AnyStore::Redis(r) => r.lease_call(key, result),
+        }
+    }
+
     /// With `store.on_error = "local"`, the divisor of each quota of `key`'s limits
     /// while its Redis shard is enforced in this gateway's memory; `None` otherwise.
     pub fn local_divisor(&self, key: &LimitKey) -> Option<u64> {
@@ -358,7 +394,7 @@ impl Store for AnyStore {
     async fn apply(&self, items: &[Item<'_>], now_ms: u64) -> Vec<Result<Verdict, StoreError>> {
         match self {
             AnyStore::Memory(s) => s.apply(items, now_ms).await,
-            AnyStore::Redis(s) => s.submit(items, now_ms).await,
+            AnyStore::Redis(s) => s.submit(items, now_ms).await.answers,
         }
     }
 

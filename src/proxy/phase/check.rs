@@ -61,6 +61,7 @@ pub fn check<'g: 'r, 'r>(
         let reserve = snap.limiter.reserves(route.on_request);
         // One reading of the clock for the check and what is counted with it.
         let now_ms = clock.now_ms();
+        let note = log.trace.as_deref_mut().and_then(|t| t.store_note(true));
         let mut ticket = match snap
             .limiter
             .check_or_delay(
@@ -70,6 +71,7 @@ pub fn check<'g: 'r, 'r>(
                 ctx.clock,
                 ctx.delayed,
                 now_ms,
+                note,
             )
             .await
         {

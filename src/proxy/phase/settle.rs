@@ -60,7 +60,8 @@ pub fn settle<'r, 'c: 'r>(
             .or((cost == 0).then_some(Uncharged::CostZero));
         let usages = if uncharged.is_none() {
             log.cost = cost;
-            ticket.charge(cost, now_ms).await
+            let note = log.trace.as_deref_mut().and_then(|t| t.store_note(false));
+            ticket.charge_noted(cost, now_ms, note).await
         } else {
             log.uncharged = uncharged;
             ticket.release(now_ms)

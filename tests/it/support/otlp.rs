@@ -165,7 +165,15 @@ pub fn text(v: Option<&opentelemetry_proto::tonic::common::v1::AnyValue>) -> Opt
 
 /// The attribute `key` of `span` as text (integers written in decimal).
 pub fn attr(span: &Span, key: &str) -> Option<String> {
-    let kv = span.attributes.iter().find(|kv| kv.key == key)?;
+    attr_of(&span.attributes, key)
+}
+
+/// The attribute `key` of `attributes` (a span's or an event's) as text.
+pub fn attr_of(
+    attributes: &[opentelemetry_proto::tonic::common::v1::KeyValue],
+    key: &str,
+) -> Option<String> {
+    let kv = attributes.iter().find(|kv| kv.key == key)?;
     match kv.value.as_ref()?.value.as_ref()? {
         Value::StringValue(s) => Some(s.clone()),
         Value::IntValue(i) => Some(i.to_string()),

@@ -9,8 +9,12 @@ use super::shard::Kind;
 use super::{RedisStore, Topology, LATE_BOUND_FACTOR};
 use crate::limiter::algorithm::{OpKind, Verdict};
 use crate::limiter::key::LimitKey;
-use crate::limiter::store::{Grant, Item, Late, Lessee, Store, StoreError, Submitted, WindowState};
+use crate::limiter::store::call::{BreakerSeen, NodeRole, Script};
+use crate::limiter::store::{
+    Answered, Grant, Item, Late, Lessee, Store, StoreCall, StoreError, Submitted, WindowState,
+};
 use futures_util::future::{join_all, Either};
+use futures_util::FutureExt;
 use std::future::Future;
 
 /// The indices `0..16`: the members of a call that takes every item of a request
@@ -34,7 +38,11 @@ impl RedisStore {
     fn submit_many(&self, items: &[Item<'_>], now_ms: u64) -> Submitted {
         let Some(live) = self.live.get() else {
             let n = items.len();
-            return Submitted::Ready(Some((0..n).map(|_| Err(StoreError::NotStarted)).collect()));
+            return Submitted::Ready(Some(Answered {
+                answers: (0..n).map(|_| Err(StoreError::NotStarted)).collect(),
+                call: StoreCall::default(),
+                calls: 0,
+            }));
         };
         // Group items: by kind, and by shard or by hash tag (the subject's digest) in
         // cluster mode.
@@ -56,9 +64,12 @@ impl RedisStore {
             {
                 let (kind, group) = first;
                 let members = &FIRST_INDICES[..items.len()];
-                return Submitted::Waiting(Box::pin(
-                    self.call_group(live, kind, group, items, members, now_ms),
-                ));
+                let call = self.call_group(live, kind, group, items, members, now_ms);
+                return Submitted::Waiting(Box::pin(call.map(|(answers, call)| Answered {
+                    answers,
+                    call,
+                    calls: 1,
+                })));
             }
         }
         let mut groups: Vec<((Kind, u64), Vec<usize>)> = Vec::new();
@@ -81,14 +92,27 @@ impl RedisStore {
             let (members, calls): (Vec<_>, Vec<_>) = calls.into_iter().unzip();
             let replies = join_all(calls).await;
             let mut out: Vec<Option<Result<Verdict, StoreError>>> = (0..n).map(|_| None).collect();
-            for (members, results) in members.iter().zip(replies) {
+            // The trace shows the first call's shard and node, and a breaker any call
+            // found open.
+            let mut first: Option<StoreCall> = None;
+            let calls = replies.len() as u32;
+            for (members, (results, call)) in members.iter().zip(replies) {
+                let f = first.get_or_insert(call);
+                if f.breaker == BreakerSeen::No {
+                    f.breaker = call.breaker;
+                }
                 for (&i, r) in members.iter().zip(results) {
                     out[i] = Some(r);
                 }
             }
-            out.into_iter()
-                .map(|r| r.unwrap_or(Err(StoreError::NotStarted)))
-                .collect()
+            Answered {
+                answers: out
+                    .into_iter()
+                    .map(|r| r.unwrap_or(Err(StoreError::NotStarted)))
+                    .collect(),
+                call: first.unwrap_or_default(),
+                calls,
+            }
         }))
     }
 
@@ -102,7 +126,7 @@ impl RedisStore {
         items: &[Item<'_>],
         members: &[usize],
         now_ms: u64,
-    ) -> impl Future<Output = Vec<Result<Verdict, StoreError>>> + Send + 'static {
+    ) -> impl Future<Output = (Vec<Result<Verdict, StoreError>>, StoreCall)> + Send + 'static {
         let names: Vec<batch::Key> = members.iter().map(|&i| items[i].key.key.clone()).collect();
         let flat: Vec<u64> = members
             .iter()
@@ -125,18 +149,27 @@ impl RedisStore {
         let count = members.len();
         // A shard's batch is held inline (the future this returns is boxed once, by
         // `submit_many`); cluster calls and the store not started are boxed.
-        type Other = std::pin::Pin<Box<dyn Future<Output = batch::Answer> + Send>>;
+        type Other = std::pin::Pin<Box<dyn Future<Output = (batch::Answer, StoreCall)> + Send>>;
         let reply = match live {
             Topology::Cluster(c) => {
                 let (c, scripts) = (c.clone(), self.scripts.clone());
                 Either::Right(Box::pin(async move {
                     let names: Vec<&str> = names.iter().map(|k| &**k).collect();
                     let reply = c.call(&scripts.apply, &names, &flat).await;
-                    reply.map(batch::Integers::from_vec)
+                    let call = StoreCall {
+                        node: NodeRole::Cluster,
+                        operations: count.min(u16::MAX as usize) as u16,
+                        requests: 1,
+                        breaker: BreakerSeen::of(NodeRole::Cluster, &reply, || false),
+                        ..StoreCall::default()
+                    };
+                    (reply.map(batch::Integers::from_vec), call)
                 }) as Other)
             }
             Topology::Sharded(shards) => match shards.get(group as usize) {
-                None => Either::Right(Box::pin(async { Err(StoreError::NotStarted) }) as Other),
+                None => Either::Right(Box::pin(async {
+                    (Err(StoreError::NotStarted), StoreCall::default())
+                }) as Other),
                 Some(shard) => {
                     let kind = shard.route(kind, &names, &flat);
                     Either::Left(shard.batcher(kind).enqueue(names, flat))
@@ -144,7 +177,8 @@ impl RedisStore {
             },
         };
         async move {
-            match reply.await {
+            let (reply, call) = reply.await;
+            let answers = match reply {
                 Ok(r) if r.len() == batch::REPLY_WIDTH * count => verdicts(&r),
                 Ok(r) => vec![
                     Err(StoreError::BadReply(format!(
@@ -155,7 +189,55 @@ impl RedisStore {
                     count
                 ],
                 Err(e) => vec![Err(e); count],
-            }
+            };
+            (answers, call)
+        }
+    }
+
+    /// The address of `node` of shard `shard` now (see [`crate::limiter::store::AnyStore::node_addr`]).
+    pub(crate) fn node_addr(&self, shard: u16, node: NodeRole) -> String {
+        let shards = match self.live.get() {
+            Some(Topology::Sharded(shards)) => shards,
+            _ => return node.as_str().to_string(),
+        };
+        let Some(s) = shards.get(usize::from(shard)) else {
+            return String::new();
+        };
+        match node {
+            NodeRole::Replica(i) => s
+                .replicas
+                .load()
+                .get(usize::from(i))
+                .map(|r| r.addr())
+                .unwrap_or_default(),
+            _ => s.primary.addr(),
+        }
+    }
+
+    /// The call a lease refill of `key` made on its primary, and its breaker as
+    /// `result` found it (see [`crate::limiter::store::AnyStore::lease_call`]).
+    pub(crate) fn lease_call<T>(
+        &self,
+        key: &LimitKey,
+        result: &Result<T, StoreError>,
+    ) -> StoreCall {
+        let shard = self.shard_of(key);
+        let call = match self.live.get() {
+            Some(Topology::Sharded(shards)) => match shards.get(shard) {
+                Some(s) => s.call_of(NodeRole::Primary, result),
+                None => StoreCall::default(),
+            },
+            _ => StoreCall {
+                node: NodeRole::Cluster,
+                breaker: BreakerSeen::of(NodeRole::Cluster, result, || false),
+                ..StoreCall::default()
+            },
+        };
+        StoreCall {
+            script: Script::Lease,
+            operations: 1,
+            requests: 1,
+            ..call
         }
     }
 
@@ -286,9 +368,9 @@ impl Store for RedisStore {
             .collect();
         let fb = fb.clone();
         Submitted::Waiting(Box::pin(async move {
-            let mut answers = submitted.await;
-            fb.answer(&mut answers, &copies, now_ms);
-            answers
+            let mut answered = submitted.await;
+            fb.answer(&mut answered.answers, &copies, now_ms);
+            answered
         }))
     }
 

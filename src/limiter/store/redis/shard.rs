@@ -14,7 +14,8 @@ use super::watch::SentinelWatch;
 use super::LATE_BOUND_FACTOR;
 use crate::config::ReadFrom;
 use crate::limiter::algorithm::OpKind;
-use crate::limiter::store::{Late, StoreError};
+use crate::limiter::store::call::{BreakerSeen, NodeRole};
+use crate::limiter::store::{Late, StoreCall, StoreError};
 use arc_swap::ArcSwap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
@@ -141,10 +142,12 @@ impl Shard {
             Box::new(move |keys, args| {
                 let (w, s) = (w.clone(), s.clone());
                 Box::pin(async move {
-                    let shard = w.upgrade().ok_or(StoreError::NotStarted)?;
+                    let Some(shard) = w.upgrade() else {
+                        return (Err(StoreError::NotStarted), StoreCall::default());
+                    };
                     let owned = keys;
                     let keys: Vec<&str> = owned.iter().map(|k| &**k).collect();
-                    match kind {
+                    let (reply, node) = match kind {
                         Kind::Check => shard.check(&s, &keys, &args).await,
                         Kind::Charge => {
                             let reply = if reserves(&args) {
@@ -156,9 +159,11 @@ impl Shard {
                             if let Some(fresh) = &shard.freshness {
                                 fresh.written(&keys, &args, reply.is_ok());
                             }
-                            reply
+                            (reply, NodeRole::Primary)
                         }
-                    }
+                    };
+                    let call = shard.call_of(node, &reply);
+                    (reply, call)
                 })
             }),
             timeout,
@@ -215,32 +220,61 @@ impl Shard {
         )
     }
 
+    /// A call of this shard to `node` that answered `result`, its breaker as found
+    /// (asked only after a failure), for the traces of its requests.
+    pub(super) fn call_of<T>(&self, node: NodeRole, result: &Result<T, StoreError>) -> StoreCall {
+        let breaker = BreakerSeen::of(node, result, || {
+            let open =
+                |n: &Node| n.breaker_state() == crate::limiter::store::status::BreakerState::Open;
+            match node {
+                NodeRole::Replica(i) => self
+                    .replicas
+                    .load()
+                    .get(usize::from(i))
+                    .is_some_and(|r| open(r)),
+                _ => open(&self.primary),
+            }
+        });
+        StoreCall {
+            shard: self.index.min(u16::MAX as usize) as u16,
+            node,
+            breaker,
+            ..StoreCall::default()
+        }
+    }
+
     /// Peek `keys` (arguments per key in `args`) on a healthy replica when reads go to
-    /// replicas, else (or when the replica fails) on the primary.
+    /// replicas, else (or when the replica fails) on the primary; with the node that
+    /// answered.
     async fn check(
         &self,
         scripts: &Scripts,
         keys: &[&str],
         args: &[u64],
-    ) -> Result<Vec<i64>, StoreError> {
+    ) -> (Result<Vec<i64>, StoreError>, NodeRole) {
         if !self.primary.writable() {
             // Nothing could be counted: a replica's (or the demoted primary's) answer
             // must not admit anyone. `store.on_error` decides.
-            return Err(StoreError::NotWritable(self.primary.label.clone()));
+            let e = StoreError::NotWritable(self.primary.label.clone());
+            return (Err(e), NodeRole::Primary);
         }
         if self.read_from == ReadFrom::Replica {
             let replicas = self.replicas.load();
             if !replicas.is_empty() {
                 let start = self.next_replica.fetch_add(1, Ordering::Relaxed);
                 let candidate = (0..replicas.len())
-                    .map(|i| &replicas[(start + i) % replicas.len()])
-                    .find(|r| r.is_available());
-                if let Some(replica) = candidate {
+                    .map(|i| (start + i) % replicas.len())
+                    .find(|&i| replicas[i].is_available());
+                if let Some(at) = candidate {
+                    let replica = &replicas[at];
                     match replica
                         .call(&scripts.apply, keys, args, WhenDisconnected::FailFast)
                         .await
                     {
-                        Ok(reply) => return Ok(reply),
+                        Ok(reply) => {
+                            let role = NodeRole::Replica(at.min(u8::MAX as usize) as u8);
+                            return (Ok(reply), role);
+                        }
                         Err(e) => {
                             tracing::debug!(node = %replica.label, error = %e, "replica failed; asking the primary")
                         }
@@ -249,7 +283,8 @@ impl Shard {
                 bump(&self.stats.replica_fallbacks);
             }
         }
-        self.on_primary(&scripts.apply, keys, args).await
+        let reply = self.on_primary(&scripts.apply, keys, args).await;
+        (reply, NodeRole::Primary)
     }
 
     /// Run `script` on the primary: a write (anything but a `lua/apply.lua` call of

@@ -33,7 +33,7 @@
 //! worker are handed to it together, as one task spawned there that gives each its
 //! slice, instead of one cross-thread wake per item (see [`deliver`]).
 
-use crate::limiter::store::StoreError;
+use crate::limiter::store::{StoreCall, StoreError};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -48,8 +48,12 @@ pub(super) const MAX_KEYS: usize = 256;
 /// Integers `lua/apply.lua` answers per key (see [`super::scripts::verdicts`]).
 pub(super) const REPLY_WIDTH: usize = 4;
 
-/// A script call under way: [`REPLY_WIDTH`] integers per key, or the error.
-type Call = Pin<Box<dyn Future<Output = Result<Vec<i64>, StoreError>> + Send>>;
+/// A script call's outcome: [`REPLY_WIDTH`] integers per key, or the error; and the
+/// node it went to (and its breaker as found), for the traces of its requests.
+pub(super) type Outcome = (Result<Vec<i64>, StoreError>, StoreCall);
+
+/// A script call under way.
+type Call = Pin<Box<dyn Future<Output = Outcome> + Send>>;
 
 /// A storage key, shared with the limit it belongs to ([`crate::limiter::key::LimitKey`]):
 /// handed to a batch without a copy.
@@ -67,8 +71,9 @@ pub(super) type Integers = smallvec::SmallVec<[i64; REPLY_WIDTH]>;
 /// What a submitter is answered.
 pub(super) type Answer = Result<Integers, StoreError>;
 
-/// Where a submitter waits for its answer.
-type Reply = oneshot::Sender<Answer>;
+/// Where a submitter waits for its answer and the call's description (with the batch's
+/// size: its operations and requests).
+type Reply = oneshot::Sender<(Answer, StoreCall)>;
 
 /// One request's items for the batch.
 struct Pending {
@@ -144,7 +149,7 @@ impl Batcher {
         &self,
         keys: Vec<Key>,
         args: Vec<u64>,
-    ) -> impl Future<Output = Answer> + Send + 'static {
+    ) -> impl Future<Output = (Answer, StoreCall)> + Send + 'static {
         let mut state = self.shared.lock();
         let turn = if state.busy {
             let (reply, rx) = oneshot::channel();
@@ -164,16 +169,30 @@ impl Batcher {
             Turn::Queued(rx)
         } else {
             state.busy = true;
-            Turn::Send(Sending {
-                shared: self.shared.clone(),
-                call: Some((self.shared.flush)(keys, args)),
-            })
+            let operations = keys.len().min(u16::MAX as usize) as u16;
+            Turn::Send(
+                operations,
+                Sending {
+                    shared: self.shared.clone(),
+                    call: Some((self.shared.flush)(keys, args)),
+                },
+            )
         };
         drop(state);
         async move {
             match turn {
-                Turn::Send(sending) => sending.await.map(Integers::from_vec),
-                Turn::Queued(rx) => rx.await.unwrap_or(Err(StoreError::NotStarted)),
+                Turn::Send(operations, sending) => {
+                    let (answer, call) = sending.await;
+                    let call = StoreCall {
+                        operations,
+                        requests: 1,
+                        ..call
+                    };
+                    (answer.map(Integers::from_vec), call)
+                }
+                Turn::Queued(rx) => rx
+                    .await
+                    .unwrap_or((Err(StoreError::NotStarted), StoreCall::default())),
             }
         }
     }
@@ -181,8 +200,9 @@ impl Batcher {
 
 /// Whose turn a submission is: to send now, or to wait for its slice of a queued call.
 enum Turn {
-    Send(Sending),
-    Queued(oneshot::Receiver<Answer>),
+    /// Sent by the submitter: its call of this many operations.
+    Send(u16, Sending),
+    Queued(oneshot::Receiver<(Answer, StoreCall)>),
 }
 
 impl Shared {
@@ -238,11 +258,11 @@ struct Sending {
 }
 
 impl Future for Sending {
-    type Output = Result<Vec<i64>, StoreError>;
+    type Output = Outcome;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let Some(call) = self.call.as_mut() else {
-            return Poll::Ready(Err(StoreError::NotStarted));
+            return Poll::Ready((Err(StoreError::NotStarted), StoreCall::default()));
         };
         let answer = std::task::ready!(call.as_mut().poll(cx));
         self.call = None;
@@ -292,7 +312,7 @@ async fn drain(shared: Arc<Shared>, mut queued: Vec<Pending>) {
         }
         let mut call = (shared.flush)(keys, args);
         match tokio::time::timeout_at(deadline, &mut call).await {
-            Ok(result) => deliver(&shared, replies, &counts, result),
+            Ok((result, via)) => deliver(&shared, replies, &counts, result, via),
             Err(_) => {
                 let limit_ms = shared.limit.as_millis() as u64;
                 deliver(
@@ -300,6 +320,7 @@ async fn drain(shared: Arc<Shared>, mut queued: Vec<Pending>) {
                     replies,
                     &counts,
                     Err(StoreError::Timeout(limit_ms)),
+                    StoreCall::default(),
                 );
                 // Never lost, and in order: finished before the next call goes out.
                 let _ = call.await;
@@ -325,7 +346,13 @@ fn deliver(
     replies: Vec<(Reply, Option<usize>)>,
     counts: &[usize],
     result: Result<Vec<i64>, StoreError>,
+    via: StoreCall,
 ) {
+    let via = StoreCall {
+        operations: counts.iter().sum::<usize>().min(u16::MAX as usize) as u16,
+        requests: counts.len().min(u16::MAX as usize) as u16,
+        ..via
+    };
     let answers: Vec<Answer> = match result {
         Ok(reply) if reply.len() == REPLY_WIDTH * counts.iter().sum::<usize>() => {
             let mut at = 0;
@@ -351,7 +378,7 @@ fn deliver(
     for (worker, group) in by_home(replies, answers) {
         let hand_over = move || {
             for (tx, answer) in group {
-                let _ = tx.send(answer);
+                let _ = tx.send((answer, via));
             }
         };
         match worker.and_then(|i| shared.worker_runtime(i)) {

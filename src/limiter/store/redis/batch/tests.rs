@@ -24,10 +24,11 @@ fn recording_by(
                 .unwrap()
                 .push((keys.clone(), tokio::task::try_id()));
             tokio::time::sleep(delay).await;
-            Ok(keys
+            let reply = keys
                 .iter()
                 .flat_map(|k| [k.parse::<i64>().unwrap(); REPLY_WIDTH])
-                .collect())
+                .collect();
+            (Ok(reply), StoreCall::default())
         })
     });
     (flush, calls)
@@ -46,9 +47,16 @@ async fn an_idle_batcher_sends_from_the_submitters_task_and_queues_the_rest_in_o
         (first.await, id)
     });
     let (answer, submitter) = me.await.unwrap();
-    assert_eq!(answer.unwrap().to_vec(), vec![1; REPLY_WIDTH]);
+    assert_eq!(answer.0.unwrap().to_vec(), vec![1; REPLY_WIDTH]);
+    assert_eq!(
+        (answer.1.operations, answer.1.requests),
+        (1, 1),
+        "sent alone"
+    );
     for (k, q) in (2..5).zip(queued) {
-        assert_eq!(q.await.unwrap().to_vec(), vec![k; REPLY_WIDTH]);
+        let (answer, call) = q.await;
+        assert_eq!(answer.unwrap().to_vec(), vec![k; REPLY_WIDTH]);
+        assert_eq!((call.operations, call.requests), (3, 3), "the batch's size");
     }
     let calls = calls.lock().unwrap();
     assert_eq!(calls.len(), 2, "one call, then the queue in one call");
@@ -68,10 +76,10 @@ async fn a_submitter_that_goes_away_still_has_its_call_sent_and_the_queue_goes_o
     let batcher = Batcher::spawn(flush, Duration::from_secs(5));
     drop(batcher.enqueue(vec!["7".into()], vec![])); // never polled
     let next = batcher.enqueue(vec!["8".into()], vec![]);
-    assert_eq!(next.await.unwrap().to_vec(), vec![8; REPLY_WIDTH]);
+    assert_eq!(next.await.0.unwrap().to_vec(), vec![8; REPLY_WIDTH]);
     // And the batcher is idle again: the next call is sent by its submitter.
     let again = batcher.enqueue(vec!["9".into()], vec![]);
-    assert_eq!(again.await.unwrap().to_vec(), vec![9; REPLY_WIDTH]);
+    assert_eq!(again.await.0.unwrap().to_vec(), vec![9; REPLY_WIDTH]);
     let calls = calls.lock().unwrap();
     let keys: Vec<&[String]> = calls.iter().map(|(k, _)| k.as_slice()).collect();
     assert_eq!(
@@ -95,8 +103,8 @@ async fn a_queued_submission_times_out_at_its_deadline_and_its_call_still_goes_o
     let queued_at = Instant::now();
     let slow = batcher.enqueue(vec!["2".into()], vec![]);
     let behind = batcher.enqueue(vec!["3".into()], vec![]);
-    assert_eq!(first.await.unwrap().to_vec(), vec![1; REPLY_WIDTH]);
-    for answer in [slow.await, behind.await] {
+    assert_eq!(first.await.0.unwrap().to_vec(), vec![1; REPLY_WIDTH]);
+    for answer in [slow.await.0, behind.await.0] {
         assert!(
             matches!(answer, Err(StoreError::Timeout(200))),
             "{answer:?}"
@@ -153,7 +161,7 @@ fn answers_go_home_in_one_group_per_other_worker() {
             queued_tx.send(()).unwrap();
             let mut got = Vec::new();
             for f in mine {
-                got.push(f.await.unwrap().to_vec());
+                got.push(f.await.0.unwrap().to_vec());
             }
             got
         })
@@ -169,8 +177,8 @@ fn answers_go_home_in_one_group_per_other_worker() {
             .unwrap();
         let own = batcher.enqueue(vec!["2".into()], vec![]);
         (
-            sending.await.unwrap().unwrap().to_vec(),
-            own.await.unwrap().to_vec(),
+            sending.await.unwrap().0.unwrap().to_vec(),
+            own.await.0.unwrap().to_vec(),
         )
     });
     assert_eq!(answers.0, vec![1; REPLY_WIDTH]);

@@ -9,7 +9,6 @@ use crate::support::*;
 use http::Method;
 use std::time::{Duration, Instant};
 use tollgate::clock::Clock;
-use tollgate::limiter::key::KeyScheme;
 
 const TOKEN: &str = "admin-token-for-block-tests";
 
@@ -55,18 +54,8 @@ limits = ["core"]
     )
 }
 
-fn admin_of(gw: &TestGateway) -> String {
-    gw.gateway.admin_addr().unwrap().to_string()
-}
-
 async fn admin(method: Method, gw: &TestGateway, path: &str) -> Reply {
-    let auth = format!("Bearer {TOKEN}");
-    send(
-        method,
-        &format!("http://{}{path}", admin_of(gw)),
-        &[("authorization", &auth)],
-    )
-    .await
+    send_bearer(method, &format!("http://{}{path}", gw.admin()), Some(TOKEN)).await
 }
 
 async fn as_acme(gw: &TestGateway) -> Reply {
@@ -166,14 +155,6 @@ async fn a_refusal_blocks_the_caller_past_the_window_on_the_memory_store() {
     assert_eq!(blocks_started(&gw), 1);
 }
 
-/// The storage key of `core` for the client `id`, as the gateway derives it.
-fn client_key(id: &str) -> String {
-    KeyScheme::new("tollgate:", None)
-        .key("core", &format!("client:{id}"))
-        .key
-        .to_string()
-}
-
 /// Redis, two gateways: a caller refused on one is refused on the other at once, with
 /// the same reset, and still after the window has reset; the key in Redis holds the
 /// block's end; a reset on the admin listener lifts it on both.
@@ -197,7 +178,7 @@ async fn a_block_started_on_one_gateway_holds_on_the_other_until_reset() {
 
     // The block is in the limit's own key, as an absolute end in epoch milliseconds,
     // and the key lives at least as long.
-    let key = client_key("acme");
+    let key = client_key("core", "acme");
     let until_ms: u64 = redis
         .cmd::<Option<u64>>(&["HGET", &key, "block"])
         .expect("the block's end in the window's hash");
@@ -306,7 +287,7 @@ async fn a_peek_on_a_replica_refuses_with_the_block() {
     }
     let until_s = as_acme(&a).await.num("x-ratelimit-reset");
     shard.wait_replicated();
-    let key = client_key("acme");
+    let key = client_key("core", "acme");
     let on_replica: Option<u64> = shard.replicas[0].cmd(&["HGET", &key, "block"]);
     assert_eq!(on_replica.map(|ms| ms.div_ceil(1000)), Some(until_s));
 

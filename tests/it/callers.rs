@@ -91,10 +91,6 @@ limits = ["core", "search", "perip", "everyone"]
     )
 }
 
-fn admin_of(gw: &TestGateway) -> String {
-    gw.gateway.admin_addr().unwrap().to_string()
-}
-
 async fn call(url: &str, key: &str) -> Reply {
     get_with(url, &[("authorization", &format!("Bearer {key}"))]).await
 }
@@ -104,9 +100,7 @@ async fn read(admin: &str, id: &str, token: Option<&str>) -> Reply {
 }
 
 async fn read_with(method: Method, admin: &str, id: &str, token: Option<&str>) -> Reply {
-    let auth = token.map(|t| format!("Bearer {t}"));
-    let headers: Vec<(&str, &str)> = auth.iter().map(|a| ("authorization", a.as_str())).collect();
-    send(method, &format!("http://{admin}/callers/{id}"), &headers).await
+    send_bearer(method, &format!("http://{admin}/callers/{id}"), token).await
 }
 
 /// The entry of the limit `name` in a `GET /callers/{id}` answer.
@@ -140,7 +134,7 @@ async fn reads_a_keyed_client_and_an_anonymous_caller_on_the_memory_store() {
         Some(TOKEN),
     ))
     .await;
-    let (url, admin) = (gw.url("/x"), admin_of(&gw));
+    let (url, admin) = (gw.url("/x"), gw.admin());
     let mut last = None;
     for _ in 0..2 {
         let r = call(&url, "acme-key").await;
@@ -245,7 +239,7 @@ async fn caller_reads_answer_errors_and_follow_the_reset_endpoints_token_rules()
         Some(TOKEN),
     ))
     .await;
-    let admin = admin_of(&gw);
+    let admin = gw.admin();
 
     // Unknown client: 404 with a JSON message.
     let r = read(&admin, "nobody", Some(TOKEN)).await;
@@ -309,7 +303,7 @@ async fn caller_reads_answer_errors_and_follow_the_reset_endpoints_token_rules()
 
     // Without server.admin_token_sha256: 403, as for the reset.
     let off = TestGateway::start(&config("127.0.0.1:0", "127.0.0.1:0", memory, &up, None)).await;
-    let off_admin = admin_of(&off);
+    let off_admin = off.admin();
     let r = read(&off_admin, "acme", Some(TOKEN)).await;
     assert_eq!(r.status, 403);
     let w = send(
@@ -338,7 +332,7 @@ async fn a_caller_read_on_redis_shows_the_whole_fleets_count() {
         assert_eq!(call(&one.url("/x"), "acme-key").await.status, 200);
     }
     assert_eq!(get(&one.url("/x")).await.status, 200);
-    let v = read(&admin_of(&two), "acme", Some(TOKEN)).await;
+    let v = read(&two.admin(), "acme", Some(TOKEN)).await;
     assert_eq!(v.status, 200, "{}", v.text());
     let v = v.json();
     assert_eq!(limit(&v, "core")["used"], 3);
@@ -346,10 +340,10 @@ async fn a_caller_read_on_redis_shows_the_whole_fleets_count() {
     assert_eq!(limit(&v, "search")["used"], 3);
     assert_eq!(limit(&v, "search")["remaining"], 0);
     assert_eq!(limit(&v, "everyone")["used"], 4);
-    let anon = read(&admin_of(&two), "127.0.0.1", Some(TOKEN)).await.json();
+    let anon = read(&two.admin(), "127.0.0.1", Some(TOKEN)).await.json();
     assert_eq!(limit(&anon, "core")["used"], 1);
     // The same numbers on gateway 1.
-    let v1 = read(&admin_of(&one), "acme", Some(TOKEN)).await.json();
+    let v1 = read(&one.admin(), "acme", Some(TOKEN)).await.json();
     assert_eq!(limit(&v1, "core")["used"], 3);
     assert_eq!(limit(&v1, "core")["reset"], limit(&v, "core")["reset"]);
 
@@ -361,8 +355,8 @@ async fn a_caller_read_on_redis_shows_the_whole_fleets_count() {
     for _ in 0..5 {
         assert_eq!(call(&one.url("/bulk"), "acme-key").await.status, 200);
         served += 1;
-        let a = read(&admin_of(&one), "acme", Some(TOKEN)).await.json();
-        let b = read(&admin_of(&two), "acme", Some(TOKEN)).await.json();
+        let a = read(&one.admin(), "acme", Some(TOKEN)).await.json();
+        let b = read(&two.admin(), "acme", Some(TOKEN)).await.json();
         let (a, b) = (limit(&a, "bulk"), limit(&b, "bulk"));
         let (used, leased) = (a["used"].as_u64().unwrap(), a["leases"].as_u64().unwrap());
         if leased > 0 && used - leased == served && b["used"] == a["used"] {
@@ -376,7 +370,7 @@ async fn a_caller_read_on_redis_shows_the_whole_fleets_count() {
 
     // The store down: 503 with the store's error, not an empty list.
     redis.kill();
-    let r = read(&admin_of(&two), "acme", Some(TOKEN)).await;
+    let r = read(&two.admin(), "acme", Some(TOKEN)).await;
     assert_eq!(r.status, 503, "{}", r.text());
     assert!(
         r.json()["message"].as_str().unwrap().starts_with("store: "),

@@ -76,16 +76,10 @@ async fn call(url: &str, key: &str) -> Reply {
 }
 
 async fn reset(admin: &str, path: &str, token: Option<&str>) -> Reply {
-    let auth = token.map(|t| format!("Bearer {t}"));
-    let headers: Vec<(&str, &str)> = auth.iter().map(|a| ("authorization", a.as_str())).collect();
-    send(Method::POST, &format!("http://{admin}{path}"), &headers).await
+    send_bearer(Method::POST, &format!("http://{admin}{path}"), token).await
 }
 
 use crate::support::client::Reply;
-
-fn admin_of(gw: &TestGateway) -> String {
-    gw.gateway.admin_addr().unwrap().to_string()
-}
 
 /// The flow support runs, on one gateway and `store`: limited, reset one limit,
 /// limited by the other, reset all, served with full budgets; another client untouched.
@@ -99,7 +93,7 @@ async fn unblocks_a_caller(store: &str) {
         Some(TOKEN),
     ))
     .await;
-    let (url, admin) = (gw.url("/x"), admin_of(&gw));
+    let (url, admin) = (gw.url("/x"), gw.admin());
     assert_eq!(call(&url, "bob-key").await.status, 200);
     for _ in 0..2 {
         assert_eq!(call(&url, "acme-key").await.status, 200);
@@ -236,7 +230,7 @@ limits = ["core", "perip", "everyone"]
 async fn unblocks_an_anonymous_caller(store: &str, client_ip: &str) {
     let up = Upstream::start().await;
     let gw = TestGateway::start(&anonymous_config(store, &up, client_ip)).await;
-    let (url, admin) = (gw.url("/x"), admin_of(&gw));
+    let (url, admin) = (gw.url("/x"), gw.admin());
     for _ in 0..2 {
         assert_eq!(get(&url).await.status, 200);
     }
@@ -327,15 +321,6 @@ async fn reset_unblocks_an_anonymous_caller_by_its_address_on_redis() {
     unblocks_an_anonymous_caller(&store, "ip").await;
 }
 
-/// The storage key of `limit` (its key name) for the client `id`, as the gateway
-/// derives it.
-fn client_key(key_name: &str, id: &str) -> String {
-    KeyScheme::new("tollgate:", None)
-        .key(key_name, &format!("client:{id}"))
-        .key
-        .to_string()
-}
-
 #[tokio::test]
 async fn every_gateway_of_a_fleet_admits_the_caller_within_two_seconds() {
     let redis = RedisServer::start();
@@ -362,7 +347,7 @@ async fn every_gateway_of_a_fleet_admits_the_caller_within_two_seconds() {
         assert!(keys.contains(k), "{k} not in {keys:?}");
     }
 
-    let r = reset(&admin_of(&a), "/callers/acme/reset", Some(TOKEN)).await;
+    let r = reset(&a.admin(), "/callers/acme/reset", Some(TOKEN)).await;
     let asked = Instant::now();
     assert_eq!(r.status, 200, "{}", r.text());
     let keys = redis.keys();
@@ -400,7 +385,7 @@ async fn write_endpoints_need_the_admin_token() {
     let up = Upstream::start().await;
     let memory = "[store]\nbackend = \"memory\"";
     let off = TestGateway::start(&config("127.0.0.1:0", "127.0.0.1:0", memory, &up, None)).await;
-    let r = reset(&admin_of(&off), "/callers/acme/reset", Some(TOKEN)).await;
+    let r = reset(&off.admin(), "/callers/acme/reset", Some(TOKEN)).await;
     assert_eq!(r.status, 403);
     assert_eq!(r.header("content-type"), "application/json");
     assert!(
@@ -420,7 +405,7 @@ async fn write_endpoints_need_the_admin_token() {
         Some(TOKEN),
     ))
     .await;
-    let admin = admin_of(&gw);
+    let admin = gw.admin();
     for token in [None, Some("wrong-token")] {
         let r = reset(&admin, "/callers/acme/reset", token).await;
         assert_eq!(r.status, 401, "{token:?}");

@@ -53,6 +53,13 @@ pub async fn get_with(url: &str, headers: &[(&str, &str)]) -> Reply {
 }
 
 /// A request with `method` to `url` with extra headers and no body.
+/// `method` to `url`, with `Authorization: Bearer TOKEN` when `token` is given.
+pub async fn send_bearer(method: http::Method, url: &str, token: Option<&str>) -> Reply {
+    let auth = token.map(|t| format!("Bearer {t}"));
+    let headers: Vec<(&str, &str)> = auth.iter().map(|a| ("authorization", a.as_str())).collect();
+    send(method, url, &headers).await
+}
+
 pub async fn send(method: http::Method, url: &str, headers: &[(&str, &str)]) -> Reply {
     let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
     let mut req = Request::builder().method(method).uri(url);

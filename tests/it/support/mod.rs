@@ -16,7 +16,7 @@ pub mod upstream;
 
 pub use self::redis::RedisServer;
 pub use binary::Binary;
-pub use client::{get, get_with, h2_client, send};
+pub use client::{get, get_with, h2_client, send, send_bearer};
 pub use upstream::Upstream;
 
 use std::path::{Path, PathBuf};
@@ -36,6 +36,11 @@ pub struct TestGateway {
 }
 
 impl TestGateway {
+    /// The admin listener's address, `IP:PORT` (the config must set `admin_listen`).
+    pub fn admin(&self) -> String {
+        self.gateway.admin_addr().unwrap().to_string()
+    }
+
     pub async fn start(toml: &str) -> TestGateway {
         init_logs();
         let dir = tempfile::tempdir().unwrap();
@@ -324,4 +329,13 @@ pub fn check(path: &Path) -> (i32, String, String) {
         String::from_utf8_lossy(&out.stdout).into_owned(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
+}
+
+/// The storage key of the limit keyed `key_name` for the client `id`, as a gateway with
+/// `key_prefix = "tollgate:"` and no `hash_key` derives it.
+pub fn client_key(key_name: &str, id: &str) -> String {
+    tollgate::limiter::key::KeyScheme::new("tollgate:", None)
+        .key(key_name, &format!("client:{id}"))
+        .key
+        .to_string()
 }

@@ -226,6 +226,14 @@ impl AccessLog {
         })
     }
 
+    /// Note something on the request's trace (`[tracing]`); nothing when it has none.
+    #[inline]
+    pub fn traced(&mut self, note: impl FnOnce(&mut crate::otel::span::Recording)) {
+        if let Some(trace) = self.trace.as_deref_mut() {
+            note(trace);
+        }
+    }
+
     /// The span of this request, answered with `status`, for `tracer` to export when
     /// it is sampled (or a refusal it exports): see [`crate::otel::Tracer::finish`].
     pub fn trace_end(

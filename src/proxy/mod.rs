@@ -216,9 +216,7 @@ pub fn serve<'a>(
         let edge = phase::edge::edge(snap, &mut req, peer)?;
         // 2. Identify the caller: key, token, certificate, auth service, or client IP.
         let caller = phase::identify::identify(snap, ctx, &req, peer, &edge, log).await?;
-        if let Some(trace) = log.trace.as_deref_mut() {
-            trace.identified(&caller);
-        }
+        log.traced(|t| t.identified(&caller));
         // 3. Route: the caller's own limits, or the route by host and path prefix.
         if phase::route::asks_own_limits(snap, &req) {
             return Err(phase::route::own_limits(snap, ctx, &req, &caller, log).await);
@@ -226,22 +224,10 @@ pub fn serve<'a>(
         let routed = phase::route::route(snap, &mut req, edge.host_name(), log)?;
         let route = routed.route;
         // 4. Check every limit of the route.
-        if let Some(trace) = log.trace.as_deref_mut() {
-            trace.check_starts();
-        }
-        let mut checked =
-            match phase::check::check(snap, ctx, &req, peer, &caller, route, log).await {
-                Ok(checked) => checked,
-                Err(answer) => {
-                    if let Some(trace) = log.trace.as_deref_mut() {
-                        trace.checked(false, &req, &caller);
-                    }
-                    return Err(answer);
-                }
-            };
-        if let Some(trace) = log.trace.as_deref_mut() {
-            trace.checked(true, &req, &caller);
-        }
+        log.traced(|t| t.check_starts());
+        let checked = phase::check::check(snap, ctx, &req, peer, &caller, route, log).await;
+        log.traced(|t| t.checked(checked.is_ok(), &req, &caller));
+        let mut checked = checked?;
         // 5. Forward upstream, streaming both bodies.
         let mut response = phase::forward::forward(
             snap,
@@ -256,13 +242,9 @@ pub fn serve<'a>(
         )
         .await?;
         // 6. Settle: charge, or release, once the status is known.
-        if let Some(trace) = log.trace.as_deref_mut() {
-            trace.charge_starts();
-        }
+        log.traced(|t| t.charge_starts());
         let settled = phase::settle::settle(ctx, route, &mut checked, &mut response, log).await;
-        if let Some(trace) = log.trace.as_deref_mut() {
-            trace.charged();
-        }
+        log.traced(|t| t.charged());
         // 7. Headers: the rate-limit headers; the concurrency slots go with the body.
         Ok(phase::headers::headers(snap, response, settled, log))
     }

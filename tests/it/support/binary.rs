@@ -49,10 +49,19 @@ impl Binary {
             .env_remove("TOLLGATE_CONFIG")
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap());
-        let child = cmd.spawn().unwrap();
+        let mut child = cmd.spawn().unwrap();
         let deadline = Instant::now() + Duration::from_secs(10);
         while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(Instant::now() < deadline, "gateway did not start");
+            // A gateway that exited (a config error, a port taken meanwhile) says why.
+            if let Ok(Some(status)) = child.try_wait() {
+                let said = std::fs::read_to_string(&log).unwrap_or_default();
+                panic!("gateway exited ({status}) before listening on {port}:\n{said}");
+            }
+            if Instant::now() >= deadline {
+                let said = std::fs::read_to_string(&log).unwrap_or_default();
+                let _ = child.kill();
+                panic!("gateway did not listen on {port} within 10 s; its log:\n{said}");
+            }
             std::thread::sleep(Duration::from_millis(20));
         }
         Binary { child, log }
